@@ -1,0 +1,232 @@
+"""Plain-PyTorch paged attention: the reference every kernel is tested against.
+
+One chunk of ``C`` queries attends to (a) ``past_len`` earlier tokens whose K/V
+live in a page pool addressed through an int32 ``block_table`` and (b) the
+chunk's own K/V, causally::
+
+    keys:     past tokens (all visible)     | own tokens 0..C-1
+    query 0:  1 1 1 ... 1                   | 1 0 0 0
+    query 1:  1 1 1 ... 1                   | 1 1 0 0
+    query 2:  1 1 1 ... 1                   | 1 1 1 0
+
+The past is processed ``block_size`` tokens at a time and merged through the
+log-sum-exp (as in FlashAttention, Dao et al. 2022, §3.1), so memory is bounded
+by the block, not by ``past_len``. Grouped-query attention is handled by
+viewing the ``Hq`` query heads as ``Hkv`` groups of ``G = Hq // Hkv``; K/V are
+never expanded. Query head ``h`` reads KV head ``h // G`` (Hugging Face's
+``repeat_kv`` layout).
+
+Shape legend: C own-chunk tokens, Hq query heads, Hkv KV heads, G = Hq // Hkv,
+D head dim, P pages in the pool, S page_size (tokens per page).
+
+Arithmetic runs in float32 for half-precision inputs and in the input dtype
+for float32/float64 inputs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["paged_attention_fwd_ref", "paged_attention_bwd_ref", "acc_dtype_for"]
+
+
+def acc_dtype_for(dtype: torch.dtype) -> torch.dtype:
+    """Accumulation dtype for an input dtype: float64 stays float64, everything else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _to_groups(x_CHD: torch.Tensor, num_kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """[C, Hq, D] -> [Hkv, G*C, D] (row r of group g is query r % C of head g*G + r // C)."""
+    C, Hq, D = x_CHD.shape
+    G = Hq // num_kv_heads
+    return x_CHD.to(dtype).view(C, num_kv_heads, G, D).permute(1, 2, 0, 3).reshape(num_kv_heads, G * C, D)
+
+
+def _from_groups(x_KRD: torch.Tensor, C: int) -> torch.Tensor:
+    """[Hkv, G*C, D] -> [C, Hq, D]."""
+    Hkv, R, D = x_KRD.shape
+    G = R // C
+    return x_KRD.view(Hkv, G, C, D).permute(2, 0, 1, 3).reshape(C, Hkv * G, D)
+
+
+def _gather_past(cache: torch.Tensor, block_table: torch.Tensor, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+    """Past tokens [start, end) gathered through the block table -> [Hkv, end-start, D]."""
+    S = cache.shape[1]
+    p0, p1 = start // S, -(-end // S)
+    pages = cache.index_select(0, block_table[p0:p1].long())  # [n, S, Hkv, D]
+    toks = pages.reshape(-1, cache.shape[2], cache.shape[3])[start - p0 * S : end - p0 * S]
+    return toks.to(dtype).permute(1, 0, 2)
+
+
+def _check(q, k, v, k_cache, v_cache, block_table, past_len):
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"q, k, v must be [C, H, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    C, Hq, D = q.shape
+    if k.shape != v.shape or k.shape[0] != C or k.shape[2] != D:
+        raise ValueError(f"k and v must be [C={C}, Hkv, D={D}]; got {tuple(k.shape)} and {tuple(v.shape)}")
+    Hkv = k.shape[1]
+    if Hq % Hkv != 0:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
+    if past_len < 0:
+        raise ValueError(f"past_len must be >= 0, got {past_len}")
+    if past_len > 0:
+        if k_cache is None or v_cache is None or block_table is None:
+            raise ValueError("past_len > 0 needs k_cache, v_cache and block_table")
+        if k_cache.dim() != 4 or k_cache.shape[2] != Hkv or k_cache.shape[3] != D or k_cache.shape != v_cache.shape:
+            raise ValueError(
+                f"k_cache/v_cache must be [P, page_size, Hkv={Hkv}, D={D}]; got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+            )
+        need = -(-past_len // k_cache.shape[1])
+        if block_table.dim() != 1 or block_table.numel() < need:
+            raise ValueError(f"block_table must be 1-D with >= {need} pages for past_len={past_len}; got {tuple(block_table.shape)}")
+
+
+def paged_attention_fwd_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor | None,
+    v_cache: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    past_len: int,
+    softmax_scale: float | None = None,
+    block_size: int = 4096,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one chunk over paged past K/V plus its own K/V (causal).
+
+    Args:
+        q: [C, Hq, D] queries of the chunk (any float dtype).
+        k, v: [C, Hkv, D] the chunk's own keys/values.
+        k_cache, v_cache: [P, S, Hkv, D] page pools (may be None when past_len == 0).
+        block_table: int32 [>= ceil(past_len / S)] page ids of the past, in token order.
+        past_len: number of past tokens (a partial last page is allowed).
+        softmax_scale: defaults to 1/sqrt(D).
+        block_size: past tokens per processing block (memory bound), in tokens.
+
+    Returns:
+        out: [C, Hq, D] in q's dtype.
+        lse: [Hq, C] log-sum-exp of the scaled scores, float32 (float64 for float64 q).
+
+    Raises:
+        ValueError: on inconsistent shapes, Hq not a multiple of Hkv, or a block_table too short.
+    """
+    _check(q, k, v, k_cache, v_cache, block_table, past_len)
+    C, Hq, D = q.shape
+    Hkv = k.shape[1]
+    acc = acc_dtype_for(q.dtype)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    qg = _to_groups(q, Hkv, acc)  # [Hkv, G*C, D]
+
+    # Own chunk, causal: row r (query r % C) sees own keys j <= r % C.
+    ko = k.to(acc).permute(1, 0, 2)
+    vo = v.to(acc).permute(1, 0, 2)
+    s = torch.matmul(qg, ko.transpose(1, 2)) * scale  # [Hkv, G*C, C]
+    qi = torch.arange(C, device=q.device).repeat(qg.shape[1] // C)
+    s.masked_fill_(torch.arange(C, device=q.device)[None, :] > qi[:, None], float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)  # [Hkv, G*C]
+    out = torch.matmul(torch.exp(s - lse[..., None]), vo)
+    del s
+
+    for start in range(0, past_len, block_size):
+        end = min(past_len, start + block_size)
+        kb = _gather_past(k_cache, block_table, start, end, acc)
+        vb = _gather_past(v_cache, block_table, start, end, acc)
+        s = torch.matmul(qg, kb.transpose(1, 2)) * scale
+        lse_b = torch.logsumexp(s, dim=-1)
+        out_b = torch.matmul(torch.exp(s - lse_b[..., None]), vb)
+        del s
+        new_lse = torch.logaddexp(lse, lse_b)
+        out = out * torch.exp(lse - new_lse)[..., None] + out_b * torch.exp(lse_b - new_lse)[..., None]
+        lse = new_lse
+
+    out_CHD = _from_groups(out, C).to(q.dtype)
+    lse_HC = lse.view(Hkv, Hq // Hkv, C).reshape(Hq, C)
+    return out_CHD, lse_HC
+
+
+def paged_attention_bwd_ref(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    k_cache: torch.Tensor | None,
+    v_cache: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    past_len: int,
+    dk_cache: torch.Tensor | None,
+    dv_cache: torch.Tensor | None,
+    softmax_scale: float | None = None,
+    block_size: int = 4096,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of :func:`paged_attention_fwd_ref`.
+
+    Args:
+        dout: [C, Hq, D] gradient of ``out``.
+        q, k, v, out, lse: as given to / returned by the forward.
+        k_cache, v_cache, block_table, past_len: as in the forward.
+        dk_cache, dv_cache: [P, S, Hkv, D] gradient page pools (float32 or float64). The past
+            pages' dK/dV are ADDED here in place, outside autograd.
+
+    Returns:
+        dq: [C, Hq, D] in q's dtype.
+        dk, dv: [C, Hkv, D] in k's dtype -- the own chunk's contribution only (the caller adds
+            whatever later chunks already stored in the chunk's own gradient pages).
+
+    Raises:
+        ValueError: on inconsistent shapes, or past_len > 0 without gradient pools.
+    """
+    _check(q, k, v, k_cache, v_cache, block_table, past_len)
+    if past_len > 0 and (dk_cache is None or dv_cache is None or dk_cache.shape != k_cache.shape):
+        raise ValueError("past_len > 0 needs dk_cache/dv_cache with the same shape as k_cache")
+    C, Hq, D = q.shape
+    Hkv = k.shape[1]
+    acc = acc_dtype_for(q.dtype)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
+    qg = _to_groups(q, Hkv, acc)
+    dog = _to_groups(dout, Hkv, acc)
+    delta = (dog * _to_groups(out, Hkv, acc)).sum(-1)  # [Hkv, G*C]
+    lse_g = lse.to(acc).reshape(Hkv, -1)  # [Hkv, G*C] (head-major rows, matches _to_groups)
+
+    def block_grads(kb, vb, mask=None):
+        s = torch.matmul(qg, kb.transpose(1, 2)) * scale
+        if mask is not None:
+            s.masked_fill_(mask, float("-inf"))
+        p = torch.exp(s - lse_g[..., None])
+        del s
+        dvb = torch.matmul(p.transpose(1, 2), dog)  # [Hkv, n, D] (sums over the query group)
+        ds = p * (torch.matmul(dog, vb.transpose(1, 2)) - delta[..., None])
+        del p
+        dqb = torch.matmul(ds, kb) * scale
+        dkb = torch.matmul(ds.transpose(1, 2), qg) * scale
+        return dqb, dkb, dvb
+
+    ko = k.to(acc).permute(1, 0, 2)
+    vo = v.to(acc).permute(1, 0, 2)
+    qi = torch.arange(C, device=q.device).repeat(qg.shape[1] // C)
+    causal = torch.arange(C, device=q.device)[None, :] > qi[:, None]
+    dq, dk_own, dv_own = block_grads(ko, vo, causal)
+
+    S = k_cache.shape[1] if past_len > 0 else 1
+    for start in range(0, past_len, block_size):
+        end = min(past_len, start + block_size)
+        kb = _gather_past(k_cache, block_table, start, end, acc)
+        vb = _gather_past(v_cache, block_table, start, end, acc)
+        dqb, dkb, dvb = block_grads(kb, vb)
+        dq += dqb
+        # Scatter [Hkv, n, D] back into whole pages and add in place.
+        p0, p1 = start // S, -(-end // S)
+        pages = block_table[p0:p1].long()
+        for src, dst in ((dkb, dk_cache), (dvb, dv_cache)):
+            buf = torch.zeros((p1 - p0) * S, Hkv, D, dtype=dst.dtype, device=dst.device)
+            buf[start - p0 * S : end - p0 * S] = src.permute(1, 0, 2).to(dst.dtype)
+            dst.index_add_(0, pages, buf.view(p1 - p0, S, Hkv, D))
+
+    return (
+        _from_groups(dq, C).to(q.dtype),
+        dk_own.permute(1, 0, 2).to(k.dtype),
+        dv_own.permute(1, 0, 2).to(v.dtype),
+    )
