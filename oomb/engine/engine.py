@@ -1,0 +1,303 @@
+"""The chunk-recurrent training step (DESIGN.md §2.1; OOMB, arXiv 2602.02108).
+
+For a sequence of T tokens and chunk size C (N = ceil(T / C) chunks):
+
+Stage 1, no grad, c = 0 .. N-2:
+    run chunk c through every layer; at layer l its queries attend to the stored
+    K/V of chunks < c plus their own (causal); its post-RoPE K/V are written to
+    the paged store. Nothing else is kept. (Chunk N-1's K/V are never read by
+    another chunk, so Stage 2 computes them.)
+Stage 2, c = N-1 .. 0:
+    recompute chunk c with autograd, take its loss (sum of token losses divided
+    by the valid tokens of the WHOLE sequence) and call backward. The attention
+    backward adds dK/dV of the past pages into the gradient pages and returns,
+    for the chunk's own K/V, its own contribution plus what later chunks stored
+    there. Parameter gradients accumulate across chunks; then chunk c's pages
+    go back to the free list.
+
+In dense mode this gives full-sequence gradients up to rounding.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from ..config import OOMBConfig
+from ..models.hf import UnsupportedModelError, check_model_supported, use_oomb_attention
+from ..ops.paged_attention import PagedKV, paged_attention, paged_attention_forward, resolve_backend
+from .kv_store import PagedKVStore
+from .loss import IGNORE_INDEX, chunked_cross_entropy_sum
+
+__all__ = ["Engine", "StepOutput"]
+
+
+@dataclass
+class StepOutput:
+    """What one step returns.
+
+    Attributes:
+        loss: mean token cross-entropy over the whole sequence.
+        num_tokens: tokens in the sequence (T).
+        num_valid_tokens: tokens that carry a loss.
+        seconds: wall time of the step (device synchronised).
+        stage1_seconds, stage2_seconds: the two stages.
+        tokens_per_s: num_tokens / seconds.
+        peak_memory_bytes: peak CUDA memory allocated during the step, None on CPU.
+        kv_store_bytes: bytes of the page pool (K, V, dK, dV).
+    """
+
+    loss: float
+    num_tokens: int
+    num_valid_tokens: int
+    seconds: float
+    stage1_seconds: float
+    stage2_seconds: float
+    tokens_per_s: float
+    peak_memory_bytes: int | None
+    kv_store_bytes: int
+
+
+class _ChunkContext:
+    """Per-(stage, chunk) state handed to the attention function through transformers' kwargs."""
+
+    def __init__(self, engine: "Engine", stage: int, start: int, length: int, is_last: bool):
+        self.engine = engine
+        self.stage = stage
+        self.start = start
+        self.length = length
+        self.is_last = is_last
+
+    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float):
+        """query [1, Hq, C, D], key/value [1, Hkv, C, D] -> attention output [1, C, Hq, D]."""
+        eng = self.engine
+        store = eng._store
+        q = query[0].transpose(0, 1)
+        k = key[0].transpose(0, 1)
+        v = value[0].transpose(0, 1)
+        S = store.page_size
+        n_past_pages = self.start // S
+        past = store.layer_block_table(layer, n_past_pages)
+        if self.stage == 1:
+            store.write(layer, self.start, k, v)
+            kv = PagedKV(store.k_cache, store.v_cache, past, self.start)
+            out, _ = paged_attention_forward(q, k, v, kv, scaling, eng._backend, eng.config.attention_block_size)
+        else:
+            own = None
+            if not self.is_last:
+                own = store.layer_block_table(layer, n_past_pages + -(-self.length // S))[n_past_pages:]
+            kv = PagedKV(store.k_cache, store.v_cache, past, self.start, store.dk_cache, store.dv_cache, own)
+            out = paged_attention(q, k, v, kv, scaling, eng._backend, eng.config.attention_block_size)
+        return out.unsqueeze(0)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Engine:
+    """Chunk-recurrent trainer of one Hugging Face causal LM.
+
+    Args:
+        model: a transformers ``*ForCausalLM`` (Qwen2/2.5, Llama 2/3, Mistral, Qwen3), optionally
+            wrapped by peft. Its attention implementation is switched to 'oomb' (which falls back to
+            SDPA when called outside a step, so generation still works).
+        config: :class:`OOMBConfig`; defaults to ``OOMBConfig()``.
+
+    Raises:
+        UnsupportedModelError: for architectures oomb cannot train exactly (see
+            :func:`oomb.models.hf.check_model_supported`).
+
+    Example::
+
+        engine = Engine(model, OOMBConfig(chunk_size=4096))
+        out = engine.step(input_ids)          # gradients accumulate into model parameters
+        optimizer.step(); optimizer.zero_grad()
+    """
+
+    def __init__(self, model: torch.nn.Module, config: OOMBConfig | None = None) -> None:
+        self.config = config or OOMBConfig()
+        self.model = model
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        check_model_supported(base)
+        self._base = base
+        self._decoder = base.get_decoder() if hasattr(base, "get_decoder") else base.model
+        self._lm_head = base.get_output_embeddings()
+        use_oomb_attention(base)
+        cfg = base.config
+        self.num_layers = cfg.num_hidden_layers
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.vocab_size = base.get_input_embeddings().num_embeddings
+        if self.config.checkpoint_layers:
+            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self._store: PagedKVStore | None = None
+        self._backend = "torch"
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def device(self) -> torch.device:
+        return self._lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._lm_head.weight.dtype
+
+    @property
+    def kv_store(self) -> PagedKVStore | None:
+        """The page pool of the last step (None before the first)."""
+        return self._store
+
+    def _prepare(self, input_ids: torch.Tensor, labels: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+        if input_ids.dim() == 2:
+            if input_ids.shape[0] != 1:
+                raise ValueError(
+                    f"batch size {input_ids.shape[0]} is not supported: oomb trains one long sequence per step; "
+                    "call step() once per sequence (gradients accumulate) or use torchrun for more sequences"
+                )
+            input_ids = input_ids[0]
+        if input_ids.dim() != 1:
+            raise ValueError(f"input_ids must be [T] or [1, T], got shape {tuple(input_ids.shape)}")
+        T = input_ids.shape[0]
+        if T < 2:
+            raise ValueError(f"the sequence has {T} token(s); a training step needs at least 2 (one input, one target)")
+        if input_ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"input_ids must be int64 token ids, got {input_ids.dtype}")
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= self.vocab_size:
+            raise ValueError(
+                f"token id {hi if hi >= self.vocab_size else lo} is outside the model's vocabulary [0, {self.vocab_size}); "
+                "use the tokenizer that matches the model, or a model with a larger vocab_size"
+            )
+        if labels is None:
+            labels = input_ids
+        else:
+            if labels.dim() == 2 and labels.shape[0] == 1:
+                labels = labels[0]
+            if labels.shape != input_ids.shape:
+                raise ValueError(f"labels shape {tuple(labels.shape)} must match input_ids shape {tuple(input_ids.shape)}")
+        targets = torch.full_like(labels, IGNORE_INDEX, dtype=torch.int64)
+        targets[:-1] = labels[1:]
+        return input_ids.to(self.device, torch.int64), targets.to(self.device)
+
+    def _ensure_store(self, T: int) -> PagedKVStore:
+        S = self.config.page_size
+        store = self._store
+        if store is None or not store.fits(T) or store.dtype != self.dtype or store.device != self.device:
+            self._store = None  # drop the old pool before allocating the new one
+            store = PagedKVStore(
+                self.num_layers,
+                self.num_kv_heads,
+                self.head_dim,
+                S,
+                PagedKVStore.pages_needed(self.num_layers, T, S),
+                self.dtype,
+                self.device,
+            )
+            self._store = store
+        store.reset()
+        return store
+
+    def _run_chunk(self, input_ids: torch.Tensor, ctx: _ChunkContext) -> torch.Tensor:
+        s, n = ctx.start, ctx.length
+        pos = torch.arange(s, s + n, device=self.device).unsqueeze(0)
+        out = self._decoder(input_ids=input_ids[s : s + n].unsqueeze(0), position_ids=pos, use_cache=False, oomb_ctx=ctx)
+        return out.last_hidden_state[0]
+
+    # --------------------------------------------------------------------- API
+    def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, progress: bool = False) -> StepOutput:
+        """One chunk-recurrent forward + backward over one sequence.
+
+        Gradients are ACCUMULATED into the parameters' ``.grad`` (call ``optimizer.zero_grad()``
+        yourself). The model is put in training mode.
+
+        Args:
+            input_ids: int64 [T] or [1, T] token ids (batch size 1).
+            labels: same shape; defaults to ``input_ids``. Shifted by one over the whole sequence
+                (labels[t+1] is the target of position t); -100 is ignored.
+            progress: show tqdm bars over the chunks of each stage.
+
+        Returns:
+            :class:`StepOutput` with the mean loss over the valid tokens of the whole sequence.
+
+        Raises:
+            ValueError: batch size > 1, fewer than 2 tokens, token ids outside the vocabulary,
+                mismatched labels, or no valid label in the whole sequence.
+        """
+        input_ids, targets = self._prepare(input_ids, labels)
+        T = input_ids.shape[0]
+        n_valid = int((targets != IGNORE_INDEX).sum())
+        if n_valid == 0:
+            raise ValueError("every label is -100 (ignored): the loss is undefined; give at least one target token")
+        C = self.config.chunk_size
+        N = -(-T // C)
+        device = self.device
+        self._backend = resolve_backend(self.config.attention_backend, device)
+        self.model.train()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        store = self._ensure_store(T)
+        _sync(device)
+        t0 = time.perf_counter()
+
+        with torch.no_grad():
+            for c in tqdm(range(N - 1), desc="stage 1 (forward)", unit="chunk", disable=not progress, leave=False):
+                self._run_chunk(input_ids, _ChunkContext(self, 1, c * C, C, is_last=False))
+        _sync(device)
+        t1 = time.perf_counter()
+
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for c in tqdm(range(N - 1, -1, -1), desc="stage 2 (backward)", unit="chunk", disable=not progress, leave=False):
+            s = c * C
+            n = min(C, T - s)
+            ctx = _ChunkContext(self, 2, s, n, is_last=(c == N - 1))
+            hidden = self._run_chunk(input_ids, ctx)
+            loss_sum = chunked_cross_entropy_sum(hidden, self._lm_head, targets[s : s + n], self.config.loss_chunk_size)
+            (loss_sum / n_valid).backward()
+            total += loss_sum.detach()
+            del hidden, loss_sum
+            if c < N - 1:
+                for layer in range(self.num_layers):
+                    store.release_from(layer, s)
+        _sync(device)
+        t2 = time.perf_counter()
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        return StepOutput(
+            loss=float(total) / n_valid,
+            num_tokens=T,
+            num_valid_tokens=n_valid,
+            seconds=t2 - t0,
+            stage1_seconds=t1 - t0,
+            stage2_seconds=t2 - t1,
+            tokens_per_s=T / max(t2 - t0, 1e-9),
+            peak_memory_bytes=peak,
+            kv_store_bytes=store.nbytes,
+        )
+
+    @torch.no_grad()
+    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:
+        """Mean token cross-entropy of one sequence, chunk by chunk, without gradients.
+
+        Same arguments and errors as :meth:`step`; memory is bounded like Stage 1's.
+        """
+        input_ids, targets = self._prepare(input_ids, labels)
+        T = input_ids.shape[0]
+        n_valid = int((targets != IGNORE_INDEX).sum())
+        if n_valid == 0:
+            raise ValueError("every label is -100 (ignored): the loss is undefined; give at least one target token")
+        C = self.config.chunk_size
+        self._backend = resolve_backend(self.config.attention_backend, self.device)
+        self._ensure_store(T)
+        total = 0.0
+        for s in range(0, T, C):
+            n = min(C, T - s)
+            hidden = self._run_chunk(input_ids, _ChunkContext(self, 1, s, n, is_last=False))
+            total += float(chunked_cross_entropy_sum(hidden, self._lm_head, targets[s : s + n], self.config.loss_chunk_size))
+        self._store.reset()
+        return total / n_valid

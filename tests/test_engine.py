@@ -1,0 +1,304 @@
+"""Dense chunk-recurrent training equals full-sequence training of the same HF model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import (
+    BertConfig,
+    BertForMaskedLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from oomb import Engine, OOMBConfig, UnsupportedModelError
+from oomb.engine.kv_store import PagedKVStore
+
+VOCAB = 101
+
+
+def tiny(family: str, heads: int = 4, kv_heads: int = 2, head_dim: int = 8, layers: int = 2, **extra):
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=heads * head_dim,
+        intermediate_size=48,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
+    common.update(extra)
+    if family == "qwen2":
+        return Qwen2ForCausalLM(Qwen2Config(**common))
+    if family == "llama":
+        return LlamaForCausalLM(LlamaConfig(**common))
+    if family == "qwen3":
+        return Qwen3ForCausalLM(Qwen3Config(head_dim=head_dim, **common))
+    if family == "mistral":
+        return MistralForCausalLM(MistralConfig(sliding_window=None, **common))
+    raise ValueError(family)
+
+
+def clone_model(model):
+    twin = type(model)(model.config.__class__.from_dict(model.config.to_dict()))
+    twin.load_state_dict(model.state_dict())
+    return twin.to(next(model.parameters()).dtype)
+
+
+def reference_step(model, input_ids, labels):
+    """Plain full-sequence training: SDPA attention over the whole sequence, mean CE over valid labels."""
+    model.set_attn_implementation("sdpa")
+    logits = model(input_ids=input_ids).logits[0]
+    targets = torch.cat([labels[0, 1:], torch.tensor([-100])])
+    loss = F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), targets, ignore_index=-100)
+    loss.backward()
+    return loss.item()
+
+
+def max_rel_grad_error(model, ref):
+    worst, where = 0.0, None
+    for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
+        assert p.grad is not None, f"no gradient for {name}"
+        denom = r.grad.norm().item()
+        err = (p.grad - r.grad).norm().item() / max(denom, 1e-30)
+        if err > worst:
+            worst, where = err, name
+    return worst, where
+
+
+def run_parity(model, T, chunk, page, labels_fn=None, dtype=torch.float64, seed=0, shuffle_pages=True, **cfg):
+    torch.manual_seed(seed)
+    model = model.to(dtype)
+    ref = clone_model(model)
+    input_ids = torch.randint(0, VOCAB, (1, T))
+    labels = input_ids.clone() if labels_fn is None else labels_fn(input_ids.clone())
+    ref_loss = reference_step(ref, input_ids, labels)
+
+    engine = Engine(model, OOMBConfig(chunk_size=chunk, page_size=page, attention_backend="torch", **cfg))
+    if shuffle_pages:
+        gen = torch.Generator().manual_seed(seed + 1)
+        orig_reset = PagedKVStore.reset
+
+        def shuffled_reset(self):
+            orig_reset(self)
+            self.shuffle_free_list(gen)
+
+        PagedKVStore.reset = shuffled_reset
+        try:
+            out = engine.step(input_ids, labels)
+        finally:
+            PagedKVStore.reset = orig_reset
+    else:
+        out = engine.step(input_ids, labels)
+    return out, ref_loss, max_rel_grad_error(model, ref), engine
+
+
+CASES = [
+    # family, heads, kv_heads, T, chunk, page
+    ("qwen2", 4, 2, 40, 40, 8),  # a single chunk
+    ("qwen2", 4, 2, 64, 8, 4),  # many chunks, exact multiple
+    ("qwen2", 7, 1, 45, 12, 4),  # GQA 7:1, T multiple of neither chunk nor page
+    ("llama", 4, 2, 37, 10, 5),  # odd sizes
+    ("llama", 7, 1, 50, 16, 16),  # chunk == page
+    ("qwen3", 4, 2, 33, 8, 4),  # q/k norms
+    ("qwen3", 7, 1, 29, 6, 3),
+    ("mistral", 4, 4, 30, 8, 8),  # MHA
+]
+
+
+@pytest.mark.parametrize("family,heads,kv_heads,T,chunk,page", CASES)
+def test_dense_parity_fp64(family, heads, kv_heads, T, chunk, page):
+    model = tiny(family, heads, kv_heads)
+    out, ref_loss, (err, where), _ = run_parity(model, T, chunk, page)
+    assert abs(out.loss - ref_loss) <= 1e-10 * abs(ref_loss), (out.loss, ref_loss)
+    assert err <= 1e-10, f"worst gradient {where}: rel err {err:.3e}"
+    assert out.num_tokens == T and out.num_valid_tokens == T - 1
+
+
+@pytest.mark.parametrize("family,heads,kv_heads", [("qwen2", 4, 2), ("llama", 7, 1), ("qwen3", 4, 2)])
+def test_dense_parity_fp32(family, heads, kv_heads):
+    model = tiny(family, heads, kv_heads)
+    out, ref_loss, (err, where), _ = run_parity(model, 57, 16, 8, dtype=torch.float32)
+    assert abs(out.loss - ref_loss) <= 1e-5 * abs(ref_loss)
+    assert err <= 1e-5, f"worst gradient {where}: rel err {err:.3e}"
+
+
+def ignore_some(ids):
+    ids[0, 3:7] = -100  # scattered
+    ids[0, 16:32] = -100  # the whole second chunk (chunk 16) and its boundary
+    ids[0, -1] = -100
+    return ids
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_ignored_labels_including_whole_chunk(family):
+    model = tiny(family, 4, 2)
+    out, ref_loss, (err, where), _ = run_parity(model, 61, 16, 8, labels_fn=ignore_some)
+    assert abs(out.loss - ref_loss) <= 1e-10 * abs(ref_loss)
+    assert err <= 1e-10, f"worst gradient {where}: rel err {err:.3e}"
+
+
+def test_last_chunk_without_labels():
+    def ignore_tail(ids):
+        ids[0, 40:] = -100
+        return ids
+
+    out, ref_loss, (err, where), _ = run_parity(tiny("qwen2"), 50, 8, 4, labels_fn=ignore_tail)
+    assert abs(out.loss - ref_loss) <= 1e-10 * abs(ref_loss)
+    assert err <= 1e-10, f"worst gradient {where}: rel err {err:.3e}"
+
+
+def test_per_layer_checkpointing_same_gradients():
+    out, ref_loss, (err, where), _ = run_parity(tiny("qwen2", 4, 2, layers=3), 40, 8, 4, checkpoint_layers=True)
+    assert abs(out.loss - ref_loss) <= 1e-10 * abs(ref_loss)
+    assert err <= 1e-10, f"worst gradient {where}: rel err {err:.3e}"
+
+
+def test_llama3_rope_scaling_and_tied_embeddings():
+    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16, "rope_theta": 10000.0}
+    model = tiny("llama", 4, 2, rope_parameters=rope, tie_word_embeddings=True)
+    out, ref_loss, (err, where), _ = run_parity(model, 44, 8, 4)
+    assert abs(out.loss - ref_loss) <= 1e-10 * abs(ref_loss)
+    assert err <= 1e-10, f"worst gradient {where}: rel err {err:.3e}"
+
+
+def test_small_loss_blocks_and_attention_blocks():
+    # Logits in blocks of 3 tokens; the reference attention's past blocks of one page.
+    out, ref_loss, (err, where), _ = run_parity(tiny("qwen2"), 41, 12, 4, loss_chunk_size=3, attention_block_size=4)
+    assert abs(out.loss - ref_loss) <= 1e-10 * abs(ref_loss)
+    assert err <= 1e-10, f"worst gradient {where}: rel err {err:.3e}"
+
+
+def test_two_steps_accumulate_and_pages_released():
+    torch.manual_seed(0)
+    model = tiny("qwen2").double()
+    ref = clone_model(model)
+    ids = torch.randint(0, VOCAB, (1, 30))
+    engine = Engine(model, OOMBConfig(chunk_size=8, page_size=4, attention_backend="torch"))
+    engine.step(ids)
+    store = engine.kv_store
+    assert store.num_free_pages == store.num_pages  # every page back after the step
+    engine.step(ids)  # reuses the pool and accumulates
+    reference_step(ref, ids, ids)
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, 2 * r.grad, rtol=1e-10, atol=1e-12)
+
+
+def test_evaluate_matches_reference():
+    torch.manual_seed(0)
+    model = tiny("qwen3").double()
+    ref = clone_model(model)
+    ids = torch.randint(0, VOCAB, (1, 35))
+    engine = Engine(model, OOMBConfig(chunk_size=8, page_size=4, attention_backend="torch"))
+    loss = engine.evaluate(ids)
+    ref_loss = reference_step(ref, ids, ids)
+    assert abs(loss - ref_loss) <= 1e-10 * ref_loss
+    assert all(p.grad is None for p in model.parameters())
+
+
+def _saved_bytes_per_chunk(T, chunk=16, page=8):
+    """Peak bytes of tensors saved for backward while one Stage-2 chunk is alive."""
+    torch.manual_seed(0)
+    model = tiny("qwen2", 4, 2, layers=2).double()
+    engine = Engine(model, OOMBConfig(chunk_size=chunk, page_size=page, attention_backend="torch"))
+    live = {"now": 0, "peak": 0}
+    pool_storages = set()
+
+    def pack(t):
+        nbytes = t.numel() * t.element_size()
+        live["now"] += nbytes
+        live["peak"] = max(live["peak"], live["now"])
+        if engine.kv_store is not None:
+            for pool in (engine.kv_store.k_cache, engine.kv_store.v_cache, engine.kv_store.dk_cache, engine.kv_store.dv_cache):
+                if t.untyped_storage().data_ptr() == pool.untyped_storage().data_ptr():
+                    pool_storages.add(True)
+        return (t, nbytes)
+
+    def unpack(packed):
+        return packed[0]
+
+    orig_backward = torch.Tensor.backward
+
+    def backward_and_reset(self, *a, **k):
+        orig_backward(self, *a, **k)
+        live["now"] = 0  # the chunk's graph is freed after its backward
+
+    torch.Tensor.backward = backward_and_reset
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            engine.step(torch.randint(0, VOCAB, (1, T)))
+    finally:
+        torch.Tensor.backward = orig_backward
+    return live["peak"], engine.kv_store.nbytes, bool(pool_storages)
+
+
+def test_activation_memory_does_not_grow_with_length():
+    peak_short, store_short, saved_pool_short = _saved_bytes_per_chunk(64)
+    peak_long, store_long, saved_pool_long = _saved_bytes_per_chunk(256)
+    # Activations saved for backward depend on the chunk only ...
+    assert peak_short == peak_long, (peak_short, peak_long)
+    # ... the KV store is what grows with length (4x tokens -> 4x pages) ...
+    assert store_long == 4 * store_short
+    # ... and the page pools are never saved as activations.
+    assert not saved_pool_short and not saved_pool_long
+
+
+def test_bad_inputs():
+    model = tiny("qwen2").double()
+    engine = Engine(model, OOMBConfig(chunk_size=8, page_size=4, attention_backend="torch"))
+    with pytest.raises(ValueError, match="batch size 2"):
+        engine.step(torch.zeros(2, 10, dtype=torch.long))
+    with pytest.raises(ValueError, match="at least 2"):
+        engine.step(torch.zeros(1, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        engine.step(torch.full((1, 10), VOCAB, dtype=torch.long))
+    with pytest.raises(ValueError, match="every label is -100"):
+        engine.step(torch.zeros(1, 10, dtype=torch.long), torch.full((1, 10), -100))
+    with pytest.raises(ValueError, match="labels shape"):
+        engine.step(torch.zeros(1, 10, dtype=torch.long), torch.zeros(1, 9, dtype=torch.long))
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(chunk_size=0), "chunk_size must be a positive"),
+        (dict(page_size=-4), "page_size must be a positive"),
+        (dict(chunk_size=100, page_size=64), "multiple of page_size"),
+        (dict(attention_backend="cuda"), "attention_backend must be one of"),
+    ],
+)
+def test_bad_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        OOMBConfig(**kwargs)
+
+
+def test_unsupported_architectures():
+    with pytest.raises(UnsupportedModelError, match="model type 'bert'"):
+        Engine(BertForMaskedLM(BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16)))
+    mistral = MistralForCausalLM(MistralConfig(vocab_size=50, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+                                               num_attention_heads=2, num_key_value_heads=1, sliding_window=4096))
+    with pytest.raises(UnsupportedModelError, match="sliding_window=None"):
+        Engine(mistral)
+    qwen = Qwen2ForCausalLM(Qwen2Config(vocab_size=50, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True,
+                                        sliding_window=8, max_window_layers=1))
+    with pytest.raises(UnsupportedModelError, match="sliding-window"):
+        Engine(qwen)
+
+
+def test_generation_still_works_after_wrapping():
+    model = tiny("qwen2").eval()
+    Engine(model, OOMBConfig(chunk_size=8, page_size=4))
+    ids = torch.randint(0, VOCAB, (1, 5))
+    out = model.generate(ids, max_new_tokens=3, do_sample=False)
+    assert out.shape == (1, 8)
