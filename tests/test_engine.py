@@ -302,3 +302,30 @@ def test_generation_still_works_after_wrapping():
     ids = torch.randint(0, VOCAB, (1, 5))
     out = model.generate(ids, max_new_tokens=3, do_sample=False)
     assert out.shape == (1, 8)
+
+
+def test_loss_normalizer_two_sequences_equal_joint_mean():
+    """Two sequences with unequal valid-token counts, each normalised by the total, sum to the joint mean."""
+    torch.manual_seed(3)
+    model = tiny("llama", 4, 2).double()
+    ref = clone_model(model)
+    a = torch.randint(0, VOCAB, (1, 30))
+    b = torch.randint(0, VOCAB, (1, 21))
+    lb = b.clone()
+    lb[0, :10] = -100
+    engine = Engine(model, OOMBConfig(chunk_size=8, page_size=4, attention_backend="torch"))
+    n_total = 29 + (20 - 9)
+    engine.step(a, loss_normalizer=n_total)
+    engine.step(b, lb, loss_normalizer=n_total)
+    # Reference: sum of both sequences' token losses over the total count.
+    ref.set_attn_implementation("sdpa")
+    total = 0
+    for ids, lab in ((a, a), (b, lb)):
+        logits = ref(input_ids=ids).logits[0]
+        t = torch.cat([lab[0, 1:], torch.tensor([-100])])
+        total = total + F.cross_entropy(logits, t, ignore_index=-100, reduction="sum")
+    (total / n_total).backward()
+    err, where = max_rel_grad_error(model, ref)
+    assert err <= 1e-10, f"worst gradient {where}: rel err {err:.3e}"
+    with pytest.raises(ValueError, match="loss_normalizer"):
+        engine.step(a, loss_normalizer=3)

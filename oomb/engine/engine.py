@@ -211,7 +211,13 @@ class Engine:
         return out.last_hidden_state[0]
 
     # --------------------------------------------------------------------- API
-    def step(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, progress: bool = False) -> StepOutput:
+    def step(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        progress: bool = False,
+        loss_normalizer: int | None = None,
+    ) -> StepOutput:
         """One chunk-recurrent forward + backward over one sequence.
 
         Gradients are ACCUMULATED into the parameters' ``.grad`` (call ``optimizer.zero_grad()``
@@ -222,9 +228,12 @@ class Engine:
             labels: same shape; defaults to ``input_ids``. Shifted by one over the whole sequence
                 (labels[t+1] is the target of position t); -100 is ignored.
             progress: show tqdm bars over the chunks of each stage.
+            loss_normalizer: divide the summed token losses by this many tokens instead of this
+                sequence's valid tokens -- the total over all sequences of a gradient-accumulation
+                step or over all data-parallel ranks, so the summed gradients are the global mean.
 
         Returns:
-            :class:`StepOutput` with the mean loss over the valid tokens of the whole sequence.
+            :class:`StepOutput`; ``loss`` is the mean over this sequence's valid tokens either way.
 
         Raises:
             ValueError: batch size > 1, fewer than 2 tokens, token ids outside the vocabulary,
@@ -235,6 +244,9 @@ class Engine:
         n_valid = int((targets != IGNORE_INDEX).sum())
         if n_valid == 0:
             raise ValueError("every label is -100 (ignored): the loss is undefined; give at least one target token")
+        if loss_normalizer is not None and loss_normalizer < n_valid:
+            raise ValueError(f"loss_normalizer ({loss_normalizer}) must count at least this sequence's {n_valid} valid tokens")
+        denom = loss_normalizer if loss_normalizer is not None else n_valid
         C = self.config.chunk_size
         N = -(-T // C)
         device = self.device
@@ -259,7 +271,7 @@ class Engine:
             ctx = _ChunkContext(self, 2, s, n, is_last=(c == N - 1))
             hidden = self._run_chunk(input_ids, ctx)
             loss_sum = chunked_cross_entropy_sum(hidden, self._lm_head, targets[s : s + n], self.config.loss_chunk_size)
-            (loss_sum / n_valid).backward()
+            (loss_sum / denom).backward()
             total += loss_sum.detach()
             del hidden, loss_sum
             if c < N - 1:

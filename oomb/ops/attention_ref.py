@@ -20,11 +20,15 @@ Shape legend: C own-chunk tokens, Hq query heads, Hkv KV heads, G = Hq // Hkv,
 D head dim, P pages in the pool, S page_size (tokens per page).
 
 Arithmetic runs in float32 for half-precision inputs and in the input dtype
-for float32/float64 inputs.
+for float32/float64 inputs. For bf16/fp16 inputs on CUDA the float32 matrix
+products use TF32 tensor cores: bf16 values are exact in TF32 and products
+accumulate in float32, so q·k is as exact as FlashAttention's and p·v is
+rounded to 10 mantissa bits instead of FlashAttention's 7 (bf16).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -35,6 +39,20 @@ __all__ = ["paged_attention_fwd_ref", "paged_attention_bwd_ref", "acc_dtype_for"
 def acc_dtype_for(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype for an input dtype: float64 stays float64, everything else float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@contextlib.contextmanager
+def _matmul_precision(dtype: torch.dtype, device: torch.device):
+    """TF32 float32 products for half-precision inputs on CUDA (see module docstring); else unchanged."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        yield
+        return
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = prev
 
 
 def _to_groups(x_CHD: torch.Tensor, num_kv_heads: int, dtype: torch.dtype) -> torch.Tensor:
@@ -83,7 +101,7 @@ def _check(q, k, v, k_cache, v_cache, block_table, past_len):
             raise ValueError(f"block_table must be 1-D with >= {need} pages for past_len={past_len}; got {tuple(block_table.shape)}")
 
 
-def paged_attention_fwd_ref(
+def _fwd_impl(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -146,7 +164,7 @@ def paged_attention_fwd_ref(
     return out_CHD, lse_HC
 
 
-def paged_attention_bwd_ref(
+def _bwd_impl(
     dout: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -230,3 +248,21 @@ def paged_attention_bwd_ref(
         dk_own.permute(1, 0, 2).to(k.dtype),
         dv_own.permute(1, 0, 2).to(v.dtype),
     )
+
+
+def paged_attention_fwd_ref(q, k, v, k_cache, v_cache, block_table, past_len, softmax_scale=None, block_size=4096):
+    with _matmul_precision(q.dtype, q.device):
+        return _fwd_impl(q, k, v, k_cache, v_cache, block_table, past_len, softmax_scale, block_size)
+
+
+def paged_attention_bwd_ref(
+    dout, q, k, v, out, lse, k_cache, v_cache, block_table, past_len, dk_cache, dv_cache, softmax_scale=None, block_size=4096
+):
+    with _matmul_precision(q.dtype, q.device):
+        return _bwd_impl(
+            dout, q, k, v, out, lse, k_cache, v_cache, block_table, past_len, dk_cache, dv_cache, softmax_scale, block_size
+        )
+
+
+paged_attention_fwd_ref.__doc__ = _fwd_impl.__doc__
+paged_attention_bwd_ref.__doc__ = _bwd_impl.__doc__
