@@ -1,0 +1,409 @@
+"""The ``oomb`` command line: ``oomb train`` fine-tunes a causal LM on long sequences.
+
+Every input is checked before anything is written: a bad input ends the
+program with exit status 2 and one line on stderr, ``oomb: error: <problem>;
+<fix>``, and leaves an existing output directory as it was. The trained model
+(or LoRA adapter) is written to a temporary directory inside the output
+directory and moved into place only when complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import NoReturn, Sequence
+
+__all__ = ["main"]
+
+_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+class UsageError(Exception):
+    """A bad input: ``problem`` and ``fix`` are printed on one line; exit status 2."""
+
+    def __init__(self, problem: str, fix: str) -> None:
+        super().__init__(f"{problem}; {fix}")
+        self.problem = problem
+        self.fix = fix
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _fail(message: str) -> NoReturn:
+    print(f"oomb: error: {_one_line(message)}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (``oomb: error: ...; see --help``) instead of usage + message."""
+
+    def error(self, message: str) -> NoReturn:  # noqa: D102 - argparse API
+        _fail(f"{message}; run '{self.prog} --help' for the options")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show '(default: X)' only where there is a meaningful default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False) or action.default is argparse.SUPPRESS:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("oomb")
+    except Exception:  # pragma: no cover - not installed
+        from . import __version__
+
+        return __version__
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="oomb",
+        description="Chunk-recurrent long-context training of Hugging Face causal LMs (paged KV cache).",
+    )
+    parser.add_argument("--version", action="version", version=f"oomb {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+
+    t = sub.add_parser(
+        "train",
+        help="train a model on long token sequences",
+        description=(
+            "Train a causal LM with oomb's chunk-recurrent step. Defaults: the 'tiny' preset on the bundled "
+            "Austen corpus and tokenizer, on CPU. Writes <output-dir>/log.jsonl (one JSON line per step) and the "
+            "final model (or LoRA adapter) and tokenizer as safetensors."
+        ),
+        formatter_class=_HelpFormatter,
+    )
+    g = t.add_argument_group("model and data")
+    g.add_argument("--model", default="tiny", help="a preset name (tiny, tiny-llama, tiny-mistral, tiny-qwen3, qwen2.5-0.5b, qwen2.5-7b; random weights) or a local Hugging Face model directory")
+    g.add_argument("--data", default=None, help="a text file, a .jsonl file (a \"text\" field per line) or a folder of .txt/.jsonl files; default: the bundled Austen corpus")
+    g.add_argument("--tokenizer", default=None, help="a local Hugging Face tokenizer folder; default: the bundled 32K SentencePiece tokenizer")
+    g.add_argument("--seq-len", type=int, default=2048, help="tokens per training sequence (one sequence per step)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the random weights of a preset, the LoRA init and the data order")
+
+    e = t.add_argument_group("engine")
+    e.add_argument("--chunk-size", type=int, default=512, help="tokens per chunk; activation memory scales with this, not with --seq-len")
+    e.add_argument("--page-size", type=int, default=128, help="tokens per KV page; --chunk-size must be a multiple of it")
+    e.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto", help="attention over the paged KV cache: PyTorch reference, Triton kernels, or auto")
+    e.add_argument("--checkpoint-layers", action="store_true", help="per-layer activation checkpointing inside each chunk's recompute")
+    e.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to train")
+    e.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="parameter dtype; auto: bfloat16 on cuda, float32 on cpu")
+
+    o = t.add_argument_group("optimisation")
+    o.add_argument("--steps", type=int, default=30, help="optimizer steps (one sequence each)")
+    o.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
+    o.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    o.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up steps, then cosine decay to 10%% of --lr; default: 10%% of --steps")
+    o.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the gradient norm to this (0: no clipping)")
+    o.add_argument("--lora-rank", type=int, default=0, help="LoRA rank on q/k/v/o projections (peft); 0: full fine-tune")
+    o.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha; default: 2 x --lora-rank")
+
+    w = t.add_argument_group("output")
+    w.add_argument("--output-dir", required=True, help="where log.jsonl and the trained model go; must be empty or new unless --overwrite")
+    w.add_argument("--overwrite", action="store_true", help="replace the contents of a non-empty --output-dir")
+    w.add_argument("--log-every", type=int, default=1, help="print a loss line every N steps (log.jsonl gets every step)")
+    w.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    return parser
+
+
+# ---------------------------------------------------------------- checks
+
+
+def _check_sizes(args: argparse.Namespace) -> None:
+    for flag, value in (
+        ("--seq-len", args.seq_len),
+        ("--chunk-size", args.chunk_size),
+        ("--page-size", args.page_size),
+        ("--steps", args.steps),
+        ("--log-every", args.log_every),
+    ):
+        if value <= 0:
+            raise UsageError(f"{flag} is {value}", f"pass a positive number for {flag}")
+    if args.seq_len < 2:
+        raise UsageError(f"--seq-len is {args.seq_len}", "a training sequence needs at least 2 tokens (one input, one target); pass --seq-len 2 or more")
+    if args.chunk_size % args.page_size != 0:
+        near = max(1, round(args.chunk_size / args.page_size)) * args.page_size
+        raise UsageError(
+            f"--chunk-size {args.chunk_size} is not a multiple of --page-size {args.page_size}",
+            f"pass e.g. --chunk-size {near}, or a --page-size that divides {args.chunk_size}",
+        )
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        raise UsageError(f"--lr is {args.lr}", "pass a positive learning rate, e.g. --lr 3e-4")
+    if args.weight_decay < 0 or not math.isfinite(args.weight_decay):
+        raise UsageError(f"--weight-decay is {args.weight_decay}", "pass 0 or a positive number")
+    if args.max_grad_norm < 0 or not math.isfinite(args.max_grad_norm):
+        raise UsageError(f"--max-grad-norm is {args.max_grad_norm}", "pass 0 (no clipping) or a positive number")
+    if args.lora_rank < 0:
+        raise UsageError(f"--lora-rank is {args.lora_rank}", "pass 0 for a full fine-tune or a positive LoRA rank")
+    if args.lora_alpha is not None and args.lora_alpha <= 0:
+        raise UsageError(f"--lora-alpha is {args.lora_alpha}", "pass a positive number (default: 2 x --lora-rank)")
+    if args.warmup_steps is not None and args.warmup_steps < 0:
+        raise UsageError(f"--warmup-steps is {args.warmup_steps}", "pass 0 or a positive number of steps")
+
+
+def _is_within(path: Path, root: Path) -> bool:
+    try:
+        path.relative_to(root)
+        return True
+    except ValueError:
+        return False
+
+
+def _check_output_dir(args: argparse.Namespace) -> Path:
+    out = Path(args.output_dir).expanduser().resolve()
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--output-dir {args.output_dir!r} is a file", "pass a directory path that is new or empty")
+    if out.is_dir() and any(out.iterdir()):
+        if not args.overwrite:
+            raise UsageError(
+                f"--output-dir {args.output_dir!r} exists and is not empty",
+                "pass a new directory, or --overwrite to replace its contents",
+            )
+        # --overwrite deletes the directory's contents: refuse where that would delete inputs or the work tree.
+        protected = [Path.cwd().resolve(), Path.home().resolve()]
+        for p in (args.data, args.tokenizer, args.model):
+            if p is not None and os.path.exists(p):
+                protected.append(Path(p).resolve())
+        for p in protected:
+            if _is_within(p, out):
+                raise UsageError(
+                    f"--output-dir {args.output_dir!r} contains {str(p)!r}, which --overwrite would delete",
+                    "pass an output directory of its own",
+                )
+    return out
+
+
+def _resolve_device_dtype(args: argparse.Namespace):
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda was given but no CUDA GPU is available to PyTorch", "pass --device cpu, or install a CUDA build of torch")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype)
+    if dtype is None:
+        dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    return torch.device(args.device), dtype
+
+
+def _usage_from(exc: Exception, default_fix: str) -> UsageError:
+    """Split a library error 'problem; fix' into a UsageError (or add ``default_fix``)."""
+    problem, sep, fix = _one_line(str(exc)).partition("; ")
+    return UsageError(problem, fix if sep else default_fix)
+
+
+def _vocab_size(model) -> int:
+    emb = model.get_input_embeddings()
+    n = getattr(emb, "num_embeddings", None)
+    return int(n if n is not None else model.config.vocab_size)
+
+
+# ---------------------------------------------------------------- training
+
+
+def _lr_at(step: int, args: argparse.Namespace, warmup: int) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine decay to 10% of --lr at the last step (1-based ``step``)."""
+    if warmup > 0 and step <= warmup:
+        return args.lr * step / warmup
+    span = max(1, args.steps - warmup)
+    progress = min(1.0, (step - warmup) / span)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def _prepare_output(out: Path, overwrite: bool) -> None:
+    if out.is_dir() and overwrite:
+        for child in out.iterdir():
+            if child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _save(model, tokenizer, out: Path, lora: bool, train_args: dict) -> list[str]:
+    """Write model (or adapter) + tokenizer + train_args.json to a temp dir in ``out``, then move them in."""
+    tmp = out / f".oomb-save-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        if lora:
+            model.save_pretrained(str(tmp), safe_serialization=True)
+        else:
+            model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        (tmp / "train_args.json").write_text(json.dumps(train_args, indent=2) + "\n")
+        names = sorted(os.listdir(tmp))
+        for name in names:
+            dst = out / name
+            if dst.is_dir() and not dst.is_symlink():
+                shutil.rmtree(dst)
+            os.replace(tmp / name, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return names
+
+
+def _train(args: argparse.Namespace) -> int:
+    _check_sizes(args)
+    out = _check_output_dir(args)
+
+    # Heavy imports only after the cheap checks.
+    import torch
+    from tqdm.auto import tqdm
+
+    from .config import OOMBConfig
+    from .data import BUNDLED_CORPUS, DataError, TokenSequences, load_documents, load_tokenizer, tokenize_documents
+    from .models.presets import UnknownModelError, build_model
+    from . import Engine, UnsupportedModelError
+
+    device, dtype = _resolve_device_dtype(args)
+    try:
+        cfg = OOMBConfig(
+            chunk_size=args.chunk_size,
+            page_size=args.page_size,
+            attention_backend=args.attention_backend,
+            checkpoint_layers=args.checkpoint_layers,
+        )
+    except ValueError as exc:
+        raise _usage_from(exc, "fix the engine options (see 'oomb train --help')") from exc
+
+    try:
+        tokenizer = load_tokenizer(args.tokenizer)
+        docs = load_documents(args.data)
+        tokens = tokenize_documents(docs, tokenizer, cache=args.data is None or Path(args.data).resolve() == BUNDLED_CORPUS)
+        sequences = TokenSequences(tokens, args.seq_len, seed=args.seed)
+    except DataError as exc:
+        raise UsageError(exc.problem, exc.fix) from exc
+
+    torch.manual_seed(args.seed)
+    try:
+        model = build_model(args.model, dtype=dtype, device=device)
+    except (UnknownModelError, UnsupportedModelError) as exc:
+        raise _usage_from(exc, "use a Qwen2/2.5, Llama 2/3, Mistral or Qwen3 causal LM (see 'oomb train --help')") from exc
+
+    vocab = _vocab_size(model)
+    max_id = int(tokens.max())
+    if max_id >= vocab:
+        raise UsageError(
+            f"the data has token id {max_id} but model {args.model!r} has a vocabulary of {vocab} ids",
+            "use the tokenizer that belongs to the model (--tokenizer) or a model whose vocabulary covers it",
+        )
+
+    if args.lora_rank > 0:
+        from peft import LoraConfig, get_peft_model
+
+        names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+        missing = [t for t in _LORA_TARGETS if t not in names]
+        if missing:
+            raise UsageError(f"model {args.model!r} has no {', '.join(missing)} modules for LoRA", "pass --lora-rank 0 for a full fine-tune")
+        lora_cfg = LoraConfig(
+            r=args.lora_rank,
+            lora_alpha=args.lora_alpha if args.lora_alpha is not None else 2 * args.lora_rank,
+            lora_dropout=0.0,
+            target_modules=_LORA_TARGETS,
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, lora_cfg)
+
+    try:
+        engine = Engine(model, cfg)
+    except ValueError as exc:  # UnsupportedModelError is a ValueError
+        raise _usage_from(exc, "use a Qwen2/2.5, Llama 2/3, Mistral or Qwen3 causal LM with full attention") from exc
+
+    # ---- every check passed: from here on we write.
+    _prepare_output(out, args.overwrite)
+    params = [p for p in model.parameters() if p.requires_grad]
+    n_trainable = sum(p.numel() for p in params)
+    n_total = sum(p.numel() for p in model.parameters())
+    warmup = args.warmup_steps if args.warmup_steps is not None else args.steps // 10
+    fused = device.type == "cuda"
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=fused)
+    log_path = out / "log.jsonl"
+    show = not args.no_progress
+    print(
+        f"oomb: {args.model} ({n_total / 1e6:.1f}M parameters, {n_trainable / 1e6:.2f}M trainable, {str(dtype).replace('torch.', '')}, {device}); "
+        f"{len(tokens):,} tokens -> {len(sequences)} sequences of {args.seq_len}; chunk {args.chunk_size}, page {args.page_size}; "
+        f"log: {log_path}",
+        file=sys.stderr,
+    )
+
+    model.train()
+    first_loss = last_loss = None
+    t_start = time.perf_counter()
+    with open(log_path, "a", encoding="utf-8") as log, tqdm(total=args.steps, desc="train", unit="step", disable=not show, file=sys.stderr) as bar:
+        for step, input_ids in enumerate(sequences.batches(args.steps), start=1):
+            lr = _lr_at(step, args, warmup)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            result = engine.step(input_ids.to(device), progress=show)
+            if args.max_grad_norm > 0:
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm))
+            else:
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, float("inf")))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if not math.isfinite(result.loss):
+                raise RuntimeError(f"loss became {result.loss} at step {step}; lower --lr")
+            first_loss = result.loss if first_loss is None else first_loss
+            last_loss = result.loss
+            record = {
+                "step": step,
+                "loss": round(result.loss, 6),
+                "tokens_per_s": round(result.tokens_per_s, 2),
+                "peak_memory_bytes": result.peak_memory_bytes,
+                "seconds": round(result.seconds, 4),
+                "lr": lr,
+                "grad_norm": round(grad_norm, 6),
+                "num_tokens": result.num_tokens,
+                "stage1_seconds": round(result.stage1_seconds, 4),
+                "stage2_seconds": round(result.stage2_seconds, 4),
+            }
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+            bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{result.tokens_per_s:.0f}")
+            bar.update(1)
+            if step % args.log_every == 0 or step == args.steps:
+                mem = "" if result.peak_memory_bytes is None else f"  peak {result.peak_memory_bytes / 2**30:.2f} GiB"
+                tqdm.write(f"step {step:>5}/{args.steps}  loss {result.loss:.4f}  {result.tokens_per_s:,.0f} tok/s  {result.seconds:.2f} s  lr {lr:.2e}{mem}", file=sys.stdout)
+
+    train_args = {k: v for k, v in vars(args).items() if k != "command"}
+    train_args.update(oomb_version=_version(), num_tokens=int(len(tokens)), num_sequences=len(sequences))
+    saved = _save(model, tokenizer, out, lora=args.lora_rank > 0, train_args=train_args)
+    elapsed = time.perf_counter() - t_start
+    print(
+        f"oomb: done in {elapsed:.1f} s; loss {first_loss:.4f} -> {last_loss:.4f}; saved {', '.join(n for n in saved if n.endswith('.safetensors'))} to {out}",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``oomb`` command. Returns 0; exits with status 2 on bad input."""
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "train":
+            return _train(args)
+    except UsageError as exc:
+        _fail(f"{exc.problem}; {exc.fix}")
+    except KeyboardInterrupt:
+        print("oomb: interrupted", file=sys.stderr)
+        return 130
+    parser.error(f"unknown command {args.command!r}")  # pragma: no cover - argparse rejects it first
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""Built-in model presets (random weights) and loading of local Hugging Face models.
+
+A preset is a transformers config with random initial weights: ``tiny`` runs a
+real training job on two CPU cores in minutes; ``qwen2.5-0.5b`` and
+``qwen2.5-7b`` have the shapes of the released Qwen2.5 models for GPU runs and
+benchmarks (DESIGN.md §3 uses the 7B shape). Every preset's vocabulary covers
+the bundled 32,000-token tokenizer, and every preset allows positions past one
+million tokens (RoPE is computed per position, so this costs no memory).
+
+Nothing is ever fetched from a hub: a name that is not a preset must be a local
+directory holding a Hugging Face checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+
+__all__ = ["PRESETS", "Preset", "UnknownModelError", "build_model", "preset_config", "preset_names"]
+
+_MAX_POSITIONS = 1 << 22
+"""4,194,304 tokens: the position limit of every preset (the published system trains 4M tokens)."""
+
+
+class UnknownModelError(ValueError):
+    """The model name is neither a preset nor a local Hugging Face directory."""
+
+
+@dataclass(frozen=True)
+class Preset:
+    """One named model config; ``make()`` returns a fresh transformers config."""
+
+    description: str
+    make: Callable[[], PretrainedConfig]
+
+
+def _tiny() -> PretrainedConfig:
+    # Qwen2-style; ~5.3M parameters, of which 4.1M are the tied 32,000 x 128 embedding.
+    return Qwen2Config(
+        vocab_size=32000,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=_MAX_POSITIONS,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+def _tiny_llama() -> PretrainedConfig:
+    return LlamaConfig(
+        vocab_size=32000,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=_MAX_POSITIONS,
+        rope_theta=5e5,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+def _tiny_mistral() -> PretrainedConfig:
+    return MistralConfig(
+        vocab_size=32000,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=_MAX_POSITIONS,
+        rope_theta=1e6,
+        sliding_window=None,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+def _tiny_qwen3() -> PretrainedConfig:
+    return Qwen3Config(
+        vocab_size=32000,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=_MAX_POSITIONS,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+
+
+def _qwen25_05b() -> PretrainedConfig:
+    # Shape of Qwen/Qwen2.5-0.5B (494M parameters, tied embeddings).
+    return Qwen2Config(
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=_MAX_POSITIONS,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+        bos_token_id=151643,
+        eos_token_id=151643,
+    )
+
+
+def _qwen25_7b() -> PretrainedConfig:
+    # Shape of Qwen/Qwen2.5-7B (7.6B parameters): the model of DESIGN.md §3.
+    return Qwen2Config(
+        vocab_size=152064,
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        max_position_embeddings=_MAX_POSITIONS,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        bos_token_id=151643,
+        eos_token_id=151643,
+    )
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset("Qwen2-style, 4 layers, hidden 128, 4 query / 2 KV heads, vocab 32000 (CPU)", _tiny),
+    "tiny-llama": Preset("Llama-style, 4 layers, hidden 128, 4 query / 2 KV heads, vocab 32000 (CPU)", _tiny_llama),
+    "tiny-mistral": Preset("Mistral-style (no sliding window), 4 layers, hidden 128, vocab 32000 (CPU)", _tiny_mistral),
+    "tiny-qwen3": Preset("Qwen3-style (QK norm), 4 layers, hidden 128, 4 query / 2 KV heads, vocab 32000 (CPU)", _tiny_qwen3),
+    "qwen2.5-0.5b": Preset("Qwen2.5-0.5B shape, 24 layers, hidden 896, 14 query / 2 KV heads (GPU)", _qwen25_05b),
+    "qwen2.5-7b": Preset("Qwen2.5-7B shape, 28 layers, hidden 3584, 28 query / 4 KV heads (GPU, bf16 ~15 GiB)", _qwen25_7b),
+}
+
+
+def preset_names() -> list[str]:
+    """Names of the built-in presets, in table order."""
+    return list(PRESETS)
+
+
+def preset_config(name: str) -> PretrainedConfig:
+    """A fresh transformers config for preset ``name``.
+
+    Raises:
+        UnknownModelError: ``name`` is not a preset; the message lists the presets.
+    """
+    if name not in PRESETS:
+        raise UnknownModelError(
+            f"unknown model {name!r}: not a preset and not a local directory; "
+            f"use one of the presets ({', '.join(PRESETS)}) or a local Hugging Face model directory"
+        )
+    return PRESETS[name].make()
+
+
+def _is_local_model_dir(path: str) -> bool:
+    return os.path.isdir(path)
+
+
+def _check_local_config(path: str) -> PretrainedConfig:
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise UnknownModelError(
+            f"{path!r} is a directory without config.json; pass a Hugging Face model directory "
+            f"(as written by save_pretrained) or one of the presets ({', '.join(PRESETS)})"
+        )
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except (ValueError, KeyError, OSError) as exc:
+        raise UnknownModelError(f"cannot read the model config in {path!r} ({exc}); check that config.json is a valid Hugging Face config") from exc
+    # Refuse before loading weights: an unsupported model may be large.
+    from .hf import SUPPORTED_MODEL_TYPES, UnsupportedModelError
+
+    model_type = getattr(config, "model_type", None)
+    if getattr(config, "is_encoder_decoder", False) or model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"model type {model_type!r} in {path!r} is not supported; use a decoder-only model of type "
+            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    return config
+
+
+def build_model(
+    name_or_path: str,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> torch.nn.Module:
+    """Build a preset with random weights, or load a local Hugging Face causal LM.
+
+    Args:
+        name_or_path: a key of :data:`PRESETS` or a local directory holding
+            ``config.json`` and weights. Never fetched from a hub.
+        dtype: parameter dtype (``torch.bfloat16`` on GPU, ``torch.float32`` on CPU).
+        device: where the parameters live. Presets are initialised directly on it.
+
+    Returns:
+        A transformers ``*ForCausalLM`` module in train mode. Random weights
+        depend on the global torch seed (``torch.manual_seed`` before calling).
+
+    Raises:
+        UnknownModelError: neither a preset nor a readable local model directory.
+        oomb.UnsupportedModelError: a local model of an unsupported type.
+    """
+    device = torch.device(device)
+    if _is_local_model_dir(name_or_path):
+        _check_local_config(name_or_path)
+        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, local_files_only=True)
+        model.to(device)
+    else:
+        config = preset_config(name_or_path)
+        with device:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.train()
+    return model
