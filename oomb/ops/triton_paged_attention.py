@@ -1,0 +1,710 @@
+"""Triton paged attention: forward, and backward with in-place paged KV-gradient accumulation.
+
+Same contract as :mod:`oomb.ops.attention_ref` (the reference every test compares against).
+One chunk of ``C`` queries attends to ``past_len`` earlier tokens whose K/V live in a page
+pool addressed through an int32 ``block_table``, plus the chunk's own K/V, causally::
+
+    keys:     past tokens (all visible)     | own tokens 0..C-1
+    query 0:  1 1 1 ... 1                   | 1 0 0 0
+    query 1:  1 1 1 ... 1                   | 1 1 0 0
+    query 2:  1 1 1 ... 1                   | 1 1 1 0
+
+Algorithm: FlashAttention-2 (Dao 2023, "FlashAttention-2: Faster Attention with Better
+Parallelism and Work Partitioning", §3.1 forward with online softmax, §3.2 backward with
+recomputation from the log-sum-exp and ``delta = rowsum(dout * out)``). Scores use ``exp2``
+with ``softmax_scale * log2(e)`` folded into one multiplier.
+
+Layout of the work (shape legend: C own-chunk tokens, Hq query heads, Hkv KV heads,
+G = Hq // Hkv, D head dim, P pages in the pool, S = page_size tokens per page):
+
+* Grouped-query attention inside the kernels. The rows of a tile are the flattened
+  (query, head-in-group) pairs of one KV head, query-major: row ``r`` is query ``r // G`` of
+  query head ``hkv * G + r % G``. A tile of ``BLOCK_M`` rows therefore holds all G heads of
+  ``BLOCK_M / G`` consecutive queries, and every K/V tile loaded is shared by the G heads
+  of its group; nothing is expanded or copied. Query-major rows keep each tile's query
+  positions contiguous, so the causal part of the own chunk is skipped tile by tile.
+* ``BLOCK_N`` (keys per compute tile) is independent of ``page_size``: each key token
+  ``t`` of a past tile is looked up as page ``block_table[t // S]``, slot ``t % S``, so a
+  tile may span several pages or part of one, and a partial last page is masked.
+* Forward: one program per (row tile, KV head) runs over all past tiles, then over its own
+  chunk's causal tiles.
+* Backward: ``delta`` in torch (one pass over dout and out), then two kernels:
+  - dq: one program per (row tile, KV head), looping over past and own key tiles;
+  - dk/dv: one program per (key tile, KV head), looping over every row tile that sees it.
+    For past tiles it reads the fp32 gradient pages, adds its sum and writes them back;
+    for the own chunk it writes ``dk``/``dv``.
+
+  Why a deterministic schedule and not atomics: each past token's dK/dV row is owned by
+  exactly one program, which sums the contributions of all queries (and all G heads of the
+  group) in a fixed order in registers and then does ONE read-add-write per gradient-page
+  row. Atomics (FlashAttention-2's dq trick, or splitting the query loop across programs
+  and ``atomic_add``-ing into the pages) would make each step's gradients depend on
+  scheduling, so two identical runs could differ in the last bits, and in a chunk-
+  recurrent step those bits are re-accumulated over hundreds of chunks. With this schedule
+  the backward is bitwise reproducible run to run, and it needs no zeroed scratch buffer
+  and no fp32 atomics traffic (the pages are fp32 and touched once per token per call).
+  The price: dq is a separate pass that recomputes the scores (7 matrix products per tile
+  pair in total instead of 5). A ``block_table`` must not list a page twice (two programs
+  would then race on the same rows); the engine's allocator never does.
+
+Precision: bf16/fp16 inputs are multiplied in their own type with fp32 accumulation
+(``p`` and ``ds`` are rounded to the input type before their products, as in
+FlashAttention); fp32 inputs use exact fp32 products (``input_precision="ieee"``).
+Under the Triton interpreter (``TRITON_INTERPRET=1``, CPU tensors) every product runs
+in fp32, because the interpreter's bf16 ``tl.dot`` is wrong.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["paged_attention_fwd", "paged_attention_bwd"]
+
+_LOG2E = 1.4426950408889634
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_HEAD_DIM = 256
+
+
+def _configs(gpu: list[tuple[int, int, int, int]]) -> list[triton.Config]:
+    """Autotune configs (BLOCK_M, BLOCK_N, num_warps, num_stages); one small config when interpreting."""
+    if _INTERPRET:
+        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in gpu]
+
+
+_FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)])
+_DQ_CONFIGS = _configs([(128, 64, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3)])
+_DKDV_CONFIGS = _configs([(64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 3)])
+_AUTOTUNE_KEY = ["G", "HEAD_DIM", "PAGE_SIZE"]
+
+
+# --------------------------------------------------------------------------------------
+# Kernels (private). They check nothing: the launchers below validate every input.
+# --------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _load_rows(ptr, row_off, r_mask, offs_d, d_mask, stride_d):
+    """[BLOCK_M, BLOCK_D] tile at ptr + row_off[r] + d * stride_d (masked rows/dims read 0)."""
+    return tl.load(ptr + row_off[:, None] + offs_d[None, :] * stride_d, mask=r_mask[:, None] & d_mask[None, :], other=0.0)
+
+
+@triton.jit
+def _past_token_offsets(block_table_ptr, tok, tok_mask, stride_p, stride_t, PAGE_SIZE: tl.constexpr):
+    """Element offsets (int64) of past tokens ``tok`` in a [P, S, Hkv, D] pool, through the block table."""
+    page = tl.load(block_table_ptr + tok // PAGE_SIZE, mask=tok_mask, other=0).to(tl.int64)
+    return page * stride_p + (tok % PAGE_SIZE).to(tl.int64) * stride_t
+
+
+@triton.jit
+def _fwd_tile(acc, m_i, l_i, q, k, v, s_mask, qk_scale, MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One online-softmax step (log2 domain): scores of q [M, D] against k [N, D], update acc/m_i/l_i."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [M, N], log2 units
+    if MASKED:
+        s = tl.where(s_mask, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return acc, m_new, l_i
+
+
+@triton.autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY)
+@triton.jit
+def _paged_attn_fwd_kernel(
+    q_ptr,  # [C, Hq, D]
+    k_ptr,  # [C, Hkv, D] own keys
+    v_ptr,  # [C, Hkv, D] own values
+    k_cache_ptr,  # [P, S, Hkv, D]
+    v_cache_ptr,  # [P, S, Hkv, D]
+    block_table_ptr,  # int32 [>= ceil(past_len / S)]
+    out_ptr,  # [C, Hq, D]
+    lse_ptr,  # fp32 [Hq, C]
+    C,
+    past_len,
+    qk_scale,  # softmax_scale * log2(e)
+    stride_q_c, stride_q_h, stride_q_d,
+    stride_k_c, stride_k_h, stride_k_d,
+    stride_v_c, stride_v_h, stride_v_d,
+    stride_kc_p, stride_kc_t, stride_kc_h, stride_kc_d,
+    stride_vc_p, stride_vc_t, stride_vc_h, stride_vc_d,
+    stride_o_c, stride_o_h, stride_o_d,
+    stride_lse_h,
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    hkv = tl.program_id(1).to(tl.int64)
+    row0 = pid_m * BLOCK_M
+    offs_r = row0 + tl.arange(0, BLOCK_M)  # flattened (query, head-in-group) rows
+    r_mask = offs_r < C * G
+    i_q = offs_r // G  # query position in the chunk
+    head = hkv * G + offs_r % G  # query head (int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    offs_n = tl.arange(0, BLOCK_N)
+
+    q = _load_rows(q_ptr, i_q.to(tl.int64) * stride_q_c + head * stride_q_h, r_mask, offs_d, d_mask, stride_q_d)
+    if UPCAST:
+        q = q.to(tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    # (a) Past tokens through the block table: full tiles unmasked, then the tail tile.
+    kc = k_cache_ptr + hkv * stride_kc_h
+    vc = v_cache_ptr + hkv * stride_vc_h
+    n_full = (past_len // BLOCK_N) * BLOCK_N
+    for start in range(0, n_full, BLOCK_N):
+        tok = start + offs_n
+        tok_mask = tok < past_len
+        k = _load_rows(kc, _past_token_offsets(block_table_ptr, tok, tok_mask, stride_kc_p, stride_kc_t, PAGE_SIZE), tok_mask, offs_d, d_mask, stride_kc_d)
+        v = _load_rows(vc, _past_token_offsets(block_table_ptr, tok, tok_mask, stride_vc_p, stride_vc_t, PAGE_SIZE), tok_mask, offs_d, d_mask, stride_vc_d)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k, v, None, qk_scale, False, DOT_PREC)
+    if n_full < past_len:
+        tok = n_full + offs_n
+        tok_mask = tok < past_len
+        k = _load_rows(kc, _past_token_offsets(block_table_ptr, tok, tok_mask, stride_kc_p, stride_kc_t, PAGE_SIZE), tok_mask, offs_d, d_mask, stride_kc_d)
+        v = _load_rows(vc, _past_token_offsets(block_table_ptr, tok, tok_mask, stride_vc_p, stride_vc_t, PAGE_SIZE), tok_mask, offs_d, d_mask, stride_vc_d)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k, v, tok_mask[None, :], qk_scale, True, DOT_PREC)
+
+    # (b) Own chunk, causal (key j visible to query i iff j <= i). Tiles entirely at or
+    # below the tile's first query need no mask; the diagonal tiles do.
+    i_lo = row0 // G
+    i_hi = tl.minimum((row0 + BLOCK_M - 1) // G, C - 1)
+    own_full = ((i_lo + 1) // BLOCK_N) * BLOCK_N
+    ko = k_ptr + hkv * stride_k_h
+    vo = v_ptr + hkv * stride_v_h
+    for j0 in range(0, own_full, BLOCK_N):
+        j = j0 + offs_n
+        j_mask = j < C
+        k = _load_rows(ko, j.to(tl.int64) * stride_k_c, j_mask, offs_d, d_mask, stride_k_d)
+        v = _load_rows(vo, j.to(tl.int64) * stride_v_c, j_mask, offs_d, d_mask, stride_v_d)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k, v, None, qk_scale, False, DOT_PREC)
+    for j0 in range(own_full, i_hi + 1, BLOCK_N):
+        j = j0 + offs_n
+        j_mask = j < C
+        k = _load_rows(ko, j.to(tl.int64) * stride_k_c, j_mask, offs_d, d_mask, stride_k_d)
+        v = _load_rows(vo, j.to(tl.int64) * stride_v_c, j_mask, offs_d, d_mask, stride_v_d)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s_mask = (j[None, :] <= i_q[:, None]) & j_mask[None, :]
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k, v, s_mask, qk_scale, True, DOT_PREC)
+
+    # Every real row saw at least own key 0, so l_i > 0.
+    acc = acc / l_i[:, None]
+    o_off = i_q.to(tl.int64) * stride_o_c + head * stride_o_h
+    tl.store(out_ptr + o_off[:, None] + offs_d[None, :] * stride_o_d, acc.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
+    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # natural-log units
+    tl.store(lse_ptr + head * stride_lse_h + i_q, lse, mask=r_mask)
+
+
+@triton.jit
+def _dq_tile(dq, q, do, k, v, lse2, delta, s_mask, qk_scale, MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
+    """dq += ds @ k for one key tile, with p recomputed from lse (log2 units)."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+    p = tl.exp2(s - lse2[:, None])
+    if MASKED:
+        p = tl.where(s_mask, p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+    ds = p * (dp - delta[:, None])
+    return dq + tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
+
+
+@triton.autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY)
+@triton.jit
+def _paged_attn_bwd_dq_kernel(
+    q_ptr,  # [C, Hq, D]
+    k_ptr,  # [C, Hkv, D]
+    v_ptr,  # [C, Hkv, D]
+    k_cache_ptr,  # [P, S, Hkv, D]
+    v_cache_ptr,  # [P, S, Hkv, D]
+    block_table_ptr,  # int32
+    dout_ptr,  # [C, Hq, D]
+    lse_ptr,  # fp32 [Hq, C]
+    delta_ptr,  # fp32 [Hq, C]
+    dq_ptr,  # [C, Hq, D]
+    C,
+    past_len,
+    qk_scale,  # softmax_scale * log2(e)
+    softmax_scale,
+    stride_q_c, stride_q_h, stride_q_d,
+    stride_k_c, stride_k_h, stride_k_d,
+    stride_v_c, stride_v_h, stride_v_d,
+    stride_kc_p, stride_kc_t, stride_kc_h, stride_kc_d,
+    stride_vc_p, stride_vc_t, stride_vc_h, stride_vc_d,
+    stride_do_c, stride_do_h, stride_do_d,
+    stride_dq_c, stride_dq_h, stride_dq_d,
+    stride_lse_h,
+    stride_delta_h,
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    hkv = tl.program_id(1).to(tl.int64)
+    row0 = pid_m * BLOCK_M
+    offs_r = row0 + tl.arange(0, BLOCK_M)
+    r_mask = offs_r < C * G
+    i_q = offs_r // G
+    head = hkv * G + offs_r % G
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    offs_n = tl.arange(0, BLOCK_N)
+
+    q = _load_rows(q_ptr, i_q.to(tl.int64) * stride_q_c + head * stride_q_h, r_mask, offs_d, d_mask, stride_q_d)
+    do = _load_rows(dout_ptr, i_q.to(tl.int64) * stride_do_c + head * stride_do_h, r_mask, offs_d, d_mask, stride_do_d)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    lse2 = tl.load(lse_ptr + head * stride_lse_h + i_q, mask=r_mask, other=0.0) * 1.4426950408889634
+    delta = tl.load(delta_ptr + head * stride_delta_h + i_q, mask=r_mask, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    kc = k_cache_ptr + hkv * stride_kc_h
+    vc = v_cache_ptr + hkv * stride_vc_h
+    n_full = (past_len // BLOCK_N) * BLOCK_N
+    for start in range(0, n_full, BLOCK_N):
+        tok = start + offs_n
+        tok_mask = tok < past_len
+        k = _load_rows(kc, _past_token_offsets(block_table_ptr, tok, tok_mask, stride_kc_p, stride_kc_t, PAGE_SIZE), tok_mask, offs_d, d_mask, stride_kc_d)
+        v = _load_rows(vc, _past_token_offsets(block_table_ptr, tok, tok_mask, stride_vc_p, stride_vc_t, PAGE_SIZE), tok_mask, offs_d, d_mask, stride_vc_d)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        dq = _dq_tile(dq, q, do, k, v, lse2, delta, None, qk_scale, False, DOT_PREC)
+    if n_full < past_len:
+        tok = n_full + offs_n
+        tok_mask = tok < past_len
+        k = _load_rows(kc, _past_token_offsets(block_table_ptr, tok, tok_mask, stride_kc_p, stride_kc_t, PAGE_SIZE), tok_mask, offs_d, d_mask, stride_kc_d)
+        v = _load_rows(vc, _past_token_offsets(block_table_ptr, tok, tok_mask, stride_vc_p, stride_vc_t, PAGE_SIZE), tok_mask, offs_d, d_mask, stride_vc_d)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        dq = _dq_tile(dq, q, do, k, v, lse2, delta, tok_mask[None, :], qk_scale, True, DOT_PREC)
+
+    i_lo = row0 // G
+    i_hi = tl.minimum((row0 + BLOCK_M - 1) // G, C - 1)
+    own_full = ((i_lo + 1) // BLOCK_N) * BLOCK_N
+    ko = k_ptr + hkv * stride_k_h
+    vo = v_ptr + hkv * stride_v_h
+    for j0 in range(0, own_full, BLOCK_N):
+        j = j0 + offs_n
+        j_mask = j < C
+        k = _load_rows(ko, j.to(tl.int64) * stride_k_c, j_mask, offs_d, d_mask, stride_k_d)
+        v = _load_rows(vo, j.to(tl.int64) * stride_v_c, j_mask, offs_d, d_mask, stride_v_d)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        dq = _dq_tile(dq, q, do, k, v, lse2, delta, None, qk_scale, False, DOT_PREC)
+    for j0 in range(own_full, i_hi + 1, BLOCK_N):
+        j = j0 + offs_n
+        j_mask = j < C
+        k = _load_rows(ko, j.to(tl.int64) * stride_k_c, j_mask, offs_d, d_mask, stride_k_d)
+        v = _load_rows(vo, j.to(tl.int64) * stride_v_c, j_mask, offs_d, d_mask, stride_v_d)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s_mask = (j[None, :] <= i_q[:, None]) & j_mask[None, :]
+        dq = _dq_tile(dq, q, do, k, v, lse2, delta, s_mask, qk_scale, True, DOT_PREC)
+
+    dq = dq * softmax_scale
+    dq_off = i_q.to(tl.int64) * stride_dq_c + head * stride_dq_h
+    tl.store(dq_ptr + dq_off[:, None] + offs_d[None, :] * stride_dq_d, dq.to(dq_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
+
+
+@triton.jit
+def _dkdv_tile(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, row0, C, j, hkv, offs_d, d_mask,
+               qk_scale,
+               stride_q_c, stride_q_h, stride_q_d,
+               stride_do_c, stride_do_h, stride_do_d,
+               stride_lse_h, stride_delta_h,
+               G: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+               BLOCK_M: tl.constexpr):
+    """dk/dv [N, D] += contributions of rows [row0, row0 + BLOCK_M) (all G heads of those queries)."""
+    offs_r = row0 + tl.arange(0, BLOCK_M)
+    r_mask = offs_r < C * G
+    i_q = offs_r // G
+    head = hkv * G + offs_r % G
+    # Rows past C * G read q = dout = lse = delta = 0 and so contribute exactly 0.
+    q = _load_rows(q_ptr, i_q.to(tl.int64) * stride_q_c + head * stride_q_h, r_mask, offs_d, d_mask, stride_q_d)
+    do = _load_rows(do_ptr, i_q.to(tl.int64) * stride_do_c + head * stride_do_h, r_mask, offs_d, d_mask, stride_do_d)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    lse2 = tl.load(lse_ptr + head * stride_lse_h + i_q, mask=r_mask, other=0.0) * 1.4426950408889634
+    delta = tl.load(delta_ptr + head * stride_delta_h + i_q, mask=r_mask, other=0.0)
+    s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # [N, M] (transposed scores)
+    p_t = tl.exp2(s_t - lse2[None, :])
+    if CAUSAL:
+        p_t = tl.where(j[:, None] <= i_q[None, :], p_t, 0.0)
+    dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PREC)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PREC)
+    return dk, dv
+
+
+@triton.autotune(configs=_DKDV_CONFIGS, key=_AUTOTUNE_KEY + ["IS_PAST"], restore_value=["dk_ptr", "dv_ptr"])
+@triton.jit
+def _paged_attn_bwd_dkdv_kernel(
+    q_ptr,  # [C, Hq, D]
+    k_ptr,  # IS_PAST: k_cache [P, S, Hkv, D]; else own k [C, Hkv, D]
+    v_ptr,  # same layout as k_ptr
+    block_table_ptr,  # int32 (IS_PAST only)
+    dout_ptr,  # [C, Hq, D]
+    lse_ptr,  # fp32 [Hq, C]
+    delta_ptr,  # fp32 [Hq, C]
+    dk_ptr,  # IS_PAST: fp32 dk_cache [P, S, Hkv, D] (read-add-write); else dk [C, Hkv, D] (write)
+    dv_ptr,  # same layout as dk_ptr
+    C,
+    n_keys,  # past_len (IS_PAST) or C
+    qk_scale,  # softmax_scale * log2(e)
+    softmax_scale,
+    stride_q_c, stride_q_h, stride_q_d,
+    stride_k_p, stride_k_t, stride_k_h, stride_k_d,  # own k: stride_k_p unused, stride_k_t = token stride
+    stride_v_p, stride_v_t, stride_v_h, stride_v_d,
+    stride_do_c, stride_do_h, stride_do_d,
+    stride_dk_p, stride_dk_t, stride_dk_h, stride_dk_d,
+    stride_dv_p, stride_dv_t, stride_dv_h, stride_dv_d,
+    stride_lse_h,
+    stride_delta_h,
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IS_PAST: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    hkv = tl.program_id(1).to(tl.int64)
+    j0 = pid_n * BLOCK_N
+    j = j0 + tl.arange(0, BLOCK_N)  # key tokens owned by this program
+    j_mask = j < n_keys
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    if IS_PAST:
+        k_off = _past_token_offsets(block_table_ptr, j, j_mask, stride_k_p, stride_k_t, PAGE_SIZE)
+        v_off = _past_token_offsets(block_table_ptr, j, j_mask, stride_v_p, stride_v_t, PAGE_SIZE)
+        dk_off = _past_token_offsets(block_table_ptr, j, j_mask, stride_dk_p, stride_dk_t, PAGE_SIZE)
+        dv_off = _past_token_offsets(block_table_ptr, j, j_mask, stride_dv_p, stride_dv_t, PAGE_SIZE)
+    else:
+        k_off = j.to(tl.int64) * stride_k_t
+        v_off = j.to(tl.int64) * stride_v_t
+        dk_off = j.to(tl.int64) * stride_dk_t
+        dv_off = j.to(tl.int64) * stride_dv_t
+    # Keys past n_keys read 0; their rows are never stored.
+    k = _load_rows(k_ptr + hkv * stride_k_h, k_off, j_mask, offs_d, d_mask, stride_k_d)
+    v = _load_rows(v_ptr + hkv * stride_v_h, v_off, j_mask, offs_d, d_mask, stride_v_d)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    n_rows = C * G
+    if IS_PAST:
+        # Every query of the chunk sees every past token: no mask.
+        for row0 in range(0, n_rows, BLOCK_M):
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptr, dout_ptr, lse_ptr, delta_ptr, row0, C, j, hkv, offs_d, d_mask,
+                                qk_scale, stride_q_c, stride_q_h, stride_q_d, stride_do_c, stride_do_h, stride_do_d,
+                                stride_lse_h, stride_delta_h, G, False, UPCAST, DOT_PREC, BLOCK_M)
+    else:
+        # Queries i >= j0 see this tile; rows whose query is >= the tile's last key need no mask.
+        row_lo = ((j0 * G) // BLOCK_M) * BLOCK_M
+        row_mid = tl.minimum(tl.cdiv((j0 + BLOCK_N - 1) * G, BLOCK_M) * BLOCK_M, tl.cdiv(n_rows, BLOCK_M) * BLOCK_M)
+        for row0 in range(row_lo, row_mid, BLOCK_M):
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptr, dout_ptr, lse_ptr, delta_ptr, row0, C, j, hkv, offs_d, d_mask,
+                                qk_scale, stride_q_c, stride_q_h, stride_q_d, stride_do_c, stride_do_h, stride_do_d,
+                                stride_lse_h, stride_delta_h, G, True, UPCAST, DOT_PREC, BLOCK_M)
+        for row0 in range(row_mid, n_rows, BLOCK_M):
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptr, dout_ptr, lse_ptr, delta_ptr, row0, C, j, hkv, offs_d, d_mask,
+                                qk_scale, stride_q_c, stride_q_h, stride_q_d, stride_do_c, stride_do_h, stride_do_d,
+                                stride_lse_h, stride_delta_h, G, False, UPCAST, DOT_PREC, BLOCK_M)
+
+    dk = dk * softmax_scale
+    st_mask = j_mask[:, None] & d_mask[None, :]
+    dk_ptrs = dk_ptr + hkv * stride_dk_h + dk_off[:, None] + offs_d[None, :] * stride_dk_d
+    dv_ptrs = dv_ptr + hkv * stride_dv_h + dv_off[:, None] + offs_d[None, :] * stride_dv_d
+    if IS_PAST:
+        # This program owns these gradient-page rows: one read-add-write, no atomics.
+        dk += tl.load(dk_ptrs, mask=st_mask, other=0.0)
+        dv += tl.load(dv_ptrs, mask=st_mask, other=0.0)
+    tl.store(dk_ptrs, dk.to(dk_ptr.dtype.element_ty), mask=st_mask)
+    tl.store(dv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=st_mask)
+
+
+# --------------------------------------------------------------------------------------
+# Launchers: every check, allocation, grid and stride lives here.
+# --------------------------------------------------------------------------------------
+
+
+def _alloc_like(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Uninitialised output with x's shape and memory layout (tests patch this to poison outputs)."""
+    return torch.empty_like(x, dtype=dtype)
+
+
+def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Uninitialised contiguous output (tests patch this to poison outputs)."""
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 or _INTERPRET else "tf32"
+
+
+def _check_inputs(q, k, v, k_cache, v_cache, block_table, past_len, softmax_scale):
+    """Validate the forward inputs; returns (C, Hq, Hkv, D, page_size, scale)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D tensor [C, H, D]; got {getattr(t, 'shape', type(t))}")
+    C, Hq, D = q.shape
+    if k.shape != v.shape or k.shape[0] != C or k.shape[2] != D:
+        raise ValueError(f"k and v must be [C={C}, Hkv, D={D}]; got {tuple(k.shape)} and {tuple(v.shape)}")
+    Hkv = k.shape[1]
+    if Hkv == 0 or Hq % Hkv != 0:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
+    if q.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"q dtype must be one of {_SUPPORTED_DTYPES}; got {q.dtype}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"q, k, v must share one dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not 1 <= D <= _MAX_HEAD_DIM:
+        raise ValueError(f"head dim must be in [1, {_MAX_HEAD_DIM}]; got {D}")
+    dev = q.device
+    if k.device != dev or v.device != dev:
+        raise ValueError(f"q, k, v must be on one device; got {q.device}, {k.device}, {v.device}")
+    if dev.type != "cuda" and not (_INTERPRET and dev.type == "cpu"):
+        raise ValueError(f"the Triton kernels need CUDA tensors (or CPU tensors with TRITON_INTERPRET=1); got {dev}")
+    if not isinstance(past_len, int) or past_len < 0:
+        raise ValueError(f"past_len must be an int >= 0; got {past_len!r}")
+    page_size = 1
+    if past_len > 0:
+        if k_cache is None or v_cache is None or block_table is None:
+            raise ValueError("past_len > 0 needs k_cache, v_cache and block_table")
+        if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[2] != Hkv or k_cache.shape[3] != D:
+            raise ValueError(
+                f"k_cache/v_cache must be [P, page_size, Hkv={Hkv}, D={D}]; got {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+            )
+        if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+            raise ValueError(f"k_cache/v_cache dtype must equal q's ({q.dtype}); got {k_cache.dtype}, {v_cache.dtype}")
+        if k_cache.device != dev or v_cache.device != dev or block_table.device != dev:
+            raise ValueError(f"k_cache, v_cache and block_table must be on {dev}")
+        page_size = k_cache.shape[1]
+        need = -(-past_len // page_size)
+        if block_table.dim() != 1 or block_table.dtype != torch.int32 or block_table.numel() < need:
+            raise ValueError(
+                f"block_table must be 1-D int32 with >= {need} pages for past_len={past_len} and page_size={page_size}; "
+                f"got {block_table.dtype} {tuple(block_table.shape)}"
+            )
+        if block_table.stride(0) != 1:
+            raise ValueError("block_table must be contiguous")
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(D)
+    return C, Hq, Hkv, D, page_size, scale
+
+
+def _cache_args(k_cache, v_cache, block_table, past_len, like):
+    """Pool pointers and strides; with no past, dummies that the kernels never read."""
+    if past_len > 0:
+        return k_cache, v_cache, block_table, k_cache.stride(), v_cache.stride()
+    dummy_bt = torch.zeros(1, dtype=torch.int32, device=like.device)
+    return like, like, dummy_bt, (0, 0, 0, 0), (0, 0, 0, 0)
+
+
+def paged_attention_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor | None,
+    v_cache: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    past_len: int,
+    softmax_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one chunk over paged past K/V plus its own K/V (causal), in one kernel.
+
+    Args:
+        q: [C, Hq, D] queries of the chunk, bf16/fp16/fp32. Any strides (e.g. a transposed
+            view of Hugging Face's [1, Hq, C, D]); the innermost stride 1 is fastest.
+        k, v: [C, Hkv, D] the chunk's own keys/values, q's dtype, any strides.
+        k_cache, v_cache: [P, S, Hkv, D] page pools in q's dtype (S = page_size tokens per
+            page); may be None when past_len == 0.
+        block_table: int32 [>= ceil(past_len / S)] page ids of the past in token order; no
+            page may appear twice.
+        past_len: number of past tokens (a partial last page is allowed).
+        softmax_scale: defaults to 1/sqrt(D).
+
+    Returns:
+        out: [C, Hq, D] in q's dtype, with q's memory layout.
+        lse: [Hq, C] float32, natural-log log-sum-exp of the scaled scores.
+
+    Raises:
+        ValueError: on inconsistent shapes, unsupported dtype or device, Hq not a multiple of
+            Hkv, head dim > 256, or a block_table too short / not int32.
+    """
+    C, Hq, Hkv, D, page_size, scale = _check_inputs(q, k, v, k_cache, v_cache, block_table, past_len, softmax_scale)
+    out = _alloc_like(q)
+    lse = _alloc((Hq, C), torch.float32, q.device)
+    if C == 0:
+        return out, lse
+    G = Hq // Hkv
+    kc, vc, bt, skc, svc = _cache_args(k_cache, v_cache, block_table, past_len, k)
+
+    def grid(meta):
+        return (triton.cdiv(C * G, meta["BLOCK_M"]), Hkv)
+
+    _paged_attn_fwd_kernel[grid](
+        q_ptr=q, k_ptr=k, v_ptr=v, k_cache_ptr=kc, v_cache_ptr=vc, block_table_ptr=bt, out_ptr=out, lse_ptr=lse,
+        C=C, past_len=past_len, qk_scale=scale * _LOG2E,
+        stride_q_c=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
+        stride_k_c=k.stride(0), stride_k_h=k.stride(1), stride_k_d=k.stride(2),
+        stride_v_c=v.stride(0), stride_v_h=v.stride(1), stride_v_d=v.stride(2),
+        stride_kc_p=skc[0], stride_kc_t=skc[1], stride_kc_h=skc[2], stride_kc_d=skc[3],
+        stride_vc_p=svc[0], stride_vc_t=svc[1], stride_vc_h=svc[2], stride_vc_d=svc[3],
+        stride_o_c=out.stride(0), stride_o_h=out.stride(1), stride_o_d=out.stride(2),
+        stride_lse_h=lse.stride(0),
+        G=G, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_D=max(16, triton.next_power_of_2(D)),
+        UPCAST=_INTERPRET, DOT_PREC=_dot_precision(q.dtype),
+    )
+    return out, lse
+
+
+def paged_attention_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    k_cache: torch.Tensor | None,
+    v_cache: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    past_len: int,
+    dk_cache: torch.Tensor | None,
+    dv_cache: torch.Tensor | None,
+    softmax_scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of :func:`paged_attention_fwd`; adds the past pages' dK/dV in place.
+
+    Args:
+        dout: [C, Hq, D] gradient of ``out``, q's dtype, any strides.
+        q, k, v, out, lse: as given to / returned by the forward (lse: float32 [Hq, C]).
+        k_cache, v_cache, block_table, past_len: as in the forward.
+        dk_cache, dv_cache: float32 [P, S, Hkv, D] gradient page pools, same shape as
+            k_cache. The past tokens' dK/dV are ADDED here in place (deterministically, no
+            atomics); rows of pages outside ``block_table[:ceil(past_len / S)]`` and the tail
+            of a partial last page are not touched. May be None when past_len == 0.
+
+    Returns:
+        dq: [C, Hq, D] in q's dtype, with q's memory layout.
+        dk, dv: [C, Hkv, D] in k's dtype -- the own chunk's contribution only.
+
+    Raises:
+        ValueError: as the forward, plus mismatched dout/out/lse shapes or dtypes, and
+            past_len > 0 without float32 gradient pools shaped like k_cache.
+    """
+    C, Hq, Hkv, D, page_size, scale = _check_inputs(q, k, v, k_cache, v_cache, block_table, past_len, softmax_scale)
+    if dout.shape != q.shape or out.shape != q.shape:
+        raise ValueError(f"dout and out must be [C, Hq, D] = {tuple(q.shape)}; got {tuple(dout.shape)}, {tuple(out.shape)}")
+    if dout.dtype != q.dtype or out.dtype != q.dtype:
+        raise ValueError(f"dout and out must have q's dtype ({q.dtype}); got {dout.dtype}, {out.dtype}")
+    if lse.shape != (Hq, C) or lse.dtype != torch.float32:
+        raise ValueError(f"lse must be float32 [Hq={Hq}, C={C}]; got {lse.dtype} {tuple(lse.shape)}")
+    for name, t in (("dout", dout), ("out", out), ("lse", lse)):
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on {q.device}; got {t.device}")
+    if past_len > 0:
+        for name, t in (("dk_cache", dk_cache), ("dv_cache", dv_cache)):
+            if t is None or t.shape != k_cache.shape or t.dtype != torch.float32 or t.device != q.device:
+                raise ValueError(
+                    f"past_len > 0 needs {name} float32 {tuple(k_cache.shape)} on {q.device}; "
+                    f"got {None if t is None else (t.dtype, tuple(t.shape), t.device)}"
+                )
+    dq = _alloc_like(q)
+    dk = _alloc(tuple(k.shape), k.dtype, k.device)
+    dv = _alloc(tuple(v.shape), v.dtype, v.device)
+    if C == 0:
+        return dq, dk, dv
+    G = Hq // Hkv
+    BLOCK_D = max(16, triton.next_power_of_2(D))
+    common = dict(G=G, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_D=BLOCK_D, UPCAST=_INTERPRET, DOT_PREC=_dot_precision(q.dtype))
+
+    # delta = rowsum(dout * out) in fp32, [Hq, C] like lse (FlashAttention-2, Algorithm 2 line 4).
+    delta = (dout.float() * out.float()).sum(-1).t().contiguous()
+    kc, vc, bt, skc, svc = _cache_args(k_cache, v_cache, block_table, past_len, k)
+
+    def grid_rows(meta):
+        return (triton.cdiv(C * G, meta["BLOCK_M"]), Hkv)
+
+    _paged_attn_bwd_dq_kernel[grid_rows](
+        q_ptr=q, k_ptr=k, v_ptr=v, k_cache_ptr=kc, v_cache_ptr=vc, block_table_ptr=bt,
+        dout_ptr=dout, lse_ptr=lse, delta_ptr=delta, dq_ptr=dq,
+        C=C, past_len=past_len, qk_scale=scale * _LOG2E, softmax_scale=scale,
+        stride_q_c=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
+        stride_k_c=k.stride(0), stride_k_h=k.stride(1), stride_k_d=k.stride(2),
+        stride_v_c=v.stride(0), stride_v_h=v.stride(1), stride_v_d=v.stride(2),
+        stride_kc_p=skc[0], stride_kc_t=skc[1], stride_kc_h=skc[2], stride_kc_d=skc[3],
+        stride_vc_p=svc[0], stride_vc_t=svc[1], stride_vc_h=svc[2], stride_vc_d=svc[3],
+        stride_do_c=dout.stride(0), stride_do_h=dout.stride(1), stride_do_d=dout.stride(2),
+        stride_dq_c=dq.stride(0), stride_dq_h=dq.stride(1), stride_dq_d=dq.stride(2),
+        stride_lse_h=lse.stride(0), stride_delta_h=delta.stride(0),
+        **common,
+    )
+
+    def launch_dkdv(is_past, kk, vv, dkk, dvv, n_keys):
+        def grid_keys(meta):
+            return (triton.cdiv(n_keys, meta["BLOCK_N"]), Hkv)
+
+        sk = kk.stride() if is_past else (0, *kk.stride())
+        sv = vv.stride() if is_past else (0, *vv.stride())
+        sdk = dkk.stride() if is_past else (0, *dkk.stride())
+        sdv = dvv.stride() if is_past else (0, *dvv.stride())
+        _paged_attn_bwd_dkdv_kernel[grid_keys](
+            q_ptr=q, k_ptr=kk, v_ptr=vv, block_table_ptr=bt, dout_ptr=dout, lse_ptr=lse, delta_ptr=delta,
+            dk_ptr=dkk, dv_ptr=dvv,
+            C=C, n_keys=n_keys, qk_scale=scale * _LOG2E, softmax_scale=scale,
+            stride_q_c=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
+            stride_k_p=sk[0], stride_k_t=sk[1], stride_k_h=sk[2], stride_k_d=sk[3],
+            stride_v_p=sv[0], stride_v_t=sv[1], stride_v_h=sv[2], stride_v_d=sv[3],
+            stride_do_c=dout.stride(0), stride_do_h=dout.stride(1), stride_do_d=dout.stride(2),
+            stride_dk_p=sdk[0], stride_dk_t=sdk[1], stride_dk_h=sdk[2], stride_dk_d=sdk[3],
+            stride_dv_p=sdv[0], stride_dv_t=sdv[1], stride_dv_h=sdv[2], stride_dv_d=sdv[3],
+            stride_lse_h=lse.stride(0), stride_delta_h=delta.stride(0),
+            IS_PAST=is_past,
+            **common,
+        )
+
+    if past_len > 0:
+        launch_dkdv(True, k_cache, v_cache, dk_cache, dv_cache, past_len)
+    launch_dkdv(False, k, v, dk, dv, C)
+    return dq, dk, dv

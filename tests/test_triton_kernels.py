@@ -1,0 +1,210 @@
+"""Triton paged attention kernels against the PyTorch reference (oomb.ops.attention_ref).
+
+Runs on CUDA when present, else on CPU under the Triton interpreter (TRITON_INTERPRET=1 is
+set here before triton is imported). Inputs are float32; the reference runs in float64.
+Shapes are tiny and adversarial: odd chunk lengths, shuffled block tables, GQA 1/4/7,
+partial last pages, page sizes below/equal/above the kernels' 16-token interpreter tile,
+head dims that are not powers of two. Every output is poisoned with NaN before the call.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"  # must precede the first `import triton` to take effect
+
+_MOD_NAME = "oomb.ops.triton_paged_attention"
+if not torch.cuda.is_available() and "triton" in sys.modules and not getattr(sys.modules.get(_MOD_NAME), "_INTERPRET", False):
+    # Another test module imported triton before TRITON_INTERPRET was set, so triton.language's
+    # own @jit helpers (tl.max, tl.sum, ...) were built for a GPU. Re-import triton's Python
+    # modules (its compiled extension stays loaded) and the kernels module under the interpreter.
+    for _name in list(sys.modules):
+        if _name == _MOD_NAME or ((_name == "triton" or _name.startswith("triton.")) and not _name.startswith("triton._C")):
+            del sys.modules[_name]
+
+triton = pytest.importorskip("triton", reason="triton is not installed (pip install 'oomb[triton]')")
+
+from oomb.ops import attention_ref  # noqa: E402
+
+tpa = importlib.import_module(_MOD_NAME)
+
+# The interpreter itself triggers numpy's "array to scalar" deprecation on every program.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+RTOL = 1e-4
+ATOL = 1e-5  # floor for outputs that are exactly 0 in exact arithmetic (e.g. dq with one visible key)
+
+
+@pytest.fixture(autouse=True)
+def poison_outputs(monkeypatch):
+    """Every tensor the launchers allocate starts as NaN, so an unwritten element shows."""
+    monkeypatch.setattr(tpa, "_alloc_like", lambda x, dtype=None: torch.full_like(x, float("nan"), dtype=dtype))
+    monkeypatch.setattr(tpa, "_alloc", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device))
+
+
+def make_case(C, Hq, Hkv, D, past_len, S, seed, extra_pages=2, transposed_q=False, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    n_pages = -(-past_len // S)
+    P = n_pages + extra_pages
+    k_cache = torch.randn(P, S, Hkv, D, generator=gen)
+    v_cache = torch.randn(P, S, Hkv, D, generator=gen)
+    block_table = torch.randperm(P, generator=gen)[:n_pages].to(torch.int32)
+    if transposed_q:  # what the engine passes: query[0].transpose(0, 1) of HF's [1, H, C, D]
+        q = torch.randn(Hq, C, D, generator=gen).transpose(0, 1)
+        k = torch.randn(Hkv, C, D, generator=gen).transpose(0, 1)
+        v = torch.randn(Hkv, C, D, generator=gen).transpose(0, 1)
+    else:
+        q = torch.randn(C, Hq, D, generator=gen)
+        k = torch.randn(C, Hkv, D, generator=gen)
+        v = torch.randn(C, Hkv, D, generator=gen)
+    dout = torch.randn(C, Hq, D, generator=gen)
+    to = lambda t: t.to(device=DEVICE, dtype=dtype)  # noqa: E731
+    return dict(
+        q=to(q), k=to(k), v=to(v), k_cache=to(k_cache), v_cache=to(v_cache),
+        block_table=block_table.to(DEVICE), dout=to(dout),
+    )
+
+
+def assert_close(name, got, ref, rtol=RTOL):
+    """Relative to the reference's largest magnitude; reports the worst element."""
+    got = got.detach().double().cpu()
+    ref = ref.detach().double().cpu()
+    assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    assert torch.isfinite(got).all(), f"{name}: non-finite values at {torch.nonzero(~torch.isfinite(got))[:5].tolist()}"
+    err = (got - ref).abs()
+    scale = ref.abs().max().clamp_min(1e-6)
+    worst = int(err.argmax())
+    idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), err.shape))
+    rel_norm = (err.norm() / ref.norm().clamp_min(1e-12)).item()
+    assert err.max() <= rtol * scale + ATOL, (
+        f"{name}: max abs err {err.max().item():.3e} > {rtol:.0e} * {scale.item():.3e} + {ATOL:.0e} at {idx} "
+        f"(got {got[idx].item():.6f}, ref {ref[idx].item():.6f}); rel norm err {rel_norm:.2e}"
+    )
+
+
+def run_both(case, past_len, dk_init=None, scale=None):
+    """Kernel (input dtype) and float64 reference on the same inputs; returns both results."""
+    c = case
+    out, lse = tpa.paged_attention_fwd(c["q"], c["k"], c["v"], c["k_cache"], c["v_cache"], c["block_table"], past_len, scale)
+    dk_cache = torch.zeros(c["k_cache"].shape, dtype=torch.float32, device=DEVICE) if dk_init is None else dk_init[0].clone()
+    dv_cache = torch.zeros(c["v_cache"].shape, dtype=torch.float32, device=DEVICE) if dk_init is None else dk_init[1].clone()
+    dq, dk, dv = tpa.paged_attention_bwd(
+        c["dout"], c["q"], c["k"], c["v"], out, lse, c["k_cache"], c["v_cache"], c["block_table"], past_len,
+        dk_cache, dv_cache, scale,
+    )
+
+    d = {name: t.double().cpu() for name, t in c.items() if name != "block_table"}
+    bt = c["block_table"].cpu()
+    out_r, lse_r = attention_ref.paged_attention_fwd_ref(
+        d["q"], d["k"], d["v"], d["k_cache"], d["v_cache"], bt, past_len, scale, block_size=64
+    )
+    dk_cache_r = torch.zeros(d["k_cache"].shape, dtype=torch.float64)
+    dv_cache_r = torch.zeros(d["v_cache"].shape, dtype=torch.float64)
+    dq_r, dk_r, dv_r = attention_ref.paged_attention_bwd_ref(
+        d["dout"], d["q"], d["k"], d["v"], out_r, lse_r, d["k_cache"], d["v_cache"], bt, past_len,
+        dk_cache_r, dv_cache_r, scale, block_size=64,
+    )
+    got = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, dk_cache=dk_cache, dv_cache=dv_cache)
+    ref = dict(out=out_r, lse=lse_r, dq=dq_r, dk=dk_r, dv=dv_r, dk_cache=dk_cache_r, dv_cache=dv_cache_r)
+    return got, ref
+
+
+CASES = [
+    # C, Hq, Hkv, D, past_len, page_size, transposed_q     what it covers
+    pytest.param(1, 2, 2, 64, 0, 16, False, id="C1-nopast-gqa1"),
+    pytest.param(7, 4, 1, 64, 37, 16, False, id="C7-gqa4-partial-page"),
+    pytest.param(33, 7, 1, 80, 50, 4, True, id="C33-gqa7-d80-page4-tile-spans-pages-strided"),
+    pytest.param(17, 8, 2, 64, 64, 64, False, id="C17-gqa4-one-full-page-page-gt-tile"),
+    pytest.param(5, 2, 1, 80, 203, 8, True, id="C5-many-pages-partial-strided"),
+    pytest.param(33, 3, 3, 64, 16, 16, False, id="C33-gqa1-one-page-eq-tile"),
+    pytest.param(2, 7, 1, 96, 1, 64, False, id="C2-gqa7-d96-past1"),
+    pytest.param(20, 4, 2, 128, 45, 32, True, id="C20-d128-strided"),
+]
+
+
+@pytest.mark.parametrize("C,Hq,Hkv,D,past_len,S,transposed_q", CASES)
+def test_kernels_match_reference(C, Hq, Hkv, D, past_len, S, transposed_q):
+    case = make_case(C, Hq, Hkv, D, past_len, S, seed=C * 131 + past_len, transposed_q=transposed_q)
+    got, ref = run_both(case, past_len)
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        assert_close(name, got[name], ref[name])
+    assert got["out"].stride() == case["q"].stride() and got["dq"].stride() == case["q"].stride()
+    if past_len:
+        bt = case["block_table"].long().cpu()
+        for name in ("dk_cache", "dv_cache"):
+            g = got[name].cpu()[bt].reshape(-1, Hkv, D)
+            r = ref[name][bt].reshape(-1, Hkv, D)
+            assert_close(f"past {name}", g[:past_len], r[:past_len])
+            assert torch.all(g[past_len:] == 0), f"{name}: tail of the partial last page was written"
+        untouched = torch.ones(case["k_cache"].shape[0], dtype=torch.bool)
+        untouched[bt] = False
+        assert torch.all(got["dk_cache"].cpu()[untouched] == 0) and torch.all(got["dv_cache"].cpu()[untouched] == 0)
+
+
+def test_backward_accumulates_in_place_and_is_deterministic():
+    C, Hq, Hkv, D, past_len, S = 9, 4, 2, 64, 29, 8
+    case = make_case(C, Hq, Hkv, D, past_len, S, seed=7)
+    gen = torch.Generator().manual_seed(8)
+    base_k = torch.randn(case["k_cache"].shape, generator=gen).to(DEVICE)
+    base_v = torch.randn(case["v_cache"].shape, generator=gen).to(DEVICE)
+    got, ref = run_both(case, past_len, dk_init=(base_k, base_v))
+    bt = case["block_table"].long().cpu()
+    for name, base in (("dk_cache", base_k), ("dv_cache", base_v)):
+        expect = base.double().cpu() + ref[name]
+        assert_close(f"{name} accumulated", got[name].cpu()[bt].reshape(-1, Hkv, D)[:past_len],
+                     expect[bt].reshape(-1, Hkv, D)[:past_len])
+        # Outside the past tokens the existing values are bitwise untouched.
+        g = got[name].cpu()[bt].reshape(-1, Hkv, D)[past_len:]
+        assert torch.equal(g, base.cpu()[bt].reshape(-1, Hkv, D)[past_len:])
+        untouched = torch.ones(base.shape[0], dtype=torch.bool)
+        untouched[bt] = False
+        assert torch.equal(got[name].cpu()[untouched], base.cpu()[untouched])
+    # Same inputs, same bits (no atomics anywhere).
+    got2, _ = run_both(case, past_len, dk_init=(base_k, base_v))
+    for name in ("dq", "dk", "dv", "dk_cache", "dv_cache"):
+        assert torch.equal(got[name], got2[name]), f"{name} differs between two identical runs"
+
+
+def test_softmax_scale_and_bf16_path():
+    """A non-default scale in fp32, and bf16 inputs (upcast products under the interpreter)."""
+    case = make_case(11, 4, 1, 64, 21, 8, seed=3)
+    got, ref = run_both(case, 21, scale=0.3)
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        assert_close(name, got[name], ref[name])
+
+    bf = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in case.items()}
+    got, ref = run_both(bf, 21)
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        assert_close(f"bf16 {name}", got[name], ref[name], rtol=3e-2)
+
+
+def test_bad_inputs_raise():
+    c = make_case(4, 4, 2, 64, 10, 8, seed=1)
+    fwd = tpa.paged_attention_fwd
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        fwd(c["q"][:, :3], c["k"], c["v"], c["k_cache"], c["v_cache"], c["block_table"], 10)
+    with pytest.raises(ValueError, match="needs k_cache"):
+        fwd(c["q"], c["k"], c["v"], None, None, None, 10)
+    with pytest.raises(ValueError, match="int32"):
+        fwd(c["q"], c["k"], c["v"], c["k_cache"], c["v_cache"], c["block_table"].long(), 10)
+    with pytest.raises(ValueError, match=">= 2 pages"):
+        fwd(c["q"], c["k"], c["v"], c["k_cache"], c["v_cache"], c["block_table"][:1], 10)
+    with pytest.raises(ValueError, match="dtype"):
+        fwd(c["q"].double(), c["k"].double(), c["v"].double(), None, None, None, 0)
+    with pytest.raises(ValueError, match="share one dtype"):
+        fwd(c["q"], c["k"].half(), c["v"], None, None, None, 0)
+    out, lse = fwd(c["q"], c["k"], c["v"], c["k_cache"], c["v_cache"], c["block_table"], 10)
+    with pytest.raises(ValueError, match="dk_cache float32"):
+        tpa.paged_attention_bwd(c["dout"], c["q"], c["k"], c["v"], out, lse, c["k_cache"], c["v_cache"],
+                                c["block_table"], 10, None, None)
+    with pytest.raises(ValueError, match="lse must be float32"):
+        tpa.paged_attention_bwd(c["dout"], c["q"], c["k"], c["v"], out, lse[:, :2], None, None, None, 0, None, None)
+    assert math.isfinite(float(lse.sum()))
