@@ -204,6 +204,14 @@ def _usage_from(exc: Exception, default_fix: str) -> UsageError:
     return UsageError(problem, fix if sep else default_fix)
 
 
+def _check_vocab(max_id: int, vocab: int, model_name: str) -> None:
+    if max_id >= vocab:
+        raise UsageError(
+            f"the data has token id {max_id} but model {model_name!r} has a vocabulary of {vocab} ids",
+            "use the tokenizer that belongs to the model (--tokenizer) or a model whose vocabulary covers it",
+        )
+
+
 def _vocab_size(model) -> int:
     emb = model.get_input_embeddings()
     n = getattr(emb, "num_embeddings", None)
@@ -266,7 +274,7 @@ def _train(args: argparse.Namespace) -> int:
 
     from .config import OOMBConfig
     from .data import BUNDLED_CORPUS, DataError, TokenSequences, load_documents, load_tokenizer, tokenize_documents
-    from .models.presets import UnknownModelError, build_model
+    from .models.presets import UnknownModelError, build_model, check_config_supported, load_config
     from . import Engine, UnsupportedModelError
 
     device, dtype = _resolve_device_dtype(args)
@@ -288,19 +296,24 @@ def _train(args: argparse.Namespace) -> int:
     except DataError as exc:
         raise UsageError(exc.problem, exc.fix) from exc
 
+    # The model's config is checked before any weight is read or initialised.
+    try:
+        model_config = load_config(args.model)
+        check_config_supported(model_config)
+    except (UnknownModelError, UnsupportedModelError) as exc:
+        raise _usage_from(exc, "use a Qwen2/2.5, Llama 2/3, Mistral or Qwen3 causal LM (see 'oomb train --help')") from exc
+    _check_vocab(int(tokens.max()), int(model_config.vocab_size), args.model)
+
+    if args.no_progress:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     torch.manual_seed(args.seed)
     try:
         model = build_model(args.model, dtype=dtype, device=device)
     except (UnknownModelError, UnsupportedModelError) as exc:
         raise _usage_from(exc, "use a Qwen2/2.5, Llama 2/3, Mistral or Qwen3 causal LM (see 'oomb train --help')") from exc
-
-    vocab = _vocab_size(model)
-    max_id = int(tokens.max())
-    if max_id >= vocab:
-        raise UsageError(
-            f"the data has token id {max_id} but model {args.model!r} has a vocabulary of {vocab} ids",
-            "use the tokenizer that belongs to the model (--tokenizer) or a model whose vocabulary covers it",
-        )
+    _check_vocab(int(tokens.max()), _vocab_size(model), args.model)
 
     if args.lora_rank > 0:
         from peft import LoraConfig, get_peft_model

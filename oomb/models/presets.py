@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MistralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
-__all__ = ["PRESETS", "Preset", "UnknownModelError", "build_model", "preset_config", "preset_names"]
+__all__ = ["PRESETS", "Preset", "UnknownModelError", "build_model", "check_config_supported", "load_config", "preset_config", "preset_names"]
 
 _MAX_POSITIONS = 1 << 22
 """4,194,304 tokens: the position limit of every preset (the published system trains 4M tokens)."""
@@ -181,26 +181,44 @@ def _is_local_model_dir(path: str) -> bool:
     return os.path.isdir(path)
 
 
-def _check_local_config(path: str) -> PretrainedConfig:
+def load_config(name_or_path: str) -> PretrainedConfig:
+    """The transformers config of a preset or of a local model directory; no weights are read.
+
+    Raises:
+        UnknownModelError: neither a preset nor a directory with a readable ``config.json``.
+    """
+    if not _is_local_model_dir(name_or_path):
+        return preset_config(name_or_path)
+    path = name_or_path
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise UnknownModelError(
             f"{path!r} is a directory without config.json; pass a Hugging Face model directory "
             f"(as written by save_pretrained) or one of the presets ({', '.join(PRESETS)})"
         )
     try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        return AutoConfig.from_pretrained(path, local_files_only=True)
     except (ValueError, KeyError, OSError) as exc:
-        raise UnknownModelError(f"cannot read the model config in {path!r} ({exc}); check that config.json is a valid Hugging Face config") from exc
-    # Refuse before loading weights: an unsupported model may be large.
-    from .hf import SUPPORTED_MODEL_TYPES, UnsupportedModelError
+        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UnknownModelError(f"cannot read the model config in {path!r} ({first_line}); check that config.json is a valid Hugging Face config") from exc
+
+
+def check_config_supported(config: PretrainedConfig) -> None:
+    """Raise ``oomb.UnsupportedModelError`` if the engine cannot train a model of ``config``.
+
+    Runs the engine's own check on a model built on the meta device (no memory,
+    no weights), so a large unsupported checkpoint is refused before it is read.
+    """
+    from .hf import SUPPORTED_MODEL_TYPES, UnsupportedModelError, check_model_supported
 
     model_type = getattr(config, "model_type", None)
     if getattr(config, "is_encoder_decoder", False) or model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
-            f"model type {model_type!r} in {path!r} is not supported; use a decoder-only model of type "
-            f"{', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"model type {model_type!r} is not supported (oomb trains decoder-only causal LMs); "
+            f"use a model of type {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
-    return config
+    with torch.device("meta"):
+        meta_model = AutoModelForCausalLM.from_config(config)
+    check_model_supported(meta_model)
 
 
 def build_model(
@@ -222,15 +240,16 @@ def build_model(
 
     Raises:
         UnknownModelError: neither a preset nor a readable local model directory.
-        oomb.UnsupportedModelError: a local model of an unsupported type.
+        oomb.UnsupportedModelError: a model the engine cannot train (checked
+            before any weight is read).
     """
     device = torch.device(device)
+    config = load_config(name_or_path)
+    check_config_supported(config)
     if _is_local_model_dir(name_or_path):
-        _check_local_config(name_or_path)
         model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, local_files_only=True)
         model.to(device)
     else:
-        config = preset_config(name_or_path)
         with device:
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.train()

@@ -1,0 +1,244 @@
+"""`oomb train` end to end on tiny presets, and every bad-input rule: exit 2, one line, nothing touched."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from oomb.cli import main
+
+# Small and fast: 2 chunks of 64 tokens per sequence, pages of 32.
+FAST = ["--seq-len", "128", "--chunk-size", "64", "--page-size", "32", "--steps", "2", "--no-progress"]
+
+TEXT = (
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+    "must be in want of a wife. However little known the feelings or views of such a man may be "
+    "on his first entering a neighbourhood, this truth is so well fixed in the minds of the "
+    "surrounding families, that he is considered as the rightful property of some one or other "
+    "of their daughters.\n"
+) * 4
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    f = tmp_path / "text.txt"
+    f.write_text(TEXT)
+    return f
+
+
+def run_cli(argv):
+    """Run main(argv) in-process; return the exit status."""
+    try:
+        return main([str(a) for a in argv])
+    except SystemExit as exc:
+        return exc.code
+
+
+def snapshot(path):
+    """Every file under ``path`` with its bytes, to prove a directory was left as it was."""
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_train_end_to_end_writes_log_and_safetensors(tmp_path, text_file, capsys):
+    out = tmp_path / "run"
+    assert run_cli(["train", "--data", text_file, "--output-dir", out, *FAST]) == 0
+    lines = (out / "log.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert {"step", "loss", "tokens_per_s", "peak_memory_bytes", "seconds", "lr"} <= set(r)
+        assert r["num_tokens"] == 128 and r["peak_memory_bytes"] is None and r["tokens_per_s"] > 0
+        assert 5 < r["loss"] < 12
+    names = set(os.listdir(out))
+    assert {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json", "train_args.json", "log.jsonl"} <= names
+    assert not [n for n in names if n.startswith(".oomb-save")]
+    model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+    assert model.config.model_type == "qwen2" and model.config.num_hidden_layers == 4
+    assert json.loads((out / "train_args.json").read_text())["seq_len"] == 128
+    printed = capsys.readouterr().out
+    assert "step     2/2" in printed
+
+
+def test_training_changes_the_weights_and_is_seeded(tmp_path, text_file):
+    out = tmp_path / "run"
+    assert run_cli(["train", "--data", text_file, "--output-dir", out, "--model", "tiny-llama", *FAST]) == 0
+    trained = load_file(out / "model.safetensors")
+    torch.manual_seed(0)
+    from oomb.models.presets import build_model
+
+    init = build_model("tiny-llama").state_dict()
+    key = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(trained[key], init[key])
+    assert trained[key].shape == init[key].shape
+
+
+def test_lora_run_saves_only_an_adapter(tmp_path, text_file):
+    out = tmp_path / "lora"
+    assert run_cli(["train", "--data", text_file, "--output-dir", out, "--lora-rank", "4", *FAST]) == 0
+    names = set(os.listdir(out))
+    assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "log.jsonl"} <= names
+    assert "model.safetensors" not in names
+    adapter = load_file(out / "adapter_model.safetensors")
+    assert adapter and all("lora_" in k for k in adapter)
+    assert any("q_proj" in k for k in adapter) and any("o_proj" in k for k in adapter)
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    assert cfg["r"] == 4 and set(cfg["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    # lora_B starts at zero; a trained adapter is not.
+    assert any(v.abs().sum() > 0 for k, v in adapter.items() if "lora_B" in k)
+
+
+def test_overwrite_replaces_a_previous_run(tmp_path, text_file):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    assert run_cli(["train", "--data", text_file, "--output-dir", out, "--overwrite", *FAST]) == 0
+    assert not (out / "old.txt").exists() and (out / "model.safetensors").is_file()
+    assert len((out / "log.jsonl").read_text().splitlines()) == 2
+
+
+@pytest.fixture
+def small_vocab_model(tmp_path):
+    d = tmp_path / "small-vocab"
+    cfg = Qwen2Config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    Qwen2ForCausalLM(cfg).save_pretrained(d)
+    return d
+
+
+@pytest.fixture
+def sliding_window_model(tmp_path):
+    d = tmp_path / "sliding"
+    cfg = MistralConfig(vocab_size=32000, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, sliding_window=64)
+    MistralForCausalLM(cfg).save_pretrained(d)
+    return d
+
+
+@pytest.fixture
+def encoder_model(tmp_path):
+    from transformers import BertConfig
+
+    d = tmp_path / "bert"
+    BertConfig(vocab_size=32000, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64).save_pretrained(d)
+    return d
+
+
+def _bad_inputs(tmp_path, text_file):
+    """(name, extra argv, fragment the message must contain). Each run also gets --overwrite."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    empty_dir = tmp_path / "no-text"
+    empty_dir.mkdir()
+    one_token = tmp_path / "one.txt"
+    one_token.write_text("a")
+    bad_jsonl = tmp_path / "bad.jsonl"
+    bad_jsonl.write_text("not json\n")
+    return [
+        ("missing data", ["--data", tmp_path / "nope.txt"], "does not exist"),
+        ("empty file", ["--data", empty], "is empty"),
+        ("folder without text", ["--data", empty_dir], "no .txt or .jsonl"),
+        ("bad jsonl", ["--data", bad_jsonl], "not valid JSON"),
+        ("one token", ["--data", one_token, "--seq-len", "2"], "only 1 token"),
+        ("shorter than seq-len", ["--data", text_file, "--seq-len", "100000", "--chunk-size", "64", "--page-size", "32"], "fewer than --seq-len 100000"),
+        ("seq-len 1", ["--data", text_file, "--seq-len", "1"], "at least 2 tokens"),
+        ("zero seq-len", ["--data", text_file, "--seq-len", "0"], "--seq-len is 0"),
+        ("negative chunk", ["--data", text_file, "--chunk-size", "-64"], "--chunk-size is -64"),
+        ("zero page", ["--data", text_file, "--page-size", "0"], "--page-size is 0"),
+        ("zero steps", ["--data", text_file, "--steps", "0"], "--steps is 0"),
+        ("negative lr", ["--data", text_file, "--lr", "-1"], "--lr is -1"),
+        ("negative lora rank", ["--data", text_file, "--lora-rank", "-2"], "--lora-rank is -2"),
+        ("chunk not multiple of page", ["--data", text_file, "--chunk-size", "100", "--page-size", "32"], "not a multiple of --page-size"),
+        ("not an integer", ["--data", text_file, "--seq-len", "ten"], "invalid int value"),
+        ("unknown preset", ["--data", text_file, "--model", "gpt-17"], "unknown model 'gpt-17'"),
+        ("missing tokenizer", ["--data", text_file, "--tokenizer", tmp_path / "no-tok"], "tokenizer folder"),
+        ("no cuda", ["--data", text_file, "--device", "cuda"], "no CUDA GPU"),
+    ]
+
+
+def _check_refused(status, capsys, fragment):
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert status == 2, err
+    assert len(lines) == 1, err
+    assert lines[0].startswith("oomb: error: ") and "; " in lines[0], lines[0]
+    assert fragment in lines[0], lines[0]
+    assert "Traceback" not in err
+
+
+def test_every_bad_input_exits_2_with_one_line_and_touches_nothing(tmp_path, text_file, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("the no-CUDA rule needs a machine without a GPU")
+    out = tmp_path / "previous-run"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"precious")
+    (out / "log.jsonl").write_text('{"step": 1}\n')
+    before = snapshot(out)
+    for name, extra, fragment in _bad_inputs(tmp_path, text_file):
+        status = run_cli(["train", "--output-dir", out, "--overwrite", *FAST, *extra])
+        _check_refused(status, capsys, fragment)
+        assert snapshot(out) == before, name
+
+
+@pytest.mark.parametrize(
+    "model_fixture, fragment",
+    [("small_vocab_model", "vocabulary of 300"), ("sliding_window_model", "sliding"), ("encoder_model", "bert")],
+)
+def test_bad_models_exit_2_and_touch_nothing(request, tmp_path, text_file, capsys, model_fixture, fragment):
+    model_dir = request.getfixturevalue(model_fixture)
+    capsys.readouterr()  # drop what saving the fixture printed
+    out = tmp_path / "previous-run"
+    out.mkdir()
+    (out / "keep.txt").write_text("keep")
+    status = run_cli(["train", "--data", text_file, "--model", model_dir, "--output-dir", out, "--overwrite", *FAST])
+    _check_refused(status, capsys, fragment)
+    assert snapshot(out) == {"keep.txt": b"keep"}
+
+
+def test_non_empty_output_dir_needs_overwrite(tmp_path, text_file, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "keep.txt").write_text("keep")
+    _check_refused(run_cli(["train", "--data", text_file, "--output-dir", out, *FAST]), capsys, "--overwrite")
+    assert snapshot(out) == {"keep.txt": b"keep"}
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    _check_refused(run_cli(["train", "--data", text_file, "--output-dir", f, *FAST]), capsys, "is a file")
+    assert f.read_text() == "x"
+
+
+def test_overwrite_refuses_to_delete_its_own_inputs(tmp_path, capsys):
+    data = tmp_path / "corpus"
+    data.mkdir()
+    (data / "a.txt").write_text(TEXT)
+    _check_refused(run_cli(["train", "--data", data / "a.txt", "--output-dir", data, "--overwrite", *FAST]), capsys, "would delete")
+    assert (data / "a.txt").read_text() == TEXT
+
+
+def test_missing_output_dir_and_unknown_command(capsys):
+    _check_refused(run_cli(["train"]), capsys, "--output-dir")
+    _check_refused(run_cli(["fly"]), capsys, "invalid choice")
+
+
+def test_command_line_entry_point(tmp_path, text_file):
+    """The real process: --version, and a bad input gives status 2 and exactly one stderr line."""
+    env = dict(os.environ, TRANSFORMERS_VERBOSITY="error")
+    version = subprocess.run([sys.executable, "-m", "oomb", "--version"], capture_output=True, text=True, env=env)
+    assert version.returncode == 0 and version.stdout.startswith("oomb ")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "keep.txt").write_text("keep")
+    bad = subprocess.run(
+        [sys.executable, "-m", "oomb", "train", "--data", text_file, "--output-dir", out, "--overwrite", "--seq-len", "100000"],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    assert bad.returncode == 2, bad.stderr
+    assert bad.stderr.count("\n") == 1 and bad.stderr.startswith("oomb: error: the data has "), bad.stderr
+    assert "pass --seq-len" in bad.stderr
+    assert snapshot(out) == {"keep.txt": b"keep"}

@@ -1,0 +1,144 @@
+"""Loading text files, folders and JSON Lines into one token stream cut into sequences."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from oomb.data import (
+    BUNDLED_CORPUS,
+    BUNDLED_TOKENIZER,
+    DataError,
+    TokenSequences,
+    load_documents,
+    load_tokenizer,
+    tokenize_documents,
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer()
+
+
+def test_bundled_corpus_and_tokenizer_ship_with_their_licences():
+    names = sorted(p.name for p in BUNDLED_CORPUS.iterdir())
+    assert "COPYRIGHT.packaging" in names and len([n for n in names if n.endswith(".txt")]) == 6
+    assert (BUNDLED_TOKENIZER / "LICENSE").is_file() and (BUNDLED_TOKENIZER / "tokenizer.json").is_file()
+    docs = load_documents()
+    assert [d.source.rsplit("/", 1)[-1] for d in docs] == sorted(n for n in names if n.endswith(".txt"))
+
+
+def test_bundled_tokenizer_is_local_and_has_eos(tokenizer):
+    assert len(tokenizer) == 32000 and tokenizer.eos_token_id == 2
+
+
+def test_text_file(tmp_path):
+    f = tmp_path / "a.md"
+    f.write_text("Hello there.\n")
+    docs = load_documents(f)
+    assert [d.text for d in docs] == ["Hello there.\n"]
+
+
+def test_folder_reads_txt_and_jsonl_sorted_and_skips_other_files(tmp_path):
+    (tmp_path / "b.txt").write_text("second")
+    (tmp_path / "a.txt").write_text("first")
+    (tmp_path / "c.jsonl").write_text(json.dumps({"text": "third"}) + "\n")
+    (tmp_path / "notes.csv").write_text("ignored")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "x.txt").write_text("not recursive")
+    assert [d.text for d in load_documents(tmp_path)] == ["first", "second", "third"]
+
+
+def test_jsonl_one_document_per_line(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text(json.dumps({"text": "one", "id": 1}) + "\n\n" + json.dumps({"text": "two"}) + "\n" + json.dumps({"text": "  "}) + "\n")
+    docs = load_documents(f)
+    assert [d.text for d in docs] == ["one", "two"]
+    assert docs[1].source.endswith("d.jsonl:3")
+
+
+@pytest.mark.parametrize(
+    "content, match",
+    [("{not json}\n", "not valid JSON"), (json.dumps({"body": "x"}) + "\n", 'no string "text"'), ("[1, 2]\n", 'no string "text"')],
+)
+def test_bad_jsonl(tmp_path, content, match):
+    f = tmp_path / "bad.jsonl"
+    f.write_text(content)
+    with pytest.raises(DataError, match=match) as info:
+        load_documents(f)
+    assert "bad.jsonl:1" in info.value.problem and info.value.fix
+
+
+def test_missing_and_empty_data(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        load_documents(tmp_path / "nope.txt")
+    with pytest.raises(DataError, match="no .txt or .jsonl"):
+        load_documents(tmp_path)
+    (tmp_path / "blank.txt").write_text(" \n\n\t")
+    with pytest.raises(DataError, match="empty"):
+        load_documents(tmp_path)
+
+
+def test_non_utf8_file(tmp_path):
+    f = tmp_path / "latin1.txt"
+    f.write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(DataError, match="not UTF-8"):
+        load_documents(f)
+
+
+def test_missing_tokenizer(tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        load_tokenizer(tmp_path / "nope")
+    with pytest.raises(DataError, match="cannot load a tokenizer"):
+        load_tokenizer(tmp_path)
+
+
+def test_eos_between_documents_only(tmp_path, tokenizer):
+    (tmp_path / "a.txt").write_text("Emma Woodhouse")
+    (tmp_path / "b.txt").write_text("Mr. Knightley")
+    docs = load_documents(tmp_path)
+    tokens = tokenize_documents(docs, tokenizer)
+    a = tokenizer("Emma Woodhouse", add_special_tokens=False)["input_ids"]
+    b = tokenizer("Mr. Knightley", add_special_tokens=False)["input_ids"]
+    assert tokens.dtype == np.int64
+    assert tokens.tolist() == a + [tokenizer.eos_token_id] + b
+
+
+def test_token_cache_round_trip(tmp_path, tokenizer, monkeypatch):
+    monkeypatch.setenv("OOMB_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "a.txt").write_text("It is a truth universally acknowledged")
+    docs = load_documents(tmp_path / "a.txt")
+    first = tokenize_documents(docs, tokenizer, cache=True)
+    assert len(list((tmp_path / "cache").glob("tokens-*.npy"))) == 1
+    again = tokenize_documents(docs, tokenizer, cache=True)
+    np.testing.assert_array_equal(first, again)
+    (tmp_path / "a.txt").write_text("It is a truth universally acknowledged, that")
+    changed = tokenize_documents(load_documents(tmp_path / "a.txt"), tokenizer, cache=True)
+    assert len(changed) > len(first)  # a changed text is a new cache entry, not a stale hit
+
+
+def test_sequences_cut_and_order():
+    tokens = np.arange(103, dtype=np.int64)
+    seqs = TokenSequences(tokens, seq_len=10, seed=7)
+    assert len(seqs) == 10  # tail of 3 tokens dropped
+    assert seqs[3].tolist() == [list(range(30, 40))]
+    served = [int(s[0, 0]) // 10 for s in seqs.batches(25)]
+    assert sorted(served[:10]) == list(range(10)) and sorted(served[10:20]) == list(range(10))
+    assert served[:10] != served[10:20]  # a new order each epoch
+    again = [int(s[0, 0]) // 10 for s in TokenSequences(tokens, 10, seed=7).batches(25)]
+    assert served == again
+    other = [int(s[0, 0]) // 10 for s in TokenSequences(tokens, 10, seed=8).batches(10)]
+    assert other != served[:10]
+
+
+def test_sequences_too_short_say_how_many_tokens():
+    with pytest.raises(DataError, match="only 1 token"):
+        TokenSequences(np.array([5]), seq_len=2)
+    with pytest.raises(DataError, match="has 50 tokens, fewer than --seq-len 64") as info:
+        TokenSequences(np.arange(50), seq_len=64)
+    assert "--seq-len 50" in info.value.fix
+    with pytest.raises(DataError, match="at least 2"):
+        TokenSequences(np.arange(50), seq_len=1)

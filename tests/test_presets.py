@@ -1,0 +1,92 @@
+"""Built-in presets and loading of local Hugging Face model directories."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, BertConfig, Qwen2Config, Qwen2ForCausalLM
+
+from oomb import Engine, OOMBConfig, UnsupportedModelError
+from oomb.data import load_tokenizer
+from oomb.models.presets import PRESETS, UnknownModelError, build_model, preset_config, preset_names
+
+TINY = ["tiny", "tiny-llama", "tiny-mistral", "tiny-qwen3"]
+
+
+@pytest.mark.parametrize("name", preset_names())
+def test_preset_configs_cover_the_bundled_tokenizer_and_a_million_tokens(name):
+    cfg = preset_config(name)
+    assert cfg.vocab_size >= len(load_tokenizer())
+    assert cfg.max_position_embeddings >= 1 << 20
+    assert getattr(cfg, "sliding_window", None) is None
+    assert cfg.model_type in ("qwen2", "llama", "mistral", "qwen3")
+    assert cfg.num_attention_heads % cfg.num_key_value_heads == 0
+
+
+def test_qwen25_7b_has_the_published_shape():
+    cfg = preset_config("qwen2.5-7b")
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads) == (28, 3584, 28, 4)
+    assert (cfg.intermediate_size, cfg.vocab_size, cfg.rope_parameters["rope_theta"]) == (18944, 152064, 1e6)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    n = sum(p.numel() for p in model.parameters())
+    assert 7.5e9 < n < 7.7e9  # Qwen2.5-7B: 7.62B parameters
+
+
+def test_qwen25_05b_has_the_published_shape():
+    cfg = preset_config("qwen2.5-0.5b")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    n = sum(p.numel() for p in model.parameters())
+    assert 4.8e8 < n < 5.0e8  # Qwen2.5-0.5B: 494M parameters (tied embeddings)
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_tiny_presets_train_with_the_engine(name):
+    torch.manual_seed(0)
+    model = build_model(name)
+    assert model.training and model.dtype == torch.float32
+    engine = Engine(model, OOMBConfig(chunk_size=32, page_size=16))
+    ids = torch.randint(0, model.config.vocab_size, (1, 80))
+    out = engine.step(ids)
+    assert abs(out.loss - torch.log(torch.tensor(32000.0)).item()) < 0.5  # random init: ~ln(vocab)
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_presets_are_seeded_and_dtype_follows_the_argument():
+    torch.manual_seed(3)
+    a = build_model("tiny")
+    torch.manual_seed(3)
+    b = build_model("tiny", dtype=torch.bfloat16)
+    assert b.dtype == torch.bfloat16
+    wa = a.model.layers[0].self_attn.q_proj.weight
+    wb = b.model.layers[0].self_attn.q_proj.weight
+    torch.testing.assert_close(wa.to(torch.bfloat16), wb)
+
+
+def test_unknown_name_lists_the_presets():
+    with pytest.raises(UnknownModelError) as info:
+        build_model("no-such-model")
+    for name in PRESETS:
+        assert name in str(info.value)
+
+
+def test_local_directory_round_trip(tmp_path):
+    cfg = Qwen2Config(vocab_size=500, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    saved = Qwen2ForCausalLM(cfg)
+    saved.save_pretrained(tmp_path)
+    loaded = build_model(str(tmp_path))
+    assert isinstance(loaded, Qwen2ForCausalLM) and loaded.training
+    torch.testing.assert_close(loaded.model.embed_tokens.weight, saved.model.embed_tokens.weight)
+
+
+def test_local_directory_of_an_encoder_is_refused_before_loading_weights(tmp_path):
+    BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="bert"):
+        build_model(str(tmp_path))
+
+
+def test_directory_without_config_is_an_unknown_model(tmp_path):
+    with pytest.raises(UnknownModelError, match="config.json"):
+        build_model(str(tmp_path))
