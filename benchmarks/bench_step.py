@@ -1,0 +1,183 @@
+"""One training step of oomb next to the plain Hugging Face baseline, in ONE run.
+
+Per context length and system: seconds per step (forward + backward, no
+optimizer, gradients kept), tokens/s and peak GPU memory. Systems:
+
+* ``hf``: the model's own forward with SDPA attention, per-layer gradient
+  checkpointing and a chunked cross-entropy (logits for 1024 tokens at a time),
+  i.e. the strongest plain-HF setup (DESIGN.md §1).
+* ``oomb-torch`` / ``oomb-triton``: :class:`oomb.Engine`, dense, with the
+  PyTorch reference attention or the Triton kernels.
+
+A length that runs out of memory is recorded as OOM and the run goes on.
+Writes ``<out>/step_<model>_<date>.json`` and ``.md``.
+
+Example (on the GPU)::
+
+    PYTHONPATH=. python benchmarks/bench_step.py --model qwen2.5-7b \
+        --lengths 32768 131072 --systems hf oomb-triton --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import os
+import platform
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from oomb import Engine, OOMBConfig  # noqa: E402
+from oomb.engine.loss import chunked_cross_entropy_sum  # noqa: E402
+from oomb.models.presets import preset_config  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+GiB = 1024**3
+
+
+def build(model_name: str, device: torch.device, dtype: torch.dtype):
+    config = preset_config(model_name)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model
+
+
+def hf_step(model, input_ids: torch.Tensor, loss_block: int = 1024) -> float:
+    """SDPA + per-layer checkpointing + chunked CE over the whole sequence."""
+    model.set_attn_implementation("sdpa")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    hidden = model.model(input_ids=input_ids, use_cache=False).last_hidden_state[0]
+    targets = torch.cat([input_ids[0, 1:], input_ids.new_full((1,), -100)])
+    loss = chunked_cross_entropy_sum(hidden, model.lm_head, targets, loss_block) / (targets.numel() - 1)
+    loss.backward()
+    model.gradient_checkpointing_disable()
+    return float(loss)
+
+
+def measure(fn, device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    extra = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
+    return dt, peak, extra
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="qwen2.5-7b")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
+    ap.add_argument("--systems", nargs="+", default=["hf", "oomb-triton"], choices=["hf", "oomb-torch", "oomb-triton"])
+    ap.add_argument("--chunk-size", type=int, default=4096)
+    ap.add_argument("--page-size", type=int, default=128)
+    ap.add_argument("--warmup-len", type=int, default=8192, help="tokens of one untimed warm-up step per system")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--tag", default="", help="suffix of the result file names")
+    args = ap.parse_args(argv)
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build(args.model, device, dtype)
+    n_params = sum(p.numel() for p in model.parameters())
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    rows = []
+
+    def run_system(system: str, T: int):
+        ids = torch.randint(0, min(vocab, 32000), (1, T), generator=gen).to(device)
+        if system == "hf":
+            return measure(lambda: hf_step(model, ids), device)
+        backend = system.split("-")[1]
+        engine = Engine(model, OOMBConfig(chunk_size=args.chunk_size, page_size=args.page_size, attention_backend=backend))
+        out_holder = {}
+
+        def go():
+            out_holder["out"] = engine.step(ids)
+            return out_holder["out"].loss
+
+        res = measure(go, device)
+        kv = out_holder["out"].kv_store_bytes
+        del engine
+        return res[0], res[1], (res[2], kv)
+
+    for system in args.systems:
+        # Warm-up (compilation, autotuning, allocator) once per system, untimed.
+        try:
+            run_system(system, min(args.warmup_len, min(args.lengths)))
+        except torch.OutOfMemoryError:
+            pass
+        model.zero_grad(set_to_none=False)
+        for T in args.lengths:
+            row = dict(system=system, seq_len=T)
+            try:
+                dt, peak, extra = run_system(system, T)
+                loss, kv = (extra, None) if system == "hf" else extra
+                row.update(seconds=dt, tokens_per_s=T / dt, peak_gib=None if peak is None else peak / GiB, loss=loss)
+                if kv is not None:
+                    row["kv_store_gib"] = kv / GiB
+                    if peak is not None:
+                        row["peak_minus_kv_gib"] = (peak - kv) / GiB
+            except torch.OutOfMemoryError:
+                row.update(seconds=None, tokens_per_s=None, peak_gib=None, error="out of memory")
+            model.zero_grad(set_to_none=False)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+
+    meta = dict(
+        date=_dt.date.today().isoformat(),
+        gpu=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+        torch=torch.__version__,
+        transformers=__import__("transformers").__version__,
+        triton=getattr(__import__("importlib").util.find_spec("triton"), "name", None) and __import__("triton").__version__,
+        model=args.model,
+        params=n_params,
+        dtype=str(dtype),
+        chunk_size=args.chunk_size,
+        page_size=args.page_size,
+        note="one step = forward + backward, no optimizer, gradients kept; peak = torch.cuda.max_memory_allocated",
+    )
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"step_{args.model}_{meta['date']}{args.tag}")
+    with open(stem + ".json", "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=2)
+    lines = [
+        f"# One training step, {args.model} ({n_params / 1e9:.2f}B params, {dtype}), {meta['gpu']}, {meta['date']}",
+        "",
+        f"torch {meta['torch']}, transformers {meta['transformers']}, triton {meta['triton']}; chunk {args.chunk_size}, page {args.page_size}.",
+        "",
+        "| system | tokens | s/step | tok/s | peak GiB | KV store GiB | peak - KV GiB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    fmt = lambda v, f: "—" if v is None else format(v, f)  # noqa: E731
+    for r in rows:
+        if r.get("error"):
+            lines.append(f"| {r['system']} | {r['seq_len']} | {r['error']} | | | | |")
+        else:
+            lines.append(
+                f"| {r['system']} | {r['seq_len']} | {fmt(r['seconds'], '.2f')} | {fmt(r['tokens_per_s'], '.0f')} | "
+                f"{fmt(r['peak_gib'], '.1f')} | {fmt(r.get('kv_store_gib'), '.2f')} | {fmt(r.get('peak_minus_kv_gib'), '.1f')} |"
+            )
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
