@@ -106,3 +106,44 @@ def test_bad_shapes_raise():
     q = torch.randn(4, 4, 8)
     with pytest.raises(ValueError, match="needs k_cache"):
         paged_attention_fwd_ref(q, k, k, None, None, None, 5)
+
+
+@pytest.mark.parametrize("C,past_len,S,block,starts", [
+    (9, 13, 4, 8, [0, 5, 14, 15, 20]),  # docs ending mid-page, a one-token doc, a doc starting in the chunk
+    (6, 16, 4, 4, [0, 16]),  # document boundary exactly at the chunk start: the whole past is skipped
+    (7, 21, 4, 8, [0, 18]),  # a document spanning the chunk boundary
+])
+def test_reference_packed_documents(C, past_len, S, block, starts):
+    Hq, Hkv, D = 4, 2, 8
+    gen = torch.Generator().manual_seed(7)
+    q, k, v, k_cache, v_cache, bt = make_case(C, Hq, Hkv, D, past_len, S, gen)
+    T = past_len + C
+    doc_start_all = torch.zeros(T, dtype=torch.long)
+    for s0 in starts:
+        doc_start_all[s0:] = s0
+    q_doc_start = doc_start_all[past_len:]
+    scale = D ** -0.5
+    past_k = k_cache[bt.long()].reshape(-1, Hkv, D)[:past_len]
+    past_v = v_cache[bt.long()].reshape(-1, Hkv, D)[:past_len]
+    q_ = q.clone().requires_grad_()
+    k_all = torch.cat([past_k, k]).requires_grad_()
+    v_all = torch.cat([past_v, v]).requires_grad_()
+    G = Hq // Hkv
+    s = torch.einsum("qhd,khd->hqk", q_, k_all.repeat_interleave(G, 1)) * scale
+    qpos = torch.arange(C)[:, None] + past_len
+    kpos = torch.arange(T)[None, :]
+    s = s.masked_fill((kpos > qpos) | (kpos < q_doc_start[:, None]), float("-inf"))
+    out_ref = torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), v_all.repeat_interleave(G, 1))
+    dout = torch.randn_like(out_ref)
+    out_ref.backward(dout)
+
+    out, lse = paged_attention_fwd_ref(q, k, v, k_cache, v_cache, bt, past_len, scale, block, q_doc_start)
+    torch.testing.assert_close(out, out_ref.detach(), rtol=1e-12, atol=1e-12)
+    dk_cache, dv_cache = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    dq, dk, dv = paged_attention_bwd_ref(dout, q, k, v, out, lse, k_cache, v_cache, bt, past_len, dk_cache, dv_cache,
+                                         scale, block, q_doc_start)
+    torch.testing.assert_close(dq, q_.grad, rtol=1e-11, atol=1e-11)
+    torch.testing.assert_close(dk, k_all.grad[past_len:], rtol=1e-11, atol=1e-11)
+    torch.testing.assert_close(dv, v_all.grad[past_len:], rtol=1e-11, atol=1e-11)
+    got_dk = dk_cache[bt.long()].reshape(-1, Hkv, D)[:past_len]
+    torch.testing.assert_close(got_dk, k_all.grad[:past_len], rtol=1e-11, atol=1e-11)

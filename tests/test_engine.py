@@ -329,3 +329,43 @@ def test_loss_normalizer_two_sequences_equal_joint_mean():
     assert err <= 1e-10, f"worst gradient {where}: rel err {err:.3e}"
     with pytest.raises(ValueError, match="loss_normalizer"):
         engine.step(a, loss_normalizer=3)
+
+
+@pytest.mark.parametrize("family,lengths,chunk,page", [
+    ("qwen2", [13, 1, 22, 9, 1, 17], 8, 4),  # docs ending mid-page and mid-chunk, one-token docs
+    ("llama", [16, 16, 5], 8, 4),  # boundaries on chunk edges
+    ("qwen3", [30, 1], 12, 4),  # a one-token document at the very end
+])
+def test_packed_documents_equal_separate_training(family, lengths, chunk, page):
+    torch.manual_seed(11)
+    model = tiny(family, 4, 2).double()
+    ref = clone_model(model)
+    ref.set_attn_implementation("sdpa")
+    T = sum(lengths)
+    ids = torch.randint(0, VOCAB, (1, T))
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)))
+    n_valid = sum(n - 1 for n in lengths)
+    total = 0
+    for a, b in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        if b - a < 2:
+            continue  # a one-token document predicts nothing
+        doc = ids[:, a:b]
+        logits = ref(input_ids=doc).logits[0]
+        t = torch.cat([doc[0, 1:], torch.tensor([-100])])
+        total = total + F.cross_entropy(logits, t, ignore_index=-100, reduction="sum")
+    (total / n_valid).backward()
+
+    engine = Engine(model, OOMBConfig(chunk_size=chunk, page_size=page, attention_backend="torch"))
+    out = engine.step(ids, cu_seqlens=cu)
+    assert out.num_valid_tokens == n_valid
+    assert abs(out.loss - total.item() / n_valid) <= 1e-10 * out.loss
+    err, where = max_rel_grad_error(model, ref)
+    assert err <= 1e-10, f"worst gradient {where}: rel err {err:.3e}"
+    assert abs(engine.evaluate(ids, cu_seqlens=cu) - out.loss) <= 1e-10 * out.loss
+
+
+@pytest.mark.parametrize("cu", [[0, 5, 5, 10], [1, 10], [0, 9], [0, 6, 4, 10]])
+def test_bad_cu_seqlens(cu):
+    engine = Engine(tiny("qwen2").double(), OOMBConfig(chunk_size=8, page_size=4, attention_backend="torch"))
+    with pytest.raises(ValueError, match="cu_seqlens must start at 0"):
+        engine.step(torch.zeros(1, 10, dtype=torch.long), cu_seqlens=torch.tensor(cu))

@@ -64,12 +64,15 @@ class StepOutput:
 class _ChunkContext:
     """Per-(stage, chunk) state handed to the attention function through transformers' kwargs."""
 
-    def __init__(self, engine: "Engine", stage: int, start: int, length: int, is_last: bool):
+    def __init__(
+        self, engine: "Engine", stage: int, start: int, length: int, is_last: bool, q_doc_start: torch.Tensor | None
+    ):
         self.engine = engine
         self.stage = stage
         self.start = start
         self.length = length
         self.is_last = is_last
+        self.q_doc_start = q_doc_start
 
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float):
         """query [1, Hq, C, D], key/value [1, Hkv, C, D] -> attention output [1, C, Hq, D]."""
@@ -83,15 +86,37 @@ class _ChunkContext:
         past = store.layer_block_table(layer, n_past_pages)
         if self.stage == 1:
             store.write(layer, self.start, k, v)
-            kv = PagedKV(store.k_cache, store.v_cache, past, self.start)
+            kv = PagedKV(store.k_cache, store.v_cache, past, self.start, q_doc_start=self.q_doc_start)
             out, _ = paged_attention_forward(q, k, v, kv, scaling, eng._backend, eng.config.attention_block_size)
         else:
             own = None
             if not self.is_last:
                 own = store.layer_block_table(layer, n_past_pages + -(-self.length // S))[n_past_pages:]
-            kv = PagedKV(store.k_cache, store.v_cache, past, self.start, store.dk_cache, store.dv_cache, own)
+            kv = PagedKV(
+                store.k_cache, store.v_cache, past, self.start, store.dk_cache, store.dv_cache, own, self.q_doc_start
+            )
             out = paged_attention(q, k, v, kv, scaling, eng._backend, eng.config.attention_block_size)
         return out.unsqueeze(0)
+
+
+def _slice(x: torch.Tensor | None, start: int, n: int) -> torch.Tensor | None:
+    return None if x is None else x[start : start + n]
+
+
+def _doc_starts(cu_seqlens: torch.Tensor | list, T: int) -> torch.Tensor:
+    """cu_seqlens [num_docs + 1] -> int64 [T]: the first token index of each token's document.
+
+    Raises:
+        ValueError: unless cu_seqlens starts at 0, ends at T and strictly increases.
+    """
+    cu = torch.as_tensor(cu_seqlens).to("cpu", torch.int64).flatten()
+    if cu.numel() < 2 or int(cu[0]) != 0 or int(cu[-1]) != T or bool((cu[1:] <= cu[:-1]).any()):
+        raise ValueError(
+            f"cu_seqlens must start at 0, end at the sequence length {T} and strictly increase "
+            f"(document lengths >= 1); got {cu.tolist()[:8]}{'...' if cu.numel() > 8 else ''}"
+        )
+    lengths = cu[1:] - cu[:-1]
+    return torch.repeat_interleave(cu[:-1], lengths)
 
 
 def _sync(device: torch.device) -> None:
@@ -152,7 +177,10 @@ class Engine:
         """The page pool of the last step (None before the first)."""
         return self._store
 
-    def _prepare(self, input_ids: torch.Tensor, labels: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _prepare(
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None, cu_seqlens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """Validate inputs -> (input_ids [T], targets [T], doc_start [T] or None, position_ids [T])."""
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
         if input_ids.dim() == 2:
@@ -184,7 +212,15 @@ class Engine:
                 raise ValueError(f"labels shape {tuple(labels.shape)} must match input_ids shape {tuple(input_ids.shape)}")
         targets = torch.full_like(labels, IGNORE_INDEX, dtype=torch.int64)
         targets[:-1] = labels[1:]
-        return input_ids.to(self.device, torch.int64), targets.to(self.device)
+        doc_start = None
+        positions = torch.arange(T)
+        if cu_seqlens is not None:
+            doc_start = _doc_starts(cu_seqlens, T)
+            positions = positions - doc_start
+            # The last token of a document predicts nothing: the next token starts another document.
+            targets[:-1][doc_start[1:] != doc_start[:-1]] = IGNORE_INDEX
+            doc_start = doc_start.to(self.device, torch.int32)
+        return input_ids.to(self.device, torch.int64), targets.to(self.device), doc_start, positions.to(self.device)
 
     def _ensure_store(self, T: int) -> PagedKVStore:
         S = self.config.page_size
@@ -204,9 +240,9 @@ class Engine:
         store.reset()
         return store
 
-    def _run_chunk(self, input_ids: torch.Tensor, ctx: _ChunkContext) -> torch.Tensor:
+    def _run_chunk(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: _ChunkContext) -> torch.Tensor:
         s, n = ctx.start, ctx.length
-        pos = torch.arange(s, s + n, device=self.device).unsqueeze(0)
+        pos = positions[s : s + n].unsqueeze(0)
         out = self._decoder(input_ids=input_ids[s : s + n].unsqueeze(0), position_ids=pos, use_cache=False, oomb_ctx=ctx)
         return out.last_hidden_state[0]
 
@@ -217,6 +253,7 @@ class Engine:
         labels: torch.Tensor | None = None,
         progress: bool = False,
         loss_normalizer: int | None = None,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> StepOutput:
         """One chunk-recurrent forward + backward over one sequence.
 
@@ -231,15 +268,19 @@ class Engine:
             loss_normalizer: divide the summed token losses by this many tokens instead of this
                 sequence's valid tokens -- the total over all sequences of a gradient-accumulation
                 step or over all data-parallel ranks, so the summed gradients are the global mean.
+            cu_seqlens: int [num_docs + 1] boundaries of documents packed into this sequence
+                (0 first, T last, increasing; flash-attention's convention). Attention never
+                crosses a boundary, positions restart at 0 in each document, and the last token
+                of a document predicts nothing. None = one document.
 
         Returns:
             :class:`StepOutput`; ``loss`` is the mean over this sequence's valid tokens either way.
 
         Raises:
             ValueError: batch size > 1, fewer than 2 tokens, token ids outside the vocabulary,
-                mismatched labels, or no valid label in the whole sequence.
+                mismatched labels, malformed cu_seqlens, or no valid label in the whole sequence.
         """
-        input_ids, targets = self._prepare(input_ids, labels)
+        input_ids, targets, doc_start, positions = self._prepare(input_ids, labels, cu_seqlens)
         T = input_ids.shape[0]
         n_valid = int((targets != IGNORE_INDEX).sum())
         if n_valid == 0:
@@ -260,7 +301,8 @@ class Engine:
 
         with torch.no_grad():
             for c in tqdm(range(N - 1), desc="stage 1 (forward)", unit="chunk", disable=not progress, leave=False):
-                self._run_chunk(input_ids, _ChunkContext(self, 1, c * C, C, is_last=False))
+                ctx = _ChunkContext(self, 1, c * C, C, False, _slice(doc_start, c * C, C))
+                self._run_chunk(input_ids, positions, ctx)
         _sync(device)
         t1 = time.perf_counter()
 
@@ -268,8 +310,8 @@ class Engine:
         for c in tqdm(range(N - 1, -1, -1), desc="stage 2 (backward)", unit="chunk", disable=not progress, leave=False):
             s = c * C
             n = min(C, T - s)
-            ctx = _ChunkContext(self, 2, s, n, is_last=(c == N - 1))
-            hidden = self._run_chunk(input_ids, ctx)
+            ctx = _ChunkContext(self, 2, s, n, c == N - 1, _slice(doc_start, s, n))
+            hidden = self._run_chunk(input_ids, positions, ctx)
             loss_sum = chunked_cross_entropy_sum(hidden, self._lm_head, targets[s : s + n], self.config.loss_chunk_size)
             (loss_sum / denom).backward()
             total += loss_sum.detach()
@@ -293,12 +335,14 @@ class Engine:
         )
 
     @torch.no_grad()
-    def evaluate(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> float:
+    def evaluate(
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None
+    ) -> float:
         """Mean token cross-entropy of one sequence, chunk by chunk, without gradients.
 
         Same arguments and errors as :meth:`step`; memory is bounded like Stage 1's.
         """
-        input_ids, targets = self._prepare(input_ids, labels)
+        input_ids, targets, doc_start, positions = self._prepare(input_ids, labels, cu_seqlens)
         T = input_ids.shape[0]
         n_valid = int((targets != IGNORE_INDEX).sum())
         if n_valid == 0:
@@ -309,7 +353,7 @@ class Engine:
         total = 0.0
         for s in range(0, T, C):
             n = min(C, T - s)
-            hidden = self._run_chunk(input_ids, _ChunkContext(self, 1, s, n, is_last=False))
+            hidden = self._run_chunk(input_ids, positions, _ChunkContext(self, 1, s, n, False, _slice(doc_start, s, n)))
             total += float(chunked_cross_entropy_sum(hidden, self._lm_head, targets[s : s + n], self.config.loss_chunk_size))
         self._store.reset()
         return total / n_valid

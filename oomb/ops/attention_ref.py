@@ -78,6 +78,35 @@ def _gather_past(cache: torch.Tensor, block_table: torch.Tensor, start: int, end
     return toks.to(dtype).permute(1, 0, 2)
 
 
+class _Masks:
+    """Masks over rows r of the grouped layout (query r % C) for causal + packed-document attention."""
+
+    def __init__(self, C: int, G: int, past_len: int, q_doc_start: torch.Tensor | None, device):
+        self.C, self.past_len = C, past_len
+        self.qi = torch.arange(C, device=device).repeat(G)  # [G*C] query index of each row
+        self.doc = None if q_doc_start is None else q_doc_start.to(device=device, dtype=torch.int64).repeat(G)
+
+    def own(self) -> torch.Tensor:
+        j = torch.arange(self.C, device=self.qi.device)[None, :]
+        mask = j > self.qi[:, None]
+        if self.doc is not None:
+            mask |= (self.past_len + j) < self.doc[:, None]
+        return mask
+
+    def past(self, start: int, end: int) -> torch.Tensor | None:
+        if self.doc is None:
+            return None
+        kabs = torch.arange(start, end, device=self.qi.device)[None, :]
+        return kabs < self.doc[:, None]
+
+    def first_past_token(self, block_size: int) -> int:
+        """Past blocks before every query's document are skipped (blocks stay aligned to block_size)."""
+        if self.doc is None:
+            return 0
+        first = min(int(self.doc.min()), self.past_len)
+        return (first // block_size) * block_size
+
+
 def _check(q, k, v, k_cache, v_cache, block_table, past_len):
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError(f"q, k, v must be [C, H, D]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
@@ -111,6 +140,7 @@ def _fwd_impl(
     past_len: int,
     softmax_scale: float | None = None,
     block_size: int = 4096,
+    q_doc_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one chunk over paged past K/V plus its own K/V (causal).
 
@@ -122,6 +152,10 @@ def _fwd_impl(
         past_len: number of past tokens (a partial last page is allowed).
         softmax_scale: defaults to 1/sqrt(D).
         block_size: past tokens per processing block (memory bound), in tokens.
+        q_doc_start: optional int [C]: for packed documents, the absolute token index where each
+            query's document starts (past tokens are 0..past_len-1, own token i is past_len+i);
+            keys before it are masked out and past pages wholly before every query's document
+            are skipped. None = one document.
 
     Returns:
         out: [C, Hq, D] in q's dtype.
@@ -136,24 +170,28 @@ def _fwd_impl(
     acc = acc_dtype_for(q.dtype)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(D)
     qg = _to_groups(q, Hkv, acc)  # [Hkv, G*C, D]
+    masks = _Masks(C, qg.shape[1] // C, past_len, q_doc_start, q.device)
 
     # Own chunk, causal: row r (query r % C) sees own keys j <= r % C.
     ko = k.to(acc).permute(1, 0, 2)
     vo = v.to(acc).permute(1, 0, 2)
     s = torch.matmul(qg, ko.transpose(1, 2)) * scale  # [Hkv, G*C, C]
-    qi = torch.arange(C, device=q.device).repeat(qg.shape[1] // C)
-    s.masked_fill_(torch.arange(C, device=q.device)[None, :] > qi[:, None], float("-inf"))
+    s.masked_fill_(masks.own(), float("-inf"))
     lse = torch.logsumexp(s, dim=-1)  # [Hkv, G*C]
     out = torch.matmul(torch.exp(s - lse[..., None]), vo)
     del s
 
-    for start in range(0, past_len, block_size):
+    for start in range(masks.first_past_token(block_size), past_len, block_size):
         end = min(past_len, start + block_size)
         kb = _gather_past(k_cache, block_table, start, end, acc)
         vb = _gather_past(v_cache, block_table, start, end, acc)
         s = torch.matmul(qg, kb.transpose(1, 2)) * scale
+        mask = masks.past(start, end)
+        if mask is not None:
+            s.masked_fill_(mask, float("-inf"))
         lse_b = torch.logsumexp(s, dim=-1)
-        out_b = torch.matmul(torch.exp(s - lse_b[..., None]), vb)
+        # A row with every key masked has lse_b = -inf: give it zero weight, not NaN.
+        out_b = torch.matmul(torch.exp(s - torch.where(torch.isinf(lse_b), 0.0, lse_b)[..., None]), vb)
         del s
         new_lse = torch.logaddexp(lse, lse_b)
         out = out * torch.exp(lse - new_lse)[..., None] + out_b * torch.exp(lse_b - new_lse)[..., None]
@@ -179,6 +217,7 @@ def _bwd_impl(
     dv_cache: torch.Tensor | None,
     softmax_scale: float | None = None,
     block_size: int = 4096,
+    q_doc_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of :func:`paged_attention_fwd_ref`.
 
@@ -188,6 +227,7 @@ def _bwd_impl(
         k_cache, v_cache, block_table, past_len: as in the forward.
         dk_cache, dv_cache: [P, S, Hkv, D] gradient page pools (float32 or float64). The past
             pages' dK/dV are ADDED here in place, outside autograd.
+        q_doc_start: as in the forward.
 
     Returns:
         dq: [C, Hq, D] in q's dtype.
@@ -224,16 +264,15 @@ def _bwd_impl(
 
     ko = k.to(acc).permute(1, 0, 2)
     vo = v.to(acc).permute(1, 0, 2)
-    qi = torch.arange(C, device=q.device).repeat(qg.shape[1] // C)
-    causal = torch.arange(C, device=q.device)[None, :] > qi[:, None]
-    dq, dk_own, dv_own = block_grads(ko, vo, causal)
+    masks = _Masks(C, qg.shape[1] // C, past_len, q_doc_start, q.device)
+    dq, dk_own, dv_own = block_grads(ko, vo, masks.own())
 
     S = k_cache.shape[1] if past_len > 0 else 1
-    for start in range(0, past_len, block_size):
+    for start in range(masks.first_past_token(block_size), past_len, block_size):
         end = min(past_len, start + block_size)
         kb = _gather_past(k_cache, block_table, start, end, acc)
         vb = _gather_past(v_cache, block_table, start, end, acc)
-        dqb, dkb, dvb = block_grads(kb, vb)
+        dqb, dkb, dvb = block_grads(kb, vb, masks.past(start, end))
         dq += dqb
         # Scatter [Hkv, n, D] back into whole pages and add in place.
         p0, p1 = start // S, -(-end // S)
@@ -250,17 +289,21 @@ def _bwd_impl(
     )
 
 
-def paged_attention_fwd_ref(q, k, v, k_cache, v_cache, block_table, past_len, softmax_scale=None, block_size=4096):
+def paged_attention_fwd_ref(
+    q, k, v, k_cache, v_cache, block_table, past_len, softmax_scale=None, block_size=4096, q_doc_start=None
+):
     with _matmul_precision(q.dtype, q.device):
-        return _fwd_impl(q, k, v, k_cache, v_cache, block_table, past_len, softmax_scale, block_size)
+        return _fwd_impl(q, k, v, k_cache, v_cache, block_table, past_len, softmax_scale, block_size, q_doc_start)
 
 
 def paged_attention_bwd_ref(
-    dout, q, k, v, out, lse, k_cache, v_cache, block_table, past_len, dk_cache, dv_cache, softmax_scale=None, block_size=4096
+    dout, q, k, v, out, lse, k_cache, v_cache, block_table, past_len, dk_cache, dv_cache, softmax_scale=None,
+    block_size=4096, q_doc_start=None,
 ):
     with _matmul_precision(q.dtype, q.device):
         return _bwd_impl(
-            dout, q, k, v, out, lse, k_cache, v_cache, block_table, past_len, dk_cache, dv_cache, softmax_scale, block_size
+            dout, q, k, v, out, lse, k_cache, v_cache, block_table, past_len, dk_cache, dv_cache, softmax_scale,
+            block_size, q_doc_start,
         )
 
 

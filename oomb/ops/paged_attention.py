@@ -37,6 +37,8 @@ class PagedKV:
         past_len: number of past tokens.
         own_block_table: int32 [n_own_pages] pages holding the chunk's own stored gradient,
             or None when no later chunk can have written one (the last chunk).
+        q_doc_start: int32 [C] absolute index of each query's document start for packed
+            sequences (see :func:`oomb.ops.attention_ref.paged_attention_fwd_ref`), or None.
     """
 
     k_cache: torch.Tensor | None
@@ -46,6 +48,7 @@ class PagedKV:
     dk_cache: torch.Tensor | None = None
     dv_cache: torch.Tensor | None = None
     own_block_table: torch.Tensor | None = None
+    q_doc_start: torch.Tensor | None = None
 
 
 @lru_cache(maxsize=None)
@@ -73,12 +76,21 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
+def _doc_kwargs(kv: PagedKV) -> dict:
+    # Only packed sequences pass the argument, so kernels without packing support still serve the rest.
+    return {} if kv.q_doc_start is None else {"q_doc_start": kv.q_doc_start}
+
+
 def _fwd(backend: str, q, k, v, kv: PagedKV, scale: float, block_size: int):
     if backend == "triton":
         from .triton_paged_attention import paged_attention_fwd
 
-        return paged_attention_fwd(q, k, v, kv.k_cache, kv.v_cache, kv.block_table, kv.past_len, softmax_scale=scale)
-    return paged_attention_fwd_ref(q, k, v, kv.k_cache, kv.v_cache, kv.block_table, kv.past_len, scale, block_size)
+        return paged_attention_fwd(
+            q, k, v, kv.k_cache, kv.v_cache, kv.block_table, kv.past_len, softmax_scale=scale, **_doc_kwargs(kv)
+        )
+    return paged_attention_fwd_ref(
+        q, k, v, kv.k_cache, kv.v_cache, kv.block_table, kv.past_len, scale, block_size, kv.q_doc_start
+    )
 
 
 def _bwd(backend: str, dout, q, k, v, out, lse, kv: PagedKV, scale: float, block_size: int):
@@ -86,8 +98,8 @@ def _bwd(backend: str, dout, q, k, v, out, lse, kv: PagedKV, scale: float, block
     if backend == "triton":
         from .triton_paged_attention import paged_attention_bwd
 
-        return paged_attention_bwd(*args, softmax_scale=scale)
-    return paged_attention_bwd_ref(*args, scale, block_size)
+        return paged_attention_bwd(*args, softmax_scale=scale, **_doc_kwargs(kv))
+    return paged_attention_bwd_ref(*args, scale, block_size, kv.q_doc_start)
 
 
 class _PagedAttentionFunction(torch.autograd.Function):
