@@ -141,6 +141,8 @@ def _check_sizes(args: argparse.Namespace) -> None:
             f"--chunk-size {args.chunk_size} is not a multiple of --page-size {args.page_size}",
             f"pass e.g. --chunk-size {near}, or a --page-size that divides {args.chunk_size}",
         )
+    if args.attention_backend == "triton" and args.device != "cuda":
+        raise UsageError("--attention-backend triton runs on the GPU only", "pass --device cuda, or --attention-backend torch (or auto) on the CPU")
     if not (args.lr > 0 and math.isfinite(args.lr)):
         raise UsageError(f"--lr is {args.lr}", "pass a positive learning rate, e.g. --lr 3e-4")
     if args.weight_decay < 0 or not math.isfinite(args.weight_decay):

@@ -156,6 +156,7 @@ def _bad_inputs(tmp_path, text_file):
         ("not an integer", ["--data", text_file, "--seq-len", "ten"], "invalid int value"),
         ("unknown preset", ["--data", text_file, "--model", "gpt-17"], "unknown model 'gpt-17'"),
         ("missing tokenizer", ["--data", text_file, "--tokenizer", tmp_path / "no-tok"], "tokenizer folder"),
+        ("triton on cpu", ["--data", text_file, "--attention-backend", "triton"], "GPU only"),
         ("no cuda", ["--data", text_file, "--device", "cuda"], "no CUDA GPU"),
     ]
 
@@ -242,3 +243,37 @@ def test_command_line_entry_point(tmp_path, text_file):
     assert bad.stderr.count("\n") == 1 and bad.stderr.startswith("oomb: error: the data has "), bad.stderr
     assert "pass --seq-len" in bad.stderr
     assert snapshot(out) == {"keep.txt": b"keep"}
+
+
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+
+
+def _readme_blocks(lang):
+    text = open(README, encoding="utf-8").read()
+    return [block.split("```", 1)[0] for block in text.split(f"```{lang}\n")[1:]]
+
+
+def test_readme_python_example_runs():
+    (example,) = _readme_blocks("python")
+    namespace: dict = {}
+    exec(compile(example, "README.md", "exec"), namespace)
+    out = namespace["out"]
+    assert 10.0 < out.loss < 10.8 and out.num_tokens == 2048
+
+
+def test_readme_lists_every_train_option_and_help_lists_them_too(capsys):
+    text = open(README, encoding="utf-8").read()
+    assert run_cli(["train", "--help"]) == 0
+    help_text = capsys.readouterr().out
+    import re
+
+    options = set(re.findall(r"(--[a-z][a-z-]+)", help_text)) - {"--help"}
+    documented = set(re.findall(r"`(--[a-z][a-z-]+)`", text))
+    assert options == documented, (options - documented, documented - options)
+
+
+def test_readme_commands_are_the_ones_ci_runs():
+    first, second = _readme_blocks("bash")[:2]
+    assert "oomb train" in first and "pip install torch==2.13.0" in first
+    ci = open(os.path.join(os.path.dirname(README), ".ci", "run"), encoding="utf-8").read()
+    assert second.strip() in ci
