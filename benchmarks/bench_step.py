@@ -83,6 +83,8 @@ def main(argv=None):
     ap.add_argument("--systems", nargs="+", default=["hf", "oomb-triton"], choices=["hf", "oomb-torch", "oomb-triton"])
     ap.add_argument("--chunk-size", type=int, default=4096)
     ap.add_argument("--page-size", type=int, default=128)
+    ap.add_argument("--checkpoint-layers", action="store_true",
+                    help="per-layer checkpointing inside oomb's Stage-2 chunk recompute (less memory, ~1 more forward)")
     ap.add_argument("--warmup-len", type=int, default=8192, help="tokens of one untimed warm-up step per system")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default="benchmarks/results")
@@ -102,7 +104,12 @@ def main(argv=None):
         if system == "hf":
             return measure(lambda: hf_step(model, ids), device)
         backend = system.split("-")[1]
-        engine = Engine(model, OOMBConfig(chunk_size=args.chunk_size, page_size=args.page_size, attention_backend=backend))
+        engine = Engine(model, OOMBConfig(
+                chunk_size=args.chunk_size,
+                page_size=args.page_size,
+                attention_backend=backend,
+                checkpoint_layers=args.checkpoint_layers,
+            ))
         out_holder = {}
 
         def go():
@@ -112,6 +119,7 @@ def main(argv=None):
         res = measure(go, device)
         kv = out_holder["out"].kv_store_bytes
         del engine
+        model.gradient_checkpointing_disable()
         return res[0], res[1], (res[2], kv)
 
     for system in args.systems:
@@ -151,6 +159,7 @@ def main(argv=None):
         dtype=str(dtype),
         chunk_size=args.chunk_size,
         page_size=args.page_size,
+        oomb_checkpoint_layers=args.checkpoint_layers,
         note="one step = forward + backward, no optimizer, gradients kept; peak = torch.cuda.max_memory_allocated",
     )
     os.makedirs(args.out, exist_ok=True)

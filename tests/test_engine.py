@@ -83,7 +83,8 @@ def run_parity(model, T, chunk, page, labels_fn=None, dtype=torch.float64, seed=
     labels = input_ids.clone() if labels_fn is None else labels_fn(input_ids.clone())
     ref_loss = reference_step(ref, input_ids, labels)
 
-    engine = Engine(model, OOMBConfig(chunk_size=chunk, page_size=page, attention_backend="torch", **cfg))
+    cfg.setdefault("attention_backend", "torch")
+    engine = Engine(model, OOMBConfig(chunk_size=chunk, page_size=page, **cfg))
     if shuffle_pages:
         gen = torch.Generator().manual_seed(seed + 1)
         orig_reset = PagedKVStore.reset
