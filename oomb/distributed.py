@@ -1,0 +1,142 @@
+"""Data parallelism over ranks started by ``torchrun``: one sequence per rank per step.
+
+Choice: plain data parallelism with ONE gradient all-reduce per step, not FSDP.
+A chunk-recurrent step runs every layer 2N times (Stage 1 and Stage 2 over N
+chunks); FSDP would all-gather each layer's weights on every one of those
+passes and reduce-scatter its gradients on every chunk's backward (for a 7B
+model at 256K tokens, 64 chunks: ~2 TB of traffic per step). Replicated
+weights with gradients summed once after the whole step cost one all-reduce of
+the trainable gradients -- with LoRA, a few MB. (A 7B full fine-tune with AdamW
+needs ~120 GB of weights, gradients and fp32 optimizer state per GPU; use LoRA
+there, or shard only the optimizer state.)
+
+The loss is normalised by the GLOBAL number of valid tokens: each rank divides
+its token-loss sum by the total over all ranks, so summing gradients across
+ranks gives exactly the mean over every valid token of the global batch.
+
+Failure handling: :func:`agree_ok` is a collective every rank reaches, whether
+its own step succeeded or raised, so one rank's bad data stops every rank with
+the same error instead of leaving the others blocked in the gradient
+all-reduce.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DistributedContext", "RankFailedError", "agree_ok", "all_reduce_gradients", "global_sum", "init_from_env"]
+
+
+class RankFailedError(RuntimeError):
+    """Another rank failed during the step; this rank stops too."""
+
+
+class DistributedContext:
+    """Rank, world size and device of this process (world size 1 when not launched by torchrun)."""
+
+    def __init__(self, rank: int = 0, world_size: int = 1, local_rank: int = 0, initialized_here: bool = False):
+        self.rank = rank
+        self.world_size = world_size
+        self.local_rank = local_rank
+        self.initialized_here = initialized_here
+
+    @property
+    def enabled(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def close(self) -> None:
+        if self.initialized_here and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def init_from_env(device_type: str, timeout_s: float = 1800.0) -> DistributedContext:
+    """Join the process group described by torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK...).
+
+    Uses NCCL for CUDA and gloo for CPU. Without torchrun's variables, returns a world of one.
+
+    Args:
+        device_type: 'cuda' or 'cpu'.
+        timeout_s: collective timeout in seconds: a rank that never arrives fails the others
+            after this long instead of hanging forever.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1:
+        return DistributedContext()
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    initialized_here = False
+    if not dist.is_initialized():
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        if device_type == "cuda":
+            torch.cuda.set_device(local_rank)
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        initialized_here = True
+    return DistributedContext(rank, world_size, local_rank, initialized_here)
+
+
+def global_sum(value: int | float, device: torch.device) -> float:
+    """Sum of a Python number over all ranks (the number itself when not distributed)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def agree_ok(ok: bool, device: torch.device, message: str = "") -> None:
+    """Collective check: raise :class:`RankFailedError` on every rank if any rank passed ``ok=False``.
+
+    Every rank must call this at the same point whether or not its own work failed.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    t = torch.tensor([0.0 if ok else 1.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if t.item() > 0 and ok:
+        raise RankFailedError(
+            "another rank failed during this step (see its error above); all ranks stop" + (f": {message}" if message else "")
+        )
+
+
+def all_reduce_gradients(params, bucket_bytes: int = 256 << 20) -> None:
+    """Sum ``.grad`` of ``params`` over all ranks in flattened buckets (one pass per step).
+
+    Parameters without a gradient on this rank contribute zeros, so every rank issues the
+    same collectives in the same order.
+    """
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    params = [p for p in params if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    bucket: list[torch.Tensor] = []
+    size = 0
+
+    def flush():
+        nonlocal bucket, size
+        if not bucket:
+            return
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        dist.all_reduce(flat)
+        offset = 0
+        for g in bucket:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+        bucket, size = [], 0
+
+    for p in params:
+        g = p.grad
+        if bucket and (g.dtype != bucket[0].dtype or size + g.numel() * g.element_size() > bucket_bytes):
+            flush()
+        bucket.append(g)
+        size += g.numel() * g.element_size()
+    flush()
