@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from ..config import OOMBConfig
 from ..models.hf import UnsupportedModelError, check_model_supported, use_oomb_attention
-from ..ops.paged_attention import PagedKV, paged_attention, paged_attention_forward, resolve_backend
+from ..ops.paged_attention import paged_attention, paged_attention_forward, resolve_backend
 from .kv_store import PagedKVStore
 from .loss import IGNORE_INDEX, chunked_cross_entropy_sum
 
@@ -81,21 +81,13 @@ class _ChunkContext:
         q = query[0].transpose(0, 1)
         k = key[0].transpose(0, 1)
         v = value[0].transpose(0, 1)
-        S = store.page_size
-        n_past_pages = self.start // S
-        past = store.layer_block_table(layer, n_past_pages)
+        kv = store.attention_view(layer, self.stage, self.start, self.length, self.is_last, self.q_doc_start)
         if self.stage == 1:
             store.write(layer, self.start, k, v)
-            kv = PagedKV(store.k_cache, store.v_cache, past, self.start, q_doc_start=self.q_doc_start)
             out, _ = paged_attention_forward(q, k, v, kv, scaling, eng._backend, eng.config.attention_block_size)
         else:
-            own = None
-            if not self.is_last:
-                own = store.layer_block_table(layer, n_past_pages + -(-self.length // S))[n_past_pages:]
-            kv = PagedKV(
-                store.k_cache, store.v_cache, past, self.start, store.dk_cache, store.dv_cache, own, self.q_doc_start
-            )
             out = paged_attention(q, k, v, kv, scaling, eng._backend, eng.config.attention_block_size)
+        store.after_attention_forward(layer, self.stage)
         return out.unsqueeze(0)
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.paged_attention import PagedKV
+
 __all__ = ["PagedKVStore"]
 
 
@@ -159,6 +161,28 @@ class PagedKVStore:
             self.v_cache[last, : n % S] = v[full * S :]
         self.dk_cache.index_fill_(0, idx, 0)
         self.dv_cache.index_fill_(0, idx, 0)
+
+    # ------------------------------------------------------ engine interface
+    def attention_view(
+        self, layer: int, stage: int, start: int, length: int, is_last: bool, q_doc_start: torch.Tensor | None = None
+    ) -> PagedKV:
+        """What the attention of (chunk at token ``start``, ``layer``) reads and writes.
+
+        Stage 1 gets the K/V pools and the past block table; Stage 2 also the gradient pools
+        and, unless this is the last chunk (whose K/V no later chunk read), the block table of
+        the chunk's own pages, where later chunks stored its dK/dV. A store that keeps pages
+        elsewhere (host memory) overrides this to stage them in first.
+        """
+        S = self.page_size
+        n_past = start // S
+        past = self.layer_block_table(layer, n_past)
+        if stage == 1:
+            return PagedKV(self.k_cache, self.v_cache, past, start, q_doc_start=q_doc_start)
+        own = None if is_last else self.layer_block_table(layer, n_past + -(-length // S))[n_past:]
+        return PagedKV(self.k_cache, self.v_cache, past, start, self.dk_cache, self.dv_cache, own, q_doc_start)
+
+    def after_attention_forward(self, layer: int, stage: int) -> None:
+        """Called after each attention forward (hook for stores that stage pages; no-op here)."""
 
     def layer_block_table(self, layer: int, num_pages: int) -> torch.Tensor:
         """int32 [num_pages] page ids of the first ``num_pages`` pages of ``layer`` (a view)."""

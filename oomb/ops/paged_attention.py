@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Callable
 
 import torch
 
@@ -39,6 +40,8 @@ class PagedKV:
             or None when no later chunk can have written one (the last chunk).
         q_doc_start: int32 [C] absolute index of each query's document start for packed
             sequences (see :func:`oomb.ops.attention_ref.paged_attention_fwd_ref`), or None.
+        after_backward: called once the backward has written the past dK/dV and read the own
+            stored gradient (a store that keeps pages in host memory writes them back here).
     """
 
     k_cache: torch.Tensor | None
@@ -49,6 +52,7 @@ class PagedKV:
     dv_cache: torch.Tensor | None = None
     own_block_table: torch.Tensor | None = None
     q_doc_start: torch.Tensor | None = None
+    after_backward: Callable[[], None] | None = None
 
 
 @lru_cache(maxsize=None)
@@ -120,6 +124,8 @@ class _PagedAttentionFunction(torch.autograd.Function):
             idx = kv.own_block_table.long()
             dk = dk + kv.dk_cache.index_select(0, idx).flatten(0, 1)[:n].to(dk.dtype)
             dv = dv + kv.dv_cache.index_select(0, idx).flatten(0, 1)[:n].to(dv.dtype)
+        if kv.after_backward is not None:
+            kv.after_backward()
         return dq, dk, dv, None, None, None, None
 
 
