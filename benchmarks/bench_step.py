@@ -85,6 +85,8 @@ def main(argv=None):
     ap.add_argument("--page-size", type=int, default=128)
     ap.add_argument("--checkpoint-layers", action="store_true",
                     help="per-layer checkpointing inside oomb's Stage-2 chunk recompute (less memory, ~1 more forward)")
+    ap.add_argument("--hf-max-len", type=int, default=None,
+                    help="skip the HF baseline above this length (it is out of memory past ~200K on an H200)")
     ap.add_argument("--warmup-len", type=int, default=8192, help="tokens of one untimed warm-up step per system")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default="benchmarks/results")
@@ -131,6 +133,10 @@ def main(argv=None):
         model.zero_grad(set_to_none=False)
         for T in args.lengths:
             row = dict(system=system, seq_len=T)
+            if system == "hf" and args.hf_max_len is not None and T > args.hf_max_len:
+                row.update(seconds=None, tokens_per_s=None, peak_gib=None, error=f"skipped (> --hf-max-len {args.hf_max_len})")
+                rows.append(row)
+                continue
             try:
                 dt, peak, extra = run_system(system, T)
                 loss, kv = (extra, None) if system == "hf" else extra
