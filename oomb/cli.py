@@ -224,11 +224,14 @@ def _vocab_size(model) -> int:
 
 
 def _lr_at(step: int, args: argparse.Namespace, warmup: int) -> float:
-    """Linear warm-up over ``warmup`` steps, then cosine decay to 10% of --lr at the last step (1-based ``step``)."""
+    """Linear warm-up to --lr over ``warmup`` steps, then cosine decay from --lr to 10% of it at the last step.
+
+    ``step`` counts from 1. Without warm-up the first step runs at the full --lr.
+    """
     if warmup > 0 and step <= warmup:
         return args.lr * step / warmup
-    span = max(1, args.steps - warmup)
-    progress = min(1.0, (step - warmup) / span)
+    span = max(1, args.steps - warmup - 1)
+    progress = min(1.0, (step - warmup - 1) / span)
     return args.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 

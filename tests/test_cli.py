@@ -277,3 +277,20 @@ def test_readme_commands_are_the_ones_ci_runs():
     assert "oomb train" in first and "pip install torch==2.13.0" in first
     ci = open(os.path.join(os.path.dirname(README), ".ci", "run"), encoding="utf-8").read()
     assert second.strip() in ci
+
+
+@pytest.mark.parametrize("steps, warmup", [(30, 3), (3, 0), (1, 0), (5, 5)])
+def test_learning_rate_schedule(steps, warmup):
+    import argparse
+
+    from oomb.cli import _lr_at
+
+    args = argparse.Namespace(lr=1.0, steps=steps)
+    lrs = [_lr_at(s, args, warmup) for s in range(1, steps + 1)]
+    assert max(lrs) == pytest.approx(1.0)
+    assert all(0.1 - 1e-12 <= lr <= 1.0 for lr in lrs)
+    if warmup == 0:
+        assert lrs[0] == pytest.approx(1.0)
+    if steps - warmup >= 2:
+        assert lrs[-1] == pytest.approx(0.1)
+    assert lrs[warmup:] == sorted(lrs[warmup:], reverse=True)
