@@ -71,14 +71,13 @@ def poison(tpa):
     tpa._alloc = lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device)
 
 
-def run_kernel(tpa, x, past_len, dk_cache=None, dv_cache=None, deterministic=True):
+def run_kernel(tpa, x, past_len, dk_cache=None, dv_cache=None):
     out, lse = tpa.paged_attention_fwd(x["q"], x["k"], x["v"], x["k_cache"], x["v_cache"], x["block_table"], past_len)
     if dk_cache is None:
         dk_cache = torch.zeros(x["k_cache"].shape, dtype=torch.float32, device=x["q"].device)
         dv_cache = torch.zeros_like(dk_cache)
     dq, dk, dv = tpa.paged_attention_bwd(
-        x["dout"], x["q"], x["k"], x["v"], out, lse, x["k_cache"], x["v_cache"], x["block_table"], past_len, dk_cache, dv_cache,
-        deterministic=deterministic,
+        x["dout"], x["q"], x["k"], x["v"], out, lse, x["k_cache"], x["v_cache"], x["block_table"], past_len, dk_cache, dv_cache
     )
     return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, dk_cache=dk_cache, dv_cache=dv_cache)
 
@@ -157,7 +156,6 @@ def check_case(tpa, name, C, Hq, Hkv, D, past_len, S, dtype, seed, with_flash=Fa
             flash["past_dk"] = k.grad[0, :, :past_len].transpose(0, 1)
             flash["past_dv"] = v.grad[0, :, :past_len].transpose(0, 1)
         del q, k, v, o
-    atomic = run_kernel(tpa, x, past_len, deterministic=False) if with_flash else None
     ok = True
     errs = {}
     for n in names:
@@ -170,10 +168,7 @@ def check_case(tpa, name, C, Hq, Hkv, D, past_len, S, dtype, seed, with_flash=Fa
         ok &= passed
         errs[n] = dict(kernel=e_k, ref_lp=e_lp, flash=e_fl, ratio=e_k / max(e_lp, 1e-30), finite=finite, pass_2x=passed,
                        le_flash=None if e_fl is None else e_k <= e_fl)
-        if atomic is not None:
-            g_a = view(atomic, n)
-            errs[n]["kernel_atomic_dq"] = rel_err(g_a, view(ref32, n))
-            errs[n]["atomic_finite"] = bool(torch.isfinite(g_a).all())
+
     # Gradient pages outside the table and the tail of a partial last page stay exactly 0.
     if past_len:
         untouched = torch.ones(x["k_cache"].shape[0], dtype=torch.bool, device="cuda")
@@ -220,10 +215,6 @@ def bench_speed(tpa, past_len, do_bench, contiguous_q=False):
         x["dout"], x["q"], x["k"], x["v"], out, lse, x["k_cache"], x["v_cache"], x["block_table"], past_len, dk_cache, dv_cache
     )
     r = dict(past_len=past_len, C=C, contiguous_q=contiguous_q)
-    f_bwd_atomic = lambda: tpa.paged_attention_bwd(  # noqa: E731
-        x["dout"], x["q"], x["k"], x["v"], out, lse, x["k_cache"], x["v_cache"], x["block_table"], past_len, dk_cache, dv_cache,
-        deterministic=False,
-    )
     r["fwd_ms"] = do_bench(f_fwd)
     r["bwd_ms"] = do_bench(f_bwd)
     r["fwd_tflops"] = flops(C, past_len, Hq, D, "fwd") / r["fwd_ms"] * 1e-9
@@ -231,14 +222,9 @@ def bench_speed(tpa, past_len, do_bench, contiguous_q=False):
     if contiguous_q:
         return r
     try:
-        f_bwd_atomic()
-        r["bwd_atomic_ms"] = do_bench(f_bwd_atomic)
-        r["bwd_atomic_tflops"] = flops(C, past_len, Hq, D, "bwd") / r["bwd_atomic_ms"] * 1e-9
         r["bwd_kernels_ms"] = kernel_breakdown(f_bwd)
-        r["bwd_atomic_kernels_ms"] = kernel_breakdown(f_bwd_atomic)
     except Exception as e:  # noqa: BLE001
-        traceback.print_exc()
-        r["bwd_atomic_error"] = f"{type(e).__name__}: {e}"[:500]
+        r["bwd_kernels_error"] = f"{type(e).__name__}: {e}"[:500]
     # SDPA flash on the same problem; the KV expansion is timed separately and subtracted.
     try:
         q, k, v, fwd = sdpa_flash(x, past_len)
@@ -262,8 +248,7 @@ def bench_speed(tpa, past_len, do_bench, contiguous_q=False):
         r["sdpa_bwd_tflops"] = flops(C, past_len, Hq, D, "bwd") / r["sdpa_bwd_ms"] * 1e-9
         r["fwd_vs_sdpa"] = r["fwd_tflops"] / r["sdpa_fwd_tflops"]
         r["bwd_vs_sdpa"] = r["bwd_tflops"] / r["sdpa_bwd_tflops"]
-        if "bwd_atomic_tflops" in r:
-            r["bwd_atomic_vs_sdpa"] = r["bwd_atomic_tflops"] / r["sdpa_bwd_tflops"]
+
         del q, k, v, ke, ve, o
     except Exception as e:  # noqa: BLE001
         r["sdpa_error"] = f"{type(e).__name__}: {e}"[:500]
@@ -306,12 +291,9 @@ def _prewarm_worker(args):
 
     for kern in (tpa._paged_attn_fwd_kernel, tpa._paged_attn_bwd_dq_kernel, tpa._paged_attn_bwd_dkdv_kernel):
         kern.configs = [kern.configs[min(cfg_idx, len(kern.configs) - 1)]]
-    name, C, Hq, Hkv, D, past_len, S, dtype, seed, with_flash = CASES[case_idx]
+    name, C, Hq, Hkv, D, past_len, S, dtype, seed, _ = CASES[case_idx]
     t = time.time()
-    x = make_inputs(C, Hq, Hkv, D, past_len, S, dtype, seed)
-    run_kernel(tpa, x, past_len)
-    if with_flash:  # the Qwen shapes also run the atomic-dq backward
-        run_kernel(tpa, x, past_len, deterministic=False)
+    run_kernel(tpa, make_inputs(C, Hq, Hkv, D, past_len, S, dtype, seed), past_len)
     torch.cuda.synchronize()
     return f"{name} cfg{cfg_idx} {time.time() - t:.1f}s"
 
@@ -334,35 +316,35 @@ def to_markdown(report):
     L.append(f"torch {report['versions']['torch']}, triton {report['versions']['triton']}, CUDA {report['versions']['cuda']}. "
              f"Command: `{report['command']}`.")
     L += ["", "## Correctness (relative L2 error vs fp32 reference on the same rounded inputs)", "",
-          "| case | tensor | kernel | kernel, atomic dq | ref in low precision | SDPA flash | kernel/ref_lp | ≤2x ref_lp | ≤ flash |",
-          "|---|---|---|---|---|---|---|---|---|"]
+          "| case | tensor | kernel | ref in low precision | SDPA flash | kernel/ref_lp | ≤2x ref_lp | ≤ flash |",
+          "|---|---|---|---|---|---|---|---|"]
     for c in report["correctness"]:
         if "error" in c:
-            L.append(f"| {c['name']} | ERROR | {c['error'][:200]} | | | | |")
+            L.append(f"| {c['name']} | ERROR | {c['error'][:200]} | | | | | |")
             continue
         for n, e in c["errors"].items():
-            L.append(f"| {c['name']} | {n} | {fmt(e['kernel'])} | {fmt(e.get('kernel_atomic_dq'))} | {fmt(e['ref_lp'])} | {fmt(e['flash'])} | "
+            L.append(f"| {c['name']} | {n} | {fmt(e['kernel'])} | {fmt(e['ref_lp'])} | {fmt(e['flash'])} | "
                      f"{e['ratio']:.2f} | {e['pass_2x']} | {fmt(e.get('le_flash'))} |")
         if "untouched_rows_ok" in c:
-            L.append(f"| {c['name']} | untouched grad rows | {c['untouched_rows_ok']} | | | | |")
+            L.append(f"| {c['name']} | untouched grad rows | {c['untouched_rows_ok']} | | | | | |")
     if report.get("accumulate"):
         L += ["", f"Accumulate/determinism: {report['accumulate']}"]
     if report.get("smoke_256k"):
         L += ["", f"256K smoke: {report['smoke_256k']}"]
     L += ["", "## Speed (bf16, Hq=28, Hkv=4, D=128, page 128, 4096 queries; do_bench median)", "",
-          "| past tokens | q layout | fwd ms | fwd TFLOP/s | SDPA flash fwd TFLOP/s | fwd ratio | bwd ms | bwd TFLOP/s | SDPA flash bwd TFLOP/s | bwd ratio | bwd atomic-dq TFLOP/s | ratio |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+          "| past tokens | q layout | fwd ms | fwd TFLOP/s | SDPA flash fwd TFLOP/s | fwd ratio | bwd ms | bwd TFLOP/s | SDPA flash bwd TFLOP/s | bwd ratio |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
     for s in report["speed"]:
         if "error" in s:
-            L.append(f"| {s.get('past_len')} | ERROR {s['error'][:200]} | | | | | | | | | | |")
+            L.append(f"| {s.get('past_len')} | ERROR {s['error'][:200]} | | | | | | | | |")
             continue
         L.append(f"| {s['past_len']} | {'contiguous' if s['contiguous_q'] else 'transposed view'} | {s['fwd_ms']:.2f} | {s['fwd_tflops']:.0f} | "
                  f"{fmt(s.get('sdpa_fwd_tflops'))} | {fmt(s.get('fwd_vs_sdpa'))} | {s['bwd_ms']:.2f} | {s['bwd_tflops']:.0f} | "
-                 f"{fmt(s.get('sdpa_bwd_tflops'))} | {fmt(s.get('bwd_vs_sdpa'))} | {fmt(s.get('bwd_atomic_tflops'))} | {fmt(s.get('bwd_atomic_vs_sdpa'))} |")
+                 f"{fmt(s.get('sdpa_bwd_tflops'))} | {fmt(s.get('bwd_vs_sdpa'))} |")
     for s in report["speed"]:
         if s.get("bwd_kernels_ms"):
             L.append("")
-            L.append(f"Backward kernels at {s['past_len']} past (ms/call): deterministic {s['bwd_kernels_ms']}; atomic dq {s.get('bwd_atomic_kernels_ms')}")
+            L.append(f"Backward kernels at {s['past_len']} past (ms/call): {s['bwd_kernels_ms']}")
     L += ["", "FLOPs: 4·Hq·D·(C·past + C²/2) forward, 2.5x that backward (own causal part counted at half). "
           "SDPA: flash backend, q[4096] vs k/v[past+4096] with causal_lower_right (same visible pairs), "
           "KV heads expanded before timing. Backward times include delta = rowsum(dout*out).",
@@ -472,14 +454,13 @@ def main():
             if not e["pass_2x"]:
                 print(f"  {c['name']} {n}: kernel {e['kernel']:.2e} ref_lp {e['ref_lp']:.2e} flash {fmt(e['flash'])} "
                       f"ratio {e['ratio']:.2f} (≤ flash: {e.get('le_flash')})")
-    print(f"{'past':>7} {'layout':>10} {'fwd TF/s':>9} {'sdpa fwd':>9} {'ratio':>6} {'bwd TF/s':>9} {'sdpa bwd':>9} {'ratio':>6} {'bwd atom':>9} {'ratio':>6}")
+    print(f"{'past':>7} {'layout':>10} {'fwd TF/s':>9} {'sdpa fwd':>9} {'ratio':>6} {'bwd TF/s':>9} {'sdpa bwd':>9} {'ratio':>6}")
     for s in report["speed"]:
         if "error" in s:
             print(f"{s['past_len']:>7} ERROR {s['error'][:100]}")
             continue
         print(f"{s['past_len']:>7} {'contig' if s['contiguous_q'] else 'view':>10} {s['fwd_tflops']:9.1f} {fmt(s.get('sdpa_fwd_tflops')):>9} "
-              f"{fmt(s.get('fwd_vs_sdpa')):>6} {s['bwd_tflops']:9.1f} {fmt(s.get('sdpa_bwd_tflops')):>9} {fmt(s.get('bwd_vs_sdpa')):>6} "
-              f"{fmt(s.get('bwd_atomic_tflops')):>9} {fmt(s.get('bwd_atomic_vs_sdpa')):>6}")
+              f"{fmt(s.get('fwd_vs_sdpa')):>6} {s['bwd_tflops']:9.1f} {fmt(s.get('sdpa_bwd_tflops')):>9} {fmt(s.get('bwd_vs_sdpa')):>6}")
 
 
 if __name__ == "__main__":

@@ -44,11 +44,12 @@ G = Hq // Hkv, D head dim, P pages in the pool, S = page_size tokens per page):
   the backward is bitwise reproducible run to run, and it needs no zeroed scratch buffer
   and no fp32 atomics traffic (the pages are fp32 and touched once per token per call).
   The price: dq is a separate pass that recomputes the scores (7 matrix products per tile
-  pair in total instead of 5). ``paged_attention_bwd(..., deterministic=False)`` trades
-  dq's reproducibility for speed: the dk/dv kernel also ``atomic_add``s ds @ k into an
-  fp32 dq accumulator (FlashAttention-2's scheme, 5 products); dk/dv and the gradient pages
-  stay deterministic. A ``block_table`` must not list a page twice (two programs would then
-  race on the same rows); the engine's allocator never does.
+  pair in total instead of 5). Measured on an H200 (benchmarks/NOTES.md, "Kernels" v2), the
+  FlashAttention-2 alternative -- the dk/dv kernel also ``atomic_add``s ds @ k into an fp32
+  dq accumulator, 5 products -- was only 1-3% faster at 32K-128K past tokens (the vectorised
+  fp32 atomics cost about what the dq pass does), so determinism is kept. A ``block_table``
+  must not list a page twice (two programs would then race on the same rows); the engine's
+  allocator never does.
 
 Precision: bf16/fp16 inputs are multiplied in their own type with fp32 accumulation
 (``p`` and ``ds`` are rounded to the input type before their products, as in
@@ -82,8 +83,9 @@ def _configs(gpu: list[tuple[int, int, int, int]]) -> list[triton.Config]:
 
 
 _FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)])
-_DQ_CONFIGS = _configs([(128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 2)])
-_DKDV_CONFIGS = _configs([(64, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (64, 128, 8, 3), (32, 64, 4, 3), (128, 64, 8, 2)])
+_DQ_CONFIGS = _configs([(128, 128, 8, 2), (128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3)])
+# dk/dv holds two fp32 [BLOCK_N, D] accumulators plus its K/V tile: 8 warps keep spills small.
+_DKDV_CONFIGS = _configs([(64, 128, 8, 3), (64, 64, 4, 3), (64, 64, 8, 3), (64, 64, 8, 2), (32, 128, 8, 2), (64, 128, 8, 2)])
 _AUTOTUNE_KEY = ["G", "HEAD_DIM", "PAGE_SIZE"]
 
 
@@ -345,17 +347,14 @@ def _paged_attn_bwd_dq_kernel(
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_acc_ptr, row0, C, j, hkv, offs_d, d_mask,
+def _dkdv_tile(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, row0, C, j, hkv, offs_d, d_mask,
                qk_scale,
                stride_q_c, stride_q_h, stride_q_d,
                stride_do_c, stride_do_h, stride_do_d,
-               stride_lse_h, stride_delta_h, stride_dqa_c, stride_dqa_h,
+               stride_lse_h, stride_delta_h,
                G: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
-               ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr):
-    """dk/dv [N, D] += contributions of rows [row0, row0 + BLOCK_M) (all G heads of those queries).
-
-    With ATOMIC_DQ, also atomically adds ds @ k (unscaled) into the fp32 dq accumulator.
-    """
+               BLOCK_M: tl.constexpr):
+    """dk/dv [N, D] += contributions of rows [row0, row0 + BLOCK_M) (all G heads of those queries)."""
     offs_r = row0 + tl.arange(0, BLOCK_M)
     r_mask = offs_r < C * G
     i_q = offs_r // G
@@ -376,18 +375,11 @@ def _dkdv_tile(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_acc_ptr, row0
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
     ds_t = p_t * (dp_t - delta[None, :])
     dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PREC)
-    if ATOMIC_DQ:
-        dq_part = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision=DOT_PREC)  # [M, D]
-        dqa_off = i_q.to(tl.int64) * stride_dqa_c + head * stride_dqa_h
-        tl.atomic_add(dq_acc_ptr + dqa_off[:, None] + offs_d[None, :], dq_part,
-                      mask=r_mask[:, None] & d_mask[None, :], sem="relaxed")
     return dk, dv
 
 
-@triton.autotune(
-    configs=_DKDV_CONFIGS, key=_AUTOTUNE_KEY + ["IS_PAST", "ATOMIC_DQ"],
-    restore_value=["dk_ptr", "dv_ptr"], reset_to_zero=["dq_acc_ptr"],
-)
+# restore_value: autotuning runs the kernel once per config; the gradient pages must not keep those sums.
+@triton.autotune(configs=_DKDV_CONFIGS, key=_AUTOTUNE_KEY + ["IS_PAST"], restore_value=["dk_ptr", "dv_ptr"])
 @triton.jit
 def _paged_attn_bwd_dkdv_kernel(
     q_ptr,  # [C, Hq, D]
@@ -399,7 +391,6 @@ def _paged_attn_bwd_dkdv_kernel(
     delta_ptr,  # fp32 [Hq, C]
     dk_ptr,  # IS_PAST: fp32 dk_cache [P, S, Hkv, D] (read-add-write); else dk [C, Hkv, D] (write)
     dv_ptr,  # same layout as dk_ptr
-    dq_acc_ptr,  # fp32 [C, Hq, D] dq accumulator (ATOMIC_DQ only; unscaled ds @ k)
     C,
     n_keys,  # past_len (IS_PAST) or C
     qk_scale,  # softmax_scale * log2(e)
@@ -412,13 +403,11 @@ def _paged_attn_bwd_dkdv_kernel(
     stride_dv_p, stride_dv_t, stride_dv_h, stride_dv_d,
     stride_lse_h,
     stride_delta_h,
-    stride_dqa_c, stride_dqa_h,
     G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_D: tl.constexpr,
     IS_PAST: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -454,24 +443,21 @@ def _paged_attn_bwd_dkdv_kernel(
     if IS_PAST:
         # Every query of the chunk sees every past token: no mask.
         for row0 in range(0, n_rows, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptr, dout_ptr, lse_ptr, delta_ptr, dq_acc_ptr, row0, C, j, hkv, offs_d, d_mask,
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptr, dout_ptr, lse_ptr, delta_ptr, row0, C, j, hkv, offs_d, d_mask,
                                 qk_scale, stride_q_c, stride_q_h, stride_q_d, stride_do_c, stride_do_h, stride_do_d,
-                                stride_lse_h, stride_delta_h, stride_dqa_c, stride_dqa_h, G, False, UPCAST, DOT_PREC,
-                                ATOMIC_DQ, BLOCK_M)
+                                stride_lse_h, stride_delta_h, G, False, UPCAST, DOT_PREC, BLOCK_M)
     else:
         # Queries i >= j0 see this tile; rows whose query is >= the tile's last key need no mask.
         row_lo = ((j0 * G) // BLOCK_M) * BLOCK_M
         row_mid = tl.minimum(tl.cdiv((j0 + BLOCK_N - 1) * G, BLOCK_M) * BLOCK_M, tl.cdiv(n_rows, BLOCK_M) * BLOCK_M)
         for row0 in range(row_lo, row_mid, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptr, dout_ptr, lse_ptr, delta_ptr, dq_acc_ptr, row0, C, j, hkv, offs_d, d_mask,
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptr, dout_ptr, lse_ptr, delta_ptr, row0, C, j, hkv, offs_d, d_mask,
                                 qk_scale, stride_q_c, stride_q_h, stride_q_d, stride_do_c, stride_do_h, stride_do_d,
-                                stride_lse_h, stride_delta_h, stride_dqa_c, stride_dqa_h, G, True, UPCAST, DOT_PREC,
-                                ATOMIC_DQ, BLOCK_M)
+                                stride_lse_h, stride_delta_h, G, True, UPCAST, DOT_PREC, BLOCK_M)
         for row0 in range(row_mid, n_rows, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptr, dout_ptr, lse_ptr, delta_ptr, dq_acc_ptr, row0, C, j, hkv, offs_d, d_mask,
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptr, dout_ptr, lse_ptr, delta_ptr, row0, C, j, hkv, offs_d, d_mask,
                                 qk_scale, stride_q_c, stride_q_h, stride_q_d, stride_do_c, stride_do_h, stride_do_d,
-                                stride_lse_h, stride_delta_h, stride_dqa_c, stride_dqa_h, G, False, UPCAST, DOT_PREC,
-                                ATOMIC_DQ, BLOCK_M)
+                                stride_lse_h, stride_delta_h, G, False, UPCAST, DOT_PREC, BLOCK_M)
 
     dk = dk * softmax_scale
     st_mask = j_mask[:, None] & d_mask[None, :]
@@ -633,8 +619,6 @@ def paged_attention_bwd(
     dk_cache: torch.Tensor | None,
     dv_cache: torch.Tensor | None,
     softmax_scale: float | None = None,
-    *,
-    deterministic: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of :func:`paged_attention_fwd`; adds the past pages' dK/dV in place.
 
@@ -646,11 +630,6 @@ def paged_attention_bwd(
             k_cache. The past tokens' dK/dV are ADDED here in place (deterministically, no
             atomics); rows of pages outside ``block_table[:ceil(past_len / S)]`` and the tail
             of a partial last page are not touched. May be None when past_len == 0.
-        deterministic: True (default): dq comes from its own pass (7 matrix products per tile
-            pair) and every output is bitwise reproducible. False: the dk/dv kernel also
-            ``atomic_add``s ds @ k into an fp32 dq accumulator (FlashAttention-2's 5 products),
-            so dq's last bits depend on scheduling; dk, dv and the gradient pages stay
-            deterministic either way.
 
     Returns:
         dq: [C, Hq, D] in q's dtype, with q's memory layout.
@@ -693,24 +672,20 @@ def paged_attention_bwd(
     def grid_rows(meta):
         return (triton.cdiv(C * G, meta["BLOCK_M"]), Hkv)
 
-    if deterministic:
-        dq_acc = torch.empty(1, dtype=torch.float32, device=q.device)  # unused by the dk/dv kernel
-        _paged_attn_bwd_dq_kernel[grid_rows](
-            q_ptr=q, k_ptr=k, v_ptr=v, k_cache_ptr=kc, v_cache_ptr=vc, block_table_ptr=bt,
-            dout_ptr=dout, lse_ptr=lse, delta_ptr=delta, dq_ptr=dq,
-            C=C, past_len=past_len, qk_scale=scale * _LOG2E, softmax_scale=scale,
-            stride_q_c=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
-            stride_k_c=k.stride(0), stride_k_h=k.stride(1), stride_k_d=k.stride(2),
-            stride_v_c=v.stride(0), stride_v_h=v.stride(1), stride_v_d=v.stride(2),
-            stride_kc_p=skc[0], stride_kc_t=skc[1], stride_kc_h=skc[2], stride_kc_d=skc[3],
-            stride_vc_p=svc[0], stride_vc_t=svc[1], stride_vc_h=svc[2], stride_vc_d=svc[3],
-            stride_do_c=dout.stride(0), stride_do_h=dout.stride(1), stride_do_d=dout.stride(2),
-            stride_dq_c=dq.stride(0), stride_dq_h=dq.stride(1), stride_dq_d=dq.stride(2),
-            stride_lse_h=lse.stride(0), stride_delta_h=delta.stride(0),
-            **common,
-        )
-    else:
-        dq_acc = torch.zeros((C, Hq, D), dtype=torch.float32, device=q.device)
+    _paged_attn_bwd_dq_kernel[grid_rows](
+        q_ptr=q, k_ptr=k, v_ptr=v, k_cache_ptr=kc, v_cache_ptr=vc, block_table_ptr=bt,
+        dout_ptr=dout, lse_ptr=lse, delta_ptr=delta, dq_ptr=dq,
+        C=C, past_len=past_len, qk_scale=scale * _LOG2E, softmax_scale=scale,
+        stride_q_c=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
+        stride_k_c=k.stride(0), stride_k_h=k.stride(1), stride_k_d=k.stride(2),
+        stride_v_c=v.stride(0), stride_v_h=v.stride(1), stride_v_d=v.stride(2),
+        stride_kc_p=skc[0], stride_kc_t=skc[1], stride_kc_h=skc[2], stride_kc_d=skc[3],
+        stride_vc_p=svc[0], stride_vc_t=svc[1], stride_vc_h=svc[2], stride_vc_d=svc[3],
+        stride_do_c=dout.stride(0), stride_do_h=dout.stride(1), stride_do_d=dout.stride(2),
+        stride_dq_c=dq.stride(0), stride_dq_h=dq.stride(1), stride_dq_d=dq.stride(2),
+        stride_lse_h=lse.stride(0), stride_delta_h=delta.stride(0),
+        **common,
+    )
 
     def launch_dkdv(is_past, kk, vv, dkk, dvv, n_keys):
         def grid_keys(meta):
@@ -722,7 +697,7 @@ def paged_attention_bwd(
         sdv = dvv.stride() if is_past else (0, *dvv.stride())
         _paged_attn_bwd_dkdv_kernel[grid_keys](
             q_ptr=q, k_ptr=kk, v_ptr=vv, block_table_ptr=bt, dout_ptr=dout, lse_ptr=lse, delta_ptr=delta,
-            dk_ptr=dkk, dv_ptr=dvv, dq_acc_ptr=dq_acc,
+            dk_ptr=dkk, dv_ptr=dvv,
             C=C, n_keys=n_keys, qk_scale=scale * _LOG2E, softmax_scale=scale,
             stride_q_c=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
             stride_k_p=sk[0], stride_k_t=sk[1], stride_k_h=sk[2], stride_k_d=sk[3],
@@ -731,14 +706,11 @@ def paged_attention_bwd(
             stride_dk_p=sdk[0], stride_dk_t=sdk[1], stride_dk_h=sdk[2], stride_dk_d=sdk[3],
             stride_dv_p=sdv[0], stride_dv_t=sdv[1], stride_dv_h=sdv[2], stride_dv_d=sdv[3],
             stride_lse_h=lse.stride(0), stride_delta_h=delta.stride(0),
-            stride_dqa_c=Hq * D, stride_dqa_h=D,
-            IS_PAST=is_past, ATOMIC_DQ=not deterministic,
+            IS_PAST=is_past,
             **common,
         )
 
     if past_len > 0:
         launch_dkdv(True, k_cache, v_cache, dk_cache, dv_cache, past_len)
     launch_dkdv(False, k, v, dk, dv, C)
-    if not deterministic:
-        dq.copy_(dq_acc.mul_(scale))
     return dq, dk, dv
