@@ -124,6 +124,46 @@ def main(argv=None):
         model.gradient_checkpointing_disable()
         return res[0], res[1], (res[2], kv)
 
+    def write_results():
+        meta = dict(
+            date=_dt.date.today().isoformat(),
+            gpu=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+            torch=torch.__version__,
+            transformers=__import__("transformers").__version__,
+            triton=getattr(__import__("importlib").util.find_spec("triton"), "name", None) and __import__("triton").__version__,
+            model=args.model,
+            params=n_params,
+            dtype=str(dtype),
+            chunk_size=args.chunk_size,
+            page_size=args.page_size,
+            oomb_checkpoint_layers=args.checkpoint_layers,
+            note="one step = forward + backward, no optimizer, gradients kept; peak = torch.cuda.max_memory_allocated",
+        )
+        os.makedirs(args.out, exist_ok=True)
+        stem = os.path.join(args.out, f"step_{args.model}_{meta['date']}{args.tag}")
+        with open(stem + ".json", "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=2)
+        lines = [
+            f"# One training step, {args.model} ({n_params / 1e9:.2f}B params, {dtype}), {meta['gpu']}, {meta['date']}",
+            "",
+            f"torch {meta['torch']}, transformers {meta['transformers']}, triton {meta['triton']}; chunk {args.chunk_size}, page {args.page_size}.",
+            "",
+            "| system | tokens | s/step | tok/s | peak GiB | KV store GiB | peak - KV GiB |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        fmt = lambda v, f: "—" if v is None else format(v, f)  # noqa: E731
+        for r in rows:
+            if r.get("error"):
+                lines.append(f"| {r['system']} | {r['seq_len']} | {r['error']} | | | | |")
+            else:
+                lines.append(
+                    f"| {r['system']} | {r['seq_len']} | {fmt(r['seconds'], '.2f')} | {fmt(r['tokens_per_s'], '.0f')} | "
+                    f"{fmt(r['peak_gib'], '.1f')} | {fmt(r.get('kv_store_gib'), '.2f')} | {fmt(r.get('peak_minus_kv_gib'), '.1f')} |"
+                )
+        with open(stem + ".md", "w") as f:
+            f.write("\n".join(lines) + "\n")
+        return "\n".join(lines)
+
     for system in args.systems:
         # Warm-up (compilation, autotuning, allocator) once per system, untimed.
         try:
@@ -153,45 +193,9 @@ def main(argv=None):
                 torch.cuda.empty_cache()
             rows.append(row)
             print(json.dumps(row), flush=True)
+            write_results()  # after every row: a run cut short still leaves its numbers
 
-    meta = dict(
-        date=_dt.date.today().isoformat(),
-        gpu=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
-        torch=torch.__version__,
-        transformers=__import__("transformers").__version__,
-        triton=getattr(__import__("importlib").util.find_spec("triton"), "name", None) and __import__("triton").__version__,
-        model=args.model,
-        params=n_params,
-        dtype=str(dtype),
-        chunk_size=args.chunk_size,
-        page_size=args.page_size,
-        oomb_checkpoint_layers=args.checkpoint_layers,
-        note="one step = forward + backward, no optimizer, gradients kept; peak = torch.cuda.max_memory_allocated",
-    )
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"step_{args.model}_{meta['date']}{args.tag}")
-    with open(stem + ".json", "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=2)
-    lines = [
-        f"# One training step, {args.model} ({n_params / 1e9:.2f}B params, {dtype}), {meta['gpu']}, {meta['date']}",
-        "",
-        f"torch {meta['torch']}, transformers {meta['transformers']}, triton {meta['triton']}; chunk {args.chunk_size}, page {args.page_size}.",
-        "",
-        "| system | tokens | s/step | tok/s | peak GiB | KV store GiB | peak - KV GiB |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    fmt = lambda v, f: "—" if v is None else format(v, f)  # noqa: E731
-    for r in rows:
-        if r.get("error"):
-            lines.append(f"| {r['system']} | {r['seq_len']} | {r['error']} | | | | |")
-        else:
-            lines.append(
-                f"| {r['system']} | {r['seq_len']} | {fmt(r['seconds'], '.2f')} | {fmt(r['tokens_per_s'], '.0f')} | "
-                f"{fmt(r['peak_gib'], '.1f')} | {fmt(r.get('kv_store_gib'), '.2f')} | {fmt(r.get('peak_minus_kv_gib'), '.1f')} |"
-            )
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    print(write_results())
 
 
 if __name__ == "__main__":
