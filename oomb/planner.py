@@ -1,0 +1,601 @@
+"""Memory planner: GPU and host bytes of a training run, computed before anything is allocated.
+
+From the model config, the context length and the engine settings it predicts
+the peak GPU memory of one chunk-recurrent step (what
+``torch.cuda.max_memory_allocated`` reports) and the host memory of the KV
+host tier, chooses the tiering (all pages on the GPU, or a GPU pool of
+resident pages + staging with the rest in pinned host memory, DESIGN.md §2.3),
+and finds the largest context that fits the machine.
+
+Peak GPU bytes of a step (the peak is in Stage 2, during the backward of the
+top layer of a chunk, when every layer's saved activations are alive)::
+
+    weights + grads + optimizer states + KV pool (resident + staging + write buffers)
+      + saved activations + max(attention temporaries, loss temporaries) + small terms
+
+**Saved activations** per token per layer (bytes; e = model dtype size, a = 4,
+h hidden, q = Hq*D, kv = Hkv*D, i intermediate), from what autograd keeps for
+a Hugging Face Llama/Qwen2 decoder layer:
+
+=============================  ===================  ==========================================
+input + post-attention norm    2 (a + e) h          RMSNorm keeps the fp32 upcast and its output
+q                              3 e q                projection out, rotate_half(q), post-RoPE q
+k, v                           3 e kv + e kv        k like q; v as projected
+attention output               e q                  saved by the attention (also o_proj's input)
+MLP                            4 e i                gate, SiLU(gate), up, SiLU(gate)*up
+Qwen3 q/k norms                (a + e)(q + kv)
+=============================  ===================  ==========================================
+
+Qwen2.5-7B, bf16: 12h + 8q + 8kv + 8i = 227,328 B/token/layer -> 24.28 GiB for
+4096 tokens x 28 layers. With ``checkpoint_layers`` only each layer's input
+(e h per token) is kept for all layers, plus one layer's activations while it is
+recomputed.
+
+**Attention temporaries.** The PyTorch reference backward holds three fp32
+score-sized tensors (s, p, ds) of ``Hq x C x W`` (W = max(C, min(block, past)))
+plus ~6 fp32 ``C x q`` copies: 5.25 + 0.33 GiB at C = 4096, Hq = 28. The Triton
+kernels keep only an fp32 ``dq`` and ``delta`` (2 x C x q x 4 B; to be
+measured). **Loss temporaries:** one block of logits, ``loss_chunk x V x (2e + 8)``.
+
+Calibration (H200, Qwen2.5-7B, bf16, chunk 4096, torch reference, no per-layer
+checkpointing): measured peak minus KV store 58.36 GiB at 32K and 128K;
+predicted 14.19 + 14.19 (weights, grads) + 24.28 + 5.25 + 0.33 + 0.10 = 58.3 GiB.
+
+Host tier: ``L x (n - R)`` pages in pinned memory, where ``n`` pages per
+layer and ``R`` resident (:mod:`oomb.engine.offload`). The host budget is a
+fraction (default 0.75) of available RAM: 96 GiB could be pinned on the H200
+host with 125 GiB (DESIGN.md §2.3).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+
+__all__ = [
+    "Machine",
+    "MemoryPlan",
+    "MemoryPlanError",
+    "ModelShape",
+    "Tiering",
+    "activation_bytes",
+    "add_plan_subcommand",
+    "choose_engine_tiering",
+    "choose_tiering",
+    "plan",
+    "run_plan",
+]
+
+GiB = 1 << 30
+_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+class MemoryPlanError(ValueError):
+    """A run that cannot fit the machine; the message says what is short, by how much, and what to change."""
+
+
+def _dtype_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+             "float32": torch.float32, "fp32": torch.float32, "float64": torch.float64}
+    if dtype not in names:
+        raise ValueError(f"unknown dtype {dtype!r}; use one of {', '.join(names)}")
+    return names[dtype]
+
+
+# ---------------------------------------------------------------------- model
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a decoder-only LM that memory depends on."""
+
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tied_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+
+    @classmethod
+    def from_config(cls, config: Any) -> "ModelShape":
+        """From a transformers config, or a preset name / local directory (via :func:`oomb.models.presets.load_config`)."""
+        if isinstance(config, str):
+            from .models.presets import load_config
+
+            config = load_config(config)
+        mt = getattr(config, "model_type", "llama")
+        heads = config.num_attention_heads
+        attn_bias = bool(getattr(config, "attention_bias", False))
+        return cls(
+            model_type=mt,
+            num_layers=config.num_hidden_layers,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+            vocab_size=config.vocab_size,
+            tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qkv_bias=mt == "qwen2" or attn_bias,
+            o_bias=attn_bias and mt != "qwen2",
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+            qk_norm=mt == "qwen3",
+        )
+
+    @property
+    def q_dim(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def num_params(self) -> int:
+        """Parameters of the ``*ForCausalLM`` model."""
+        h, i, q, kv, V = self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim, self.vocab_size
+        layer = h * q + 2 * h * kv + q * h + 3 * h * i + 2 * h
+        layer += (q + 2 * kv) * self.qkv_bias + h * self.o_bias + (2 * i + h) * self.mlp_bias
+        layer += 2 * self.head_dim * self.qk_norm
+        return self.num_layers * layer + V * h * (1 if self.tied_embeddings else 2) + h
+
+    def lora_params(self, rank: int) -> int:
+        """LoRA parameters of rank ``rank`` on q/k/v/o projections."""
+        h, q, kv = self.hidden_size, self.q_dim, self.kv_dim
+        return self.num_layers * rank * ((h + q) + 2 * (h + kv) + (q + h))
+
+
+def activation_bytes(
+    shape: ModelShape,
+    chunk_size: int,
+    dtype: torch.dtype,
+    checkpoint_layers: bool = False,
+    attention_backend: str = "triton",
+    attention_block_size: int = 4096,
+    loss_chunk_size: int = 1024,
+    max_past: int | None = None,
+    lora_rank: int = 0,
+) -> dict[str, int]:
+    """Peak bytes of one Stage-2 chunk's activations and temporaries (see the module docstring).
+
+    Args:
+        max_past: longest past in tokens (T - chunk); None = at least one attention block.
+
+    Returns:
+        {"saved": ..., "attention_temp": ..., "loss_temp": ..., "other": ..., "total": ...} in bytes.
+    """
+    e, a = _dtype_size(dtype), 4
+    acc = 8 if dtype == torch.float64 else 4
+    h, i, q, kv = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim
+    C, L = chunk_size, shape.num_layers
+    per_layer = 2 * (a + e) * h + 4 * e * q + 4 * e * kv + 4 * e * i
+    if shape.qk_norm:
+        per_layer += (a + e) * (q + kv)
+    if lora_rank:
+        per_layer += len(_LORA_TARGETS) * 4 * lora_rank  # fp32 adapter activations (A outputs)
+    if checkpoint_layers:
+        saved = L * C * e * h + C * per_layer
+    else:
+        saved = L * C * per_layer
+    if attention_backend == "torch":
+        past = attention_block_size if max_past is None else max_past
+        width = max(C, min(attention_block_size, past))
+        attn = 3 * shape.num_heads * C * width * acc + 6 * C * q * acc
+    else:
+        attn = 2 * C * q * acc
+    loss = min(loss_chunk_size, C) * shape.vocab_size * (2 * e + 8)
+    other = C * h * (a + 2 * e)  # final norm and the hidden state's gradient
+    total = saved + max(attn, loss) + other
+    return {"saved": saved, "attention_temp": attn, "loss_temp": loss, "other": other, "total": total}
+
+
+# -------------------------------------------------------------------- machine
+@dataclass(frozen=True)
+class Machine:
+    """Memory of the machine, in bytes."""
+
+    gpu_free_bytes: int
+    gpu_total_bytes: int
+    host_available_bytes: int
+    host_total_bytes: int
+    gpu_name: str = "GPU"
+
+    @classmethod
+    def detect(cls, device: torch.device | str | None = None) -> "Machine":
+        """GPU free/total (torch.cuda.mem_get_info; 0 without CUDA) and host available/total RAM."""
+        free = total = 0
+        name = "no GPU"
+        if torch.cuda.is_available():
+            dev = torch.device(device) if device is not None else torch.device("cuda")
+            if dev.type == "cuda":
+                free, total = torch.cuda.mem_get_info(dev)
+                name = torch.cuda.get_device_name(dev)
+        avail, host_total = _host_memory()
+        return cls(int(free), int(total), avail, host_total, name)
+
+
+def _host_memory() -> tuple[int, int]:
+    try:
+        import psutil
+
+        vm = psutil.virtual_memory()
+        return int(vm.available), int(vm.total)
+    except ImportError:  # pragma: no cover
+        info = {}
+        with open("/proc/meminfo") as f:
+            for line in f:
+                k, v = line.split(":", 1)
+                info[k] = int(v.split()[0]) * 1024
+        return info.get("MemAvailable", info["MemFree"]), info["MemTotal"]
+
+
+# ----------------------------------------------------------------------- plan
+@dataclass(frozen=True)
+class Tiering:
+    """Where the KV pages go: ``offload`` False = all on the GPU; else a GPU pool of ``gpu_pages`` pages."""
+
+    offload: bool
+    gpu_pages: int | None
+    resident_pages_per_layer: int
+
+
+@dataclass
+class MemoryPlan:
+    """Predicted memory of a run (bytes unless named otherwise). ``table()`` prints it; ``check()`` refuses it."""
+
+    model: str
+    shape: ModelShape
+    seq_len: int
+    chunk_size: int
+    page_size: int
+    dtype: torch.dtype
+    num_params: int
+    trainable_params: int
+    weights: int
+    grads: int
+    optimizer: int
+    activations: dict[str, int]
+    page_bytes: int
+    pages_per_layer: int
+    kv_total: int
+    tiering: Tiering
+    gpu_pool: int
+    write_buffers: int
+    host_kv: int
+    gpu_peak: int
+    host_peak: int
+    gpu_budget: int
+    host_budget: int
+    machine: Machine
+    max_seq_len_gpu_only: int
+    max_seq_len_offload: int
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    @property
+    def staging(self) -> int:
+        """GPU bytes of the two staging sets."""
+        t = self.tiering
+        if not t.offload:
+            return 0
+        return 2 * (self.pages_per_layer - t.resident_pages_per_layer) * self.page_bytes
+
+    def check(self) -> "MemoryPlan":
+        """Return self if the run fits, else raise :class:`MemoryPlanError` saying why and what to change."""
+        if self.problems:
+            raise MemoryPlanError("; ".join(self.problems))
+        return self
+
+    def table(self) -> str:
+        """A plain-text breakdown (GiB) for printing."""
+        g = lambda b: f"{b / GiB:9.2f}"  # noqa: E731
+        t, act = self.tiering, self.activations
+        rows = [
+            f"oomb memory plan: {self.model}, {self.seq_len:,} tokens, chunk {self.chunk_size}, page {self.page_size}, "
+            f"{str(self.dtype).replace('torch.', '')}",
+            f"  parameters {self.num_params / 1e9:.2f} B, trainable {self.trainable_params / 1e9:.3f} B; "
+            f"KV {self.page_bytes * self.shape.num_layers // self.page_size / 1024:.0f} KiB/token (K/V + dK/dV)",
+            "",
+            f"{'GPU':<42}{'GiB':>9}",
+            f"  {'weights':<40}{g(self.weights)}",
+            f"  {'gradients':<40}{g(self.grads)}",
+            f"  {'optimizer states':<40}{g(self.optimizer)}",
+            f"  {'activations: saved':<40}{g(act['saved'])}",
+            f"  {'activations: attention temporaries':<40}{g(act['attention_temp'])}",
+            f"  {'activations: loss temporaries':<40}{g(act['loss_temp'])}",
+            f"  {'KV pages on GPU (' + ('all' if not t.offload else f'{t.resident_pages_per_layer} resident/layer') + ')':<40}"
+            f"{g(self.gpu_pool - self.staging)}",
+            f"  {'KV staging (2 layers) + write buffers':<40}{g(self.staging + self.write_buffers)}",
+            f"  {'predicted peak':<40}{g(self.gpu_peak)}",
+            f"  {'budget (' + self.machine.gpu_name + ')':<40}{g(self.gpu_budget)}",
+            f"{'host':<42}",
+            f"  {'KV pages in pinned memory':<40}{g(self.host_kv)}",
+            f"  {'budget':<40}{g(self.host_budget)}",
+            "",
+            f"tiering: {'offload, GPU pool ' + format(t.gpu_pages, ',') + ' pages' if t.offload else 'every page on the GPU'}",
+            f"largest context: {self.max_seq_len_gpu_only:,} tokens with every page on the GPU, "
+            f"{self.max_seq_len_offload:,} with offload",
+            "fits" if self.fits else "DOES NOT FIT: " + "; ".join(self.problems),
+        ]
+        return "\n".join(rows)
+
+
+def _page_bytes(shape: ModelShape, page_size: int, dtype: torch.dtype) -> int:
+    g = 8 if dtype == torch.float64 else 4
+    return page_size * shape.kv_dim * 2 * (_dtype_size(dtype) + g)
+
+
+def _base_gpu(shape, seq_len, chunk_size, dtype, lora_rank, optimizer, checkpoint_layers, attention_backend,
+              attention_block_size, loss_chunk_size):
+    n_params = shape.num_params()
+    e = _dtype_size(dtype)
+    if lora_rank:
+        trainable = shape.lora_params(lora_rank)
+        weights = n_params * e + trainable * 4  # peft keeps bf16/fp16 adapters in float32
+        grads = trainable * 4
+    else:
+        trainable = n_params
+        weights = n_params * e
+        grads = n_params * e
+    optim = 8 * trainable if optimizer == "adamw" else 0
+    act = activation_bytes(shape, chunk_size, dtype, checkpoint_layers, attention_backend, attention_block_size,
+                           loss_chunk_size, max(seq_len - chunk_size, 0), lora_rank)
+    return n_params, trainable, weights, grads, optim, act
+
+
+def _tier(L: int, n: int, pb: int, pool_budget: int, host_budget: int, offload: bool | str,
+          gpu_page_budget: int | None) -> tuple[Tiering | None, str | None]:
+    """Choose the tiering for n pages per layer, or (None, why not)."""
+    from .engine.offload import min_gpu_pages, resident_pages_for_budget
+
+    all_pages = L * n
+    if offload is False or (offload == "auto" and gpu_page_budget is None and all_pages * pb <= pool_budget):
+        if all_pages * pb > pool_budget:
+            return None, (f"the KV store needs {all_pages * pb / GiB:.2f} GiB on the GPU but only "
+                          f"{max(pool_budget, 0) / GiB:.2f} GiB is left; turn offload on (offload='auto' or True)")
+        return Tiering(False, None, n), None
+    if gpu_page_budget is not None:
+        pages = gpu_page_budget
+        if pages * pb > pool_budget:
+            return None, (f"gpu_page_budget {pages:,} pages = {pages * pb / GiB:.2f} GiB but only "
+                          f"{max(pool_budget, 0) / GiB:.2f} GiB is left for KV pages; lower it")
+    else:
+        pages = min(max(pool_budget, 0) // pb, all_pages)
+    need = min_gpu_pages(L, n)
+    if pages < need:
+        return None, (f"offload needs at least {need:,} GPU pages ({need * pb / GiB:.2f} GiB: two layers of staging) "
+                      f"but only {max(pool_budget, 0) / GiB:.2f} GiB is left; shorten the context, use a smaller chunk, "
+                      "LoRA or checkpoint_layers")
+    R = resident_pages_for_budget(L, n, pages)
+    used = L * R + (2 * (n - R) if R < n else 0)
+    host = L * (n - R) * pb
+    if host > host_budget:
+        return None, (f"the host tier needs {host / GiB:.2f} GiB of pinned memory but the budget is "
+                      f"{host_budget / GiB:.2f} GiB; shorten the context or free host RAM")
+    return Tiering(R < n, used if R < n else None, R), None
+
+
+def plan(
+    model: Any,
+    seq_len: int,
+    *,
+    chunk_size: int = 4096,
+    page_size: int = 128,
+    dtype: torch.dtype | str = torch.bfloat16,
+    lora_rank: int = 0,
+    optimizer: str | None = "adamw",
+    checkpoint_layers: bool = False,
+    attention_backend: str = "triton",
+    attention_block_size: int = 4096,
+    loss_chunk_size: int = 1024,
+    offload: bool | str = "auto",
+    gpu_page_budget: int | None = None,
+    machine: Machine | None = None,
+    gpu_reserve_bytes: int | None = None,
+    host_fraction: float = 0.75,
+) -> MemoryPlan:
+    """Predict GPU and host memory of training ``model`` on ``seq_len``-token sequences; nothing is allocated.
+
+    Args:
+        model: a preset name, a local model directory, a transformers config, or a :class:`ModelShape`.
+        seq_len: tokens per sequence (T).
+        chunk_size, page_size: tokens (as :class:`oomb.OOMBConfig`).
+        dtype: parameter/activation dtype.
+        lora_rank: LoRA rank on q/k/v/o (0: full fine-tune).
+        optimizer: 'adamw' (two fp32 states per trainable parameter, 8 B) or None (no states).
+        checkpoint_layers, attention_backend ('torch' or 'triton'), attention_block_size, loss_chunk_size:
+            as in :class:`oomb.OOMBConfig` ('auto' backend counts as triton).
+        offload: True, False or 'auto' (offload only when every page does not fit on the GPU).
+        gpu_page_budget: GPU pool in pages with offload (None: the largest that fits).
+        machine: the memory to fit into; default :meth:`Machine.detect`.
+        gpu_reserve_bytes: GPU bytes kept free for the CUDA allocator's fragmentation and library
+            workspaces; default max(2 GiB, 3% of the GPU).
+        host_fraction: share of available host RAM the pinned host tier may take.
+
+    Returns:
+        :class:`MemoryPlan`; ``plan.fits`` / ``plan.check()`` say whether it fits.
+    """
+    shape = model if isinstance(model, ModelShape) else ModelShape.from_config(model)
+    name = model if isinstance(model, str) else shape.model_type
+    dtype = _parse_dtype(dtype)
+    if seq_len < 2 or chunk_size <= 0 or page_size <= 0 or chunk_size % page_size:
+        raise ValueError(f"need seq_len >= 2 and chunk_size a positive multiple of page_size; got {seq_len}, {chunk_size}, {page_size}")
+    machine = machine or Machine.detect()
+    backend = "torch" if attention_backend == "torch" else "triton"
+    reserve = gpu_reserve_bytes if gpu_reserve_bytes is not None else max(2 * GiB, int(0.03 * machine.gpu_total_bytes))
+    gpu_budget = max(machine.gpu_free_bytes - reserve, 0)
+    host_budget = int(machine.host_available_bytes * host_fraction)
+    L = shape.num_layers
+    pb = _page_bytes(shape, page_size, dtype)
+    wbuf = 2 * 2 * chunk_size * shape.kv_dim * _dtype_size(dtype)  # two K+V write buffers of one chunk
+
+    def fixed_for(T: int) -> tuple:
+        parts = _base_gpu(shape, T, chunk_size, dtype, lora_rank, optimizer, checkpoint_layers, backend,
+                          attention_block_size, loss_chunk_size)
+        n_params, trainable, weights, grads, optim, act = parts
+        return parts, weights + grads + optim + act["total"]
+
+    def tier_for(T: int, off=offload, budget=gpu_page_budget):
+        _, fixed = fixed_for(T)
+        n = -(-T // page_size)
+        pool_budget = gpu_budget - fixed
+        t, why = _tier(L, n, pb, pool_budget, host_budget, off, budget)
+        if t is not None and t.offload:
+            t2, why = _tier(L, n, pb, pool_budget - wbuf, host_budget, off, budget)
+            t = t2
+        return t, why
+
+    def largest(off) -> int:
+        lo, hi = 0, 1 << 26  # pages per layer
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if tier_for(mid * page_size, off, None)[0] is not None:
+                lo = mid
+            else:
+                hi = mid - 1
+        return (lo * page_size) // chunk_size * chunk_size
+
+    (n_params, trainable, weights, grads, optim, act), fixed = fixed_for(seq_len)
+    n = -(-seq_len // page_size)
+    problems: list[str] = []
+    tiering, why = tier_for(seq_len)
+    if tiering is None:
+        problems.append(why)
+        tiering = Tiering(offload is True or gpu_page_budget is not None, gpu_page_budget, 0)
+    if fixed > gpu_budget:
+        problems.insert(0, f"weights, gradients, optimizer states and one chunk's activations need {fixed / GiB:.2f} GiB "
+                           f"but {gpu_budget / GiB:.2f} GiB of GPU memory is free (after a {reserve / GiB:.1f} GiB reserve); "
+                           "use LoRA, checkpoint_layers or a smaller chunk_size")
+    if tiering.offload:
+        R = tiering.resident_pages_per_layer
+        gpu_pool = (L * R + 2 * (n - R)) * pb
+        host_kv = L * (n - R) * pb
+        wb = wbuf
+    else:
+        gpu_pool, host_kv, wb = L * n * pb, 0, 0
+    gpu_peak = fixed + gpu_pool + wb
+    return MemoryPlan(
+        model=str(name), shape=shape, seq_len=seq_len, chunk_size=chunk_size, page_size=page_size, dtype=dtype,
+        num_params=n_params, trainable_params=trainable, weights=weights, grads=grads, optimizer=optim,
+        activations=act, page_bytes=pb, pages_per_layer=n, kv_total=L * n * pb, tiering=tiering,
+        gpu_pool=gpu_pool, write_buffers=wb, host_kv=host_kv, gpu_peak=gpu_peak, host_peak=host_kv,
+        gpu_budget=gpu_budget, host_budget=host_budget, machine=machine,
+        max_seq_len_gpu_only=largest(False), max_seq_len_offload=largest(True), problems=problems,
+    )
+
+
+def choose_tiering(model: Any, seq_len: int, **kwargs) -> Tiering:
+    """The tiering :func:`plan` picks (``offload='auto'`` unless given).
+
+    Raises:
+        MemoryPlanError: if the run does not fit at all.
+    """
+    return plan(model, seq_len, **kwargs).check().tiering
+
+
+def choose_engine_tiering(engine: Any, seq_len: int) -> tuple[bool, int | None]:
+    """(offload, gpu_pages) for an :class:`oomb.Engine` about to allocate its store for ``seq_len`` tokens.
+
+    Explicit settings win: ``offload=False`` -> all on the device; a ``gpu_page_budget`` -> offload with it;
+    on CPU ``offload=True`` means the minimum GPU tier (simulation) and 'auto' means no offload. On CUDA the
+    budget comes from the memory free NOW (driver free + the allocator's cached bytes), less the gradients not
+    yet allocated, one chunk's activations and a reserve. Optimizer states allocated later are not seen:
+    callers that know the optimizer (the CLI) should plan with :func:`plan` and pass ``gpu_page_budget``.
+
+    Raises:
+        MemoryPlanError: on CUDA, if not even two layers of staging fit, or the host tier does not.
+    """
+    cfg = engine.config
+    if cfg.offload is False:
+        return False, None
+    if cfg.gpu_page_budget is not None:
+        return True, cfg.gpu_page_budget
+    device = engine.device
+    if device.type != "cuda":
+        return (cfg.offload is True), None
+    shape = ModelShape.from_config(engine._base.config)
+    dtype = engine.dtype
+    free, total = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    missing_grads = sum(p.numel() * p.element_size() for p in engine.model.parameters() if p.requires_grad and p.grad is None)
+    backend = "torch" if engine._backend == "torch" else "triton"
+    act = activation_bytes(shape, cfg.chunk_size, dtype, cfg.checkpoint_layers, backend, cfg.attention_block_size,
+                           cfg.loss_chunk_size, max(seq_len - cfg.chunk_size, 0))["total"]
+    reserve = max(2 * GiB, int(0.03 * total))
+    pool_budget = free + cached - reserve - missing_grads - act
+    L, n = shape.num_layers, -(-seq_len // cfg.page_size)
+    pb = _page_bytes(shape, cfg.page_size, dtype)
+    host_budget = int(_host_memory()[0] * 0.75)
+    t, why = _tier(L, n, pb, pool_budget, host_budget, cfg.offload, None)
+    if t is not None and t.offload:
+        wbuf = 4 * cfg.chunk_size * shape.kv_dim * _dtype_size(dtype)
+        t, why = _tier(L, n, pb, pool_budget - wbuf, host_budget, cfg.offload, None)
+    if t is None:
+        raise MemoryPlanError(f"{seq_len:,} tokens do not fit: {why}")
+    if cfg.offload is True and not t.offload:
+        return True, L * n  # asked for offload but everything fits: one tier, no host pages
+    return t.offload, t.gpu_pages
+
+
+# ------------------------------------------------------------------------ CLI
+def add_plan_subcommand(subparsers: Any) -> Any:
+    """Register ``oomb plan`` on an argparse subparsers object; the handler is :func:`run_plan`."""
+    p = subparsers.add_parser(
+        "plan",
+        help="predict GPU and host memory of a run and the largest context that fits",
+        description="Predict GPU and host memory of one training step before anything is allocated, choose the "
+                    "KV tiering (all pages on the GPU, or offload to pinned host memory) and report the largest "
+                    "context that fits this machine (or the one described by --gpu-gib/--host-gib).",
+    )
+    p.add_argument("--model", default="qwen2.5-7b", help="a preset name or a local Hugging Face model directory")
+    p.add_argument("--seq-len", type=int, default=131072, help="tokens per training sequence")
+    p.add_argument("--chunk-size", type=int, default=4096, help="tokens per chunk")
+    p.add_argument("--page-size", type=int, default=128, help="tokens per KV page")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16", help="parameter dtype")
+    p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank on q/k/v/o (0: full fine-tune)")
+    p.add_argument("--no-optimizer", action="store_true", help="leave out AdamW states (memory of the step alone)")
+    p.add_argument("--checkpoint-layers", action="store_true", help="per-layer checkpointing inside each chunk")
+    p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto", help="attention implementation")
+    p.add_argument("--offload", choices=["auto", "on", "off"], default="auto", help="KV pages in pinned host memory")
+    p.add_argument("--gpu-page-budget", type=int, default=None, help="GPU pool size in pages with offload")
+    p.add_argument("--gpu-gib", type=float, default=None, help="plan for this much free GPU memory (GiB) instead of this machine's")
+    p.add_argument("--host-gib", type=float, default=None, help="plan for this much available host RAM (GiB) instead of this machine's")
+    p.set_defaults(func=run_plan)
+    return p
+
+
+def run_plan(args: Any) -> int:
+    """Print the plan for parsed ``oomb plan`` arguments. Returns 0 if the run fits, 1 if not."""
+    machine = Machine.detect()
+    if args.gpu_gib is not None or args.host_gib is not None:
+        gpu = int(args.gpu_gib * GiB) if args.gpu_gib is not None else machine.gpu_free_bytes
+        host = int(args.host_gib * GiB) if args.host_gib is not None else machine.host_available_bytes
+        machine = Machine(gpu, max(gpu, machine.gpu_total_bytes if args.gpu_gib is None else gpu), host,
+                          max(host, machine.host_total_bytes), "given" if args.gpu_gib is not None else machine.gpu_name)
+    offload = {"auto": "auto", "on": True, "off": False}[args.offload]
+    p = plan(
+        args.model, args.seq_len, chunk_size=args.chunk_size, page_size=args.page_size, dtype=args.dtype,
+        lora_rank=args.lora_rank, optimizer=None if args.no_optimizer else "adamw",
+        checkpoint_layers=args.checkpoint_layers,
+        attention_backend="torch" if args.attention_backend == "torch" else "triton",
+        offload=offload, gpu_page_budget=args.gpu_page_budget, machine=machine,
+    )
+    print(p.table())
+    return 0 if p.fits else 1
