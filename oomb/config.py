@@ -37,6 +37,15 @@ class OOMBConfig:
     attention_block_size: int = 4096
     """Past tokens per block in the memory-bounded PyTorch reference attention."""
 
+    offload: bool | str = "auto"
+    """KV pages in pinned host memory with a GPU tier (DESIGN.md §2.3): True, False, or 'auto' (CUDA: offload
+    only when the planner finds that not every page fits in free GPU memory; CPU: never). 'on'/'off' = True/False."""
+
+    gpu_page_budget: int | None = None
+    """With offload: GPU page-pool size in pages (a page = page_size tokens of one layer's K, V, dK and dV),
+    the two staging layers included, so at least 2 x ceil(T / page_size). None: on CUDA the largest the planner
+    finds room for, on CPU the minimum. Setting it implies offload (an error with offload=False)."""
+
     def __post_init__(self) -> None:
         for name in ("chunk_size", "page_size", "loss_chunk_size", "attention_block_size"):
             value = getattr(self, name)
@@ -49,6 +58,16 @@ class OOMBConfig:
             )
         if self.attention_backend not in _BACKENDS:
             raise ValueError(f"attention_backend must be one of {_BACKENDS}, got {self.attention_backend!r}")
+        if isinstance(self.offload, str) and self.offload in ("on", "off"):
+            self.offload = self.offload == "on"
+        if self.offload not in (True, False, "auto") or isinstance(self.offload, int) and not isinstance(self.offload, bool):
+            raise ValueError(f"offload must be True, False or 'auto' ('on'/'off'), got {self.offload!r}")
+        if self.gpu_page_budget is not None:
+            b = self.gpu_page_budget
+            if not isinstance(b, int) or isinstance(b, bool) or b <= 0:
+                raise ValueError(f"gpu_page_budget must be a positive number of pages or None, got {b!r}")
+            if self.offload is False:
+                raise ValueError("gpu_page_budget sizes the GPU tier of offload; it cannot be set with offload=False")
         if self.attention_block_size % self.page_size != 0:
             # Round up so reference blocks are whole pages.
             self.attention_block_size = -(-self.attention_block_size // self.page_size) * self.page_size
