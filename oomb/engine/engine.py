@@ -29,7 +29,9 @@ from tqdm.auto import tqdm
 from ..config import OOMBConfig
 from ..models.hf import UnsupportedModelError, check_model_supported, use_oomb_attention
 from ..ops.paged_attention import paged_attention, paged_attention_forward, resolve_backend
+from ..planner import choose_engine_tiering
 from .kv_store import PagedKVStore
+from .offload import OffloadedKVStore
 from .loss import IGNORE_INDEX, chunked_cross_entropy_sum
 
 __all__ = ["Engine", "StepOutput"]
@@ -217,19 +219,31 @@ class Engine:
     def _ensure_store(self, T: int) -> PagedKVStore:
         S = self.config.page_size
         store = self._store
-        if store is None or not store.fits(T) or store.dtype != self.dtype or store.device != self.device:
+        reuse = store is not None and store.fits(T) and store.dtype == self.dtype and store.device == self.device
+        if reuse and self.config.offload != "auto":
+            reuse = isinstance(store, OffloadedKVStore) == self.config.offload
+        if not reuse:
             self._store = None  # drop the old pool before allocating the new one
-            store = PagedKVStore(
-                self.num_layers,
-                self.num_kv_heads,
-                self.head_dim,
-                S,
-                PagedKVStore.pages_needed(self.num_layers, T, S),
-                self.dtype,
-                self.device,
-            )
+            offload, gpu_pages = choose_engine_tiering(self, T)
+            if offload:
+                store = OffloadedKVStore(
+                    self.num_layers, self.num_kv_heads, self.head_dim, S, T, self.dtype, self.device,
+                    chunk_size=self.config.chunk_size, gpu_pages=gpu_pages,
+                )
+            else:
+                store = PagedKVStore(
+                    self.num_layers,
+                    self.num_kv_heads,
+                    self.head_dim,
+                    S,
+                    PagedKVStore.pages_needed(self.num_layers, T, S),
+                    self.dtype,
+                    self.device,
+                )
             self._store = store
         store.reset()
+        if isinstance(store, OffloadedKVStore):
+            store.begin_step(T)
         return store
 
     def _run_chunk(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: _ChunkContext) -> torch.Tensor:
