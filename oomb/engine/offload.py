@@ -518,6 +518,8 @@ class OffloadedKVStore:
         S, L = self.page_size, self.num_layers
         past = start // S
         table = self.block_table[layer]
+        if self.trace is not None:
+            self.trace.append(("view", stage, layer, start))
         if stage == 1:
             use = _Use(layer, start, past, 0, False)
             self._acquire(use)

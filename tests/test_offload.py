@@ -1,0 +1,249 @@
+"""Two-tier KV store: page placement, prefetch order, lifetimes, and bitwise-equal training with and without offload.
+
+On CPU the host tier is simulated (plain CPU tensors, synchronous copies) with the same schedule as on CUDA.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from oomb import Engine, OOMBConfig
+from oomb.engine.kv_store import PagedKVStore
+from oomb.engine.offload import OffloadedKVStore, min_gpu_pages, resident_pages_for_budget
+from test_engine import VOCAB, clone_model, run_parity, tiny
+
+
+def _step(model, ids, trace=False, **cfg):
+    cfg.setdefault("attention_backend", "torch")
+    engine = Engine(model, OOMBConfig(**cfg))
+    if trace:
+        orig = engine._ensure_store
+
+        def ensure(T):
+            store = orig(T)
+            if isinstance(store, OffloadedKVStore) and store.trace is None:
+                store.trace = []
+            return store
+
+        engine._ensure_store = ensure
+    out = engine.step(ids)
+    return out, engine
+
+
+def _assert_same_training(m_ref, m_off, out_ref, out_off):
+    assert out_ref.loss == out_off.loss, (out_ref.loss, out_off.loss)
+    for (name, a), (_, b) in zip(m_ref.named_parameters(), m_off.named_parameters()):
+        assert torch.equal(a.grad, b.grad), f"{name}: max diff {(a.grad - b.grad).abs().max().item():.3e}"
+
+
+CASES = [
+    # family, heads, kv_heads, layers, T, chunk, page, budget, checkpoint, dtype
+    ("qwen2", 4, 2, 3, 45, 8, 4, None, False, torch.float32),  # every page in the host tier, odd L
+    ("qwen2", 4, 2, 3, 45, 8, 4, None, True, torch.float32),  # + per-layer checkpointing (recompute views)
+    ("llama", 7, 1, 4, 50, 12, 4, 40, False, torch.bfloat16),  # partly resident (R = 3 of 13), GQA 7:1, bf16
+    ("qwen3", 4, 2, 5, 37, 8, 4, 30, True, torch.float32),  # R = 2 of 10, q/k norms, partial last page
+    ("qwen2", 4, 2, 4, 33, 16, 8, None, False, torch.float64),  # chunk = 2 pages, last chunk of 1 token
+]
+
+
+@pytest.mark.parametrize("family,heads,kv_heads,layers,T,chunk,page,budget,ckpt,dtype", CASES)
+def test_offload_trains_bitwise_like_all_on_device(family, heads, kv_heads, layers, T, chunk, page, budget, ckpt, dtype):
+    torch.manual_seed(0)
+    m_ref = tiny(family, heads, kv_heads, layers=layers).to(dtype)
+    m_off = clone_model(m_ref)
+    ids = torch.randint(0, VOCAB, (1, T))
+    common = dict(chunk_size=chunk, page_size=page, checkpoint_layers=ckpt)
+    out_ref, e_ref = _step(m_ref, ids, offload=False, **common)
+    out_off, e_off = _step(m_off, ids, offload=True, gpu_page_budget=budget, **common)
+    assert isinstance(e_ref.kv_store, PagedKVStore) and isinstance(e_off.kv_store, OffloadedKVStore)
+    store = e_off.kv_store
+    assert store.staging_pages > 0 and store.stats["h2d_bytes"] > 0 and store.stats["d2h_bytes"] > 0
+    _assert_same_training(m_ref, m_off, out_ref, out_off)
+    # Every stage-in was issued ahead of its use (the previous layer's compute), none at the point of use.
+    assert store.stats["on_demand"] == 0, store.stats
+    assert store.num_free_pages == store.num_pages
+
+
+def test_offload_matches_full_sequence_training_fp64():
+    out, ref_loss, (err, where), engine = run_parity(tiny("qwen2", 4, 2, layers=3), 41, 8, 4, offload=True, gpu_page_budget=24)
+    assert isinstance(engine.kv_store, OffloadedKVStore) and engine.kv_store.resident_pages_per_layer == 2
+    assert abs(out.loss - ref_loss) <= 1e-10 * abs(ref_loss)
+    assert err <= 1e-10, f"worst gradient {where}: rel err {err:.3e}"
+
+
+def test_packed_documents_and_two_steps_reuse_the_store():
+    torch.manual_seed(5)
+    m_ref = tiny("llama", 4, 2, layers=3).double()
+    m_off = clone_model(m_ref)
+    ids = torch.randint(0, VOCAB, (1, 40))
+    cu = torch.tensor([0, 13, 14, 31, 40])
+    cfg = dict(chunk_size=8, page_size=4, attention_backend="torch")
+    e_ref = Engine(m_ref, OOMBConfig(offload=False, **cfg))
+    e_off = Engine(m_off, OOMBConfig(offload=True, **cfg))
+    for _ in range(2):
+        out_ref = e_ref.step(ids, cu_seqlens=cu)
+        out_off = e_off.step(ids, cu_seqlens=cu)
+    store = e_off.kv_store
+    _assert_same_training(m_ref, m_off, out_ref, out_off)
+    assert e_off.evaluate(ids, cu_seqlens=cu) == e_ref.evaluate(ids, cu_seqlens=cu)
+    assert e_off.kv_store is store  # reused, not reallocated
+
+
+# ------------------------------------------------------------------ placement
+def test_resident_pages_for_budget():
+    L, n = 28, 1000
+    assert min_gpu_pages(L, n) == 2 * n
+    assert resident_pages_for_budget(L, n, 2 * n) == 0
+    assert resident_pages_for_budget(L, n, 2 * n + 26 * 7 + 25) == 7
+    assert resident_pages_for_budget(L, n, L * n) == n
+    assert resident_pages_for_budget(L, n, 10**9) == n
+    with pytest.raises(ValueError, match="at least 2000 pages"):
+        resident_pages_for_budget(L, n, 1999)
+    assert resident_pages_for_budget(2, n, 2 * n) == n  # two layers: staging costs as much as residency
+
+
+def test_page_placement_and_staged_views_read_the_written_pages():
+    L, Hkv, D, S, C, T = 4, 2, 3, 4, 8, 40
+    store = OffloadedKVStore(L, Hkv, D, S, T, torch.float32, "cpu", chunk_size=C, gpu_pages=2 * 10 + 2 * 3, trace=True)
+    n = 10
+    assert (store.resident_pages_per_layer, store.staging_pages) == (3, 7)
+    assert store.gpu_pool_pages == L * 3 + 2 * 7 and store.k_cache.shape[0] == store.gpu_pool_pages
+    assert store.k_host.shape == (L, 7, S, Hkv, D)
+    assert store.page_location(2, 1) == ("gpu", 2 * 3 + 1) and store.page_location(2, 5) == ("host", 2)
+    store.begin_step(T)
+    g = torch.Generator().manual_seed(0)
+    written = {}
+    for start in range(0, T - C, C):  # Stage 1 of a 40-token sequence: chunks 0..3
+        for layer in range(L):
+            kv = store.attention_view(layer, 1, start, C, False)
+            # The view's past pages, gathered through its block table, are exactly the tokens written before.
+            past = torch.cat([written[(layer, s)][0] for s in range(0, start, C)]) if start else torch.empty(0, Hkv, D)
+            got = store.k_cache[kv.block_table.long()].flatten(0, 1)[:start]
+            assert torch.equal(got, past), (layer, start)
+            k, v = torch.randn(C, Hkv, D, generator=g), torch.randn(C, Hkv, D, generator=g)
+            store.write(layer, start, k, v)
+            written[(layer, start)] = (k, v)
+            store.after_attention_forward(layer, 1)
+    for (layer, start), (k, v) in written.items():
+        for j in range(C // S):
+            p = start // S + j
+            tier, idx = store.page_location(layer, p)
+            pool = store.k_cache[idx] if tier == "gpu" else store.k_host[layer, idx]
+            assert torch.equal(pool, k[j * S : (j + 1) * S]), (layer, p)
+    assert [store.num_layer_pages(l) for l in range(L)] == [8] * L
+    assert store.num_free_pages == L * n - L * 8
+    assert store.stats["on_demand"] == 0
+
+
+def _schedule(trace):
+    """(kind, layer, start, grad) of each view and each staging, in issue order."""
+    out = []
+    for t in trace:
+        if t[0] == "view":
+            out.append(("view", t[2], t[3], t[1]))
+        elif t[0] == "stage":
+            out.append(("stage", t[2], t[3], t[5] is not None))
+    return out
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_prefetch_order(ckpt):
+    """Each use's pages are staged one use ahead: while the previous layer computes, never at the point of use."""
+    torch.manual_seed(0)
+    L, C, S, T = 4, 8, 4, 32
+    _, engine = _step(tiny("qwen2", layers=L), torch.randint(0, VOCAB, (1, T)), trace=True, chunk_size=C, page_size=S,
+                      offload=True, checkpoint_layers=ckpt)
+    sched = _schedule(engine.kv_store.trace)
+    stages = [(l, s, g) for k, l, s, g in sched if k == "stage"]
+    # Stage 1: chunks 1 and 2 read a past, layer by layer (K/V only); then layer 0 of the first Stage-2 chunk.
+    expect = [(l, s, False) for s in (8, 16) for l in range(L)] + [(0, 24, False)]
+    # Stage 2, chunk at s: K/V of layers 1..L-2, K/V + dK/dV of the top layer (its backward follows its
+    # forward), the backward of layers L-2..0, then layer 0 of the chunk before. Chunk 0 has no past:
+    # only its own stored dK/dV pages are staged.
+    for s in (24, 16, 8, 0):
+        expect += [(l, s, False) for l in range(1, L - 1) if s]
+        expect += [(L - 1, s, True)] + [(l, s, True) for l in range(L - 2, -1, -1)]
+        expect += [(0, s - C, False)] if s - C > 0 else []
+    assert stages == expect, stages
+    # Where each staging is issued: a forward use of layer l right after the view of layer l-1 (so it
+    # overlaps layer l-1's attention); the backward of layer l one backward ahead (after the top layer's
+    # view, or with per-layer checkpointing after the recompute view of layer l+2).
+    last_view = None
+    for kind, layer, start, grad in sched:
+        if kind == "view":
+            last_view = (layer, start)
+        elif not grad and layer >= 1:
+            assert last_view == (layer - 1, start), (layer, start, last_view)
+        elif grad and layer == L - 1:
+            assert last_view == (L - 2, start), (layer, start, last_view)
+        elif grad:
+            # issued when the backward of layer l+2 ends, i.e. one use (layer l+1's backward) ahead
+            assert last_view == ((layer + 2, start) if ckpt and layer < L - 2 else (L - 1, start)), (layer, start, last_view)
+    assert engine.kv_store.stats["on_demand"] == 0
+
+
+def test_pages_released_as_stage2_passes_their_chunk():
+    torch.manual_seed(0)
+    L, C, S, T = 3, 8, 4, 30
+    model = tiny("qwen2", layers=L)
+    engine = Engine(model, OOMBConfig(chunk_size=C, page_size=S, attention_backend="torch", offload=True))
+    seen = []
+    orig = OffloadedKVStore.release_from
+
+    def release(self, layer, start):
+        seen.append((layer, start, self.num_layer_pages(layer), self._grad_valid[layer]))
+        orig(self, layer, start)
+        assert self.num_layer_pages(layer) == start // S
+
+    OffloadedKVStore.release_from = release
+    try:
+        engine.step(torch.randint(0, VOCAB, (1, T)))
+    finally:
+        OffloadedKVStore.release_from = orig
+    # Chunks 2, 1, 0 (chunk 3 is the last: never stored) are released in that order, every layer.
+    assert [(l, s) for l, s, _, _ in seen] == [(l, s) for s in (16, 8, 0) for l in range(L)]
+    # When chunk c is released, the layer holds chunks 0..c and every stored gradient page of its
+    # past was written back to the host by the backward of chunk c+1.
+    for layer, start, pages, valid in seen:
+        assert pages == start // S + C // S and valid >= start // S
+    store = engine.kv_store
+    assert store.num_free_pages == store.num_pages
+    # The first Stage-2 chunk found no written-back gradients: its dK/dV pages were zero-filled on the device.
+    assert all(v == 0 for v in store._grad_valid)
+
+
+def test_bad_budget_and_config():
+    model = tiny("qwen2", layers=3)
+    engine = Engine(model, OOMBConfig(chunk_size=8, page_size=4, attention_backend="torch", gpu_page_budget=5))
+    with pytest.raises(ValueError, match="offload needs at least 16 pages"):
+        engine.step(torch.randint(0, VOCAB, (1, 30)))
+    with pytest.raises(ValueError, match="offload must be True, False or 'auto'"):
+        OOMBConfig(offload="yes")
+    with pytest.raises(ValueError, match="gpu_page_budget must be a positive"):
+        OOMBConfig(gpu_page_budget=0)
+    with pytest.raises(ValueError, match="cannot be set with offload=False"):
+        OOMBConfig(offload=False, gpu_page_budget=100)
+    assert OOMBConfig(offload="on").offload is True and OOMBConfig(offload="off").offload is False
+
+
+def test_auto_on_cpu_keeps_every_page_on_the_device():
+    engine = Engine(tiny("qwen2", layers=3), OOMBConfig(chunk_size=8, page_size=4, attention_backend="torch"))
+    engine.step(torch.randint(0, VOCAB, (1, 20)))
+    assert type(engine.kv_store) is PagedKVStore
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (side stream, pinned host memory)")
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_cuda_offload_bitwise_like_all_on_device(ckpt):
+    torch.manual_seed(0)
+    m_ref = tiny("qwen2", 4, 2, layers=5).to("cuda", torch.bfloat16)
+    m_off = clone_model(m_ref).to("cuda")
+    ids = torch.randint(0, VOCAB, (1, 300), device="cuda")
+    common = dict(chunk_size=32, page_size=16, checkpoint_layers=ckpt)
+    out_ref, _ = _step(m_ref, ids, offload=False, **common)
+    out_off, e_off = _step(m_off, ids, offload=True, gpu_page_budget=2 * 19 + 3 * 4, **common)
+    assert e_off.kv_store.k_host.is_pinned()
+    _assert_same_training(m_ref, m_off, out_ref, out_off)
