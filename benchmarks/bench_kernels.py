@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import multiprocessing as mp
 import os
 import platform

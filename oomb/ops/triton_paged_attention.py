@@ -55,7 +55,13 @@ Precision: bf16/fp16 inputs are multiplied in their own type with fp32 accumulat
 (``p`` and ``ds`` are rounded to the input type before their products, as in
 FlashAttention); fp32 inputs use exact fp32 products (``input_precision="ieee"``).
 Under the Triton interpreter (``TRITON_INTERPRET=1``, CPU tensors) every product runs
-in fp32, because the interpreter's bf16 ``tl.dot`` is wrong.
+in fp32, because the interpreter's bf16 ``tl.dot`` is wrong. Measured on an H200 against an
+fp32 reference (benchmarks/results/kernels_h200_2026-11-29.md): fp16 errors within 1.5x of
+the reference run in fp16; bf16 out/dq/dk/dv 1.4x; bf16 past dK/dV 1.7e-3 relative, 7.6x the
+reference-in-bf16 (whose products are TF32) but 0.58x SDPA flash's error on the same problem.
+
+Speed on an H200 (Qwen2.5-7B attention, bf16, 4096 queries, 32K / 128K past tokens): forward
+395 / 384 TFLOP/s (1.26x / 1.17x SDPA flash), backward 263 / 271 (0.84x / 0.85x).
 """
 
 from __future__ import annotations
