@@ -236,14 +236,20 @@ def test_auto_on_cpu_keeps_every_page_on_the_device():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (side stream, pinned host memory)")
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("ckpt", [False, True])
-def test_cuda_offload_bitwise_like_all_on_device(ckpt):
+def test_cuda_offload_bitwise_like_all_on_device(ckpt, backend):
+    from oomb.ops.paged_attention import _triton_available
+
+    if backend == "triton" and not _triton_available():
+        pytest.skip("triton kernels not importable")
     torch.manual_seed(0)
-    m_ref = tiny("qwen2", 4, 2, layers=5).to("cuda", torch.bfloat16)
+    m_ref = tiny("qwen2", 4, 2, layers=5, head_dim=16).to("cuda", torch.bfloat16)
     m_off = clone_model(m_ref).to("cuda")
     ids = torch.randint(0, VOCAB, (1, 300), device="cuda")
-    common = dict(chunk_size=32, page_size=16, checkpoint_layers=ckpt)
+    common = dict(chunk_size=32, page_size=16, checkpoint_layers=ckpt, attention_backend=backend)
     out_ref, _ = _step(m_ref, ids, offload=False, **common)
     out_off, e_off = _step(m_off, ids, offload=True, gpu_page_budget=2 * 19 + 3 * 4, **common)
-    assert e_off.kv_store.k_host.is_pinned()
+    store = e_off.kv_store
+    assert store.k_host.is_pinned() and store.resident_pages_per_layer == 4 and store.stats["on_demand"] == 0
     _assert_same_training(m_ref, m_off, out_ref, out_off)

@@ -30,6 +30,14 @@ pages per layer for ``n`` pages per layer (:func:`resident_pages_for_budget`).
 (Keeping whole layers resident instead, as the published system does, leaves
 the staging sets a whole layer each and the other layers' traffic unchanged.)
 
+**GPU bytes** = ``(L*R + 2*(n - R))`` pages + two one-chunk K/V write buffers. With
+the minimum tier (R = 0) the GPU still grows by two layers' pages per token
+(Qwen2.5-7B: 2 x 6 KiB = 12 KiB/token, ~126 MB per 10K tokens), because the
+attention reads a layer's whole past through one block table. A flat GPU
+footprint needs the attention to take the past in fixed-size segments (merged
+through the log-sum-exp; the backward needs only the final lse per segment),
+so that staging holds a segment, not a layer.
+
 **Schedule** (what is copied when; L layers, chunk c, P past pages)::
 
     Stage 1, chunk c, layer l:   use K/V[0:P] of l;      prefetch K/V of l+1 (or layer 0 of chunk c+1)
