@@ -212,7 +212,8 @@ class OffloadedKVStore:
         self.dk_host = self._host_empty(hshape, self.grad_dtype)
         self.dv_host = self._host_empty(hshape, self.grad_dtype)
         if self._host_pins:
-            weakref.finalize(self, _unregister_host, list(self._host_pins), [self.k_host, self.v_host, self.dk_host, self.dv_host])
+            fin = weakref.finalize(self, _unregister_host, list(self._host_pins), [self.k_host, self.v_host, self.dk_host, self.dv_host])
+            fin.atexit = False  # the process's exit releases the pins anyway
 
         # Fixed block tables: layer l's page p -> resident slot or a slot of staging set l % 2.
         table = torch.empty((L, n), dtype=torch.int32)
@@ -253,8 +254,12 @@ class OffloadedKVStore:
         if not self._cuda or t.numel() == 0:
             return t
         nbytes = t.numel() * t.element_size()
-        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
-        if int(err) == 0:
+        try:
+            err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
+            code = int(getattr(err, "value", err))
+        except Exception as exc:  # pragma: no cover - depends on the CUDA build
+            err, code = exc, -1
+        if code == 0:
             self._host_pins.append(t.data_ptr())
             return t
         warnings.warn(f"cudaHostRegister of {nbytes / 2**30:.1f} GiB failed ({err}); using pin_memory=True (rounded up to a power of two)")
