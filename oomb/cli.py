@@ -33,13 +33,17 @@ class UsageError(Exception):
         self.fix = fix
 
 
+class _RunError(UsageError):
+    """Training failed after it started (out of memory, diverged): one line, exit status 1."""
+
+
 def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
-def _fail(message: str) -> NoReturn:
+def _fail(message: str, status: int = 2) -> NoReturn:
     print(f"oomb: error: {_one_line(message)}", file=sys.stderr)
-    raise SystemExit(2)
+    raise SystemExit(status)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -100,6 +104,8 @@ def _build_parser() -> argparse.ArgumentParser:
     e.add_argument("--page-size", type=int, default=128, help="tokens per KV page; --chunk-size must be a multiple of it")
     e.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto", help="attention over the paged KV cache: PyTorch reference, Triton kernels, or auto")
     e.add_argument("--checkpoint-layers", action="store_true", help="per-layer activation checkpointing inside each chunk's recompute")
+    e.add_argument("--offload", choices=["auto", "on", "off"], default="auto", help="KV pages in pinned host memory with a GPU tier; auto: only when not every page fits on the GPU (never on cpu)")
+    e.add_argument("--gpu-page-budget", type=int, default=None, help="with offload: GPU page-pool size in pages; default: the largest that fits")
     e.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to train")
     e.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="parameter dtype; auto: bfloat16 on cuda, float32 on cpu")
 
@@ -117,6 +123,10 @@ def _build_parser() -> argparse.ArgumentParser:
     w.add_argument("--overwrite", action="store_true", help="replace the contents of a non-empty --output-dir")
     w.add_argument("--log-every", type=int, default=1, help="print a loss line every N steps (log.jsonl gets every step)")
     w.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+
+    from .planner import add_plan_subcommand
+
+    add_plan_subcommand(sub)
     return parser
 
 
@@ -149,6 +159,10 @@ def _check_sizes(args: argparse.Namespace) -> None:
         raise UsageError(f"--weight-decay is {args.weight_decay}", "pass 0 or a positive number")
     if args.max_grad_norm < 0 or not math.isfinite(args.max_grad_norm):
         raise UsageError(f"--max-grad-norm is {args.max_grad_norm}", "pass 0 (no clipping) or a positive number")
+    if args.gpu_page_budget is not None and args.gpu_page_budget <= 0:
+        raise UsageError(f"--gpu-page-budget is {args.gpu_page_budget}", "pass a positive number of pages, or leave it out")
+    if args.gpu_page_budget is not None and args.offload == "off":
+        raise UsageError("--gpu-page-budget sizes the GPU tier of offload but --offload is off", "pass --offload on (or auto), or leave --gpu-page-budget out")
     if args.lora_rank < 0:
         raise UsageError(f"--lora-rank is {args.lora_rank}", "pass 0 for a full fine-tune or a positive LoRA rank")
     if args.lora_alpha is not None and args.lora_alpha <= 0:
@@ -289,6 +303,8 @@ def _train(args: argparse.Namespace) -> int:
             page_size=args.page_size,
             attention_backend=args.attention_backend,
             checkpoint_layers=args.checkpoint_layers,
+            offload={"auto": "auto", "on": True, "off": False}[args.offload],
+            gpu_page_budget=args.gpu_page_budget,
         )
     except ValueError as exc:
         raise _usage_from(exc, "fix the engine options (see 'oomb train --help')") from exc
@@ -341,6 +357,19 @@ def _train(args: argparse.Namespace) -> int:
     except ValueError as exc:  # UnsupportedModelError is a ValueError
         raise _usage_from(exc, "use a Qwen2/2.5, Llama 2/3, Mistral or Qwen3 causal LM with full attention") from exc
 
+    # Allocate the KV store for --seq-len now, so that a run that does not fit (GPU page budget, host
+    # memory, GPU memory) is refused before the output directory is touched.
+    reserve = getattr(engine, "reserve", None) or engine._ensure_store
+    try:
+        reserve(args.seq_len)
+    except ValueError as exc:  # MemoryPlanError and page-budget errors
+        raise _usage_from(exc, "see 'oomb plan --help' to size the run") from exc
+    except torch.OutOfMemoryError as exc:
+        raise UsageError(
+            f"the KV store for --seq-len {args.seq_len} does not fit in GPU memory",
+            "use a shorter --seq-len, --offload on, --checkpoint-layers or --lora-rank (see 'oomb plan')",
+        ) from exc
+
     # ---- every check passed: from here on we write.
     _prepare_output(out, args.overwrite)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -366,7 +395,13 @@ def _train(args: argparse.Namespace) -> int:
             lr = _lr_at(step, args, warmup)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            result = engine.step(input_ids.to(device), progress=show)
+            try:
+                result = engine.step(input_ids.to(device), progress=show)
+            except torch.OutOfMemoryError as exc:
+                raise _RunError(
+                    f"out of GPU memory at step {step}",
+                    "use a smaller --chunk-size, --checkpoint-layers, --lora-rank or --offload on (see 'oomb plan')",
+                ) from exc
             if args.max_grad_norm > 0:
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm))
             else:
@@ -374,7 +409,7 @@ def _train(args: argparse.Namespace) -> int:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             if not math.isfinite(result.loss):
-                raise RuntimeError(f"loss became {result.loss} at step {step}; lower --lr")
+                raise _RunError(f"the loss became {result.loss} at step {step}", "lower --lr")
             first_loss = result.loss if first_loss is None else first_loss
             last_loss = result.loss
             record = {
@@ -408,6 +443,19 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    """``oomb plan``: print the predicted memory of a run; 0 if it fits, 1 if not, 2 on bad input."""
+    for flag, value in (("--seq-len", args.seq_len), ("--chunk-size", args.chunk_size), ("--page-size", args.page_size)):
+        if value <= 0:
+            raise UsageError(f"{flag} is {value}", f"pass a positive number for {flag}")
+    if args.lora_rank < 0:
+        raise UsageError(f"--lora-rank is {args.lora_rank}", "pass 0 for a full fine-tune or a positive LoRA rank")
+    try:
+        return args.func(args)
+    except ValueError as exc:  # MemoryPlanError, UnknownModelError, UnsupportedModelError, config errors
+        raise _usage_from(exc, "see 'oomb plan --help'") from exc
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``oomb`` command. Returns 0; exits with status 2 on bad input."""
     parser = _build_parser()
@@ -415,8 +463,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "train":
             return _train(args)
+        if args.command == "plan":
+            return _plan(args)
     except UsageError as exc:
-        _fail(f"{exc.problem}; {exc.fix}")
+        _fail(f"{exc.problem}; {exc.fix}", 1 if isinstance(exc, _RunError) else 2)
     except KeyboardInterrupt:
         print("oomb: interrupted", file=sys.stderr)
         return 130

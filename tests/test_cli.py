@@ -94,6 +94,25 @@ def test_lora_run_saves_only_an_adapter(tmp_path, text_file):
     assert any(v.abs().sum() > 0 for k, v in adapter.items() if "lora_B" in k)
 
 
+def test_offloaded_kv_store_gives_the_same_losses(tmp_path, text_file):
+    losses = {}
+    for offload in ("off", "on"):
+        out = tmp_path / offload
+        assert run_cli(["train", "--data", text_file, "--output-dir", out, "--offload", offload, *FAST]) == 0
+        losses[offload] = [json.loads(line)["loss"] for line in (out / "log.jsonl").read_text().splitlines()]
+    assert losses["on"] == losses["off"]
+
+
+def test_plan_subcommand(capsys):
+    status = run_cli(["plan", "--model", "qwen2.5-7b", "--seq-len", "65536", "--gpu-gib", "139", "--host-gib", "120", "--checkpoint-layers"])
+    assert status == 0
+    assert "predicted peak" in capsys.readouterr().out
+    assert run_cli(["plan", "--model", "qwen2.5-7b", "--seq-len", str(1 << 23), "--gpu-gib", "80", "--host-gib", "64"]) == 1
+    assert "DOES NOT FIT" in capsys.readouterr().out
+    _check_refused(run_cli(["plan", "--model", "gpt-17"]), capsys, "unknown model")
+    _check_refused(run_cli(["plan", "--seq-len", "0"]), capsys, "--seq-len is 0")
+
+
 def test_overwrite_replaces_a_previous_run(tmp_path, text_file):
     out = tmp_path / "run"
     out.mkdir()
@@ -156,6 +175,9 @@ def _bad_inputs(tmp_path, text_file):
         ("not an integer", ["--data", text_file, "--seq-len", "ten"], "invalid int value"),
         ("unknown preset", ["--data", text_file, "--model", "gpt-17"], "unknown model 'gpt-17'"),
         ("missing tokenizer", ["--data", text_file, "--tokenizer", tmp_path / "no-tok"], "tokenizer folder"),
+        ("page budget too small", ["--data", text_file, "--offload", "on", "--gpu-page-budget", "3"], "page budget of 3 pages"),
+        ("page budget without offload", ["--data", text_file, "--offload", "off", "--gpu-page-budget", "64"], "--offload is off"),
+        ("zero page budget", ["--data", text_file, "--gpu-page-budget", "0"], "--gpu-page-budget is 0"),
         ("triton on cpu", ["--data", text_file, "--attention-backend", "triton"], "GPU only"),
         ("no cuda", ["--data", text_file, "--device", "cuda"], "no CUDA GPU"),
     ]
@@ -263,6 +285,7 @@ def test_readme_python_example_runs():
 
 def test_readme_lists_every_train_option_and_help_lists_them_too(capsys):
     text = open(README, encoding="utf-8").read()
+    text = text.split("## `oomb train`", 1)[1].split("\n## ", 1)[0]  # the train section only
     assert run_cli(["train", "--help"]) == 0
     help_text = capsys.readouterr().out
     import re
