@@ -63,10 +63,12 @@ __all__ = [
     "ModelShape",
     "Tiering",
     "activation_bytes",
+    "add_offload_arguments",
     "add_plan_subcommand",
     "choose_engine_tiering",
     "choose_tiering",
     "plan",
+    "plan_for_train_args",
     "run_plan",
 ]
 
@@ -302,6 +304,11 @@ class MemoryPlan:
         if self.problems:
             raise MemoryPlanError("; ".join(self.problems))
         return self
+
+    def engine_settings(self) -> dict:
+        """``OOMBConfig`` keyword arguments for the chosen tiering: ``{"offload": bool, "gpu_page_budget": int | None}``."""
+        t = self.tiering
+        return {"offload": bool(t.offload), "gpu_page_budget": t.gpu_pages if t.offload else None}
 
     def table(self) -> str:
         """A plain-text breakdown (GiB) for printing."""
@@ -555,7 +562,28 @@ def choose_engine_tiering(engine: Any, seq_len: int) -> tuple[bool, int | None]:
 
 
 # ------------------------------------------------------------------------ CLI
-def add_plan_subcommand(subparsers: Any) -> Any:
+def add_offload_arguments(parser: Any) -> None:
+    """``--offload {auto,on,off}`` and ``--gpu-page-budget PAGES`` (for ``oomb train`` and ``oomb plan``)."""
+    parser.add_argument("--offload", choices=["auto", "on", "off"], default="auto",
+                        help="KV pages in pinned host memory with a GPU tier; auto: only when they do not all fit on the GPU")
+    parser.add_argument("--gpu-page-budget", type=int, default=None,
+                        help="with offload: GPU page-pool size in pages (page = page-size tokens of one layer's K, V, dK, dV), "
+                             "staging included; default: the largest that fits")
+
+
+def plan_for_train_args(args: Any, dtype: torch.dtype, machine: Machine | None = None) -> MemoryPlan:
+    """The plan of an ``oomb train`` run from its parsed arguments (model, seq_len, chunk_size, page_size,
+    attention_backend, checkpoint_layers, lora_rank, offload, gpu_page_budget), AdamW included."""
+    return plan(
+        args.model, args.seq_len, chunk_size=args.chunk_size, page_size=args.page_size, dtype=dtype,
+        lora_rank=getattr(args, "lora_rank", 0), optimizer="adamw", checkpoint_layers=args.checkpoint_layers,
+        attention_backend="torch" if args.attention_backend == "torch" else "triton",
+        offload={"auto": "auto", "on": True, "off": False}[getattr(args, "offload", "auto")],
+        gpu_page_budget=getattr(args, "gpu_page_budget", None), machine=machine,
+    )
+
+
+def add_plan_subcommand(subparsers: Any, **parser_kwargs: Any) -> Any:
     """Register ``oomb plan`` on an argparse subparsers object; the handler is :func:`run_plan`."""
     p = subparsers.add_parser(
         "plan",
@@ -563,6 +591,7 @@ def add_plan_subcommand(subparsers: Any) -> Any:
         description="Predict GPU and host memory of one training step before anything is allocated, choose the "
                     "KV tiering (all pages on the GPU, or offload to pinned host memory) and report the largest "
                     "context that fits this machine (or the one described by --gpu-gib/--host-gib).",
+        **parser_kwargs,
     )
     p.add_argument("--model", default="qwen2.5-7b", help="a preset name or a local Hugging Face model directory")
     p.add_argument("--seq-len", type=int, default=131072, help="tokens per training sequence")
@@ -573,8 +602,7 @@ def add_plan_subcommand(subparsers: Any) -> Any:
     p.add_argument("--no-optimizer", action="store_true", help="leave out AdamW states (memory of the step alone)")
     p.add_argument("--checkpoint-layers", action="store_true", help="per-layer checkpointing inside each chunk")
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto", help="attention implementation")
-    p.add_argument("--offload", choices=["auto", "on", "off"], default="auto", help="KV pages in pinned host memory")
-    p.add_argument("--gpu-page-budget", type=int, default=None, help="GPU pool size in pages with offload")
+    add_offload_arguments(p)
     p.add_argument("--gpu-gib", type=float, default=None, help="plan for this much free GPU memory (GiB) instead of this machine's")
     p.add_argument("--host-gib", type=float, default=None, help="plan for this much available host RAM (GiB) instead of this machine's")
     p.set_defaults(func=run_plan)

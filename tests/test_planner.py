@@ -16,8 +16,10 @@ from oomb.planner import (
     ModelShape,
     activation_bytes,
     add_plan_subcommand,
+    add_offload_arguments,
     choose_tiering,
     plan,
+    plan_for_train_args,
     run_plan,
 )
 
@@ -135,3 +137,22 @@ def test_plan_subcommand(capsys):
     args = parser.parse_args(["plan", "--model", "qwen2.5-7b", "--seq-len", "4194304", "--gpu-gib", "139.3", "--host-gib", "120"])
     assert run_plan(args) == 1
     assert "DOES NOT FIT" in capsys.readouterr().out
+
+
+def test_train_arguments_map_to_a_plan_and_engine_settings():
+    parser = argparse.ArgumentParser()
+    for name, default in (("--model", "qwen2.5-7b"), ("--seq-len", 1 << 20), ("--chunk-size", 4096), ("--page-size", 128),
+                          ("--attention-backend", "auto"), ("--lora-rank", 16)):
+        parser.add_argument(name, default=default, type=type(default))
+    parser.add_argument("--checkpoint-layers", action="store_true")
+    add_offload_arguments(parser)
+    args = parser.parse_args(["--checkpoint-layers"])
+    p = plan_for_train_args(args, torch.bfloat16, machine=H200).check()
+    settings = p.engine_settings()
+    assert settings["offload"] is True and settings["gpu_page_budget"] == p.tiering.gpu_pages
+    assert p.optimizer == 8 * p.trainable_params
+    args = parser.parse_args(["--seq-len", "65536", "--offload", "off"])
+    assert plan_for_train_args(args, torch.bfloat16, machine=H200).engine_settings() == {"offload": False, "gpu_page_budget": None}
+    args = parser.parse_args(["--offload", "off", "--checkpoint-layers"])
+    with pytest.raises(MemoryPlanError, match="turn offload on"):
+        plan_for_train_args(args, torch.bfloat16, machine=H200).check()
