@@ -104,8 +104,9 @@ def _build_parser() -> argparse.ArgumentParser:
     e.add_argument("--page-size", type=int, default=128, help="tokens per KV page; --chunk-size must be a multiple of it")
     e.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto", help="attention over the paged KV cache: PyTorch reference, Triton kernels, or auto")
     e.add_argument("--checkpoint-layers", action="store_true", help="per-layer activation checkpointing inside each chunk's recompute")
-    e.add_argument("--offload", choices=["auto", "on", "off"], default="auto", help="KV pages in pinned host memory with a GPU tier; auto: only when not every page fits on the GPU (never on cpu)")
-    e.add_argument("--gpu-page-budget", type=int, default=None, help="with offload: GPU page-pool size in pages; default: the largest that fits")
+    from .planner import add_offload_arguments, add_plan_subcommand
+
+    add_offload_arguments(e)
     e.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to train")
     e.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="parameter dtype; auto: bfloat16 on cuda, float32 on cpu")
 
@@ -123,8 +124,6 @@ def _build_parser() -> argparse.ArgumentParser:
     w.add_argument("--overwrite", action="store_true", help="replace the contents of a non-empty --output-dir")
     w.add_argument("--log-every", type=int, default=1, help="print a loss line every N steps (log.jsonl gets every step)")
     w.add_argument("--no-progress", action="store_true", help="hide the progress bars")
-
-    from .planner import add_plan_subcommand
 
     add_plan_subcommand(sub)
     return parser
@@ -324,6 +323,14 @@ def _train(args: argparse.Namespace) -> int:
     except (UnknownModelError, UnsupportedModelError) as exc:
         raise _usage_from(exc, "use a Qwen2/2.5, Llama 2/3, Mistral or Qwen3 causal LM (see 'oomb train --help')") from exc
     _check_vocab(int(tokens.max()), int(model_config.vocab_size), args.model)
+    if device.type == "cuda":
+        # Predict the GPU and host memory of the run before allocating anything (DESIGN.md §4 sizes).
+        from .planner import plan_for_train_args
+
+        try:
+            plan_for_train_args(args, dtype).check()
+        except ValueError as exc:
+            raise _usage_from(exc, "see 'oomb plan' for what fits") from exc
 
     if args.no_progress:
         from transformers.utils import logging as hf_logging

@@ -207,6 +207,26 @@ def test_every_bad_input_exits_2_with_one_line_and_touches_nothing(tmp_path, tex
         assert snapshot(out) == before, name
 
 
+def test_cuda_run_that_does_not_fit_is_refused_before_the_model_is_built(tmp_path, text_file, capsys, monkeypatch):
+    """On CUDA the memory plan is checked first: a 7B full fine-tune on a (faked) GPU with 8 GiB free is refused."""
+    import oomb.models.presets as presets
+    from oomb.planner import Machine
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the model was built before the plan check")
+
+    small_gpu = Machine(8 << 30, 8 << 30, 64 << 30, 64 << 30, "fake 8 GiB GPU")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(Machine, "detect", classmethod(lambda cls, device=None: small_gpu))
+    monkeypatch.setattr(presets, "build_model", no_build)
+    out = tmp_path / "previous-run"
+    out.mkdir()
+    (out / "keep.txt").write_text("keep")
+    status = run_cli(["train", "--data", text_file, "--model", "qwen2.5-7b", "--device", "cuda", "--output-dir", out, "--overwrite", *FAST])
+    _check_refused(status, capsys, "GiB")
+    assert snapshot(out) == {"keep.txt": b"keep"}
+
+
 @pytest.mark.parametrize(
     "model_fixture, fragment",
     [("small_vocab_model", "vocabulary of 300"), ("sliding_window_model", "sliding"), ("encoder_model", "bert")],
