@@ -12,6 +12,7 @@ import torch
 
 from oomb import Engine, OOMBConfig
 from oomb.engine.kv_store import PagedKVStore
+from oomb.engine import offload
 from oomb.engine.offload import OffloadedKVStore, min_gpu_pages, resident_pages_for_budget
 from test_engine import VOCAB, clone_model, run_parity, tiny
 
@@ -41,8 +42,7 @@ def _assert_same_training(m_ref, m_off, out_ref, out_off):
 
 CASES = [
     # family, heads, kv_heads, layers, T, chunk, page, budget, checkpoint, dtype
-    ("qwen2", 4, 2, 3, 45, 8, 4, None, False, torch.float32),  # every page in the host tier, odd L
-    ("qwen2", 4, 2, 3, 45, 8, 4, None, True, torch.float32),  # + per-layer checkpointing (recompute views)
+    ("qwen2", 4, 2, 3, 45, 8, 4, None, True, torch.float32),  # every page in the host tier, odd L, recompute views
     ("llama", 7, 1, 4, 50, 12, 4, 40, False, torch.bfloat16),  # partly resident (R = 3 of 13), GQA 7:1, bf16
     ("qwen3", 4, 2, 5, 37, 8, 4, 30, True, torch.float32),  # R = 2 of 10, q/k norms, partial last page
     ("qwen2", 4, 2, 4, 33, 16, 8, None, False, torch.float64),  # chunk = 2 pages, last chunk of 1 token
@@ -78,8 +78,8 @@ def test_packed_documents_and_two_steps_reuse_the_store():
     torch.manual_seed(5)
     m_ref = tiny("llama", 4, 2, layers=3).double()
     m_off = clone_model(m_ref)
-    ids = torch.randint(0, VOCAB, (1, 40))
-    cu = torch.tensor([0, 13, 14, 31, 40])
+    ids = torch.randint(0, VOCAB, (1, 34))
+    cu = torch.tensor([0, 13, 14, 31, 34])
     cfg = dict(chunk_size=8, page_size=4, attention_backend="torch")
     e_ref = Engine(m_ref, OOMBConfig(offload=False, **cfg))
     e_off = Engine(m_off, OOMBConfig(offload=True, **cfg))
@@ -90,6 +90,90 @@ def test_packed_documents_and_two_steps_reuse_the_store():
     _assert_same_training(m_ref, m_off, out_ref, out_off)
     assert e_off.evaluate(ids, cu_seqlens=cu) == e_ref.evaluate(ids, cu_seqlens=cu)
     assert e_off.kv_store is store  # reused, not reallocated
+
+
+class _LazyStreams:
+    """A side stream that runs its copies as LATE as the events allow (on CPU).
+
+    Copies are queued; they run only when the compute stream waits on an event recorded after
+    them (or at synchronize). Compute is immediate. A missing compute-side wait makes the
+    compute read a staging slot (or overwrite a write buffer) before the copy ran: wrong numbers.
+    """
+
+    asynchronous = True
+
+    class _Event:
+        def __init__(self):
+            self.pos = 0
+
+    def __init__(self):
+        self.queue, self.done, self.max_queued, self.skip_compute_waits = [], 0, 0, False
+
+    def event(self):
+        return self._Event()
+
+    def record_compute(self):
+        return self._Event()  # compute has already run
+
+    def compute_wait(self, ev):
+        if not self.skip_compute_waits:
+            self._run_until(ev.pos)
+
+    def copy_wait(self, ev):
+        pass
+
+    def record_copy(self, ev):
+        ev.pos = self.done + len(self.queue)
+
+    def copy_(self, dst, src):
+        self.queue.append(functools.partial(dst.copy_, src))
+        self.max_queued = max(self.max_queued, len(self.queue))
+
+    def zero_(self, dst):
+        self.queue.append(dst.zero_)
+
+    def synchronize(self):
+        self._run_until(self.done + len(self.queue))
+
+    def _run_until(self, pos):
+        while self.done < pos:
+            self.queue.pop(0)()
+            self.done += 1
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_event_ordering_with_a_lazy_copy_stream(monkeypatch, ckpt):
+    """Every read of staged pages waits for the copy that staged them (copies deferred as long as allowed)."""
+    streams = []
+    monkeypatch.setattr(offload, "_make_streams", lambda device: streams.append(_LazyStreams()) or streams[-1])
+    torch.manual_seed(1)
+    m_ref = tiny("qwen2", 4, 2, layers=4)
+    m_off = clone_model(m_ref)
+    ids = torch.randint(0, VOCAB, (1, 44))
+    common = dict(chunk_size=8, page_size=4, checkpoint_layers=ckpt)
+    out_ref, _ = _step(m_ref, ids, offload=False, **common)
+    out_off, e_off = _step(m_off, ids, offload=True, gpu_page_budget=2 * 11 + 2 * 2, **common)
+    assert e_off.kv_store._wbuf_k is not None and streams[0].max_queued >= 4  # copies really were deferred
+    _assert_same_training(m_ref, m_off, out_ref, out_off)
+
+
+def test_lazy_stream_control_detects_a_missing_wait(monkeypatch):
+    """The simulator has teeth: the same schedule without the compute-side waits reads stale pages."""
+    streams = []
+
+    def make(device):
+        streams.append(_LazyStreams())
+        streams[-1].skip_compute_waits = True
+        return streams[-1]
+
+    monkeypatch.setattr(offload, "_make_streams", make)
+    torch.manual_seed(1)
+    m_ref = tiny("qwen2", 4, 2, layers=4)
+    m_bad = clone_model(m_ref)
+    ids = torch.randint(0, VOCAB, (1, 44))
+    out_ref, _ = _step(m_ref, ids, offload=False, chunk_size=8, page_size=4)
+    out_bad, _ = _step(m_bad, ids, offload=True, chunk_size=8, page_size=4)
+    assert out_bad.loss != out_ref.loss
 
 
 # ------------------------------------------------------------------ placement

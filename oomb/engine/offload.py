@@ -70,7 +70,6 @@ lifetimes, and losses/gradients equal PagedKVStore's bitwise.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import warnings
 import weakref
@@ -131,6 +130,80 @@ class _Tag:
     kv: bool
     grad_start: int | None = None  # chunk whose dK/dV are staged (None: none)
     grad_own: int = 0
+
+
+class _CudaStreams:
+    """The side copy stream and the events that order it against the compute (current) stream."""
+
+    asynchronous = True
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.copy = torch.cuda.Stream(device)
+
+    def event(self) -> torch.cuda.Event:
+        return torch.cuda.Event()
+
+    def record_compute(self) -> torch.cuda.Event:
+        """An event after everything enqueued so far on the compute stream."""
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def compute_wait(self, ev: torch.cuda.Event) -> None:
+        torch.cuda.current_stream(self.device).wait_event(ev)
+
+    def copy_wait(self, ev: torch.cuda.Event) -> None:
+        self.copy.wait_event(ev)
+
+    def record_copy(self, ev: torch.cuda.Event) -> None:
+        ev.record(self.copy)
+
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with torch.cuda.stream(self.copy):
+            dst.copy_(src, non_blocking=True)
+
+    def zero_(self, dst: torch.Tensor) -> None:
+        with torch.cuda.stream(self.copy):
+            dst.zero_()
+
+    def synchronize(self) -> None:
+        self.copy.synchronize()
+
+
+class _SyncStreams:
+    """CPU: no streams; a copy runs where it is issued, events are no-ops."""
+
+    asynchronous = False
+
+    def event(self) -> None:
+        return None
+
+    def record_compute(self) -> None:
+        return None
+
+    def compute_wait(self, ev) -> None:
+        pass
+
+    def copy_wait(self, ev) -> None:
+        pass
+
+    def record_copy(self, ev) -> None:
+        pass
+
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
+    def zero_(self, dst: torch.Tensor) -> None:
+        dst.zero_()
+
+    def synchronize(self) -> None:
+        pass
+
+
+def _make_streams(device: torch.device):
+    """Streams for a store on ``device`` (tests substitute a simulator here)."""
+    return _CudaStreams(device) if device.type == "cuda" else _SyncStreams()
 
 
 def _unregister_host(ptrs: list[int], tensors: list[torch.Tensor]) -> None:
@@ -223,20 +296,18 @@ class OffloadedKVStore:
             table[layer, R:] = torch.arange(base, base + W, dtype=torch.int32)
         self.block_table = table.to(self.device)
 
-        # Owned buffers for Stage-1 writes to the host tier (two, alternating), one chunk each.
-        chunk_pages = chunk_size // S
-        if self._cuda and W > 0:
-            wshape = (2, chunk_pages, S, num_kv_heads, head_dim)
+        # The copy stream and events; owned buffers for Stage-1 writes to the host tier (two,
+        # alternating, one chunk each) when copies are asynchronous.
+        self._streams = st = _make_streams(self.device)
+        self._ready = [st.event(), st.event()]  # copy into staging set s done
+        self._free = [st.event(), st.event()]  # readers of staging set s done
+        self._wbuf_free = [st.event(), st.event()]  # D2H out of write buffer b done
+        if st.asynchronous and W > 0:
+            wshape = (2, chunk_size // S, S, num_kv_heads, head_dim)
             self._wbuf_k = torch.empty(wshape, dtype=dtype, device=self.device)
             self._wbuf_v = torch.empty(wshape, dtype=dtype, device=self.device)
-            self._copy_stream = torch.cuda.Stream(self.device)
-            self._ready = [torch.cuda.Event(), torch.cuda.Event()]  # copy into staging set s done
-            self._free = [torch.cuda.Event(), torch.cuda.Event()]  # readers of staging set s done
-            self._wbuf_free = [torch.cuda.Event(), torch.cuda.Event()]  # D2H out of write buffer b done
         else:
             self._wbuf_k = self._wbuf_v = None
-            self._copy_stream = None
-            self._ready, self._free, self._wbuf_free = [None, None], [None, None], [None, None]
         self.trace: list[tuple] | None = [] if trace else None
         self.reset()
 
@@ -295,8 +366,7 @@ class OffloadedKVStore:
     # --------------------------------------------------------------- lifecycle
     def reset(self) -> None:
         """Forget every page (start of a step). Waits for copies still in flight from an aborted step."""
-        if self._copy_stream is not None:
-            self._copy_stream.synchronize()
+        self._streams.synchronize()
         L = self.num_layers
         self._pages = [0] * L  # pages stored per layer
         self._grad_valid = [0] * L  # host dK/dV valid for pages [R, _grad_valid) of each layer
@@ -337,21 +407,6 @@ class OffloadedKVStore:
         if self.trace is not None:
             self.trace.append(("release", layer, keep))
 
-    # ------------------------------------------------------------- streams
-    def _on_copy(self):
-        return torch.cuda.stream(self._copy_stream) if self._copy_stream is not None else contextlib.nullcontext()
-
-    def _compute_event(self) -> torch.cuda.Event | None:
-        if self._copy_stream is None:
-            return None
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.device))
-        return ev
-
-    def _compute_waits(self, ev) -> None:
-        if self._copy_stream is not None:
-            torch.cuda.current_stream(self.device).wait_event(ev)
-
     # ---------------------------------------------------------------- writes
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store a chunk's K/V ([n, Hkv, D] each) for ``layer`` at token ``start`` (page-aligned, appended).
@@ -389,7 +444,8 @@ class OffloadedKVStore:
             nt = n - t0
             hk = self.k_host[layer, a - R : p1 - R].view(-1, Hkv, D)[:nt]
             hv = self.v_host[layer, a - R : p1 - R].view(-1, Hkv, D)[:nt]
-            if self._copy_stream is None:
+            st = self._streams
+            if self._wbuf_k is None:
                 hk.copy_(k[t0:])
                 hv.copy_(v[t0:])
             else:
@@ -397,17 +453,15 @@ class OffloadedKVStore:
                     raise RuntimeError(f"a write of {nt} tokens exceeds the {self._wbuf_k.shape[1] * S}-token write buffer (chunk_size)")
                 b = self._wbuf_next
                 self._wbuf_next ^= 1
-                self._compute_waits(self._wbuf_free[b])  # the previous D2H out of this buffer is done
+                st.compute_wait(self._wbuf_free[b])  # the previous D2H out of this buffer is done
                 wk = self._wbuf_k[b].view(-1, Hkv, D)[:nt]
                 wv = self._wbuf_v[b].view(-1, Hkv, D)[:nt]
                 wk.copy_(k[t0:])
                 wv.copy_(v[t0:])
-                filled = self._compute_event()
-                with self._on_copy():
-                    self._copy_stream.wait_event(filled)
-                    hk.copy_(wk, non_blocking=True)
-                    hv.copy_(wv, non_blocking=True)
-                    self._wbuf_free[b].record(self._copy_stream)
+                st.copy_wait(st.record_compute())  # the buffer is filled
+                st.copy_(hk, wk)
+                st.copy_(hv, wv)
+                st.record_copy(self._wbuf_free[b])
             self.stats["d2h_bytes"] += 2 * nt * Hkv * D * k.element_size()
             if self.trace is not None:
                 self.trace.append(("write_host", layer, a, p1))
@@ -447,31 +501,28 @@ class OffloadedKVStore:
         tag = self._tag[s]
         # Readers of the set are done at _free[s]; a set still held by this same layer (an upgrade
         # to K/V + dK/dV) waits for everything enqueued so far instead.
-        free = self._compute_event() if self._busy[s] else self._free[s]
-        with self._on_copy():
-            if self._copy_stream is not None:
-                self._copy_stream.wait_event(free)
-            if not kv_ok:
-                m = use.past - R
-                self.k_cache[base : base + m].copy_(self.k_host[layer, :m], non_blocking=True)
-                self.v_cache[base : base + m].copy_(self.v_host[layer, :m], non_blocking=True)
-                self.stats["h2d_bytes"] += 2 * self.k_host[layer, :m].numel() * self.k_host.element_size()
-                tag = _Tag(layer, use.past, kv=True)
-            if not grad_ok:
-                end = use.past + use.own - R
-                valid = min(max(self._grad_valid[layer] - R, 0), end)
-                if valid:
-                    self.dk_cache[base : base + valid].copy_(self.dk_host[layer, :valid], non_blocking=True)
-                    self.dv_cache[base : base + valid].copy_(self.dv_host[layer, :valid], non_blocking=True)
-                    self.stats["h2d_bytes"] += 2 * self.dk_host[layer, :valid].numel() * self.dk_host.element_size()
-                if end > valid:
-                    self.dk_cache[base + valid : base + end].zero_()
-                    self.dv_cache[base + valid : base + end].zero_()
-                if tag is None or tag.layer != layer or tag.past != use.past:
-                    tag = _Tag(layer, use.past, kv=use.past <= R)
-                tag.grad_start, tag.grad_own = use.start, use.own
-            if self._copy_stream is not None:
-                self._ready[s].record(self._copy_stream)
+        st = self._streams
+        st.copy_wait(st.record_compute() if self._busy[s] else self._free[s])
+        if not kv_ok:
+            m = use.past - R
+            st.copy_(self.k_cache[base : base + m], self.k_host[layer, :m])
+            st.copy_(self.v_cache[base : base + m], self.v_host[layer, :m])
+            self.stats["h2d_bytes"] += 2 * self.k_host[layer, :m].numel() * self.k_host.element_size()
+            tag = _Tag(layer, use.past, kv=True)
+        if not grad_ok:
+            end = use.past + use.own - R
+            valid = min(max(self._grad_valid[layer] - R, 0), end)
+            if valid:
+                st.copy_(self.dk_cache[base : base + valid], self.dk_host[layer, :valid])
+                st.copy_(self.dv_cache[base : base + valid], self.dv_host[layer, :valid])
+                self.stats["h2d_bytes"] += 2 * self.dk_host[layer, :valid].numel() * self.dk_host.element_size()
+            if end > valid:  # never written back: zero on the device instead of copying
+                st.zero_(self.dk_cache[base + valid : base + end])
+                st.zero_(self.dv_cache[base + valid : base + end])
+            if tag is None or tag.layer != layer or tag.past != use.past:
+                tag = _Tag(layer, use.past, kv=use.past <= R)
+            tag.grad_start, tag.grad_own = use.start, use.own
+        st.record_copy(self._ready[s])
         self._tag[s] = tag
         self.stats[why] += 1
         if self.trace is not None:
@@ -483,16 +534,14 @@ class OffloadedKVStore:
             self._pending = None
         self._stage(use, "on_demand")
         s = self._set(use.layer)
-        if self._copy_stream is not None:
-            self._compute_waits(self._ready[s])
+        self._streams.compute_wait(self._ready[s])
         self._busy[s] = True
         self._owner[s] = use.layer
         self._inflight[use.layer] = use
 
     def _release(self, layer: int, ev) -> None:
         s = self._set(layer)
-        if ev is not None:
-            self._free[s] = ev
+        self._free[s] = ev
         self._busy[s] = False
         self._inflight.pop(layer, None)
         if self._pending is not None and not self._busy[self._set(self._pending.layer)]:
@@ -565,21 +614,20 @@ class OffloadedKVStore:
         """The attention forward of ``layer`` is enqueued: a K/V-only staging set may be refilled."""
         use = self._inflight.get(layer)
         if use is not None and not use.grad:
-            self._release(layer, self._compute_event())
+            self._release(layer, self._streams.record_compute())
 
     def _after_backward(self, use: _Use) -> None:
         """Write the layer's updated past dK/dV back to the host; ready the next layer's backward."""
         R, W, L = self.resident_pages_per_layer, self.staging_pages, self.num_layers
         s = self._set(use.layer)
-        done = self._compute_event()  # the backward kernels of this layer are enqueued before this point
+        st = self._streams
+        done = st.record_compute()  # the backward kernels of this layer are enqueued before this point
         m = use.past - R
         if m > 0:
             base = L * R + s * W
-            with self._on_copy():
-                if done is not None:
-                    self._copy_stream.wait_event(done)
-                self.dk_host[use.layer, :m].copy_(self.dk_cache[base : base + m], non_blocking=True)
-                self.dv_host[use.layer, :m].copy_(self.dv_cache[base : base + m], non_blocking=True)
+            st.copy_wait(done)
+            st.copy_(self.dk_host[use.layer, :m], self.dk_cache[base : base + m])
+            st.copy_(self.dv_host[use.layer, :m], self.dv_cache[base : base + m])
             self.stats["d2h_bytes"] += 2 * self.dk_host[use.layer, :m].numel() * self.dk_host.element_size()
             self._grad_valid[use.layer] = max(self._grad_valid[use.layer], use.past)
             if self.trace is not None:
@@ -595,6 +643,7 @@ class OffloadedKVStore:
     # ------------------------------------------------------------------ tests
     def read_grad(self, layer: int, start: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Stored dK/dV of tokens [start, start+n) of ``layer`` -> two [n, Hkv, D] tensors (synchronises)."""
+        self._streams.synchronize()
         if self._cuda:
             torch.cuda.synchronize(self.device)
         S, R = self.page_size, self.resident_pages_per_layer
