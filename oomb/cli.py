@@ -409,14 +409,12 @@ def _train(args: argparse.Namespace) -> int:
                     f"out of GPU memory at step {step}",
                     "use a smaller --chunk-size, --checkpoint-layers, --lora-rank or --offload on (see 'oomb plan')",
                 ) from exc
-            if args.max_grad_norm > 0:
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, args.max_grad_norm))
-            else:
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, float("inf")))
+            if not math.isfinite(result.loss):
+                raise _RunError(f"the loss became {result.loss} at step {step}; nothing was saved", "lower --lr")
+            max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            if not math.isfinite(result.loss):
-                raise _RunError(f"the loss became {result.loss} at step {step}", "lower --lr")
             first_loss = result.loss if first_loss is None else first_loss
             last_loss = result.loss
             record = {

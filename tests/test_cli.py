@@ -342,3 +342,11 @@ def test_learning_rate_schedule(steps, warmup):
     if steps - warmup >= 2:
         assert lrs[-1] == pytest.approx(0.1)
     assert lrs[warmup:] == sorted(lrs[warmup:], reverse=True)
+
+
+def test_a_diverging_run_stops_with_status_1_and_one_line(tmp_path, text_file, capsys):
+    out = tmp_path / "run"
+    status = run_cli(["train", "--data", text_file, "--output-dir", out, *FAST, "--lr", "1e30", "--warmup-steps", "0"])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("oomb: error")]
+    assert status == 1 and len(err) == 1 and "the loss became nan at step 2" in err[0] and "lower --lr" in err[0]
+    assert not (out / "model.safetensors").exists()
