@@ -338,8 +338,17 @@ def test_loss_normalizer_two_sequences_equal_joint_mean():
     ("qwen3", [30, 1], 12, 4),  # a one-token document at the very end
 ])
 def test_packed_documents_equal_separate_training(family, lengths, chunk, page):
+    out, ref_loss, n_valid, (err, where), eval_loss = packed_parity(family, lengths, chunk, page)
+    assert out.num_valid_tokens == n_valid
+    assert abs(out.loss - ref_loss) <= 1e-10 * out.loss
+    assert err <= 1e-10, f"worst gradient {where}: rel err {err:.3e}"
+    assert abs(eval_loss - out.loss) <= 1e-10 * out.loss
+
+
+def packed_parity(family, lengths, chunk, page, backend="torch", dtype=torch.float64):
+    """Packed chunked training vs separate full-sequence training of each document."""
     torch.manual_seed(11)
-    model = tiny(family, 4, 2).double()
+    model = tiny(family, 4, 2).to(dtype)
     ref = clone_model(model)
     ref.set_attn_implementation("sdpa")
     T = sum(lengths)
@@ -356,13 +365,9 @@ def test_packed_documents_equal_separate_training(family, lengths, chunk, page):
         total = total + F.cross_entropy(logits, t, ignore_index=-100, reduction="sum")
     (total / n_valid).backward()
 
-    engine = Engine(model, OOMBConfig(chunk_size=chunk, page_size=page, attention_backend="torch"))
+    engine = Engine(model, OOMBConfig(chunk_size=chunk, page_size=page, attention_backend=backend))
     out = engine.step(ids, cu_seqlens=cu)
-    assert out.num_valid_tokens == n_valid
-    assert abs(out.loss - total.item() / n_valid) <= 1e-10 * out.loss
-    err, where = max_rel_grad_error(model, ref)
-    assert err <= 1e-10, f"worst gradient {where}: rel err {err:.3e}"
-    assert abs(engine.evaluate(ids, cu_seqlens=cu) - out.loss) <= 1e-10 * out.loss
+    return out, total.item() / n_valid, n_valid, max_rel_grad_error(model, ref), engine.evaluate(ids, cu_seqlens=cu)
 
 
 @pytest.mark.parametrize("cu", [[0, 5, 5, 10], [1, 10], [0, 9], [0, 6, 4, 10]])

@@ -1,4 +1,5 @@
-"""End to end with the Triton kernels: the dense chunked step equals full-sequence training.
+"""End to end with the Triton kernels: the dense chunked step equals full-sequence training
+(one sequence, and packed documents against separate training of each document).
 
 On CPU the kernels run under the Triton interpreter, which must be switched on before
 triton is first imported, so the check runs in a fresh interpreter process.
@@ -18,12 +19,15 @@ SCRIPT = r"""
 import json, os, sys
 import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)) if '__file__' in dir() else sys.argv[1])
-from test_engine import tiny, run_parity
+from test_engine import tiny, run_parity, packed_parity
 rows = []
 for fam, h, kv, T, C, P in [("qwen2", 4, 2, 45, 16, 8), ("llama", 7, 1, 40, 16, 16), ("qwen3", 4, 4, 37, 8, 8)]:
     out, ref_loss, (err, where), _ = run_parity(tiny(fam, h, kv, head_dim=16), T, C, P, dtype=torch.float32,
                                                 attention_backend="triton")
     rows.append(dict(family=fam, loss=out.loss, ref_loss=ref_loss, err=err, where=where))
+out, ref_loss, n_valid, (err, where), _ = packed_parity("qwen2", [13, 1, 22, 9, 1, 17], 16, 8, backend="triton",
+                                                       dtype=torch.float32)
+rows.append(dict(family="qwen2-packed", loss=out.loss, ref_loss=ref_loss, err=err, where=where))
 print("RESULT " + json.dumps(rows))
 """
 

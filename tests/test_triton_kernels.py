@@ -90,27 +90,30 @@ def assert_close(name, got, ref, rtol=RTOL):
     )
 
 
-def run_both(case, past_len, dk_init=None, scale=None):
+def run_both(case, past_len, dk_init=None, scale=None, q_doc_start=None):
     """Kernel (input dtype) and float64 reference on the same inputs; returns both results."""
     c = case
-    out, lse = tpa.paged_attention_fwd(c["q"], c["k"], c["v"], c["k_cache"], c["v_cache"], c["block_table"], past_len, scale)
+    doc_dev = None if q_doc_start is None else q_doc_start.to(DEVICE)
+    out, lse = tpa.paged_attention_fwd(
+        c["q"], c["k"], c["v"], c["k_cache"], c["v_cache"], c["block_table"], past_len, scale, q_doc_start=doc_dev
+    )
     dk_cache = torch.zeros(c["k_cache"].shape, dtype=torch.float32, device=DEVICE) if dk_init is None else dk_init[0].clone()
     dv_cache = torch.zeros(c["v_cache"].shape, dtype=torch.float32, device=DEVICE) if dk_init is None else dk_init[1].clone()
     dq, dk, dv = tpa.paged_attention_bwd(
         c["dout"], c["q"], c["k"], c["v"], out, lse, c["k_cache"], c["v_cache"], c["block_table"], past_len,
-        dk_cache, dv_cache, scale,
+        dk_cache, dv_cache, scale, q_doc_start=doc_dev,
     )
 
     d = {name: t.double().cpu() for name, t in c.items() if name != "block_table"}
     bt = c["block_table"].cpu()
     out_r, lse_r = attention_ref.paged_attention_fwd_ref(
-        d["q"], d["k"], d["v"], d["k_cache"], d["v_cache"], bt, past_len, scale, block_size=64
+        d["q"], d["k"], d["v"], d["k_cache"], d["v_cache"], bt, past_len, scale, block_size=64, q_doc_start=q_doc_start
     )
     dk_cache_r = torch.zeros(d["k_cache"].shape, dtype=torch.float64)
     dv_cache_r = torch.zeros(d["v_cache"].shape, dtype=torch.float64)
     dq_r, dk_r, dv_r = attention_ref.paged_attention_bwd_ref(
         d["dout"], d["q"], d["k"], d["v"], out_r, lse_r, d["k_cache"], d["v_cache"], bt, past_len,
-        dk_cache_r, dv_cache_r, scale, block_size=64,
+        dk_cache_r, dv_cache_r, scale, block_size=64, q_doc_start=q_doc_start,
     )
     got = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, dk_cache=dk_cache, dv_cache=dv_cache)
     ref = dict(out=out_r, lse=lse_r, dq=dq_r, dk=dk_r, dv=dv_r, dk_cache=dk_cache_r, dv_cache=dv_cache_r)
@@ -208,3 +211,29 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="lse must be float32"):
         tpa.paged_attention_bwd(c["dout"], c["q"], c["k"], c["v"], out, lse[:, :2], None, None, None, 0, None, None)
     assert math.isfinite(float(lse.sum()))
+
+
+PACKED = [
+    # C, Hq, Hkv, D, past_len, S, document starts (absolute tokens)
+    pytest.param(21, 4, 2, 64, 37, 8, [0, 5, 40, 41, 49], id="docs-in-past-and-chunk-one-token-doc"),
+    pytest.param(19, 7, 1, 64, 48, 16, [0, 48], id="boundary-at-chunk-start-skips-past"),
+    pytest.param(9, 4, 4, 80, 30, 8, [0, 3, 33], id="doc-spans-chunk-boundary"),
+    pytest.param(40, 2, 1, 64, 0, 16, [0, 1, 2, 17, 39], id="no-past-many-docs"),
+]
+
+
+@pytest.mark.parametrize("C,Hq,Hkv,D,past_len,S,starts", PACKED)
+def test_packed_documents_match_reference(C, Hq, Hkv, D, past_len, S, starts):
+    case = make_case(C, Hq, Hkv, D, past_len, S, seed=C + past_len, transposed_q=True)
+    doc_all = torch.zeros(past_len + C, dtype=torch.int32)
+    for s0 in starts:
+        doc_all[s0:] = s0
+    got, ref = run_both(case, past_len, q_doc_start=doc_all[past_len:].clone())
+    for name in ("out", "lse", "dq", "dk", "dv"):
+        assert_close(name, got[name], ref[name])
+    if past_len:
+        bt = case["block_table"].long().cpu()
+        for name in ("dk_cache", "dv_cache"):
+            g = got[name].cpu()[bt].reshape(-1, Hkv, D)[:past_len]
+            r = ref[name][bt].reshape(-1, Hkv, D)[:past_len]
+            assert_close(f"past {name}", g, r)

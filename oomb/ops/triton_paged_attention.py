@@ -92,7 +92,7 @@ _FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64
 _DQ_CONFIGS = _configs([(128, 128, 8, 2), (128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3)])
 # dk/dv holds two fp32 [BLOCK_N, D] accumulators plus its K/V tile: 8 warps keep spills small.
 _DKDV_CONFIGS = _configs([(64, 128, 8, 3), (64, 64, 4, 3), (64, 64, 8, 3), (64, 64, 8, 2), (32, 128, 8, 2), (64, 128, 8, 2)])
-_AUTOTUNE_KEY = ["G", "HEAD_DIM", "PAGE_SIZE"]
+_AUTOTUNE_KEY = ["G", "HEAD_DIM", "PAGE_SIZE", "HAS_DOC"]
 
 
 # --------------------------------------------------------------------------------------
@@ -120,8 +120,14 @@ def _fwd_tile(acc, m_i, l_i, q, k, v, s_mask, qk_scale, MASKED: tl.constexpr, DO
     if MASKED:
         s = tl.where(s_mask, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
+    if MASKED:
+        # A row with no visible key yet (packed documents) keeps m = -inf: exponentiate against 0
+        # instead, so p and alpha are 0 rather than NaN.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_ref = m_new
+    p = tl.exp2(s - m_ref[:, None])
+    alpha = tl.exp2(m_i - m_ref)
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return acc, m_new, l_i
@@ -138,6 +144,7 @@ def _paged_attn_fwd_kernel(
     block_table_ptr,  # int32 [>= ceil(past_len / S)]
     out_ptr,  # [C, Hq, D]
     lse_ptr,  # fp32 [Hq, C]
+    doc_ptr,  # int32 [C] absolute first token of each query's document (HAS_DOC only)
     C,
     past_len,
     qk_scale,  # softmax_scale * log2(e)
@@ -154,6 +161,7 @@ def _paged_attn_fwd_kernel(
     BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    HAS_DOC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -175,10 +183,31 @@ def _paged_attn_fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    # (a) Past tokens through the block table: full tiles unmasked, then the tail tile.
     kc = k_cache_ptr + hkv * stride_kc_h
     vc = v_cache_ptr + hkv * stride_vc_h
     n_full = (past_len // BLOCK_N) * BLOCK_N
+    if HAS_DOC:
+        # Packed documents: key t is visible to query i iff doc[i] <= t. Document starts grow
+        # with i, so the tile's first query bounds where any of its rows starts; tiles before
+        # that are skipped, the rest masked.
+        doc = tl.load(doc_ptr + i_q, mask=r_mask, other=0)
+        doc_lo = tl.load(doc_ptr + row0 // G)
+        for start in range((tl.minimum(doc_lo, past_len) // BLOCK_N) * BLOCK_N, past_len, BLOCK_N):
+            tok = start + offs_n
+            tok_mask = tok < past_len
+            k = _load_rows(kc, _past_token_offsets(block_table_ptr, tok, tok_mask, stride_kc_p, stride_kc_t, PAGE_SIZE), tok_mask, offs_d, d_mask, stride_kc_d)
+            v = _load_rows(vc, _past_token_offsets(block_table_ptr, tok, tok_mask, stride_vc_p, stride_vc_t, PAGE_SIZE), tok_mask, offs_d, d_mask, stride_vc_d)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            s_mask = tok_mask[None, :] & (tok[None, :] >= doc[:, None])
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k, v, s_mask, qk_scale, True, DOT_PREC)
+        n_full = 0  # the loops below see no past
+        past_end = 0
+    else:
+        past_end = past_len
+
+    # (a) Past tokens through the block table: full tiles unmasked, then the tail tile.
     for start in range(0, n_full, BLOCK_N):
         tok = start + offs_n
         tok_mask = tok < past_len
@@ -188,7 +217,7 @@ def _paged_attn_fwd_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k, v, None, qk_scale, False, DOT_PREC)
-    if n_full < past_len:
+    if n_full < past_end:
         tok = n_full + offs_n
         tok_mask = tok < past_len
         k = _load_rows(kc, _past_token_offsets(block_table_ptr, tok, tok_mask, stride_kc_p, stride_kc_t, PAGE_SIZE), tok_mask, offs_d, d_mask, stride_kc_d)
@@ -205,6 +234,12 @@ def _paged_attn_fwd_kernel(
     own_full = ((i_lo + 1) // BLOCK_N) * BLOCK_N
     ko = k_ptr + hkv * stride_k_h
     vo = v_ptr + hkv * stride_v_h
+    own_masked_start = own_full
+    if HAS_DOC:
+        # Own key j sits at absolute token past_len + j: tiles before the tile's first
+        # document start are skipped, every other own tile is masked by document.
+        own_masked_start = ((tl.maximum(doc_lo - past_len, 0)) // BLOCK_N) * BLOCK_N
+        own_full = 0
     for j0 in range(0, own_full, BLOCK_N):
         j = j0 + offs_n
         j_mask = j < C
@@ -214,7 +249,7 @@ def _paged_attn_fwd_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k, v, None, qk_scale, False, DOT_PREC)
-    for j0 in range(own_full, i_hi + 1, BLOCK_N):
+    for j0 in range(own_masked_start, i_hi + 1, BLOCK_N):
         j = j0 + offs_n
         j_mask = j < C
         k = _load_rows(ko, j.to(tl.int64) * stride_k_c, j_mask, offs_d, d_mask, stride_k_d)
@@ -223,6 +258,8 @@ def _paged_attn_fwd_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s_mask = (j[None, :] <= i_q[:, None]) & j_mask[None, :]
+        if HAS_DOC:
+            s_mask = s_mask & ((past_len + j)[None, :] >= doc[:, None])
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k, v, s_mask, qk_scale, True, DOT_PREC)
 
     # Every real row saw at least own key 0, so l_i > 0.
@@ -258,6 +295,7 @@ def _paged_attn_bwd_dq_kernel(
     lse_ptr,  # fp32 [Hq, C]
     delta_ptr,  # fp32 [Hq, C]
     dq_ptr,  # [C, Hq, D]
+    doc_ptr,  # int32 [C] (HAS_DOC only)
     C,
     past_len,
     qk_scale,  # softmax_scale * log2(e)
@@ -277,6 +315,7 @@ def _paged_attn_bwd_dq_kernel(
     BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    HAS_DOC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -303,6 +342,22 @@ def _paged_attn_bwd_dq_kernel(
     kc = k_cache_ptr + hkv * stride_kc_h
     vc = v_cache_ptr + hkv * stride_vc_h
     n_full = (past_len // BLOCK_N) * BLOCK_N
+    past_end = past_len
+    if HAS_DOC:
+        doc = tl.load(doc_ptr + i_q, mask=r_mask, other=0)
+        doc_lo = tl.load(doc_ptr + row0 // G)
+        for start in range((tl.minimum(doc_lo, past_len) // BLOCK_N) * BLOCK_N, past_len, BLOCK_N):
+            tok = start + offs_n
+            tok_mask = tok < past_len
+            k = _load_rows(kc, _past_token_offsets(block_table_ptr, tok, tok_mask, stride_kc_p, stride_kc_t, PAGE_SIZE), tok_mask, offs_d, d_mask, stride_kc_d)
+            v = _load_rows(vc, _past_token_offsets(block_table_ptr, tok, tok_mask, stride_vc_p, stride_vc_t, PAGE_SIZE), tok_mask, offs_d, d_mask, stride_vc_d)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            s_mask = tok_mask[None, :] & (tok[None, :] >= doc[:, None])
+            dq = _dq_tile(dq, q, do, k, v, lse2, delta, s_mask, qk_scale, True, DOT_PREC)
+        n_full = 0
+        past_end = 0
     for start in range(0, n_full, BLOCK_N):
         tok = start + offs_n
         tok_mask = tok < past_len
@@ -312,7 +367,7 @@ def _paged_attn_bwd_dq_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         dq = _dq_tile(dq, q, do, k, v, lse2, delta, None, qk_scale, False, DOT_PREC)
-    if n_full < past_len:
+    if n_full < past_end:
         tok = n_full + offs_n
         tok_mask = tok < past_len
         k = _load_rows(kc, _past_token_offsets(block_table_ptr, tok, tok_mask, stride_kc_p, stride_kc_t, PAGE_SIZE), tok_mask, offs_d, d_mask, stride_kc_d)
@@ -327,6 +382,10 @@ def _paged_attn_bwd_dq_kernel(
     own_full = ((i_lo + 1) // BLOCK_N) * BLOCK_N
     ko = k_ptr + hkv * stride_k_h
     vo = v_ptr + hkv * stride_v_h
+    own_masked_start = own_full
+    if HAS_DOC:
+        own_masked_start = ((tl.maximum(doc_lo - past_len, 0)) // BLOCK_N) * BLOCK_N
+        own_full = 0
     for j0 in range(0, own_full, BLOCK_N):
         j = j0 + offs_n
         j_mask = j < C
@@ -336,7 +395,7 @@ def _paged_attn_bwd_dq_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         dq = _dq_tile(dq, q, do, k, v, lse2, delta, None, qk_scale, False, DOT_PREC)
-    for j0 in range(own_full, i_hi + 1, BLOCK_N):
+    for j0 in range(own_masked_start, i_hi + 1, BLOCK_N):
         j = j0 + offs_n
         j_mask = j < C
         k = _load_rows(ko, j.to(tl.int64) * stride_k_c, j_mask, offs_d, d_mask, stride_k_d)
@@ -345,6 +404,8 @@ def _paged_attn_bwd_dq_kernel(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s_mask = (j[None, :] <= i_q[:, None]) & j_mask[None, :]
+        if HAS_DOC:
+            s_mask = s_mask & ((past_len + j)[None, :] >= doc[:, None])
         dq = _dq_tile(dq, q, do, k, v, lse2, delta, s_mask, qk_scale, True, DOT_PREC)
 
     dq = dq * softmax_scale
@@ -353,13 +414,13 @@ def _paged_attn_bwd_dq_kernel(
 
 
 @triton.jit
-def _dkdv_tile(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, row0, C, j, hkv, offs_d, d_mask,
+def _dkdv_tile(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_ptr, key_off, row0, C, j, hkv, offs_d, d_mask,
                qk_scale,
                stride_q_c, stride_q_h, stride_q_d,
                stride_do_c, stride_do_h, stride_do_d,
                stride_lse_h, stride_delta_h,
-               G: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
-               BLOCK_M: tl.constexpr):
+               G: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOC: tl.constexpr, UPCAST: tl.constexpr,
+               DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr):
     """dk/dv [N, D] += contributions of rows [row0, row0 + BLOCK_M) (all G heads of those queries)."""
     offs_r = row0 + tl.arange(0, BLOCK_M)
     r_mask = offs_r < C * G
@@ -377,6 +438,10 @@ def _dkdv_tile(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, row0, C, j, hkv,
     p_t = tl.exp2(s_t - lse2[None, :])
     if CAUSAL:
         p_t = tl.where(j[:, None] <= i_q[None, :], p_t, 0.0)
+    if HAS_DOC:
+        # Key at absolute token key_off + j is visible to query i iff doc[i] <= key_off + j.
+        doc = tl.load(doc_ptr + i_q, mask=r_mask, other=0)
+        p_t = tl.where((key_off + j)[:, None] >= doc[None, :], p_t, 0.0)
     dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PREC)
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
     ds_t = p_t * (dp_t - delta[None, :])
@@ -397,8 +462,10 @@ def _paged_attn_bwd_dkdv_kernel(
     delta_ptr,  # fp32 [Hq, C]
     dk_ptr,  # IS_PAST: fp32 dk_cache [P, S, Hkv, D] (read-add-write); else dk [C, Hkv, D] (write)
     dv_ptr,  # same layout as dk_ptr
+    doc_ptr,  # int32 [C] (HAS_DOC only)
     C,
     n_keys,  # past_len (IS_PAST) or C
+    key_off,  # absolute token of key 0: 0 (IS_PAST) or past_len
     qk_scale,  # softmax_scale * log2(e)
     softmax_scale,
     stride_q_c, stride_q_h, stride_q_d,
@@ -416,6 +483,7 @@ def _paged_attn_bwd_dkdv_kernel(
     IS_PAST: tl.constexpr,
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    HAS_DOC: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -447,23 +515,23 @@ def _paged_attn_bwd_dkdv_kernel(
 
     n_rows = C * G
     if IS_PAST:
-        # Every query of the chunk sees every past token: no mask.
+        # Every query of the chunk sees every past token (without packed documents): no causal mask.
         for row0 in range(0, n_rows, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptr, dout_ptr, lse_ptr, delta_ptr, row0, C, j, hkv, offs_d, d_mask,
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptr, dout_ptr, lse_ptr, delta_ptr, doc_ptr, key_off, row0, C, j, hkv, offs_d, d_mask,
                                 qk_scale, stride_q_c, stride_q_h, stride_q_d, stride_do_c, stride_do_h, stride_do_d,
-                                stride_lse_h, stride_delta_h, G, False, UPCAST, DOT_PREC, BLOCK_M)
+                                stride_lse_h, stride_delta_h, G, False, HAS_DOC, UPCAST, DOT_PREC, BLOCK_M)
     else:
         # Queries i >= j0 see this tile; rows whose query is >= the tile's last key need no mask.
         row_lo = ((j0 * G) // BLOCK_M) * BLOCK_M
         row_mid = tl.minimum(tl.cdiv((j0 + BLOCK_N - 1) * G, BLOCK_M) * BLOCK_M, tl.cdiv(n_rows, BLOCK_M) * BLOCK_M)
         for row0 in range(row_lo, row_mid, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptr, dout_ptr, lse_ptr, delta_ptr, row0, C, j, hkv, offs_d, d_mask,
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptr, dout_ptr, lse_ptr, delta_ptr, doc_ptr, key_off, row0, C, j, hkv, offs_d, d_mask,
                                 qk_scale, stride_q_c, stride_q_h, stride_q_d, stride_do_c, stride_do_h, stride_do_d,
-                                stride_lse_h, stride_delta_h, G, True, UPCAST, DOT_PREC, BLOCK_M)
+                                stride_lse_h, stride_delta_h, G, True, HAS_DOC, UPCAST, DOT_PREC, BLOCK_M)
         for row0 in range(row_mid, n_rows, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptr, dout_ptr, lse_ptr, delta_ptr, row0, C, j, hkv, offs_d, d_mask,
+            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptr, dout_ptr, lse_ptr, delta_ptr, doc_ptr, key_off, row0, C, j, hkv, offs_d, d_mask,
                                 qk_scale, stride_q_c, stride_q_h, stride_q_d, stride_do_c, stride_do_h, stride_do_d,
-                                stride_lse_h, stride_delta_h, G, False, UPCAST, DOT_PREC, BLOCK_M)
+                                stride_lse_h, stride_delta_h, G, False, HAS_DOC, UPCAST, DOT_PREC, BLOCK_M)
 
     dk = dk * softmax_scale
     st_mask = j_mask[:, None] & d_mask[None, :]
@@ -545,6 +613,17 @@ def _check_inputs(q, k, v, k_cache, v_cache, block_table, past_len, softmax_scal
     return C, Hq, Hkv, D, page_size, scale
 
 
+def _check_doc(q_doc_start, C, past_len, device):
+    """Validate q_doc_start -> contiguous int32 [C] on ``device``, or None."""
+    if q_doc_start is None:
+        return None
+    if not isinstance(q_doc_start, torch.Tensor) or q_doc_start.shape != (C,):
+        raise ValueError(f"q_doc_start must be an int tensor [C={C}]; got {getattr(q_doc_start, 'shape', type(q_doc_start))}")
+    if q_doc_start.dtype not in (torch.int32, torch.int64) or q_doc_start.device != device:
+        raise ValueError(f"q_doc_start must be int32/int64 on {device}; got {q_doc_start.dtype} on {q_doc_start.device}")
+    return q_doc_start.to(torch.int32).contiguous()
+
+
 def _cache_args(k_cache, v_cache, block_table, past_len, like):
     """Pool pointers and strides; with no past, dummies that the kernels never read."""
     if past_len > 0:
@@ -562,6 +641,7 @@ def paged_attention_fwd(
     block_table: torch.Tensor | None,
     past_len: int,
     softmax_scale: float | None = None,
+    q_doc_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one chunk over paged past K/V plus its own K/V (causal), in one kernel.
 
@@ -575,6 +655,10 @@ def paged_attention_fwd(
             page may appear twice.
         past_len: number of past tokens (a partial last page is allowed).
         softmax_scale: defaults to 1/sqrt(D).
+        q_doc_start: optional int32 [C], non-decreasing: for packed documents, the absolute
+            token index (past tokens 0..past_len-1, own token i at past_len + i) where each
+            query's document starts; earlier keys are masked and wholly earlier key tiles
+            skipped. None = one document.
 
     Returns:
         out: [C, Hq, D] in q's dtype, with q's memory layout.
@@ -585,6 +669,7 @@ def paged_attention_fwd(
             Hkv, head dim > 256, or a block_table too short / not int32.
     """
     C, Hq, Hkv, D, page_size, scale = _check_inputs(q, k, v, k_cache, v_cache, block_table, past_len, softmax_scale)
+    doc = _check_doc(q_doc_start, C, past_len, q.device)
     out = _alloc_like(q)
     lse = _alloc((Hq, C), torch.float32, q.device)
     if C == 0:
@@ -604,9 +689,9 @@ def paged_attention_fwd(
         stride_kc_p=skc[0], stride_kc_t=skc[1], stride_kc_h=skc[2], stride_kc_d=skc[3],
         stride_vc_p=svc[0], stride_vc_t=svc[1], stride_vc_h=svc[2], stride_vc_d=svc[3],
         stride_o_c=out.stride(0), stride_o_h=out.stride(1), stride_o_d=out.stride(2),
-        stride_lse_h=lse.stride(0),
+        stride_lse_h=lse.stride(0), doc_ptr=doc if doc is not None else bt,
         G=G, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_D=max(16, triton.next_power_of_2(D)),
-        UPCAST=_INTERPRET, DOT_PREC=_dot_precision(q.dtype),
+        UPCAST=_INTERPRET, DOT_PREC=_dot_precision(q.dtype), HAS_DOC=doc is not None,
     )
     return out, lse
 
@@ -625,6 +710,7 @@ def paged_attention_bwd(
     dk_cache: torch.Tensor | None,
     dv_cache: torch.Tensor | None,
     softmax_scale: float | None = None,
+    q_doc_start: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Backward of :func:`paged_attention_fwd`; adds the past pages' dK/dV in place.
 
@@ -636,6 +722,7 @@ def paged_attention_bwd(
             k_cache. The past tokens' dK/dV are ADDED here in place (deterministically, no
             atomics); rows of pages outside ``block_table[:ceil(past_len / S)]`` and the tail
             of a partial last page are not touched. May be None when past_len == 0.
+        q_doc_start: as in the forward.
 
     Returns:
         dq: [C, Hq, D] in q's dtype, with q's memory layout.
@@ -662,6 +749,7 @@ def paged_attention_bwd(
                     f"past_len > 0 needs {name} float32 {tuple(k_cache.shape)} on {q.device}; "
                     f"got {None if t is None else (t.dtype, tuple(t.shape), t.device)}"
                 )
+    doc = _check_doc(q_doc_start, C, past_len, q.device)
     dq = _alloc_like(q)
     dk = _alloc(tuple(k.shape), k.dtype, k.device)
     dv = _alloc(tuple(v.shape), v.dtype, v.device)
@@ -669,18 +757,20 @@ def paged_attention_bwd(
         return dq, dk, dv
     G = Hq // Hkv
     BLOCK_D = max(16, triton.next_power_of_2(D))
-    common = dict(G=G, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_D=BLOCK_D, UPCAST=_INTERPRET, DOT_PREC=_dot_precision(q.dtype))
+    common = dict(G=G, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_D=BLOCK_D, UPCAST=_INTERPRET, DOT_PREC=_dot_precision(q.dtype),
+                  HAS_DOC=doc is not None)
 
     # delta = rowsum(dout * out) in fp32, [Hq, C] like lse (FlashAttention-2, Algorithm 2 line 4).
     delta = (dout.float() * out.float()).sum(-1).t().contiguous()
     kc, vc, bt, skc, svc = _cache_args(k_cache, v_cache, block_table, past_len, k)
+    doc_arg = doc if doc is not None else bt  # never read without HAS_DOC
 
     def grid_rows(meta):
         return (triton.cdiv(C * G, meta["BLOCK_M"]), Hkv)
 
     _paged_attn_bwd_dq_kernel[grid_rows](
         q_ptr=q, k_ptr=k, v_ptr=v, k_cache_ptr=kc, v_cache_ptr=vc, block_table_ptr=bt,
-        dout_ptr=dout, lse_ptr=lse, delta_ptr=delta, dq_ptr=dq,
+        dout_ptr=dout, lse_ptr=lse, delta_ptr=delta, dq_ptr=dq, doc_ptr=doc_arg,
         C=C, past_len=past_len, qk_scale=scale * _LOG2E, softmax_scale=scale,
         stride_q_c=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
         stride_k_c=k.stride(0), stride_k_h=k.stride(1), stride_k_d=k.stride(2),
@@ -693,7 +783,7 @@ def paged_attention_bwd(
         **common,
     )
 
-    def launch_dkdv(is_past, kk, vv, dkk, dvv, n_keys):
+    def launch_dkdv(is_past, kk, vv, dkk, dvv, n_keys, key_off):
         def grid_keys(meta):
             return (triton.cdiv(n_keys, meta["BLOCK_N"]), Hkv)
 
@@ -703,8 +793,8 @@ def paged_attention_bwd(
         sdv = dvv.stride() if is_past else (0, *dvv.stride())
         _paged_attn_bwd_dkdv_kernel[grid_keys](
             q_ptr=q, k_ptr=kk, v_ptr=vv, block_table_ptr=bt, dout_ptr=dout, lse_ptr=lse, delta_ptr=delta,
-            dk_ptr=dkk, dv_ptr=dvv,
-            C=C, n_keys=n_keys, qk_scale=scale * _LOG2E, softmax_scale=scale,
+            dk_ptr=dkk, dv_ptr=dvv, doc_ptr=doc_arg,
+            C=C, n_keys=n_keys, key_off=key_off, qk_scale=scale * _LOG2E, softmax_scale=scale,
             stride_q_c=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
             stride_k_p=sk[0], stride_k_t=sk[1], stride_k_h=sk[2], stride_k_d=sk[3],
             stride_v_p=sv[0], stride_v_t=sv[1], stride_v_h=sv[2], stride_v_d=sv[3],
@@ -717,6 +807,6 @@ def paged_attention_bwd(
         )
 
     if past_len > 0:
-        launch_dkdv(True, k_cache, v_cache, dk_cache, dv_cache, past_len)
-    launch_dkdv(False, k, v, dk, dv, C)
+        launch_dkdv(True, k_cache, v_cache, dk_cache, dv_cache, past_len, 0)
+    launch_dkdv(False, k, v, dk, dv, C, past_len)
     return dq, dk, dv
