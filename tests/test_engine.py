@@ -375,3 +375,16 @@ def test_bad_cu_seqlens(cu):
     engine = Engine(tiny("qwen2").double(), OOMBConfig(chunk_size=8, page_size=4, attention_backend="torch"))
     with pytest.raises(ValueError, match="cu_seqlens must start at 0"):
         engine.step(torch.zeros(1, 10, dtype=torch.long), cu_seqlens=torch.tensor(cu))
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+    {"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0},
+    {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0, "original_max_position_embeddings": 16},
+])
+def test_rope_scaling_types_match_full_sequence(rope):
+    # max_position_embeddings 16 < T: dynamic NTK rescales, and must do so as for the whole sequence.
+    model = tiny("llama", 4, 2, rope_parameters=rope, max_position_embeddings=16)
+    out, ref_loss, (err, where), _ = run_parity(model, 44, 8, 4)
+    assert abs(out.loss - ref_loss) <= 1e-10 * abs(ref_loss)
+    assert err <= 1e-10, f"worst gradient {where}: rel err {err:.3e}"

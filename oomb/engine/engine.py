@@ -20,6 +20,7 @@ In dense mode this gives full-sequence gradients up to rounding.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -111,6 +112,29 @@ def _doc_starts(cu_seqlens: torch.Tensor | list, T: int) -> torch.Tensor:
         )
     lengths = cu[1:] - cu[:-1]
     return torch.repeat_interleave(cu[:-1], lengths)
+
+
+@contextlib.contextmanager
+def _rope_state_of_full_sequence(decoder: torch.nn.Module, T: int, device: torch.device, dtype: torch.dtype):
+    """Make dynamic-NTK RoPE use the frequencies full-sequence training would use, in every chunk.
+
+    transformers' dynamic RoPE recomputes its frequencies from the largest position id of each
+    forward call. A full-sequence forward sees position T-1 in one call; chunk c only sees
+    (c+1)*C-1, so each chunk would rotate its queries and keys with different frequencies. Here
+    the rotary module is called once with position T-1 (the full-sequence state) and its
+    update rule is disabled for the step. Other RoPE types are static and untouched.
+    """
+    frozen = []
+    for m in decoder.modules():
+        if "dynamic" in str(getattr(m, "rope_type", "")) and hasattr(m, "original_max_seq_len"):
+            m(torch.zeros(1, device=device, dtype=dtype), torch.tensor([[T - 1]], device=device))
+            frozen.append((m, m.original_max_seq_len))
+            m.original_max_seq_len = -1  # no "reset" branch while chunks with smaller positions run
+    try:
+        yield
+    finally:
+        for m, original in frozen:
+            m.original_max_seq_len = original
 
 
 def _sync(device: torch.device) -> None:
@@ -294,17 +318,36 @@ class Engine:
         if loss_normalizer is not None and loss_normalizer < n_valid:
             raise ValueError(f"loss_normalizer ({loss_normalizer}) must count at least this sequence's {n_valid} valid tokens")
         denom = loss_normalizer if loss_normalizer is not None else n_valid
-        C = self.config.chunk_size
-        N = -(-T // C)
         device = self.device
         self._backend = resolve_backend(self.config.attention_backend, device)
         self.model.train()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         store = self._ensure_store(T)
+
+        with _rope_state_of_full_sequence(self._decoder, T, device, self.dtype):
+            t0, t1, t2, total = self._stages(input_ids, targets, doc_start, positions, denom, progress, store)
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        return StepOutput(
+            loss=float(total) / n_valid,
+            num_tokens=T,
+            num_valid_tokens=n_valid,
+            seconds=t2 - t0,
+            stage1_seconds=t1 - t0,
+            stage2_seconds=t2 - t1,
+            tokens_per_s=T / max(t2 - t0, 1e-9),
+            peak_memory_bytes=peak,
+            kv_store_bytes=store.nbytes,
+        )
+
+    def _stages(self, input_ids, targets, doc_start, positions, denom, progress, store):
+        """Stage 1 and Stage 2 of one step -> (t0, t1, t2, summed token loss) with t* host times."""
+        T = input_ids.shape[0]
+        C = self.config.chunk_size
+        N = -(-T // C)
+        device = self.device
         _sync(device)
         t0 = time.perf_counter()
-
         with torch.no_grad():
             for c in tqdm(range(N - 1), desc="stage 1 (forward)", unit="chunk", disable=not progress, leave=False):
                 ctx = _ChunkContext(self, 1, c * C, C, False, _slice(doc_start, c * C, C))
@@ -327,18 +370,7 @@ class Engine:
                     store.release_from(layer, s)
         _sync(device)
         t2 = time.perf_counter()
-        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
-        return StepOutput(
-            loss=float(total) / n_valid,
-            num_tokens=T,
-            num_valid_tokens=n_valid,
-            seconds=t2 - t0,
-            stage1_seconds=t1 - t0,
-            stage2_seconds=t2 - t1,
-            tokens_per_s=T / max(t2 - t0, 1e-9),
-            peak_memory_bytes=peak,
-            kv_store_bytes=store.nbytes,
-        )
+        return t0, t1, t2, total
 
     @torch.no_grad()
     def evaluate(
@@ -357,9 +389,11 @@ class Engine:
         self._backend = resolve_backend(self.config.attention_backend, self.device)
         self._ensure_store(T)
         total = 0.0
-        for s in range(0, T, C):
-            n = min(C, T - s)
-            hidden = self._run_chunk(input_ids, positions, _ChunkContext(self, 1, s, n, False, _slice(doc_start, s, n)))
-            total += float(chunked_cross_entropy_sum(hidden, self._lm_head, targets[s : s + n], self.config.loss_chunk_size))
+        with _rope_state_of_full_sequence(self._decoder, T, self.device, self.dtype):
+            for s in range(0, T, C):
+                n = min(C, T - s)
+                ctx = _ChunkContext(self, 1, s, n, False, _slice(doc_start, s, n))
+                hidden = self._run_chunk(input_ids, positions, ctx)
+                total += float(chunked_cross_entropy_sum(hidden, self._lm_head, targets[s : s + n], self.config.loss_chunk_size))
         self._store.reset()
         return total / n_valid
