@@ -65,7 +65,10 @@ never used for ordering.
 
 On CPU there are no streams: every copy runs synchronously where it is issued,
 with the same schedule, so CPU tests check page placement, prefetch order and
-lifetimes, and losses/gradients equal PagedKVStore's bitwise.
+lifetimes, and losses/gradients equal PagedKVStore's bitwise. The stream calls
+go through ``_CudaStreams`` / ``_SyncStreams``; tests substitute a simulated
+side stream that defers every copy as long as the events allow, which turns a
+missing compute-side wait into wrong numbers on CPU.
 """
 
 from __future__ import annotations
