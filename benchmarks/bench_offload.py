@@ -55,10 +55,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from oomb import Engine, OOMBConfig  # noqa: E402
 from oomb.engine.engine import _ChunkContext  # noqa: E402
 from oomb.engine.loss import chunked_cross_entropy_sum  # noqa: E402
-from oomb.engine.offload import OffloadedKVStore, min_gpu_pages  # noqa: E402
+from oomb.engine.offload import OffloadedKVStore, min_gpu_pages, resident_pages_for_budget  # noqa: E402
 from oomb.models.presets import preset_config  # noqa: E402
 from oomb.ops.paged_attention import resolve_backend  # noqa: E402
-from oomb.planner import GiB, Machine, plan  # noqa: E402
+from oomb.planner import GiB, Machine, ModelShape, offload_traffic, plan  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 MB = 1e6
@@ -260,6 +260,10 @@ def main(argv=None):
                 if budget is None:  # everything fits: the planner's tier is "all resident"
                     budget = L * -(-T // args.page_size)
             row = dict(system=name)
+            if offload:
+                R = resident_pages_for_budget(L, -(-T // args.page_size), budget)
+                pred = offload_traffic(ModelShape.from_config(config), T, args.chunk_size, args.page_size, R, dtype)
+                row.update(predicted_h2d_gib=pred["h2d_bytes"] / GiB, predicted_d2h_gib=pred["d2h_bytes"] / GiB)
             try:
                 row.update(full_step(T, offload, budget))
             except torch.OutOfMemoryError:
@@ -338,12 +342,14 @@ def _write_markdown(stem: str, res: dict) -> None:
         slope = _slope_mb_per_10k(res["a"])
         lines += ["", f"Fitted slope of oomb's peak: {f(slope, '.1f')} MB per 10K tokens.", ""]
     if res["b"]:
-        lines += ["## b. Offload overhead", "", "| system | tokens | s/step | overhead | peak GiB | H2D GiB | D2H GiB |",
+        lines += ["## b. Offload overhead", "",
+                  "| system | tokens | s/step | overhead | peak GiB | H2D GiB (predicted) | D2H GiB (predicted) |",
                   "|---|---|---|---|---|---|---|"]
         for r in res["b"]:
             ov = None if r.get("overhead") is None else 100 * r["overhead"]
             lines.append(f"| {r['system']} | {r.get('seq_len')} | {f(r.get('seconds'))} | {f(ov, '+.1f')}% | "
-                         f"{f(r.get('peak_gib'))} | {f(r.get('h2d_gib'))} | {f(r.get('d2h_gib'))} |")
+                         f"{f(r.get('peak_gib'))} | {f(r.get('h2d_gib'))} ({f(r.get('predicted_h2d_gib'))}) | "
+                         f"{f(r.get('d2h_gib'))} ({f(r.get('predicted_d2h_gib'))}) |")
         lines.append("")
     if res["c"]:
         lines += ["## c. Largest context: Stage 1 + first Stage-2 chunk", "",

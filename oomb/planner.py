@@ -67,12 +67,14 @@ __all__ = [
     "add_plan_subcommand",
     "choose_engine_tiering",
     "choose_tiering",
+    "offload_traffic",
     "plan",
     "plan_for_train_args",
     "run_plan",
 ]
 
 GiB = 1 << 30
+_LINK_BYTES_PER_S = 55e9  # pinned host<->H200 copies, each way (DESIGN.md §2.3)
 _LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
@@ -285,6 +287,7 @@ class MemoryPlan:
     machine: Machine
     max_seq_len_gpu_only: int
     max_seq_len_offload: int
+    traffic: dict[str, int] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -337,6 +340,13 @@ class MemoryPlan:
             f"  {'budget':<40}{g(self.host_budget)}",
             "",
             f"tiering: {'offload, GPU pool ' + format(t.gpu_pages, ',') + ' pages' if t.offload else 'every page on the GPU'}",
+        ]
+        if t.offload and self.traffic:
+            h2d, d2h = self.traffic["h2d_bytes"], self.traffic["d2h_bytes"]
+            rows.append(f"host<->GPU traffic per step: {h2d / GiB:,.1f} GiB in, {d2h / GiB:,.1f} GiB out "
+                        f"(~{(h2d + d2h) / _LINK_BYTES_PER_S:,.0f} s of copies at 55 GB/s on the one side stream, "
+                        "overlapped with compute)")
+        rows += [
             f"largest context: {self.max_seq_len_gpu_only:,} tokens with every page on the GPU, "
             f"{self.max_seq_len_offload:,} with offload",
             "fits" if self.fits else "DOES NOT FIT: " + "; ".join(self.problems),
@@ -505,7 +515,46 @@ def plan(
         gpu_pool=gpu_pool, write_buffers=wb, host_kv=host_kv, gpu_peak=gpu_peak, host_peak=host_kv,
         gpu_budget=gpu_budget, host_budget=host_budget, machine=machine,
         max_seq_len_gpu_only=largest(False), max_seq_len_offload=largest(True), problems=problems,
+        traffic=offload_traffic(shape, seq_len, chunk_size, page_size, tiering.resident_pages_per_layer, dtype)
+        if tiering.offload else {},
     )
+
+
+def offload_traffic(
+    shape: ModelShape, seq_len: int, chunk_size: int, page_size: int, resident_pages_per_layer: int,
+    dtype: torch.dtype = torch.bfloat16,
+) -> dict[str, int]:
+    """Bytes one training step copies host->device and device->host with offload (the schedule of
+    :mod:`oomb.engine.offload`; the same with or without per-layer checkpointing).
+
+    Per layer and chunk c (P = c*C/S past pages, n = C/S own pages, R resident):
+    Stage 1 (c < N-1) stages K/V of pages [R, P) and writes back the new pages beyond R; Stage 2
+    stages K/V [R, P) for the forward, again for the backward of layers 0..L-3 (their staging set
+    was reused by layer l+2), dK/dV [R, P + n) (chunk N-1: zero-filled on the device, not copied),
+    and writes back dK/dV [R, P).
+
+    Returns:
+        {"h2d_bytes": ..., "d2h_bytes": ...}.
+    """
+    L, S, C, R = shape.num_layers, page_size, chunk_size, resident_pages_per_layer
+    e = _dtype_size(dtype)
+    kvb = S * shape.kv_dim * 2 * e
+    gb = S * shape.kv_dim * 2 * (8 if dtype == torch.float64 else 4)
+    N = -(-seq_len // C)
+    n = C // S
+    h2d = d2h = 0
+    for c in range(N):
+        P = c * n
+        kv = max(P - R, 0)
+        if c < N - 1:  # Stage 1
+            h2d += L * kv * kvb
+            d2h += L * max(P + n - max(P, R), 0) * kvb
+        own = n if c < N - 1 else 0
+        h2d += L * kv * kvb + max(L - 2, 0) * kv * kvb  # Stage-2 forward; backward of layers 0..L-3
+        if c < N - 1:
+            h2d += L * max(P + own - R, 0) * gb
+        d2h += L * kv * gb
+    return {"h2d_bytes": h2d, "d2h_bytes": d2h}
 
 
 def choose_tiering(model: Any, seq_len: int, **kwargs) -> Tiering:

@@ -14,6 +14,7 @@ from oomb import Engine, OOMBConfig
 from oomb.engine.kv_store import PagedKVStore
 from oomb.engine import offload
 from oomb.engine.offload import OffloadedKVStore, min_gpu_pages, resident_pages_for_budget
+from oomb.planner import ModelShape, offload_traffic
 from test_engine import VOCAB, clone_model, run_parity, tiny
 
 
@@ -65,6 +66,17 @@ def test_offload_trains_bitwise_like_all_on_device(family, heads, kv_heads, laye
     # Every stage-in was issued ahead of its use (the previous layer's compute), none at the point of use.
     assert store.stats["on_demand"] == 0, store.stats
     assert store.num_free_pages == store.num_pages
+
+
+@pytest.mark.parametrize("layers,T,chunk,page,budget,ckpt", [(3, 45, 8, 4, None, False), (5, 50, 12, 4, 40, True)])
+def test_planner_predicts_the_copied_bytes(layers, T, chunk, page, budget, ckpt):
+    torch.manual_seed(0)
+    model = tiny("qwen2", layers=layers)
+    _, engine = _step(model, torch.randint(0, VOCAB, (1, T)), chunk_size=chunk, page_size=page, offload=True,
+                      gpu_page_budget=budget, checkpoint_layers=ckpt)
+    store = engine.kv_store
+    pred = offload_traffic(ModelShape.from_config(model.config), T, chunk, page, store.resident_pages_per_layer, torch.float32)
+    assert (store.stats["h2d_bytes"], store.stats["d2h_bytes"]) == (pred["h2d_bytes"], pred["d2h_bytes"])
 
 
 def test_offload_matches_full_sequence_training_fp64():
