@@ -15,7 +15,8 @@ class OOMBConfig:
 
     Raises:
         ValueError: on a non-positive size, a chunk size that is not a multiple
-            of the page size, or an unknown attention backend. The message names
+            of the page size, an unknown attention backend, a negative sparse page count
+            or an unknown sparse score. The message names
             the field and the fix.
     """
 
@@ -46,6 +47,27 @@ class OOMBConfig:
     the two staging layers included, so at least 2 x ceil(T / page_size). None: on CUDA the largest the planner
     finds room for, on CPU the minimum. Setting it implies offload (an error with offload=False)."""
 
+    sparse: bool = False
+    """Page-level top-K sparse attention (DESIGN.md §2.4): each block of `sparse_block_size` queries attends, per
+    KV head, to `page_budget` selected past pages plus `sink_pages` first and `local_pages` latest past pages and
+    its own chunk. Selected in Stage 1, reused unchanged in Stage 2. Exactly dense while the past fits."""
+
+    page_budget: int = 64
+    """With sparse: past pages chosen by score per (query block, KV head), beyond the sink and local pages."""
+
+    sink_pages: int = 1
+    """With sparse: first pages of the sequence always attended (attention sink); 0 allowed."""
+
+    local_pages: int = 8
+    """With sparse: latest past pages always attended (a local window before the chunk); 0 allowed."""
+
+    sparse_block_size: int = 128
+    """With sparse: queries per selection block (tokens); every block of a chunk makes its own selection."""
+
+    sparse_score: str = "mean"
+    """With sparse: page score: 'mean' (q_sum · mean of the page's keys; MoBA/OOMB) or 'quest' (upper bound of
+    q_sum · k from the page's element-wise key min/max; Quest)."""
+
     def __post_init__(self) -> None:
         for name in ("chunk_size", "page_size", "loss_chunk_size", "attention_block_size"):
             value = getattr(self, name)
@@ -68,6 +90,16 @@ class OOMBConfig:
                 raise ValueError(f"gpu_page_budget must be a positive number of pages or None, got {b!r}")
             if self.offload is False:
                 raise ValueError("gpu_page_budget sizes the GPU tier of offload; it cannot be set with offload=False")
+        if not isinstance(self.sparse, bool):
+            raise ValueError(f"sparse must be True or False, got {self.sparse!r}")
+        for name in ("page_budget", "sink_pages", "local_pages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer number of pages, got {value!r}")
+        if not isinstance(self.sparse_block_size, int) or isinstance(self.sparse_block_size, bool) or self.sparse_block_size <= 0:
+            raise ValueError(f"sparse_block_size must be a positive integer number of queries, got {self.sparse_block_size!r}")
+        if self.sparse_score not in ("mean", "quest"):
+            raise ValueError(f"sparse_score must be 'mean' or 'quest', got {self.sparse_score!r}")
         if self.attention_block_size % self.page_size != 0:
             # Round up so reference blocks are whole pages.
             self.attention_block_size = -(-self.attention_block_size // self.page_size) * self.page_size
