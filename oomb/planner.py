@@ -496,7 +496,9 @@ def plan(
     if tiering is None:
         problems.append(why)
         tiering = Tiering(offload is True or gpu_page_budget is not None, gpu_page_budget, 0)
-    if fixed > gpu_budget:
+    if machine.gpu_total_bytes == 0:
+        problems = ["no CUDA GPU is visible: plan for one with --gpu-gib (or plan(..., machine=Machine(...)))"]
+    elif fixed > gpu_budget:
         problems.insert(0, f"weights, gradients, optimizer states and one chunk's activations need {fixed / GiB:.2f} GiB "
                            f"but {gpu_budget / GiB:.2f} GiB of GPU memory is free (after a {reserve / GiB:.1f} GiB reserve); "
                            "use LoRA, checkpoint_layers or a smaller chunk_size")

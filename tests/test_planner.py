@@ -113,6 +113,9 @@ def test_impossible_runs_are_refused_clearly():
         plan("qwen2.5-7b", 1 << 21, machine=H200, optimizer=None, checkpoint_layers=True).check()
     with pytest.raises(MemoryPlanError, match="offload needs at least"):
         plan("qwen2.5-7b", 1 << 20, machine=H200, optimizer=None, checkpoint_layers=True, gpu_page_budget=100).check()
+    no_gpu = Machine(gpu_free_bytes=0, gpu_total_bytes=0, host_available_bytes=64 * GiB, host_total_bytes=64 * GiB)
+    with pytest.raises(MemoryPlanError, match="no CUDA GPU is visible"):
+        plan("tiny", 4096, machine=no_gpu).check()
     with pytest.raises(ValueError, match="chunk_size a positive multiple"):
         plan("qwen2.5-7b", 4096, chunk_size=100, machine=H200)
 
