@@ -15,7 +15,10 @@ Stage 2, c = N-1 .. 0:
     there. Parameter gradients accumulate across chunks; then chunk c's pages
     go back to the free list.
 
-In dense mode this gives full-sequence gradients up to rounding.
+In dense mode this gives full-sequence gradients up to rounding. With ``config.sparse``
+(DESIGN.md §2.4, :mod:`oomb.ops.sparse`) each chunk's Stage-1 write also summarises its pages,
+and each (chunk, layer) selects its past pages once, before attending; Stage 2 reuses that
+selection unchanged.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from tqdm.auto import tqdm
 from ..config import OOMBConfig
 from ..models.hf import UnsupportedModelError, check_model_supported, use_oomb_attention
 from ..ops.paged_attention import paged_attention, paged_attention_forward, resolve_backend
+from ..ops.sparse import SparseAttentionState, sparse_paged_attention, sparse_paged_attention_forward
 from ..planner import choose_engine_tiering
 from .kv_store import PagedKVStore
 from .offload import OffloadedKVStore
@@ -85,8 +89,19 @@ class _ChunkContext:
         k = key[0].transpose(0, 1)
         v = value[0].transpose(0, 1)
         kv = store.attention_view(layer, self.stage, self.start, self.length, self.is_last, self.q_doc_start)
+        sparse = eng._sparse
         if self.stage == 1:
             store.write(layer, self.start, k, v)
+            if sparse is not None:
+                sparse.write(layer, self.start, k)
+        if sparse is not None:
+            # Made once (Stage 1, or the last chunk's first Stage-2 forward) and reused unchanged.
+            sel = sparse.selection(layer, self.start, q, self.q_doc_start)
+            if self.stage == 1:
+                out, _ = sparse_paged_attention_forward(q, k, v, kv, sel, scaling, eng._backend, eng.config.attention_block_size)
+            else:
+                out = sparse_paged_attention(q, k, v, kv, sel, scaling, eng._backend, eng.config.attention_block_size)
+        elif self.stage == 1:
             out, _ = paged_attention_forward(q, k, v, kv, scaling, eng._backend, eng.config.attention_block_size)
         else:
             out = paged_attention(q, k, v, kv, scaling, eng._backend, eng.config.attention_block_size)
@@ -179,6 +194,7 @@ class Engine:
         if self.config.checkpoint_layers:
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self._store: PagedKVStore | None = None
+        self._sparse: SparseAttentionState | None = None
         self._backend = "torch"
 
     # ------------------------------------------------------------------ helpers
@@ -270,6 +286,19 @@ class Engine:
             store.begin_step(T)
         return store
 
+    def _ensure_sparse(self, T: int) -> None:
+        """Fresh page representatives and selections for a sequence of T tokens (config.sparse), else None."""
+        self._sparse = None
+        if self.config.sparse:
+            self._sparse = SparseAttentionState(
+                self.config, self.num_layers, self.num_kv_heads, self.head_dim, T, self.dtype, self.device
+            )
+
+    @property
+    def sparse_state(self) -> SparseAttentionState | None:
+        """Page representatives and stored selections of the last step (config.sparse), else None."""
+        return self._sparse
+
     def _run_chunk(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: _ChunkContext) -> torch.Tensor:
         s, n = ctx.start, ctx.length
         pos = positions[s : s + n].unsqueeze(0)
@@ -324,6 +353,7 @@ class Engine:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         store = self._ensure_store(T)
+        self._ensure_sparse(T)
 
         with _rope_state_of_full_sequence(self._decoder, T, device, self.dtype):
             t0, t1, t2, total = self._stages(input_ids, targets, doc_start, positions, denom, progress, store)
@@ -368,6 +398,8 @@ class Engine:
             if c < N - 1:
                 for layer in range(self.num_layers):
                     store.release_from(layer, s)
+            if self._sparse is not None:
+                self._sparse.release(s)
         _sync(device)
         t2 = time.perf_counter()
         return t0, t1, t2, total
@@ -388,6 +420,7 @@ class Engine:
         C = self.config.chunk_size
         self._backend = resolve_backend(self.config.attention_backend, self.device)
         self._ensure_store(T)
+        self._ensure_sparse(T)
         total = 0.0
         with _rope_state_of_full_sequence(self._decoder, T, self.device, self.dtype):
             for s in range(0, T, C):
@@ -395,5 +428,7 @@ class Engine:
                 ctx = _ChunkContext(self, 1, s, n, False, _slice(doc_start, s, n))
                 hidden = self._run_chunk(input_ids, positions, ctx)
                 total += float(chunked_cross_entropy_sum(hidden, self._lm_head, targets[s : s + n], self.config.loss_chunk_size))
+                if self._sparse is not None:
+                    self._sparse.release(s)
         self._store.reset()
         return total / n_valid

@@ -1,0 +1,165 @@
+"""Sparse attention in the engine: dense while the past fits, a masked dense model otherwise (float64)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from oomb import Engine, OOMBConfig
+from oomb.models.hf import use_oomb_attention
+from oomb.ops import sparse as sparse_ops
+from oomb.ops.sparse import SparseAttentionState, selection_mask
+from tests.test_engine import VOCAB, clone_model, tiny
+
+
+def _step(model, ids, cu=None, **cfg):
+    cfg.setdefault("attention_backend", "torch")
+    engine = Engine(model, OOMBConfig(**cfg))
+    out = engine.step(ids, cu_seqlens=cu)
+    return out, engine
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("family,heads,kv_heads,head_dim,T,chunk,page", [
+    ("qwen2", 4, 2, 8, 45, 12, 4),
+    ("llama", 7, 1, 8, 40, 8, 4),  # GQA 7:1
+    ("qwen3", 2, 2, 64, 33, 8, 8),  # head dim 64
+])
+def test_budget_covering_the_past_equals_dense_bitwise(family, heads, kv_heads, head_dim, T, chunk, page):
+    torch.manual_seed(0)
+    model = tiny(family, heads, kv_heads, head_dim).double()
+    twin = clone_model(model)
+    ids = torch.randint(0, VOCAB, (1, T))
+    n_pages = -(-T // page)
+    dense, _ = _step(model, ids, chunk_size=chunk, page_size=page)
+    sparse, _ = _step(twin, ids, chunk_size=chunk, page_size=page, sparse=True, page_budget=n_pages,
+                      sink_pages=1, local_pages=1, sparse_block_size=4)
+    assert sparse.loss == dense.loss
+    for (name, a), b in zip(_grads(model).items(), _grads(twin).values()):
+        assert torch.equal(a, b), name
+
+
+def test_sparse_path_selecting_everything_matches_dense(monkeypatch):
+    """The gather-based sparse path (dense shortcut off) with every page selected equals the dense step."""
+    original = sparse_ops.select_pages
+
+    def never_dense(*a, **k):
+        sel = original(*a, **k)
+        sel.dense = False
+        return sel
+
+    monkeypatch.setattr(sparse_ops, "select_pages", never_dense)
+    torch.manual_seed(1)
+    model = tiny("qwen2", 7, 1).double()
+    twin = clone_model(model)
+    ids = torch.randint(0, VOCAB, (1, 41))
+    dense, _ = _step(model, ids, chunk_size=8, page_size=4)
+    sparse, _ = _step(twin, ids, chunk_size=8, page_size=4, sparse=True, page_budget=11, sink_pages=0, local_pages=0,
+                      sparse_block_size=3)
+    assert abs(sparse.loss - dense.loss) <= 1e-12 * dense.loss
+    for (name, a), b in zip(_grads(model).items(), _grads(twin).values()):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-13, msg=name)
+
+
+class _MaskedDenseCtx:
+    """oomb_ctx for a full-sequence forward: dense attention restricted to the engine's stored selections."""
+
+    def __init__(self, selections, T, chunk, page, doc_start=None):
+        self.selections, self.T, self.C, self.S, self.doc = selections, T, chunk, page, doc_start
+
+    def visible(self, layer, Hkv):
+        T, C, S = self.T, self.C, self.S
+        vis = torch.zeros(Hkv, T, T, dtype=torch.bool)
+        for s in range(0, T, C):
+            n = min(C, T - s)
+            vis[:, s : s + n, s : s + n] = torch.ones(n, n, dtype=torch.bool).tril()
+            if s:
+                vis[:, s : s + n, :s] = selection_mask(self.selections[(s, layer)], n, s, S)
+        if self.doc is not None:
+            vis &= torch.arange(T)[None, None, :] >= self.doc[None, :, None]
+        return vis
+
+    def attend(self, layer, query, key, value, scaling):
+        q, k, v = query[0], key[0], value[0]  # [H, T, D]
+        G = q.shape[0] // k.shape[0]
+        s = torch.matmul(q, k.repeat_interleave(G, 0).transpose(1, 2)) * scaling
+        s = s.masked_fill(~self.visible(layer, k.shape[0]).repeat_interleave(G, 0), float("-inf"))
+        out = torch.matmul(torch.softmax(s, -1), v.repeat_interleave(G, 0))
+        return out.transpose(0, 1).unsqueeze(0)
+
+
+def masked_reference(model, ids, selections, chunk, page, cu=None):
+    use_oomb_attention(model)
+    T = ids.shape[1]
+    doc = None
+    pos = torch.arange(T)
+    targets = torch.cat([ids[0, 1:], torch.tensor([-100])])
+    if cu is not None:
+        doc = torch.repeat_interleave(cu[:-1], cu[1:] - cu[:-1])
+        pos = pos - doc
+        targets[:-1][doc[1:] != doc[:-1]] = -100
+    ctx = _MaskedDenseCtx(selections, T, chunk, page, doc)
+    hidden = model.model(input_ids=ids, position_ids=pos[None], oomb_ctx=ctx).last_hidden_state[0]
+    loss = F.cross_entropy(model.lm_head(hidden), targets, ignore_index=-100)
+    loss.backward()
+    return loss.item()
+
+
+@pytest.mark.parametrize("score,sink,local,ckpt,packed", [
+    ("mean", 1, 1, False, False),
+    ("quest", 0, 2, True, False),  # per-layer checkpointing recomputes the forward: same selection
+    ("mean", 1, 0, False, True),  # packed documents
+])
+def test_small_budget_equals_masked_dense_model(monkeypatch, score, sink, local, ckpt, packed):
+    monkeypatch.setattr(SparseAttentionState, "release", lambda self, start: None)  # keep every selection
+    torch.manual_seed(2)
+    T, chunk, page = 52, 12, 4
+    model = tiny("qwen2", 4, 2, layers=2).double()
+    ref = clone_model(model)
+    dense_model = clone_model(model)
+    ids = torch.randint(0, VOCAB, (1, T))
+    cu = torch.tensor([0, 7, 30, 52]) if packed else None
+    cfg = dict(chunk_size=chunk, page_size=page, checkpoint_layers=ckpt)
+    out, engine = _step(model, ids, cu, sparse=True, page_budget=1, sink_pages=sink, local_pages=local,
+                        sparse_block_size=4, sparse_score=score, **cfg)
+    dense, _ = _step(dense_model, ids, cu, **cfg)
+    selections = engine.sparse_state.selections
+    assert len(selections) == (T // chunk) * 2 + 2  # every (chunk, layer)
+    assert any(not sel.dense for sel in selections.values())
+    assert out.loss != dense.loss
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+    ref_loss = masked_reference(ref, ids, selections, chunk, page, cu)
+    assert abs(out.loss - ref_loss) <= 1e-12 * ref_loss, (out.loss, ref_loss)
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        err = (p.grad - r.grad).norm() / r.grad.norm()
+        assert err <= 1e-10, f"{name}: rel err {err:.3e}"
+
+
+def test_selections_released_and_offload_store_gives_same_step():
+    torch.manual_seed(4)
+    model = tiny("llama", 4, 2).double()
+    twin = clone_model(model)
+    ids = torch.randint(0, VOCAB, (1, 40))
+    cfg = dict(chunk_size=8, page_size=4, sparse=True, page_budget=2, sink_pages=1, local_pages=1, sparse_block_size=4)
+    out, engine = _step(model, ids, offload=False, **cfg)
+    assert engine.sparse_state.selections == {}  # dropped chunk by chunk in Stage 2
+    out_off, _ = _step(twin, ids, offload=True, **cfg)
+    assert out.loss == out_off.loss
+    for (name, a), b in zip(_grads(model).items(), _grads(twin).values()):
+        assert torch.equal(a, b), name
+
+
+def test_evaluate_sparse_matches_step_loss():
+    torch.manual_seed(5)
+    model = tiny("qwen2").double()
+    ids = torch.randint(0, VOCAB, (1, 37))
+    engine = Engine(model, OOMBConfig(chunk_size=8, page_size=4, attention_backend="torch", sparse=True, page_budget=1,
+                                      local_pages=0, sparse_block_size=4))
+    loss = engine.evaluate(ids)
+    assert engine.sparse_state.selections == {}
+    assert abs(engine.step(ids).loss - loss) <= 1e-12 * loss
