@@ -613,6 +613,10 @@ class OffloadedKVStore:
             after_backward=functools.partial(self._after_backward, bwd),
         )
 
+    def layer_block_table(self, layer: int, num_pages: int) -> torch.Tensor:
+        """int32 [num_pages] GPU slots of the first ``num_pages`` pages of ``layer`` (resident or staging; a view)."""
+        return self.block_table[layer, :num_pages]
+
     def after_attention_forward(self, layer: int, stage: int) -> None:
         """The attention forward of ``layer`` is enqueued: a K/V-only staging set may be refilled."""
         use = self._inflight.get(layer)
