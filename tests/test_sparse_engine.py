@@ -163,3 +163,24 @@ def test_evaluate_sparse_matches_step_loss():
     loss = engine.evaluate(ids)
     assert engine.sparse_state.selections == {}
     assert abs(engine.step(ids).loss - loss) <= 1e-12 * loss
+
+
+def test_grad_error_report():
+    from oomb.sparse_quality import sparse_grad_error
+
+    torch.manual_seed(6)
+    model = tiny("qwen2", layers=2).double()
+    ids = torch.randint(0, VOCAB, (1, 48))
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)  # restored afterwards
+    cfg = OOMBConfig(chunk_size=8, page_size=4, attention_backend="torch", sink_pages=1, local_pages=1, sparse_block_size=4)
+    report = sparse_grad_error(model, ids, cfg, budgets=[0, 2, 12])
+    assert all((p.grad == 1).all() for p in model.parameters())
+    assert report.rel_error(12) == 0.0 and report.sparse_loss[12] == report.dense_loss  # 12 pages cover the past
+    assert report.rel_error(0) > report.rel_error(12) and report.rel_error(2) > 0
+    table = report.table()
+    assert "model.layers.*.self_attn.q_proj.weight" in table and "**all**" in table
+    assert len(report.table(by="parameter").splitlines()) == 2 + len(report.names) + 2
+    assert set(report.to_dict()["rel_error_all"]) == {"0", "2", "12"}
+    with pytest.raises(ValueError, match="budgets"):
+        sparse_grad_error(model, ids, cfg, budgets=[])
