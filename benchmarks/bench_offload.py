@@ -39,6 +39,7 @@ CPU smoke test (no GPU memory numbers; checks the script end to end)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import gc
 import json
@@ -53,6 +54,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from oomb import Engine, OOMBConfig  # noqa: E402
+from oomb.engine import engine as engine_module  # noqa: E402
 from oomb.engine.engine import _ChunkContext  # noqa: E402
 from oomb.engine.loss import chunked_cross_entropy_sum  # noqa: E402
 from oomb.engine.offload import OffloadedKVStore, min_gpu_pages, resident_pages_for_budget  # noqa: E402
@@ -109,6 +111,14 @@ def _partial_step(engine: Engine, ids: torch.Tensor, fill: str) -> dict:
     engine._backend = resolve_backend(engine.config.attention_backend, device)
     engine.model.train()
     store = engine._ensure_store(T)
+    if hasattr(engine, "_ensure_sparse"):
+        engine._ensure_sparse(T)
+    rope = getattr(engine_module, "_rope_state_of_full_sequence", None)
+    with rope(engine._decoder, T, device, engine.dtype) if rope is not None else contextlib.nullcontext():
+        return _partial_stages(engine, store, input_ids, targets, positions, T, C, N, device, fill)
+
+
+def _partial_stages(engine, store, input_ids, targets, positions, T, C, N, device, fill) -> dict:
     _sync(device)
     t0 = time.perf_counter()
     if fill == "stage1":
