@@ -451,30 +451,38 @@ def sparse_attention_bwd_ref(
 
 
 # ------------------------------------------------------------------------------------ autograd
-def _fwd(backend, q, k, v, kv: PagedKV, sel: PageSelection, scale, block_size):
-    if sel.dense:
-        return paged_attention_forward(q, k, v, kv, scale, backend, block_size)
-    return sparse_attention_fwd_ref(q, k, v, kv.k_cache, kv.v_cache, kv.block_table, kv.past_len, sel, scale, kv.q_doc_start)
+def _sparse_fwd(backend, q, k, v, kv: PagedKV, sel: PageSelection, scale):
+    args = (q, k, v, kv.k_cache, kv.v_cache, kv.block_table, kv.past_len, sel, scale, kv.q_doc_start)
+    if backend == "triton":
+        from .triton_sparse_attention import sparse_attention_fwd
+
+        return sparse_attention_fwd(*args)
+    return sparse_attention_fwd_ref(*args)
+
+
+def _sparse_bwd(backend, dout, q, k, v, out, lse, kv: PagedKV, sel: PageSelection, scale):
+    args = (dout, q, k, v, out, lse, kv.k_cache, kv.v_cache, kv.block_table, kv.past_len, kv.dk_cache, kv.dv_cache, sel,
+            scale, kv.q_doc_start)
+    if backend == "triton":
+        from .triton_sparse_attention import sparse_attention_bwd
+
+        return sparse_attention_bwd(*args)
+    return sparse_attention_bwd_ref(*args)
 
 
 class _SparseAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, kv: PagedKV, sel: PageSelection, scale: float, backend: str):
-        out, lse = sparse_attention_fwd_ref(
-            q, k, v, kv.k_cache, kv.v_cache, kv.block_table, kv.past_len, sel, scale, kv.q_doc_start
-        )
+        out, lse = _sparse_fwd(backend, q, k, v, kv, sel, scale)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.kv, ctx.sel, ctx.scale = kv, sel, scale
+        ctx.kv, ctx.sel, ctx.scale, ctx.backend = kv, sel, scale, backend
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         kv: PagedKV = ctx.kv
-        dq, dk, dv = sparse_attention_bwd_ref(
-            dout.contiguous(), q, k, v, out, lse, kv.k_cache, kv.v_cache, kv.block_table, kv.past_len,
-            kv.dk_cache, kv.dv_cache, ctx.sel, ctx.scale, kv.q_doc_start,
-        )
+        dq, dk, dv = _sparse_bwd(ctx.backend, dout.contiguous(), q, k, v, out, lse, kv, ctx.sel, ctx.scale)
         if kv.own_block_table is not None:  # what later chunks stored for this chunk's own K/V
             n = k.shape[0]
             idx = kv.own_block_table.long()
@@ -499,8 +507,8 @@ def sparse_paged_attention(
 
     Same contract as :func:`oomb.ops.paged_attention.paged_attention` (dK/dV of the selected
     past pages are added into ``kv.dk_cache``/``kv.dv_cache`` in backward); a dense selection
-    runs the dense path of ``backend`` unchanged. The sparse path is the PyTorch reference on
-    every backend for now.
+    runs the dense path of ``backend`` unchanged; otherwise 'triton' runs
+    :mod:`oomb.ops.triton_sparse_attention` and 'torch' the reference here.
 
     Returns:
         out: [C, Hq, D] in q's dtype.
@@ -512,7 +520,9 @@ def sparse_paged_attention(
 
 def sparse_paged_attention_forward(q, k, v, kv: PagedKV, sel: PageSelection, softmax_scale: float, backend="torch", block_size=4096):
     """No-grad forward (Stage 1): (out [C, Hq, D], lse [Hq, C])."""
-    return _fwd(backend, q, k, v, kv, sel, softmax_scale, block_size)
+    if sel.dense:
+        return paged_attention_forward(q, k, v, kv, softmax_scale, backend, block_size)
+    return _sparse_fwd(backend, q, k, v, kv, sel, softmax_scale)
 
 
 # ------------------------------------------------------------------------------ engine state
