@@ -141,3 +141,16 @@ def test_engine_step_triton_equals_torch_sparse():
     for (name, a), b in zip(model.named_parameters(), twin.parameters()):
         err = ((a.grad - b.grad).norm() / a.grad.norm()).item()
         assert err <= 1e-5, f"{name}: rel err {err:.3e}"
+
+
+def test_inverse_selection_lists_each_pages_blocks():
+    case = make_case(20, 4, 2, 64, 64, 4, seed=9)
+    sel, _ = _selection(case, 64, 4, 3, 1, 1, 3, "quest")
+    offsets, blocks = tsa._inverse_selection(sel.page_idx, 16)
+    nb, Hkv, _ = sel.page_idx.shape
+    for h in range(Hkv):
+        for p in range(16):
+            want = [b for b in range(nb) if p in sel.page_idx[b, h].tolist()]
+            got = blocks[offsets[h * 16 + p] : offsets[h * 16 + p + 1]].tolist()
+            assert got == want, (h, p)
+    assert int(offsets[-1]) == int(sel.counts.sum())

@@ -283,11 +283,12 @@ def _sparse_attn_bwd_dkdv_kernel(
     hkv = tl.program_id(1).to(tl.int64)
     t = (pid % tiles) * BLOCK_N + tl.arange(0, BLOCK_N)  # slot tokens of this program
     j = page * PAGE_SIZE + t  # logical past tokens
-    j_mask = (t < PAGE_SIZE) & (j < past_len)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
     e_lo = tl.load(csr_offsets_ptr + hkv * n_pages + page)
     e_hi = tl.load(csr_offsets_ptr + hkv * n_pages + page + 1)
+    # A page no block selected is neither read nor written (its program does nothing).
+    j_mask = (t < PAGE_SIZE) & (j < past_len) & (e_hi > e_lo)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
     phys = tl.load(block_table_ptr + page).to(tl.int64)
     t64 = t.to(tl.int64)
     k = _load_rows(k_cache_ptr + hkv * stride_kc_h, phys * stride_kc_p + t64 * stride_kc_t, j_mask, offs_d, d_mask, stride_kc_d)
@@ -324,7 +325,7 @@ def _sparse_attn_bwd_dkdv_kernel(
             dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PREC)
     dk = dk * softmax_scale
     # Only pages some block selected are written; each row by exactly this program.
-    st_mask = j_mask[:, None] & d_mask[None, :] & (e_hi > e_lo)
+    st_mask = j_mask[:, None] & d_mask[None, :]
     dk_ptrs = dk_cache_ptr + hkv * stride_dk_h + (phys * stride_dk_p + t64 * stride_dk_t)[:, None] + offs_d[None, :] * stride_dk_d
     dv_ptrs = dv_cache_ptr + hkv * stride_dv_h + (phys * stride_dv_p + t64 * stride_dv_t)[:, None] + offs_d[None, :] * stride_dv_d
     dk += tl.load(dk_ptrs, mask=st_mask, other=0.0)
@@ -438,16 +439,24 @@ def _shift(doc: torch.Tensor | None, past_len: int) -> torch.Tensor | None:
 
 
 def _inverse_selection(page_idx: torch.Tensor, n_pages: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """page_idx [nb, Hkv, K] -> CSR (offsets int32 [Hkv * n + 1], blocks int32 [nnz]) of blocks per (head, page)."""
+    """page_idx [nb, Hkv, K] -> CSR of the query blocks that selected each (KV head, page).
+
+    Returns offsets int32 [Hkv * n + 1] and blocks int32 [nb * Hkv * K]: the blocks of (h, p) are
+    ``blocks[offsets[h*n + p] : offsets[h*n + p + 1]]``, ascending (entries past ``offsets[-1]``
+    are unused). No host synchronisation: sizes are fixed by the selection's shape.
+    """
     nb, Hkv, K = page_idx.shape
-    chosen = torch.zeros(Hkv, n_pages + 1, nb, dtype=torch.bool, device=page_idx.device)
-    idx = torch.where(page_idx < 0, n_pages, page_idx).long().permute(1, 2, 0)  # [Hkv, K, nb]
-    chosen.scatter_(1, idx, torch.ones_like(idx, dtype=torch.bool))
-    chosen = chosen[:, :n_pages]  # [Hkv, n, nb]
-    per = chosen.sum(-1).flatten()
-    offsets = torch.zeros(Hkv * n_pages + 1, dtype=torch.int32, device=page_idx.device)
-    offsets[1:] = per.cumsum(0).to(torch.int32)
-    blocks = chosen.nonzero()[:, 2].to(torch.int32).contiguous()  # row-major: (head, page, block) ascending
+    dev = page_idx.device
+    b = torch.arange(nb, device=dev, dtype=torch.int64)[:, None, None]
+    h = torch.arange(Hkv, device=dev, dtype=torch.int64)[None, :, None]
+    valid = page_idx >= 0
+    key = (h * n_pages + page_idx.long()) * nb + b  # sorts by (head, page, block)
+    key = torch.where(valid, key, Hkv * n_pages * nb).flatten()
+    blocks = (torch.sort(key).values % nb).to(torch.int32)
+    per = torch.zeros(Hkv * n_pages + 1, dtype=torch.int64, device=dev)
+    per.index_add_(0, torch.where(valid, h * n_pages + page_idx.long(), Hkv * n_pages).flatten(), torch.ones_like(key))
+    offsets = torch.zeros(Hkv * n_pages + 1, dtype=torch.int32, device=dev)
+    offsets[1:] = per[:-1].cumsum(0).to(torch.int32)
     return offsets, blocks
 
 
@@ -525,7 +534,7 @@ def sparse_attention_bwd(
     sdk, sdv = dk_cache.stride(), dv_cache.stride()
     _sparse_attn_bwd_dkdv_kernel[grid_pages](
         q_ptr=q, k_cache_ptr=k_cache, v_cache_ptr=v_cache, block_table_ptr=bt, csr_offsets_ptr=offsets,
-        csr_blocks_ptr=blocks if blocks.numel() else offsets, dout_ptr=dout, lse_ptr=lse, delta_ptr=delta,
+        csr_blocks_ptr=blocks, dout_ptr=dout, lse_ptr=lse, delta_ptr=delta,
         dk_cache_ptr=dk_cache, dv_cache_ptr=dv_cache, doc_ptr=doc_arg,
         C=C, past_len=past_len, n_pages=n_pages, qk_scale=scale * _LOG2E, softmax_scale=scale,
         stride_q_c=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
