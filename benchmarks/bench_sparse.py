@@ -1,0 +1,224 @@
+"""Sparse against dense attention in one training step, in ONE run (issue 5's measurements).
+
+Per context length and system (``dense``, ``sparse``): seconds per step (forward + backward,
+no optimizer, gradients kept), tokens/s, peak GPU memory, KV store bytes (GPU pool and
+pinned host pages), process RSS. Then the sparse speedup over dense at every length both
+ran, and the sparse cost per token at each length relative to the first. Optionally the
+gradient-error table of sparse against dense (:func:`oomb.sparse_quality.sparse_grad_error`)
+at chosen lengths and page budgets.
+
+A length that runs out of memory is recorded as OOM and the run goes on; ``--dense-max-len``
+skips dense above a length (dense at 1M tokens takes over half an hour on an H200).
+Writes ``<out>/sparse_<model>_<date><tag>.json`` and ``.md`` after every row.
+
+Example (on the GPU; Qwen2.5-7B shape, bf16, chunk 4096, 64-page budget, offload)::
+
+    PYTHONPATH=. python benchmarks/bench_sparse.py --model qwen2.5-7b \
+        --lengths 65536 262144 1048576 --dense-max-len 262144 --offload auto \
+        --grad-error-lengths 16384 65536 --grad-error-budgets 4 16 64 --out benchmarks/results
+
+On CPU (a smoke test of the script itself)::
+
+    python benchmarks/bench_sparse.py --model tiny --lengths 512 1024 --chunk-size 128 \
+        --page-size 16 --page-budget 2 --local-pages 1 --warmup-len 256 --out /tmp/bench
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import os
+import platform
+import resource
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from oomb import Engine, OOMBConfig  # noqa: E402
+from oomb.models.presets import preset_config  # noqa: E402
+from oomb.sparse_quality import sparse_grad_error  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+GiB = 1024**3
+
+
+def build(model_name: str, device: torch.device, dtype: torch.dtype):
+    config = preset_config(model_name)
+    torch.manual_seed(0)
+    with torch.device(device):
+        return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def rss_gib() -> float:
+    """Peak resident set size of this process so far (ru_maxrss is KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
+
+
+def engine_config(args, sparse: bool, backend: str) -> OOMBConfig:
+    offload = {"auto": "auto", "on": True, "off": False}[args.offload]
+    return OOMBConfig(
+        chunk_size=args.chunk_size, page_size=args.page_size, attention_backend=backend, offload=offload,
+        checkpoint_layers=args.checkpoint_layers, sparse=sparse, page_budget=args.page_budget,
+        sink_pages=args.sink_pages, local_pages=args.local_pages, sparse_block_size=args.block_size,
+        sparse_score=args.score,
+    )
+
+
+def step(model, args, sparse: bool, backend: str, ids: torch.Tensor, device: torch.device) -> dict:
+    engine = Engine(model, engine_config(args, sparse, backend))
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    out = engine.step(ids)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    store = engine.kv_store
+    state = engine.sparse_state
+    row = dict(
+        seconds=dt, tokens_per_s=ids.shape[1] / dt, loss=out.loss,
+        stage1_seconds=out.stage1_seconds, stage2_seconds=out.stage2_seconds,
+        peak_gib=None if device.type != "cuda" else torch.cuda.max_memory_allocated() / GiB,
+        kv_store_gib=out.kv_store_bytes / GiB,
+        host_kv_gib=getattr(store, "host_nbytes", 0) / GiB,
+        offloaded=type(store).__name__ != "PagedKVStore",
+        page_summaries_gib=None if state is None else state.reps.nbytes / GiB,
+        rss_gib=rss_gib(),
+    )
+    del engine
+    return row
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="qwen2.5-7b")
+    ap.add_argument("--lengths", type=int, nargs="+", default=[65536, 262144, 1048576])
+    ap.add_argument("--systems", nargs="+", default=["dense", "sparse"], choices=["dense", "sparse"])
+    ap.add_argument("--dense-max-len", type=int, default=None, help="skip dense above this length")
+    ap.add_argument("--chunk-size", type=int, default=4096)
+    ap.add_argument("--page-size", type=int, default=128)
+    ap.add_argument("--page-budget", type=int, default=64)
+    ap.add_argument("--sink-pages", type=int, default=1)
+    ap.add_argument("--local-pages", type=int, default=8)
+    ap.add_argument("--block-size", type=int, default=128, help="queries per selection block")
+    ap.add_argument("--score", default="mean", choices=["mean", "quest"])
+    ap.add_argument("--offload", default="auto", choices=["auto", "on", "off"])
+    ap.add_argument("--checkpoint-layers", action="store_true")
+    ap.add_argument("--backend", default=None, help="attention backend (default: triton on CUDA, torch on CPU)")
+    ap.add_argument("--warmup-len", type=int, default=8192, help="tokens of one untimed warm-up step per system")
+    ap.add_argument("--grad-error-lengths", type=int, nargs="*", default=[])
+    ap.add_argument("--grad-error-budgets", type=int, nargs="+", default=[4, 16, 64])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--tag", default="")
+    args = ap.parse_args(argv)
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    backend = args.backend or ("triton" if device.type == "cuda" else "torch")
+    model = build(args.model, device, dtype)
+    n_params = sum(p.numel() for p in model.parameters())
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    rows, grad_tables = [], []
+    meta = dict(
+        date=_dt.date.today().isoformat(),
+        gpu=torch.cuda.get_device_name() if device.type == "cuda" else platform.processor() or "cpu",
+        torch=torch.__version__, transformers=__import__("transformers").__version__,
+        triton=__import__("triton").__version__ if __import__("importlib").util.find_spec("triton") else None,
+        model=args.model, params=n_params, dtype=str(dtype), backend=backend, config=vars(args),
+        note="one step = forward + backward, no optimizer, gradients kept; peak = torch.cuda.max_memory_allocated; "
+             "rss = peak process RSS so far",
+    )
+    stem = os.path.join(args.out, f"sparse_{args.model}_{meta['date']}{args.tag}")
+
+    def ids_of(T):
+        return torch.randint(0, min(vocab, 32000), (1, T), generator=gen).to(device)
+
+    def write_results() -> str:
+        by = {(r["system"], r["seq_len"]): r for r in rows if r.get("seconds")}
+        summary = []
+        first_sparse = next((r for r in rows if r["system"] == "sparse" and r.get("seconds")), None)
+        for T in args.lengths:
+            d, s = by.get(("dense", T)), by.get(("sparse", T))
+            summary.append(dict(
+                seq_len=T,
+                speedup=None if not (d and s) else d["seconds"] / s["seconds"],
+                sparse_cost_per_token_vs_first=None if not (s and first_sparse)
+                else (s["seconds"] / T) / (first_sparse["seconds"] / first_sparse["seq_len"]),
+            ))
+        os.makedirs(args.out, exist_ok=True)
+        with open(stem + ".json", "w") as f:
+            json.dump(dict(meta=meta, rows=rows, summary=summary, grad_error=grad_tables), f, indent=2)
+        fmt = lambda v, f: "—" if v is None else format(v, f)  # noqa: E731
+        lines = [
+            f"# Sparse vs dense training step, {args.model} ({n_params / 1e9:.2f}B params, {dtype}), {meta['gpu']}, {meta['date']}",
+            "",
+            f"torch {meta['torch']}, transformers {meta['transformers']}, triton {meta['triton']}; backend {backend}; "
+            f"chunk {args.chunk_size}, page {args.page_size}; budget {args.page_budget} + sink {args.sink_pages} + local "
+            f"{args.local_pages} pages per {args.block_size}-query block, score {args.score}; offload {args.offload}.",
+            "",
+            "| system | tokens | s/step | tok/s | peak GPU GiB | KV GPU GiB | KV host GiB | summaries GiB | RSS GiB | loss |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in rows:
+            if r.get("error"):
+                lines.append(f"| {r['system']} | {r['seq_len']} | {r['error']} | | | | | | | |")
+            else:
+                lines.append(
+                    f"| {r['system']} | {r['seq_len']} | {r['seconds']:.2f} | {r['tokens_per_s']:.0f} | "
+                    f"{fmt(r['peak_gib'], '.1f')} | {r['kv_store_gib']:.2f} | {r['host_kv_gib']:.2f} | "
+                    f"{fmt(r['page_summaries_gib'], '.3f')} | {r['rss_gib']:.1f} | {r['loss']:.4f} |"
+                )
+        lines += ["", "| tokens | sparse speedup over dense | sparse cost/token vs shortest |", "|---|---|---|"]
+        for s in summary:
+            lines.append(f"| {s['seq_len']} | {fmt(s['speedup'], '.2f')} | {fmt(s['sparse_cost_per_token_vs_first'], '.2f')} |")
+        for g in grad_tables:
+            lines += ["", f"## Gradient error of sparse vs dense at {g['seq_len']} tokens", "", g["table"]]
+        text = "\n".join(lines) + "\n"
+        with open(stem + ".md", "w") as f:
+            f.write(text)
+        return text
+
+    for system in args.systems:
+        sparse = system == "sparse"
+        try:  # warm-up: compilation, autotuning, allocator
+            step(model, args, sparse, backend, ids_of(min(args.warmup_len, min(args.lengths))), device)
+        except torch.OutOfMemoryError:
+            pass
+        model.zero_grad(set_to_none=True)
+        for T in args.lengths:
+            row = dict(system=system, seq_len=T)
+            if not sparse and args.dense_max_len is not None and T > args.dense_max_len:
+                row["error"] = f"skipped (> --dense-max-len {args.dense_max_len})"
+            else:
+                try:
+                    row.update(step(model, args, sparse, backend, ids_of(T), device))
+                except torch.OutOfMemoryError:
+                    row["error"] = "out of memory"
+            model.zero_grad(set_to_none=True)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            write_results()
+
+    for T in args.grad_error_lengths:
+        report = sparse_grad_error(model, ids_of(T), engine_config(args, True, backend), budgets=args.grad_error_budgets)
+        grad_tables.append({**report.to_dict(), "table": report.table()})
+        model.zero_grad(set_to_none=True)
+        write_results()
+
+    print(write_results())
+
+
+if __name__ == "__main__":
+    main()
