@@ -115,8 +115,9 @@ def test_sparse_reference_packed_documents():
     doc = torch.tensor([10] * 3 + [35] * 5 + [40] * 4, dtype=torch.int32)  # docs start in the past and in the chunk
     reps = reps_of(k_cache, bt, past_len, S, "mean")
     sel = select_pages(q, reps, past_len, S, 2, 1, 1, 4, "mean", q_doc_start=doc)
-    # Pages wholly before the block's earliest document are never chosen (not even the sink).
+    # Pages wholly before the block's earliest document are never chosen; the sink is its first page.
     assert ((sel.page_idx[0] == -1) | (sel.page_idx[0] >= 2)).all()
+    assert (sel.page_idx[0, :, 0] == 2).all()  # document 1 starts at token 10, page 2
     assert (sel.counts[1:] == 0).all()
     check_against_masked(q, k, v, k_cache, v_cache, bt, past_len, sel, doc)
 

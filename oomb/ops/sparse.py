@@ -21,9 +21,9 @@ head, only to a few past pages plus its own chunk (causal). Three pieces:
 
    Always kept: the first ``sink_pages`` pages (attention sink; Xiao et al. 2023, StreamingLLM)
    and the last ``local_pages`` past pages (local window), then the ``page_budget`` best-scoring
-   of the others. Ties go to the lower page index; only past pages can be chosen; with packed
+   of the others. Ties go to the lower page index; only past pages can be chosen. With packed
    documents, pages wholly before the earliest document of the block are never chosen (they are
-   masked anyway). When every past page fits (``n_past_pages <= page_budget + sink_pages +
+   masked anyway), and the sink is the first pages of that document. When every past page fits (``n_past_pages <= page_budget + sink_pages +
    local_pages``) every page is selected and attention is exactly dense.
    The result is a :class:`PageSelection`: int32 ``page_idx [n_qblocks, Hkv, K_max]`` of
    logical past pages, ascending, padded with -1, and ``counts [n_qblocks, Hkv]``. It is made
@@ -224,12 +224,14 @@ def select_pages(
 
     page = torch.arange(n, device=device)
     eligible = torch.ones(nb, 1, n, dtype=torch.bool, device=device)
+    sink = (page < sink_pages)[None, None, :]
     if q_doc_start is not None:
         dp = torch.full((nb * B,), past_len + C, dtype=torch.int64, device=device)
         dp[:C] = q_doc_start.to(device=device, dtype=torch.int64)
-        first_doc = dp.view(nb, B).amin(1)  # [nb]
-        eligible = ((page[None, :] + 1) * S > first_doc[:, None])[:, None, :]  # page has a token in the block's docs
-    forced = ((page < sink_pages) | (page >= n - local_pages))[None, None, :] & eligible
+        first_page = (dp.view(nb, B).amin(1) // S)[:, None, None]  # [nb, 1, 1] page of the block's earliest document start
+        eligible = page >= first_page  # the page has a token of the block's documents
+        sink = eligible & (page < first_page + sink_pages)  # the sink is that document's first pages
+    forced = (sink | (page >= n - local_pages)[None, None, :]) & eligible
     candidate = eligible & ~forced  # [nb, 1|Hkv, n]
     cand_scores = torch.where(candidate, scores, -torch.inf)
     # Stable descending sort: equal scores keep ascending page order, so ties go to the lower index.
