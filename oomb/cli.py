@@ -103,6 +103,7 @@ def _build_parser() -> argparse.ArgumentParser:
     e.add_argument("--chunk-size", type=int, default=512, help="tokens per chunk; activation memory scales with this, not with --seq-len")
     e.add_argument("--page-size", type=int, default=128, help="tokens per KV page; --chunk-size must be a multiple of it")
     e.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto", help="attention over the paged KV cache: PyTorch reference, Triton kernels, or auto")
+    e.add_argument("--document-mask", action="store_true", help="attention and positions stay within each document (documents end at the tokenizer's EOS token); default: one causal stream across documents")
     e.add_argument("--checkpoint-layers", action="store_true", help="per-layer activation checkpointing inside each chunk's recompute")
     from .planner import add_offload_arguments, add_plan_subcommand
 
@@ -227,6 +228,19 @@ def _check_vocab(max_id: int, vocab: int, model_name: str) -> None:
         )
 
 
+def _document_bounds(input_ids, eos_id: int):
+    """cu_seqlens of the documents in ``input_ids [1, T]``: a document ends after each ``eos_id`` token.
+
+    Returns an int64 tensor ``[num_docs + 1]`` (0 first, T last, strictly increasing).
+    """
+    import torch
+
+    ids = input_ids.view(-1)
+    T = ids.numel()
+    ends = (torch.nonzero(ids[:-1] == eos_id).view(-1) + 1).tolist()
+    return torch.tensor([0, *ends, T], dtype=torch.int64)
+
+
 def _vocab_size(model) -> int:
     emb = model.get_input_embeddings()
     n = getattr(emb, "num_embeddings", None)
@@ -315,6 +329,8 @@ def _train(args: argparse.Namespace) -> int:
         sequences = TokenSequences(tokens, args.seq_len, seed=args.seed)
     except DataError as exc:
         raise UsageError(exc.problem, exc.fix) from exc
+    if args.document_mask and tokenizer.eos_token_id is None:
+        raise UsageError("--document-mask splits documents at the EOS token but the tokenizer has none", "use a tokenizer with an eos_token, or leave --document-mask out")
 
     # The model's config is checked before any weight is read or initialised.
     try:
@@ -402,8 +418,11 @@ def _train(args: argparse.Namespace) -> int:
             lr = _lr_at(step, args, warmup)
             for group in optimizer.param_groups:
                 group["lr"] = lr
+            cu_seqlens = _document_bounds(input_ids, tokenizer.eos_token_id) if args.document_mask else None
             try:
-                result = engine.step(input_ids.to(device), progress=show)
+                result = engine.step(input_ids.to(device), progress=show, cu_seqlens=cu_seqlens)
+            except ValueError as exc:  # e.g. a sequence of documents too short to hold one target
+                raise _RunError(f"step {step} failed: {_one_line(exc)}", "check the data") from exc
             except torch.OutOfMemoryError as exc:
                 raise _RunError(
                     f"out of GPU memory at step {step}",

@@ -350,3 +350,23 @@ def test_a_diverging_run_stops_with_status_1_and_one_line(tmp_path, text_file, c
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("oomb: error")]
     assert status == 1 and len(err) == 1 and "the loss became nan at step 2" in err[0] and "lower --lr" in err[0]
     assert not (out / "model.safetensors").exists()
+
+
+def test_document_bounds_split_after_each_eos():
+    from oomb.cli import _document_bounds
+
+    ids = torch.tensor([[5, 6, 2, 7, 8, 9, 2, 4]])
+    assert _document_bounds(ids, 2).tolist() == [0, 3, 7, 8]
+    assert _document_bounds(torch.tensor([[5, 6, 7, 2]]), 2).tolist() == [0, 4]  # EOS last: one document
+    assert _document_bounds(torch.tensor([[5, 6, 7]]), 2).tolist() == [0, 3]
+
+
+def test_document_mask_run(tmp_path):
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps({"text": TEXT[i * 40 : i * 40 + 200]}) + "\n" for i in range(12)))
+    losses = {}
+    for flag in ([], ["--document-mask"]):
+        out = tmp_path / ("masked" if flag else "stream")
+        assert run_cli(["train", "--data", data, "--output-dir", out, *FAST, "--steps", "1", *flag]) == 0
+        losses[bool(flag)] = json.loads((out / "log.jsonl").read_text())["loss"]
+    assert losses[True] != losses[False]  # positions restart and attention stops at each EOS
