@@ -17,6 +17,13 @@ Example (on the GPU; Qwen2.5-7B shape, bf16, chunk 4096, 64-page budget, offload
         --lengths 65536 262144 1048576 --dense-max-len 262144 --offload auto \
         --grad-error-lengths 16384 65536 --grad-error-budgets 4 16 64 --out benchmarks/results
 
+Kernels only (``--kernels``): precision of the Triton sparse kernels in bf16 against the
+sparse reference in float64, next to the same reference run on bf16 inputs (flash-attention's
+rule: kernel error <= 2x that), and forward/backward time with TFLOP/s against the dense
+kernels over the same number of attended past tokens and over the whole past::
+
+    PYTHONPATH=. python benchmarks/bench_sparse.py --kernels --kernel-past 262144 --out benchmarks/results
+
 On CPU (a smoke test of the script itself)::
 
     python benchmarks/bench_sparse.py --model tiny --lengths 512 1024 --chunk-size 128 \
@@ -96,6 +103,74 @@ def step(model, args, sparse: bool, backend: str, ids: torch.Tensor, device: tor
     return row
 
 
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().cpu(), b.double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def kernel_report(args, device: torch.device) -> dict:
+    """Precision (bf16 kernel vs bf16 reference, both against float64) and, on CUDA, speed of the sparse kernels."""
+    from oomb.ops.sparse import PageSelection, page_representatives, select_pages
+    from oomb.ops.sparse import sparse_attention_bwd_ref, sparse_attention_fwd_ref
+    from oomb.ops import triton_paged_attention as tpa
+    from oomb.ops import triton_sparse_attention as tsa
+
+    C, Hq, Hkv, D, S, past = args.kernel_chunk, args.kernel_heads, args.kernel_kv_heads, args.kernel_head_dim, args.page_size, args.kernel_past
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    n = -(-past // S)
+    P = n + 2
+    mk = lambda *shape: torch.randn(*shape, generator=gen).to(device, dtype)  # noqa: E731
+    q, k, v, dout = mk(C, Hq, D), mk(C, Hkv, D), mk(C, Hkv, D), mk(C, Hq, D)
+    k_cache, v_cache = mk(P, S, Hkv, D), mk(P, S, Hkv, D)
+    bt = torch.randperm(P, generator=gen)[:n].to(device=device, dtype=torch.int32)
+    keys = k_cache[bt.long()].reshape(-1, Hkv, D)[:past]
+    sel = select_pages(q, page_representatives(keys, S, args.score), past, S, args.page_budget, args.sink_pages,
+                       args.local_pages, args.block_size, args.score)
+    report = dict(C=C, Hq=Hq, Hkv=Hkv, D=D, page_size=S, past_len=past, selected_pages_per_block=sel.page_idx.shape[2],
+                  dense_selection=sel.dense, dtype=str(dtype))
+
+    def run_ref(cast):
+        t = [x.to(cast) for x in (q, k, v, k_cache, v_cache, dout)]
+        sel_c = PageSelection(sel.page_idx, sel.counts, sel.block_size, sel.n_past_pages, sel.dense)
+        out, lse = sparse_attention_fwd_ref(t[0], t[1], t[2], t[3], t[4], bt, past, sel_c)
+        acc = torch.float64 if cast == torch.float64 else torch.float32
+        dkc, dvc = torch.zeros(t[3].shape, dtype=acc, device=device), torch.zeros(t[3].shape, dtype=acc, device=device)
+        dq, dk, dv = sparse_attention_bwd_ref(t[5], t[0], t[1], t[2], out, lse, t[3], t[4], bt, past, dkc, dvc, sel_c)
+        return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, dk_cache=dkc, dv_cache=dvc)
+
+    ref64, ref_lo = run_ref(torch.float64), run_ref(dtype)
+    out, lse = tsa.sparse_attention_fwd(q, k, v, k_cache, v_cache, bt, past, sel)
+    dkc = torch.zeros(k_cache.shape, dtype=torch.float32, device=device)
+    dvc = torch.zeros_like(dkc)
+    dq, dk, dv = tsa.sparse_attention_bwd(dout, q, k, v, out, lse, k_cache, v_cache, bt, past, dkc, dvc, sel)
+    got = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, dk_cache=dkc, dv_cache=dvc)
+    report["precision"] = {name: dict(kernel=_rel(got[name], ref64[name]), reference_low=_rel(ref_lo[name], ref64[name]))
+                           for name in got}
+    report["precision_pass"] = all(r["kernel"] <= 2 * r["reference_low"] + 1e-6 for r in report["precision"].values())
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        attended = int(sel.counts.float().mean().item()) * S
+        fl_fwd = lambda past_tokens: 4.0 * C * Hq * D * (past_tokens + C / 2)  # noqa: E731
+        timings = {}
+        timings["sparse_fwd_ms"] = do_bench(lambda: tsa.sparse_attention_fwd(q, k, v, k_cache, v_cache, bt, past, sel))
+        timings["sparse_bwd_ms"] = do_bench(lambda: tsa.sparse_attention_bwd(dout, q, k, v, out, lse, k_cache, v_cache, bt,
+                                                                             past, dkc, dvc, sel))
+        for label, pl in (("dense_same_tokens", attended), ("dense_full_past", past)):
+            o, l = tpa.paged_attention_fwd(q, k, v, k_cache, v_cache, bt, pl)
+            timings[f"{label}_fwd_ms"] = do_bench(lambda: tpa.paged_attention_fwd(q, k, v, k_cache, v_cache, bt, pl))
+            timings[f"{label}_bwd_ms"] = do_bench(lambda: tpa.paged_attention_bwd(dout, q, k, v, o, l, k_cache, v_cache, bt,
+                                                                                  pl, dkc, dvc))
+        timings["attended_past_tokens"] = attended
+        timings["sparse_fwd_tflops"] = fl_fwd(attended) / timings["sparse_fwd_ms"] / 1e9
+        timings["sparse_bwd_tflops"] = 2.5 * fl_fwd(attended) / timings["sparse_bwd_ms"] / 1e9
+        timings["dense_same_tokens_fwd_tflops"] = fl_fwd(attended) / timings["dense_same_tokens_fwd_ms"] / 1e9
+        timings["dense_same_tokens_bwd_tflops"] = 2.5 * fl_fwd(attended) / timings["dense_same_tokens_bwd_ms"] / 1e9
+        report["speed"] = timings
+    return report
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="qwen2.5-7b")
@@ -115,12 +190,28 @@ def main(argv=None):
     ap.add_argument("--warmup-len", type=int, default=8192, help="tokens of one untimed warm-up step per system")
     ap.add_argument("--grad-error-lengths", type=int, nargs="*", default=[])
     ap.add_argument("--grad-error-budgets", type=int, nargs="+", default=[4, 16, 64])
+    ap.add_argument("--kernels", action="store_true", help="only the kernel precision/speed report (see above)")
+    ap.add_argument("--kernel-past", type=int, default=262144, help="--kernels: past tokens")
+    ap.add_argument("--kernel-chunk", type=int, default=4096, help="--kernels: queries")
+    ap.add_argument("--kernel-heads", type=int, default=28)
+    ap.add_argument("--kernel-kv-heads", type=int, default=4)
+    ap.add_argument("--kernel-head-dim", type=int, default=128)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="")
     args = ap.parse_args(argv)
 
     device = torch.device(args.device)
+    if args.kernels:
+        report = kernel_report(args, device)
+        os.makedirs(args.out, exist_ok=True)
+        name = torch.cuda.get_device_name().replace(" ", "-") if device.type == "cuda" else "cpu"
+        path = os.path.join(args.out, f"sparse_kernels_{name}_{_dt.date.today().isoformat()}{args.tag}.json")
+        report["versions"] = dict(torch=torch.__version__, triton=__import__("triton").__version__)
+        with open(path, "w") as f:
+            json.dump(report, f, indent=2)
+        print(json.dumps(report, indent=2))
+        return 0 if report["precision_pass"] else 1
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     backend = args.backend or ("triton" if device.type == "cuda" else "torch")
     model = build(args.model, device, dtype)
