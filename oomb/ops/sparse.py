@@ -31,8 +31,14 @@ head, only to a few past pages plus its own chunk (causal). Three pieces:
    flows through it.
 3. **Attention** over the selection: :func:`sparse_attention_fwd_ref` /
    :func:`sparse_attention_bwd_ref` (PyTorch reference; the backward adds dK/dV into the
-   selected pages only, in place) and :func:`sparse_paged_attention` (autograd, same contract
-   as :func:`oomb.ops.paged_attention.paged_attention`).
+   selected pages only, in place), the Triton kernels of
+   :mod:`oomb.ops.triton_sparse_attention` (same contract), and :func:`sparse_paged_attention`
+   (autograd over either, same contract as :func:`oomb.ops.paged_attention.paged_attention`;
+   a dense selection takes the dense path unchanged).
+
+Memory kept per step on the device: summaries ``L * ceil(T / S) * Hkv * D * 4`` bytes (twice
+for Quest; Qwen2.5-7B at 1M tokens: 0.44 GiB) and, between Stage 1 and Stage 2, the selections,
+``L * (N - 1) * ceil(C / B) * Hkv * K * 4`` bytes (same model, chunk 4096, K = 73: 0.25 GiB).
 
 Shape legend: C own-chunk tokens, Hq query heads, Hkv KV heads, G = Hq // Hkv, D head dim,
 P pool pages, S page_size (tokens), B block_size (queries per selection block),
