@@ -103,6 +103,11 @@ def _build_parser() -> argparse.ArgumentParser:
     e.add_argument("--chunk-size", type=int, default=512, help="tokens per chunk; activation memory scales with this, not with --seq-len")
     e.add_argument("--page-size", type=int, default=128, help="tokens per KV page; --chunk-size must be a multiple of it")
     e.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto", help="attention over the paged KV cache: PyTorch reference, Triton kernels, or auto")
+    e.add_argument("--sparse", action="store_true", help="page-level top-K sparse attention: each block of queries attends to --page-budget selected past pages plus the sink and local pages")
+    e.add_argument("--page-budget", type=int, default=64, help="with --sparse: past pages selected per query block and KV head")
+    e.add_argument("--sink-pages", type=int, default=1, help="with --sparse: first pages always attended")
+    e.add_argument("--local-pages", type=int, default=8, help="with --sparse: latest past pages always attended")
+    e.add_argument("--sparse-score", choices=["mean", "quest"], default="mean", help="with --sparse: page score (mean key, or Quest's min/max bound)")
     e.add_argument("--document-mask", action="store_true", help="attention and positions stay within each document (documents end at the tokenizer's EOS token); default: one causal stream across documents")
     e.add_argument("--checkpoint-layers", action="store_true", help="per-layer activation checkpointing inside each chunk's recompute")
     from .planner import add_offload_arguments, add_plan_subcommand
@@ -165,6 +170,9 @@ def _check_sizes(args: argparse.Namespace) -> None:
         raise UsageError("--gpu-page-budget sizes the GPU tier of offload but --offload is off", "pass --offload on (or auto), or leave --gpu-page-budget out")
     if args.lora_rank < 0:
         raise UsageError(f"--lora-rank is {args.lora_rank}", "pass 0 for a full fine-tune or a positive LoRA rank")
+    for flag, value in (("--page-budget", args.page_budget), ("--sink-pages", args.sink_pages), ("--local-pages", args.local_pages)):
+        if value < 0:
+            raise UsageError(f"{flag} is {value}", f"pass 0 or a positive number of pages for {flag}")
     if args.lora_alpha is not None and args.lora_alpha <= 0:
         raise UsageError(f"--lora-alpha is {args.lora_alpha}", "pass a positive number (default: 2 x --lora-rank)")
     if args.warmup_steps is not None and args.warmup_steps < 0:
@@ -318,6 +326,11 @@ def _train(args: argparse.Namespace) -> int:
             checkpoint_layers=args.checkpoint_layers,
             offload={"auto": "auto", "on": True, "off": False}[args.offload],
             gpu_page_budget=args.gpu_page_budget,
+            sparse=args.sparse,
+            page_budget=args.page_budget,
+            sink_pages=args.sink_pages,
+            local_pages=args.local_pages,
+            sparse_score=args.sparse_score,
         )
     except ValueError as exc:
         raise _usage_from(exc, "fix the engine options (see 'oomb train --help')") from exc

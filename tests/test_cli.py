@@ -178,6 +178,7 @@ def _bad_inputs(tmp_path, text_file):
         ("page budget too small", ["--data", text_file, "--offload", "on", "--gpu-page-budget", "3"], "page budget of 3 pages"),
         ("page budget without offload", ["--data", text_file, "--offload", "off", "--gpu-page-budget", "64"], "--offload is off"),
         ("zero page budget", ["--data", text_file, "--gpu-page-budget", "0"], "--gpu-page-budget is 0"),
+        ("negative page budget", ["--data", text_file, "--sparse", "--page-budget", "-1"], "--page-budget is -1"),
         ("triton on cpu", ["--data", text_file, "--attention-backend", "triton"], "GPU only"),
         ("no cuda", ["--data", text_file, "--device", "cuda"], "no CUDA GPU"),
     ]
@@ -370,3 +371,15 @@ def test_document_mask_run(tmp_path):
         assert run_cli(["train", "--data", data, "--output-dir", out, *FAST, "--steps", "1", *flag]) == 0
         losses[bool(flag)] = json.loads((out / "log.jsonl").read_text())["loss"]
     assert losses[True] != losses[False]  # positions restart and attention stops at each EOS
+
+
+def test_sparse_run_equals_dense_while_the_past_fits_and_differs_when_it_does_not(tmp_path, text_file):
+    def loss(*flags):
+        out = tmp_path / "-".join(flags or ("dense",))
+        assert run_cli(["train", "--data", text_file, "--output-dir", out, *FAST, "--steps", "1", *flags]) == 0
+        return json.loads((out / "log.jsonl").read_text())["loss"]
+
+    dense = loss()
+    # 128 tokens = 4 pages of 32: a budget of 64 pages holds every past page.
+    assert loss("--sparse") == pytest.approx(dense, rel=1e-6)
+    assert loss("--sparse", "--page-budget", "0", "--local-pages", "0", "--sink-pages", "0") != pytest.approx(dense, rel=1e-6)
