@@ -1,0 +1,303 @@
+"""Training checkpoints that survive a crash: atomic writes, verification, resume.
+
+Layout under a run's ``checkpoints/`` folder::
+
+    checkpoints/
+      step-00000040/            a complete checkpoint (never written in place)
+        trainable.safetensors   the trainable parameters (all of them, or the LoRA adapter)
+        trainer_state.pt        optimizer, LR scheduler, RNG states, data position
+        meta.json               step, run fingerprint, sizes and SHA-256 of the files above
+      latest                    name of the newest complete checkpoint (replaced atomically)
+
+A checkpoint is written into a hidden temporary folder, every file is flushed and
+fsync'ed, ``meta.json`` is written last, and only then is the folder renamed
+into place and ``latest`` replaced (``os.replace``: atomic on POSIX). A process
+killed at any point leaves the previous checkpoint complete and ``latest``
+pointing at it; the debris of the interrupted write is removed by the next save.
+Older checkpoints are deleted only after the new one is in place.
+
+Loading verifies sizes and SHA-256 sums, so a truncated or corrupt file is
+reported by name instead of loading garbage, and it refuses a checkpoint whose
+run fingerprint (model, sequence length, LoRA rank, ...) differs from the
+current run's, naming the difference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+__all__ = [
+    "CheckpointError",
+    "GracefulStop",
+    "find_latest",
+    "load_checkpoint",
+    "rng_state",
+    "save_checkpoint",
+    "set_rng_state",
+]
+
+_PREFIX = "step-"
+_META = "meta.json"
+_WEIGHTS = "trainable.safetensors"
+_STATE = "trainer_state.pt"
+_FORMAT = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is missing, incomplete, corrupt, or from a different run; the message says which file and why."""
+
+
+# ----------------------------------------------------------------------------- RNG
+def rng_state() -> dict[str, Any]:
+    """Python, torch CPU and (if present) CUDA random generator states."""
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore what :func:`rng_state` returned."""
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# --------------------------------------------------------------------------- helpers
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _trainable(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    return {name: p for name, p in model.named_parameters() if p.requires_grad}
+
+
+def _complete_checkpoints(root: Path) -> list[Path]:
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and (p / _META).is_file())
+
+
+# ----------------------------------------------------------------------------- save
+def save_checkpoint(
+    root: str | Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any | None,
+    fingerprint: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+    keep_last: int = 2,
+) -> Path:
+    """Write a complete checkpoint of ``step`` under ``root`` atomically; return its folder.
+
+    Args:
+        root: the checkpoints folder (created if missing).
+        step: optimizer steps completed.
+        model: its trainable parameters are saved (all of them, or only a LoRA adapter's).
+        optimizer, scheduler: their ``state_dict()`` (either may be None).
+        fingerprint: JSON-serialisable facts that must match on resume (model, seq_len, ...).
+        extra: anything else to restore (RNG states, data position); saved with torch.save.
+        keep_last: complete checkpoints to keep (>= 1); older ones are deleted after the new
+            one is in place.
+    """
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    for debris in root.glob(f".tmp-{_PREFIX}*"):  # left by a process killed mid-write
+        shutil.rmtree(debris, ignore_errors=True)
+    final = root / f"{_PREFIX}{step:08d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{_PREFIX}{step:08d}-", dir=root))
+    try:
+        weights = {name: p.detach().to("cpu").contiguous() for name, p in _trainable(model).items()}
+        save_file(weights, str(tmp / _WEIGHTS))
+        state = {
+            "optimizer": optimizer.state_dict() if optimizer is not None else None,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "extra": extra or {},
+        }
+        torch.save(state, tmp / _STATE)
+        files = {}
+        for name in (_WEIGHTS, _STATE):
+            _fsync_file(tmp / name)
+            files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+        meta = {"format": _FORMAT, "step": step, "fingerprint": fingerprint, "files": files}
+        with open(tmp / _META, "w") as f:
+            json.dump(meta, f, indent=2, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if final.exists():  # re-saving the same step (e.g. on a signal right after a periodic save)
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    pointer_tmp = root / ".latest.tmp"
+    pointer_tmp.write_text(final.name + "\n")
+    _fsync_file(pointer_tmp)
+    os.replace(pointer_tmp, root / "latest")
+    _fsync_dir(root)
+    for old in _complete_checkpoints(root)[: -max(1, keep_last)]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+# ----------------------------------------------------------------------------- load
+def find_latest(root: str | Path) -> Path | None:
+    """The newest complete checkpoint under ``root`` (through ``latest``, else by scanning), or None."""
+    root = Path(root)
+    pointer = root / "latest"
+    if pointer.is_file():
+        candidate = root / pointer.read_text().strip()
+        if (candidate / _META).is_file():
+            return candidate
+    done = _complete_checkpoints(root)
+    return done[-1] if done else None
+
+
+def _read_meta(path: Path) -> dict[str, Any]:
+    meta_path = path / _META
+    if not meta_path.is_file():
+        raise CheckpointError(
+            f"{meta_path} is missing: {path} is not a complete oomb checkpoint; resume from another checkpoint "
+            f"(e.g. --resume latest) or start without --resume"
+        )
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{meta_path} is corrupt ({exc}); resume from another checkpoint") from exc
+    if meta.get("format") != _FORMAT or "files" not in meta:
+        raise CheckpointError(f"{meta_path} is not an oomb checkpoint of format {_FORMAT}; resume from another checkpoint")
+    for name, info in meta["files"].items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"{f} is missing; the checkpoint is incomplete — resume from another checkpoint")
+        if f.stat().st_size != info["bytes"] or _sha256(f) != info["sha256"]:
+            raise CheckpointError(
+                f"{f} is corrupt or truncated ({f.stat().st_size} bytes, expected {info['bytes']}, or a checksum "
+                f"mismatch); resume from another checkpoint"
+            )
+    return meta
+
+
+def load_checkpoint(
+    path: str | Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    scheduler: Any | None,
+    fingerprint: dict[str, Any],
+) -> tuple[int, dict[str, Any]]:
+    """Verify and load a checkpoint into ``model``, ``optimizer`` and ``scheduler``.
+
+    Returns:
+        (step, extra): the completed step count and the ``extra`` dict given to save.
+
+    Raises:
+        CheckpointError: missing/corrupt/truncated files (named), or a fingerprint that differs
+            from the current run's (the differing keys are named with both values).
+    """
+    path = Path(path)
+    meta = _read_meta(path)
+    saved = meta.get("fingerprint", {})
+    diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {fingerprint.get(k)!r}"
+             for k in sorted(set(saved) | set(fingerprint)) if saved.get(k) != fingerprint.get(k)]
+    if diffs:
+        raise CheckpointError(
+            f"{path} was written by a different run ({'; '.join(diffs)}); resume with the same settings, "
+            f"or start a new run in another --output-dir"
+        )
+    try:
+        weights = load_file(str(path / _WEIGHTS))
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        raise CheckpointError(f"{path / _WEIGHTS} cannot be read ({exc}); resume from another checkpoint") from exc
+    params = _trainable(model)
+    if set(weights) != set(params):
+        missing, unexpected = sorted(set(params) - set(weights))[:3], sorted(set(weights) - set(params))[:3]
+        raise CheckpointError(
+            f"{path / _WEIGHTS} does not match the model's trainable parameters (missing {missing}, unexpected "
+            f"{unexpected}); resume with the same model and LoRA settings"
+        )
+    for name, p in params.items():
+        if weights[name].shape != p.shape:
+            raise CheckpointError(
+                f"{path / _WEIGHTS}: {name} has shape {tuple(weights[name].shape)}, the model {tuple(p.shape)}; "
+                "resume with the same model"
+            )
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(weights[name].to(p.device, p.dtype))
+    try:
+        state = torch.load(path / _STATE, map_location="cpu", weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means a bad file
+        raise CheckpointError(f"{path / _STATE} cannot be read ({exc}); resume from another checkpoint") from exc
+    if optimizer is not None and state.get("optimizer") is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    if scheduler is not None and state.get("scheduler") is not None:
+        scheduler.load_state_dict(state["scheduler"])
+    return int(meta["step"]), state.get("extra", {})
+
+
+# -------------------------------------------------------------------------- signals
+class GracefulStop:
+    """Context manager: SIGINT/SIGTERM set ``requested`` instead of killing the process.
+
+    The training loop checks ``requested`` after each step, saves a checkpoint and exits 0.
+    A second signal restores the default behaviour (so a second Ctrl-C interrupts at once).
+    """
+
+    def __init__(self, signals=(signal.SIGINT, signal.SIGTERM)):
+        self.signals = signals
+        self.requested: int | None = None
+        self._previous = {}
+
+    def _handle(self, signum, frame):  # noqa: ARG002 - signal API
+        if self.requested is not None:
+            signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+            raise KeyboardInterrupt
+        self.requested = signum
+
+    def __enter__(self) -> "GracefulStop":
+        for s in self.signals:
+            try:
+                self._previous[s] = signal.signal(s, self._handle)
+            except ValueError:  # not the main thread
+                pass
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)

@@ -1,0 +1,124 @@
+"""Atomic checkpoints: verified loads, refusal of other runs, survival of a SIGKILL mid-write."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from oomb.checkpoint import CheckpointError, GracefulStop, find_latest, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+
+
+def _train(model, opt, sched, steps):
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(16, 4)  # from the global RNG: restored on resume
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+FP = {"model": "tiny", "seq_len": 128}
+
+
+def test_resume_reproduces_the_uninterrupted_run(tmp_path):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
+    torch.manual_seed(123)
+    _train(model, opt, sched, 3)
+    save_checkpoint(tmp_path, 3, model, opt, sched, FP, extra={"rng": rng_state(), "data_position": 3})
+    expected = _train(model, opt, sched, 4)
+
+    model2 = _model()
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
+    sched2 = torch.optim.lr_scheduler.CosineAnnealingLR(opt2, T_max=10)
+    step, extra = load_checkpoint(find_latest(tmp_path), model2, opt2, sched2, FP)
+    set_rng_state(extra["rng"])
+    assert step == 3 and extra["data_position"] == 3
+    assert _train(model2, opt2, sched2, 4) == expected  # exactly
+
+
+def test_keeps_the_last_checkpoints_and_pointer(tmp_path):
+    model = _model()
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path, step, model, None, None, FP, keep_last=2)
+    names = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
+    assert names == ["step-00000002", "step-00000003"]
+    assert (tmp_path / "latest").read_text().strip() == "step-00000003"
+
+
+def test_corrupt_and_partial_checkpoints_are_named(tmp_path):
+    model = _model()
+    path = save_checkpoint(tmp_path, 1, model, None, None, FP)
+    weights = path / "trainable.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="trainable.safetensors is corrupt or truncated"):
+        load_checkpoint(path, _model(), None, None, FP)
+    os.remove(path / "meta.json")
+    with pytest.raises(CheckpointError, match="meta.json is missing"):
+        load_checkpoint(path, _model(), None, None, FP)
+
+
+def test_a_different_run_is_refused_with_the_reason(tmp_path):
+    path = save_checkpoint(tmp_path, 1, _model(), None, None, FP)
+    with pytest.raises(CheckpointError, match="seq_len: checkpoint 128, now 256"):
+        load_checkpoint(path, _model(), None, None, {"model": "tiny", "seq_len": 256})
+    other = torch.nn.Sequential(torch.nn.Linear(4, 8))
+    with pytest.raises(CheckpointError, match="does not match the model's trainable parameters"):
+        load_checkpoint(path, other, None, None, FP)
+
+
+def test_sigkill_while_writing_keeps_the_previous_checkpoint(tmp_path):
+    """A real SIGKILL in the middle of writing checkpoint 2: checkpoint 1 still loads."""
+    script = textwrap.dedent(f"""
+        import os, signal, torch
+        import oomb.checkpoint as ck
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        ck.save_checkpoint({str(tmp_path)!r}, 1, model, None, None, {FP!r})
+        with torch.no_grad():
+            model[0].weight.add_(1.0)
+        real_save = torch.save
+        def dying_save(obj, f, *a, **k):
+            real_save(obj, f, *a, **k)
+            os.kill(os.getpid(), signal.SIGKILL)  # after the weights, before meta.json and the rename
+        torch.save = dying_save
+        ck.save_checkpoint({str(tmp_path)!r}, 2, model, None, None, {FP!r})
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr
+    assert any(p.name.startswith(".tmp-step-00000002") for p in tmp_path.iterdir())  # the interrupted write
+    latest = find_latest(tmp_path)
+    assert latest.name == "step-00000001"
+    model = _model()
+    step, _ = load_checkpoint(latest, model, None, None, FP)
+    assert step == 1
+    torch.testing.assert_close(model[0].weight, _model()[0].weight)
+    # The next save clears the debris.
+    save_checkpoint(tmp_path, 2, model, None, None, FP)
+    assert not any(p.name.startswith(".tmp-") for p in tmp_path.iterdir())
+    assert json.loads((tmp_path / "step-00000002" / "meta.json").read_text())["step"] == 2
+
+
+def test_graceful_stop_turns_a_signal_into_a_flag():
+    with GracefulStop() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
