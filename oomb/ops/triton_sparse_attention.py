@@ -25,7 +25,9 @@ selection block, K selected pages per (block, KV head), n past pages):
   query blocks that selected the page -- an inverse (CSR) map the launcher builds from
   ``page_idx`` -- and over their row tiles, in ascending order, then does ONE read-add-write
   of its gradient-page rows. Pages no block selected are not touched. As in the dense kernels,
-  no atomics: the result is bitwise reproducible.
+  no atomics: the result is bitwise reproducible. Programs are launched most-selected page
+  first (longest-processing-time order): the sink and local pages, which every block selects,
+  would otherwise be among the last launched and finish alone.
 
 Rows that see no past key (no page selected, or packed documents) give ``out_past = 0`` and
 ``lse_past = -inf``, and merge to the own-chunk result.
@@ -247,6 +249,7 @@ def _sparse_attn_bwd_dkdv_kernel(
     block_table_ptr,  # int32 [n]
     csr_offsets_ptr,  # int32 [Hkv * n + 1]: blocks of (h, page p) are csr_blocks[off[h*n+p] : off[h*n+p+1]]
     csr_blocks_ptr,  # int32 [nnz] query blocks, ascending within each (h, p)
+    work_order_ptr,  # int32 [Hkv * n] (h, p) pairs h*n+p, most-selected first
     dout_ptr,  # [C, Hq, D]
     lse_ptr,  # fp32 [Hq, C]
     delta_ptr,  # fp32 [Hq, C]
@@ -279,8 +282,9 @@ def _sparse_attn_bwd_dkdv_kernel(
 ):
     tiles = tl.cdiv(PAGE_SIZE, BLOCK_N)
     pid = tl.program_id(0)
-    page = pid // tiles
-    hkv = tl.program_id(1).to(tl.int64)
+    pair = tl.load(work_order_ptr + pid // tiles).to(tl.int64)
+    hkv = pair // n_pages
+    page = pair % n_pages
     t = (pid % tiles) * BLOCK_N + tl.arange(0, BLOCK_N)  # slot tokens of this program
     j = page * PAGE_SIZE + t  # logical past tokens
     e_lo = tl.load(csr_offsets_ptr + hkv * n_pages + page)
@@ -528,13 +532,18 @@ def sparse_attention_bwd(
     n_pages = sel.n_past_pages
     offsets, blocks = _inverse_selection(page_idx, n_pages)
 
+    # Longest work first: sink and local pages are selected by every block, and launched last (as
+    # their page order would) they would run alone at the end of the kernel.
+    per_pair = (offsets[1:] - offsets[:-1]).to(torch.int64)
+    work_order = torch.sort(per_pair, descending=True, stable=True).indices.to(torch.int32)
+
     def grid_pages(meta):
-        return (n_pages * triton.cdiv(page_size, meta["BLOCK_N"]), Hkv)
+        return (Hkv * n_pages * triton.cdiv(page_size, meta["BLOCK_N"]),)
 
     sdk, sdv = dk_cache.stride(), dv_cache.stride()
     _sparse_attn_bwd_dkdv_kernel[grid_pages](
         q_ptr=q, k_cache_ptr=k_cache, v_cache_ptr=v_cache, block_table_ptr=bt, csr_offsets_ptr=offsets,
-        csr_blocks_ptr=blocks, dout_ptr=dout, lse_ptr=lse, delta_ptr=delta,
+        csr_blocks_ptr=blocks, work_order_ptr=work_order, dout_ptr=dout, lse_ptr=lse, delta_ptr=delta,
         dk_cache_ptr=dk_cache, dv_cache_ptr=dv_cache, doc_ptr=doc_arg,
         C=C, past_len=past_len, n_pages=n_pages, qk_scale=scale * _LOG2E, softmax_scale=scale,
         stride_q_c=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
