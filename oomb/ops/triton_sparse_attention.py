@@ -35,7 +35,6 @@ Rows that see no past key (no page selected, or packed documents) give ``out_pas
 
 from __future__ import annotations
 
-import math
 
 import torch
 import triton
