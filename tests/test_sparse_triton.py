@@ -154,3 +154,25 @@ def test_inverse_selection_lists_each_pages_blocks():
             got = blocks[offsets[h * 16 + p] : offsets[h * 16 + p + 1]].tolist()
             assert got == want, (h, p)
     assert int(offsets[-1]) == int(sel.counts.sum())
+
+
+@pytest.mark.parametrize("Hq,Hkv,D", [(7, 1, 64), (4, 2, 64)])
+def test_full_selection_equals_dense_kernels(Hq, Hkv, D):
+    """Every past page selected (gather path, not the dense shortcut) == the dense kernels, GQA 7:1 and d=64."""
+    C, past_len, S = 10, 40, 8
+    case = make_case(C, Hq, Hkv, D, past_len, S, seed=Hq)
+    _, sel = _selection(case, past_len, S, 5, 0, 0, 4, "mean")
+    assert sel.dense and (sel.counts == 5).all()
+    sel.dense = False  # the kernels do not look at the flag; the engine would have taken the dense path
+    c = case
+    out, lse = tsa.sparse_attention_fwd(c["q"], c["k"], c["v"], c["k_cache"], c["v_cache"], c["block_table"], past_len, sel)
+    out_d, lse_d = tpa.paged_attention_fwd(c["q"], c["k"], c["v"], c["k_cache"], c["v_cache"], c["block_table"], past_len)
+    assert_close("out", out, out_d)
+    assert_close("lse", lse, lse_d)
+    caches = [torch.zeros(c["k_cache"].shape, dtype=torch.float32, device=DEVICE) for _ in range(4)]
+    got = tsa.sparse_attention_bwd(c["dout"], c["q"], c["k"], c["v"], out, lse, c["k_cache"], c["v_cache"], c["block_table"],
+                                   past_len, caches[0], caches[1], sel)
+    ref = tpa.paged_attention_bwd(c["dout"], c["q"], c["k"], c["v"], out_d, lse_d, c["k_cache"], c["v_cache"],
+                                  c["block_table"], past_len, caches[2], caches[3])
+    for name, g, r in zip(("dq", "dk", "dv", "dk_cache", "dv_cache"), got + tuple(caches[:2]), ref + tuple(caches[2:])):
+        assert_close(name, g, r)
