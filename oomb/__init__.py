@@ -10,7 +10,16 @@ Public API::
 from .config import OOMBConfig
 from .engine.engine import Engine, StepOutput
 from .models.hf import UnsupportedModelError, check_model_supported
+from .models.presets import build_model
 
 __version__ = "0.1.0"
 
-__all__ = ["Engine", "OOMBConfig", "StepOutput", "UnsupportedModelError", "check_model_supported", "__version__"]
+__all__ = [
+    "Engine",
+    "OOMBConfig",
+    "StepOutput",
+    "UnsupportedModelError",
+    "build_model",
+    "check_model_supported",
+    "__version__",
+]

@@ -388,3 +388,11 @@ def test_rope_scaling_types_match_full_sequence(rope):
     out, ref_loss, (err, where), _ = run_parity(model, 44, 8, 4)
     assert abs(out.loss - ref_loss) <= 1e-10 * abs(ref_loss)
     assert err <= 1e-10, f"worst gradient {where}: rel err {err:.3e}"
+
+
+def test_reserve_allocates_the_store_up_front():
+    engine = Engine(tiny("qwen2").double(), OOMBConfig(chunk_size=8, page_size=4, attention_backend="torch"))
+    store = engine.reserve(30)
+    assert store.num_pages == 2 * 8 and engine.kv_store is store
+    with pytest.raises(ValueError, match="seq_len must be"):
+        engine.reserve(1)

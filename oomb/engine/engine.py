@@ -256,6 +256,19 @@ class Engine:
             doc_start = doc_start.to(self.device, torch.int32)
         return input_ids.to(self.device, torch.int64), targets.to(self.device), doc_start, positions.to(self.device)
 
+    def reserve(self, seq_len: int) -> PagedKVStore:
+        """Allocate (or reuse) the KV page store for sequences of ``seq_len`` tokens now.
+
+        Call it before the first step to learn at once whether the store fits: it raises
+        ``torch.OutOfMemoryError`` (GPU) or ``RuntimeError`` (host) here instead of mid-step.
+
+        Raises:
+            ValueError: if ``seq_len`` < 2.
+        """
+        if not isinstance(seq_len, int) or seq_len < 2:
+            raise ValueError(f"seq_len must be an integer number of tokens >= 2, got {seq_len!r}")
+        return self._ensure_store(seq_len)
+
     def _ensure_store(self, T: int) -> PagedKVStore:
         S = self.config.page_size
         store = self._store
