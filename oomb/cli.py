@@ -98,6 +98,8 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tokenizer", default=None, help="a local Hugging Face tokenizer folder; default: the bundled 32K SentencePiece tokenizer")
     g.add_argument("--seq-len", type=int, default=2048, help="tokens per training sequence (one sequence per step)")
     g.add_argument("--seed", type=int, default=0, help="seed of the random weights of a preset, the LoRA init and the data order")
+    g.add_argument("--rope-theta", type=float, default=None, help="set the model's RoPE base frequency (saved in config.json)")
+    g.add_argument("--rope-scaling", default=None, metavar="SPEC", help="Hugging Face RoPE scaling as key=value pairs, e.g. 'type=yarn,factor=4,original_max_position_embeddings=32768' (types: linear, dynamic, yarn, llama3, ...; saved in config.json)")
 
     e = t.add_argument_group("engine")
     e.add_argument("--chunk-size", type=int, default=512, help="tokens per chunk; activation memory scales with this, not with --seq-len")
@@ -117,10 +119,12 @@ def _build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="parameter dtype; auto: bfloat16 on cuda, float32 on cpu")
 
     o = t.add_argument_group("optimisation")
-    o.add_argument("--steps", type=int, default=30, help="optimizer steps (one sequence each)")
+    o.add_argument("--steps", type=int, default=30, help="optimizer steps (--grad-accum sequences each, on every rank)")
+    o.add_argument("--grad-accum", type=int, default=1, help="sequences per optimizer step (per rank); the loss is the mean over all their valid tokens")
     o.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
     o.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
-    o.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up steps, then cosine decay to 10%% of --lr; default: 10%% of --steps")
+    o.add_argument("--lr-schedule", choices=["cosine", "constant"], default="cosine", help="after the warm-up: cosine decay to 10%% of --lr at the last step, or constant --lr")
+    o.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up steps (both schedules); default: 10%% of --steps")
     o.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the gradient norm to this (0: no clipping)")
     o.add_argument("--lora-rank", type=int, default=0, help="LoRA rank on q/k/v/o projections (peft); 0: full fine-tune")
     o.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha; default: 2 x --lora-rank")
@@ -128,6 +132,16 @@ def _build_parser() -> argparse.ArgumentParser:
     w = t.add_argument_group("output")
     w.add_argument("--output-dir", required=True, help="where log.jsonl and the trained model go; must be empty or new unless --overwrite")
     w.add_argument("--overwrite", action="store_true", help="replace the contents of a non-empty --output-dir")
+    w.add_argument("--save-every", type=int, default=0, help="write a checkpoint to <output-dir>/checkpoints every N steps (the last 2 are kept); 0: only at the end. A checkpoint is also written on SIGINT/SIGTERM")
+    w.add_argument(
+        "--resume", nargs="?", const="latest", default=None, metavar="latest|PATH",
+        help=(
+            "continue the run in --output-dir from its latest checkpoint or from the checkpoint folder PATH; "
+            "--model, --seq-len, --data, --tokenizer, --seed, --lora-rank/--lora-alpha, --grad-accum, --dtype, "
+            "--document-mask, --rope-theta/--rope-scaling and the number of ranks must be those of the run; "
+            "--steps, --lr and the schedule may change"
+        ),
+    )
     w.add_argument("--log-every", type=int, default=1, help="print a loss line every N steps (log.jsonl gets every step)")
     w.add_argument("--no-progress", action="store_true", help="hide the progress bars")
 
@@ -145,6 +159,7 @@ def _check_sizes(args: argparse.Namespace) -> None:
         ("--page-size", args.page_size),
         ("--steps", args.steps),
         ("--log-every", args.log_every),
+        ("--grad-accum", args.grad_accum),
     ):
         if value <= 0:
             raise UsageError(f"{flag} is {value}", f"pass a positive number for {flag}")
@@ -177,6 +192,22 @@ def _check_sizes(args: argparse.Namespace) -> None:
         raise UsageError(f"--lora-alpha is {args.lora_alpha}", "pass a positive number (default: 2 x --lora-rank)")
     if args.warmup_steps is not None and args.warmup_steps < 0:
         raise UsageError(f"--warmup-steps is {args.warmup_steps}", "pass 0 or a positive number of steps")
+    if args.save_every < 0:
+        raise UsageError(f"--save-every is {args.save_every}", "pass 0 (a checkpoint only at the end) or a positive number of steps")
+    if args.resume is not None and args.overwrite:
+        raise UsageError("--resume continues the run in --output-dir but --overwrite would delete it", "pass one of --resume and --overwrite")
+    if args.rope_theta is not None and not (args.rope_theta > 0 and math.isfinite(args.rope_theta)):
+        raise UsageError(f"--rope-theta is {args.rope_theta}", "pass a positive base frequency, e.g. --rope-theta 1000000")
+    args.rope_scaling_dict = None
+    if args.rope_scaling is not None:
+        from .models.rope import parse_rope_scaling
+
+        try:
+            args.rope_scaling_dict = parse_rope_scaling(args.rope_scaling)
+        except ValueError as exc:
+            raise _usage_from(exc, "pass e.g. --rope-scaling type=yarn,factor=4,original_max_position_embeddings=32768") from exc
+        if not args.rope_scaling_dict:
+            raise UsageError("--rope-scaling is empty", "pass e.g. --rope-scaling type=linear,factor=4")
 
 
 def _is_within(path: Path, root: Path) -> bool:
@@ -191,6 +222,13 @@ def _check_output_dir(args: argparse.Namespace) -> Path:
     out = Path(args.output_dir).expanduser().resolve()
     if out.exists() and not out.is_dir():
         raise UsageError(f"--output-dir {args.output_dir!r} is a file", "pass a directory path that is new or empty")
+    if args.resume is not None:
+        if args.resume == "latest" and not (out / "checkpoints").is_dir():
+            raise UsageError(
+                f"--resume: --output-dir {args.output_dir!r} has no checkpoints folder",
+                "pass the --output-dir of the run to continue, or start without --resume",
+            )
+        return out
     if out.is_dir() and any(out.iterdir()):
         if not args.overwrite:
             raise UsageError(
@@ -259,15 +297,74 @@ def _vocab_size(model) -> int:
 
 
 def _lr_at(step: int, args: argparse.Namespace, warmup: int) -> float:
-    """Linear warm-up to --lr over ``warmup`` steps, then cosine decay from --lr to 10% of it at the last step.
+    """Linear warm-up to --lr over ``warmup`` steps, then (cosine) decay from --lr to 10% of it at the last
+    step, or (constant) --lr.
 
     ``step`` counts from 1. Without warm-up the first step runs at the full --lr.
     """
     if warmup > 0 and step <= warmup:
         return args.lr * step / warmup
+    if getattr(args, "lr_schedule", "cosine") == "constant":
+        return args.lr
     span = max(1, args.steps - warmup - 1)
     progress = min(1.0, (step - warmup - 1) / span)
     return args.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+class _SequenceStream:
+    """Sequence number ``g`` (0-based, over the whole run) of a :class:`TokenSequences`: epoch after epoch,
+    each in its seeded order -- the order of ``TokenSequences.batches``. Rank ``r`` of ``W`` takes the numbers
+    ``m * W + r``, so a run is sharded deterministically and a resumed run sees the same sequences."""
+
+    def __init__(self, sequences) -> None:
+        self.sequences = sequences
+        self._orders: dict[int, object] = {}
+
+    def __getitem__(self, g: int):
+        epoch, i = divmod(g, len(self.sequences))
+        if epoch not in self._orders:
+            self._orders = {epoch: self.sequences.order(epoch)}
+        return self.sequences[int(self._orders[epoch][i])]
+
+
+def _resume_command(argv: Sequence[str]) -> str:
+    """The command line that continues this run: the same arguments with ``--resume latest``."""
+    import shlex
+
+    rest: list[str] = []
+    skip = False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if a == "--overwrite" or a.startswith("--resume="):
+            continue
+        if a == "--resume":
+            skip = i + 1 < len(argv) and not argv[i + 1].startswith("-")
+            continue
+        rest.append(a)
+    return "oomb " + shlex.join([*rest, "--resume", "latest"])
+
+
+def _fingerprint(args: argparse.Namespace, tokens, dtype, world_size: int) -> dict:
+    """What a checkpoint's run and the resuming run must share (see --resume in --help)."""
+    import hashlib
+
+    return {
+        "model": args.model if not os.path.isdir(args.model) else str(Path(args.model).resolve()),
+        "seq_len": args.seq_len,
+        "data_sha256": hashlib.sha256(tokens.tobytes()).hexdigest(),
+        "tokenizer": args.tokenizer and str(Path(args.tokenizer).resolve()),
+        "seed": args.seed,
+        "lora_rank": args.lora_rank,
+        "lora_alpha": args.lora_alpha,
+        "grad_accum": args.grad_accum,
+        "dtype": str(dtype).replace("torch.", ""),
+        "document_mask": args.document_mask,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": args.rope_scaling_dict,
+        "world_size": world_size,
+    }
 
 
 def _prepare_output(out: Path, overwrite: bool) -> None:
@@ -310,30 +407,43 @@ def _train(args: argparse.Namespace) -> int:
 
     # Heavy imports only after the cheap checks.
     import torch
-    from tqdm.auto import tqdm
 
+    from .distributed import RankFailedError, agree_ok, init_from_env
+
+    device, dtype = _resolve_device_dtype(args)
+    # Under torchrun (WORLD_SIZE > 1) every rank trains its own sequences; gradients are summed once per step.
+    ctx = init_from_env(device.type)
+    if ctx.enabled and device.type == "cuda":
+        device = torch.device("cuda", ctx.local_rank)
+    try:
+        try:
+            run = _setup(args, out, device, dtype, ctx)
+        except UsageError:
+            if ctx.enabled:  # tell the other ranks, so that none waits for this one
+                try:
+                    agree_ok(False, device)
+                except Exception:  # noqa: BLE001
+                    pass
+            raise
+        if ctx.enabled:
+            try:
+                agree_ok(True, device)
+            except RankFailedError as exc:
+                raise UsageError("another rank refused the run (its error is printed above)", "fix the input and start again") from exc
+        return _run(args, out, device, dtype, ctx, run)
+    finally:
+        ctx.close()
+
+
+def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
+    """Every check, the model, engine and optimizer, and the checkpoint to resume from: nothing written yet."""
+    import torch
+
+    from .checkpoint import CheckpointError, find_latest, load_checkpoint, set_rng_state
     from .config import OOMBConfig
     from .data import BUNDLED_CORPUS, DataError, TokenSequences, load_documents, load_tokenizer, tokenize_documents
     from .models.presets import UnknownModelError, build_model, check_config_supported, load_config
     from . import Engine, UnsupportedModelError
-
-    device, dtype = _resolve_device_dtype(args)
-    try:
-        cfg = OOMBConfig(
-            chunk_size=args.chunk_size,
-            page_size=args.page_size,
-            attention_backend=args.attention_backend,
-            checkpoint_layers=args.checkpoint_layers,
-            offload={"auto": "auto", "on": True, "off": False}[args.offload],
-            gpu_page_budget=args.gpu_page_budget,
-            sparse=args.sparse,
-            page_budget=args.page_budget,
-            sink_pages=args.sink_pages,
-            local_pages=args.local_pages,
-            sparse_score=args.sparse_score,
-        )
-    except ValueError as exc:
-        raise _usage_from(exc, "fix the engine options (see 'oomb train --help')") from exc
 
     try:
         tokenizer = load_tokenizer(args.tokenizer)
@@ -352,16 +462,37 @@ def _train(args: argparse.Namespace) -> int:
     except (UnknownModelError, UnsupportedModelError) as exc:
         raise _usage_from(exc, "use a Qwen2/2.5, Llama 2/3, Mistral or Qwen3 causal LM (see 'oomb train --help')") from exc
     _check_vocab(int(tokens.max()), int(model_config.vocab_size), args.model)
+    engine_kwargs = {"offload": {"auto": "auto", "on": True, "off": False}[args.offload], "gpu_page_budget": args.gpu_page_budget}
     if device.type == "cuda":
         # Predict the GPU and host memory of the run before allocating anything (DESIGN.md §4 sizes).
         from .planner import plan_for_train_args
 
         try:
-            plan_for_train_args(args, dtype).check()
+            plan = plan_for_train_args(args, dtype)
+            plan.check()
         except ValueError as exc:
             raise _usage_from(exc, "see 'oomb plan' for what fits") from exc
+        if args.offload != "off" and args.gpu_page_budget is None:
+            # The plan sizes the GPU page pool with the optimizer states counted; the engine alone would size
+            # it before AdamW allocates them.
+            engine_kwargs.update(plan.engine_settings())
+    try:
+        cfg = OOMBConfig(
+            chunk_size=args.chunk_size,
+            page_size=args.page_size,
+            attention_backend=args.attention_backend,
+            checkpoint_layers=args.checkpoint_layers,
+            sparse=args.sparse,
+            page_budget=args.page_budget,
+            sink_pages=args.sink_pages,
+            local_pages=args.local_pages,
+            sparse_score=args.sparse_score,
+            **engine_kwargs,
+        )
+    except ValueError as exc:
+        raise _usage_from(exc, "fix the engine options (see 'oomb train --help')") from exc
 
-    if args.no_progress:
+    if args.no_progress or not ctx.is_main:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
@@ -371,6 +502,13 @@ def _train(args: argparse.Namespace) -> int:
     except (UnknownModelError, UnsupportedModelError) as exc:
         raise _usage_from(exc, "use a Qwen2/2.5, Llama 2/3, Mistral or Qwen3 causal LM (see 'oomb train --help')") from exc
     _check_vocab(int(tokens.max()), _vocab_size(model), args.model)
+    if args.rope_theta is not None or args.rope_scaling_dict:
+        from .models.rope import set_rope
+
+        try:
+            set_rope(model, rope_theta=args.rope_theta, rope_scaling=args.rope_scaling_dict)
+        except ValueError as exc:
+            raise _usage_from(exc, "see --rope-theta and --rope-scaling in 'oomb train --help'") from exc
 
     if args.lora_rank > 0:
         from peft import LoraConfig, get_peft_model
@@ -406,77 +544,196 @@ def _train(args: argparse.Namespace) -> int:
             "use a shorter --seq-len, --offload on, --checkpoint-layers or --lora-rank (see 'oomb plan')",
         ) from exc
 
-    # ---- every check passed: from here on we write.
-    _prepare_output(out, args.overwrite)
     params = [p for p in model.parameters() if p.requires_grad]
+    fused = device.type == "cuda"
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=fused)
+    fingerprint = _fingerprint(args, tokens, dtype, ctx.world_size)
+
+    start_step = 0
+    if args.resume is not None:
+        ckpt_root = out / "checkpoints"
+        path = find_latest(ckpt_root) if args.resume == "latest" else Path(args.resume).expanduser()
+        if path is None:
+            raise UsageError(f"--resume latest: {ckpt_root} holds no complete checkpoint", "start without --resume (with --overwrite)")
+        if not path.is_dir():
+            raise UsageError(f"--resume {args.resume}: {path} is not a checkpoint folder", f"pass 'latest' or a folder under {ckpt_root}")
+        try:
+            start_step, extra = load_checkpoint(path, model, optimizer, None, fingerprint)
+        except CheckpointError as exc:
+            problem, sep, fix = _one_line(exc).rpartition("; ")
+            raise UsageError(problem, fix) if sep else UsageError(fix, "resume from another checkpoint") from exc
+        if "rng" in extra:
+            set_rng_state(extra["rng"])
+        if start_step > args.steps:
+            raise UsageError(f"--resume: {path} is at step {start_step}, past --steps {args.steps}", f"pass --steps {start_step} or more")
+        if ctx.is_main:
+            print(f"oomb: resuming from {path} (step {start_step})", file=sys.stderr)
+    return dict(tokenizer=tokenizer, tokens=tokens, sequences=sequences, model=model, engine=engine, params=params,
+                optimizer=optimizer, fingerprint=fingerprint, start_step=start_step)
+
+
+def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> int:
+    """The training loop (all checks passed): log, checkpoint, stop on a signal, save."""
+    import torch
+    from tqdm.auto import tqdm
+
+    from .checkpoint import GracefulStop, find_latest, rng_state, save_checkpoint
+    from .distributed import RankFailedError, agree_ok, all_reduce_gradients, global_sum
+
+    tokenizer, tokens, sequences, model, engine = run["tokenizer"], run["tokens"], run["sequences"], run["model"], run["engine"]
+    params, optimizer, start_step = run["params"], run["optimizer"], run["start_step"]
+    main_rank = ctx.is_main
+    log_path = out / "log.jsonl"
+    ckpt_root = out / "checkpoints"
+    if main_rank:
+        # ---- every check passed: from here on we write.
+        _prepare_output(out, args.overwrite)
+        if start_step and log_path.is_file():  # drop the steps after the checkpoint: they are trained again
+            kept = [line for line in log_path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= start_step]
+            tmp = log_path.with_name(".log.jsonl.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, log_path)
+        elif not start_step and log_path.is_file():
+            log_path.unlink()
     n_trainable = sum(p.numel() for p in params)
     n_total = sum(p.numel() for p in model.parameters())
     warmup = args.warmup_steps if args.warmup_steps is not None else args.steps // 10
-    fused = device.type == "cuda"
-    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=fused)
-    log_path = out / "log.jsonl"
-    show = not args.no_progress
-    print(
-        f"oomb: {args.model} ({n_total / 1e6:.1f}M parameters, {n_trainable / 1e6:.2f}M trainable, {str(dtype).replace('torch.', '')}, {device}); "
-        f"{len(tokens):,} tokens -> {len(sequences)} sequences of {args.seq_len}; chunk {args.chunk_size}, page {args.page_size}; "
-        f"log: {log_path}",
-        file=sys.stderr,
-    )
+    show = not args.no_progress and main_rank
+    K, W = args.grad_accum, ctx.world_size
+    stream = _SequenceStream(sequences)
+    if main_rank:
+        ranks = f"; {W} ranks" if W > 1 else ""
+        print(
+            f"oomb: {args.model} ({n_total / 1e6:.1f}M parameters, {n_trainable / 1e6:.2f}M trainable, {str(dtype).replace('torch.', '')}, {device}); "
+            f"{len(tokens):,} tokens -> {len(sequences)} sequences of {args.seq_len}; {K * W} per step{ranks}; chunk {args.chunk_size}, page {args.page_size}; "
+            f"log: {log_path}",
+            file=sys.stderr,
+        )
+
+    def checkpoint(step: int) -> Path | None:
+        if not main_rank:
+            return None
+        extra = {"rng": rng_state(), "step": step, "sequences_per_step": K * W}
+        return save_checkpoint(ckpt_root, step, model, optimizer, None, run["fingerprint"], extra, keep_last=2)
+
+    def check_all(ok: bool, step: int, error: "UsageError | None") -> None:
+        if ctx.enabled:
+            try:
+                agree_ok(ok, device)
+            except RankFailedError as exc:
+                raise _RunError(f"step {step}: another rank failed (its error is printed above)", "all ranks stopped; fix it and resume") from exc
+        if error is not None:
+            raise error
 
     model.train()
     first_loss = last_loss = None
+    saved_at = start_step
     t_start = time.perf_counter()
-    with open(log_path, "a", encoding="utf-8") as log, tqdm(total=args.steps, desc="train", unit="step", disable=not show, file=sys.stderr) as bar:
-        for step, input_ids in enumerate(sequences.batches(args.steps), start=1):
-            lr = _lr_at(step, args, warmup)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            cu_seqlens = _document_bounds(input_ids, tokenizer.eos_token_id) if args.document_mask else None
-            try:
-                result = engine.step(input_ids.to(device), progress=show, cu_seqlens=cu_seqlens)
-            except ValueError as exc:  # e.g. a sequence of documents too short to hold one target
-                raise _RunError(f"step {step} failed: {_one_line(exc)}", "check the data") from exc
-            except torch.OutOfMemoryError as exc:
-                raise _RunError(
-                    f"out of GPU memory at step {step}",
-                    "use a smaller --chunk-size, --checkpoint-layers, --lora-rank or --offload on (see 'oomb plan')",
-                ) from exc
-            if not math.isfinite(result.loss):
-                raise _RunError(f"the loss became {result.loss} at step {step}; nothing was saved", "lower --lr")
-            max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            first_loss = result.loss if first_loss is None else first_loss
-            last_loss = result.loss
-            record = {
-                "step": step,
-                "loss": round(result.loss, 6),
-                "tokens_per_s": round(result.tokens_per_s, 2),
-                "peak_memory_bytes": result.peak_memory_bytes,
-                "seconds": round(result.seconds, 4),
-                "lr": lr,
-                "grad_norm": round(grad_norm, 6),
-                "num_tokens": result.num_tokens,
-                "stage1_seconds": round(result.stage1_seconds, 4),
-                "stage2_seconds": round(result.stage2_seconds, 4),
-            }
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-            bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{result.tokens_per_s:.0f}")
-            bar.update(1)
-            if step % args.log_every == 0 or step == args.steps:
-                mem = "" if result.peak_memory_bytes is None else f"  peak {result.peak_memory_bytes / 2**30:.2f} GiB"
-                tqdm.write(f"step {step:>5}/{args.steps}  loss {result.loss:.4f}  {result.tokens_per_s:,.0f} tok/s  {result.seconds:.2f} s  lr {lr:.2e}{mem}", file=sys.stdout)
+    log = open(log_path, "a", encoding="utf-8") if main_rank else None
+    try:
+        with GracefulStop() as stop, tqdm(total=args.steps, initial=start_step, desc="train", unit="step", disable=not show, file=sys.stderr) as bar:
+            for step in range(start_step + 1, args.steps + 1):
+                lr = _lr_at(step, args, warmup)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                t0 = time.perf_counter()
+                # This rank's K sequences of the step, their document bounds and valid-token counts.
+                error = None
+                micro = []
+                try:
+                    for j in range(K):
+                        input_ids = stream[((step - 1) * K + j) * W + ctx.rank].to(device)
+                        cu = _document_bounds(input_ids.cpu(), tokenizer.eos_token_id) if args.document_mask else None
+                        targets = engine._prepare(input_ids, None, cu)[1]
+                        micro.append((input_ids, cu, int((targets != -100).sum())))
+                except ValueError as exc:
+                    error = _RunError(f"step {step} failed: {_one_line(exc)}", "check the data")
+                check_all(error is None, step, error)
+                local_valid = sum(n for _, _, n in micro)
+                total_valid = int(round(global_sum(local_valid, device))) if ctx.enabled else local_valid
+                loss_sum = 0.0
+                results = []
+                try:
+                    for input_ids, cu, _ in micro:
+                        r = engine.step(input_ids, progress=show, cu_seqlens=cu, loss_normalizer=total_valid if (K > 1 or W > 1) else None)
+                        results.append(r)
+                        loss_sum += r.loss * r.num_valid_tokens
+                except ValueError as exc:  # e.g. a sequence of documents too short to hold one target
+                    error = _RunError(f"step {step} failed: {_one_line(exc)}", "check the data")
+                except torch.OutOfMemoryError:
+                    error = _RunError(
+                        f"out of GPU memory at step {step}",
+                        "use a smaller --chunk-size, --checkpoint-layers, --lora-rank or --offload on (see 'oomb plan')",
+                    )
+                check_all(error is None, step, error)
+                loss = (global_sum(loss_sum, device) if ctx.enabled else loss_sum) / total_valid
+                if not math.isfinite(loss):
+                    raise _RunError(f"the loss became {loss} at step {step}; nothing was saved", "lower --lr")
+                all_reduce_gradients(params)
+                max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                seconds = time.perf_counter() - t0
+                first_loss = loss if first_loss is None else first_loss
+                last_loss = loss
+                num_tokens = sum(r.num_tokens for r in results) * W
+                peaks = [r.peak_memory_bytes for r in results if r.peak_memory_bytes is not None]
+                peak = max(peaks) if peaks else None
+                tok_s = num_tokens / seconds if seconds > 0 else 0.0
+                if main_rank:
+                    record = {
+                        "step": step,
+                        "loss": round(loss, 6),
+                        "tokens_per_s": round(tok_s, 2),
+                        "peak_memory_bytes": peak,
+                        "seconds": round(seconds, 4),
+                        "lr": lr,
+                        "grad_norm": round(grad_norm, 6),
+                        "num_tokens": num_tokens,
+                        "stage1_seconds": round(sum(r.stage1_seconds for r in results), 4),
+                        "stage2_seconds": round(sum(r.stage2_seconds for r in results), 4),
+                    }
+                    log.write(json.dumps(record) + "\n")
+                    log.flush()
+                    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:.0f}")
+                    bar.update(1)
+                    if step % args.log_every == 0 or step == args.steps:
+                        mem = "" if peak is None else f"  peak {peak / 2**30:.2f} GiB"
+                        tqdm.write(f"step {step:>5}/{args.steps}  loss {loss:.4f}  {tok_s:,.0f} tok/s  {seconds:.2f} s  lr {lr:.2e}{mem}", file=sys.stdout)
+                if args.save_every and step % args.save_every == 0 and step < args.steps:
+                    checkpoint(step)
+                    saved_at = step
+                requested = stop.requested is not None
+                if ctx.enabled:
+                    requested = global_sum(1.0 if requested else 0.0, device) > 0
+                if requested and step < args.steps:
+                    path = checkpoint(step) if saved_at != step else find_latest(ckpt_root)
+                    if main_rank:
+                        import signal as _signal
 
-    train_args = {k: v for k, v in vars(args).items() if k != "command"}
-    train_args.update(oomb_version=_version(), num_tokens=int(len(tokens)), num_sequences=len(sequences))
-    saved = _save(model, tokenizer, out, lora=args.lora_rank > 0, train_args=train_args)
-    elapsed = time.perf_counter() - t_start
-    print(
-        f"oomb: done in {elapsed:.1f} s; loss {first_loss:.4f} -> {last_loss:.4f}; saved {', '.join(n for n in saved if n.endswith('.safetensors'))} to {out}",
-        file=sys.stderr,
-    )
+                        name = _signal.Signals(stop.requested).name if stop.requested else "a signal on another rank"
+                        how = (
+                            f"run {_resume_command(args._argv)}" if not ctx.enabled
+                            else f"run the same torchrun command with the oomb arguments {_resume_command(args._argv)[5:]}"
+                        )
+                        print(f"oomb: stopped by {name} after step {step}; checkpoint {path}; to continue, {how}", file=sys.stderr)
+                    return 0
+    finally:
+        if log is not None:
+            log.close()
+
+    if main_rank:
+        checkpoint(args.steps)
+        train_args = {k: v for k, v in vars(args).items() if k not in ("command", "_argv")}
+        train_args.update(oomb_version=_version(), num_tokens=int(len(tokens)), num_sequences=len(sequences), world_size=W)
+        saved = _save(model, tokenizer, out, lora=args.lora_rank > 0, train_args=train_args)
+        elapsed = time.perf_counter() - t_start
+        losses = f"loss {first_loss:.4f} -> {last_loss:.4f}" if first_loss is not None else "no steps left to train"
+        print(
+            f"oomb: done in {elapsed:.1f} s; {losses}; saved {', '.join(n for n in saved if n.endswith('.safetensors'))} to {out}",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -497,6 +754,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``oomb`` command. Returns 0; exits with status 2 on bad input."""
     parser = _build_parser()
     args = parser.parse_args(argv)
+    args._argv = [str(a) for a in (argv if argv is not None else sys.argv[1:])]
     try:
         if args.command == "train":
             return _train(args)

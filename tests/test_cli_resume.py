@@ -1,0 +1,181 @@
+"""`oomb train` checkpoints and --resume, SIGTERM, --grad-accum, --lr-schedule, RoPE options, torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from oomb.cli import _lr_at, _resume_command, main
+
+FAST = ["--seq-len", "64", "--chunk-size", "32", "--page-size", "16", "--no-progress"]
+TEXT = (
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+    "must be in want of a wife. However little known the feelings or views of such a man may be "
+    "on his first entering a neighbourhood, this truth is so well fixed in the minds of the "
+    "surrounding families, that he is considered as the rightful property of some one or other "
+    "of their daughters.\n"
+) * 4
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def text_file(tmp_path):
+    f = tmp_path / "text.txt"
+    f.write_text(TEXT)
+    return f
+
+
+def run_cli(argv):
+    try:
+        return main([str(a) for a in argv])
+    except SystemExit as exc:
+        return exc.code
+
+
+def losses(out):
+    return [(r["step"], r["loss"]) for r in map(json.loads, (out / "log.jsonl").read_text().splitlines())]
+
+
+def test_resume_reproduces_the_uninterrupted_losses_exactly(tmp_path, text_file, capsys):
+    a = tmp_path / "a"
+    argv = ["train", "--data", text_file, *FAST, "--steps", "6", "--warmup-steps", "2", "--save-every", "3"]
+    assert run_cli([*argv, "--output-dir", a]) == 0
+    assert sorted(os.listdir(a / "checkpoints")) == ["latest", "step-00000003", "step-00000006"]
+    straight = losses(a)
+    assert [s for s, _ in straight] == [1, 2, 3, 4, 5, 6]
+    # Continue from the step-3 checkpoint (a copy of the run): steps 4..6 are trained again.
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    for name in ("model.safetensors", "config.json"):
+        (b / name).unlink()
+    assert run_cli([*argv, "--output-dir", b, "--resume", b / "checkpoints" / "step-00000003"]) == 0
+    assert losses(b) == straight  # the log keeps steps 1..3 and gets 4..6 again, equal to the last digit
+    wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert "resuming from" in capsys.readouterr().err
+
+
+def test_resume_refuses_other_settings_and_corrupt_checkpoints(tmp_path, text_file, capsys):
+    out = tmp_path / "run"
+    argv = ["train", "--data", text_file, *FAST, "--steps", "2", "--output-dir", out]
+    assert run_cli(argv) == 0
+    capsys.readouterr()
+    # --resume with --overwrite
+    assert run_cli([*argv, "--resume", "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--overwrite" in err
+    # another sequence length / model: refused with the reason
+    assert run_cli([*argv, "--resume", "--seq-len", "32"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "seq_len: checkpoint 64, now 32" in err
+    assert run_cli([*argv, "--resume", "--model", "tiny-llama"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model: checkpoint 'tiny', now 'tiny-llama'" in err
+    # --resume in a directory without checkpoints
+    assert run_cli(["train", "--data", text_file, *FAST, "--output-dir", tmp_path / "new", "--resume"]) == 2
+    assert "no checkpoints" in capsys.readouterr().err
+    # a truncated file: named
+    ckpt = out / "checkpoints" / "step-00000002"
+    weights = ckpt / "trainable.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    before = (out / "log.jsonl").read_bytes()
+    assert run_cli([*argv, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(weights) in err
+    assert (out / "log.jsonl").read_bytes() == before
+    # a partial checkpoint (no meta.json): named
+    (ckpt / "meta.json").unlink()
+    assert run_cli([*argv, "--resume", ckpt]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "meta.json" in err
+
+
+def test_sigterm_saves_a_checkpoint_and_says_how_to_resume(tmp_path, text_file):
+    out = tmp_path / "run"
+    args = ["train", "--data", str(text_file), *FAST, "--steps", "100000", "--lr-schedule", "constant", "--output-dir", str(out)]
+    proc = subprocess.Popen([sys.executable, "-m", "oomb", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and not ((out / "log.jsonl").exists() and (out / "log.jsonl").read_text().count("\n") >= 2):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    line = [x for x in err.splitlines() if "stopped by SIGTERM" in x]
+    assert len(line) == 1 and "--resume latest" in line[0], err
+    step = losses(out)[-1][0]
+    assert (out / "checkpoints" / f"step-{step:08d}" / "meta.json").is_file()
+    assert line[0].endswith(_resume_command(args))
+    # continue for one more step (--steps may change on resume)
+    assert run_cli([*args[:-4], "--steps", step + 1, "--lr-schedule", "constant", "--output-dir", out, "--resume"]) == 0
+    assert [s for s, _ in losses(out)] == list(range(1, step + 2))
+    assert (out / "model.safetensors").is_file()
+
+
+def test_grad_accum_equals_one_step_over_both_sequences_by_hand(tmp_path, text_file):
+    out = tmp_path / "run"
+    lr = 1e-2
+    assert run_cli(["train", "--data", text_file, *FAST, "--steps", "1", "--grad-accum", "2", "--lr", lr, "--max-grad-norm", "0.5", "--output-dir", out]) == 0
+    from oomb import Engine, OOMBConfig
+    from oomb.data import TokenSequences, load_tokenizer, tokenize_documents, load_documents
+    from oomb.models.presets import build_model
+
+    tok = load_tokenizer(None)
+    seqs = TokenSequences(tokenize_documents(load_documents(str(text_file)), tok), 64, seed=0)
+    order = seqs.order(0)
+    x0, x1 = seqs[int(order[0])], seqs[int(order[1])]
+    torch.manual_seed(0)
+    model = build_model("tiny", dtype=torch.float32)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    # One plain full-sequence step over the two sequences: mean over all their target tokens.
+    logits0, logits1 = model(x0).logits[0, :-1], model(x1).logits[0, :-1]
+    loss = torch.nn.functional.cross_entropy(torch.cat([logits0, logits1]).float(), torch.cat([x0[0, 1:], x1[0, 1:]]))
+    loss.backward()
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, 0.5))
+    opt.step()
+    trained = load_file(out / "model.safetensors")
+    for name, p in model.state_dict().items():
+        if name in trained:
+            # AdamW's first step moves every weight by ~lr = 1e-2; a few weights whose gradient is ~0 differ by
+            # rounding amplified by Adam's normalisation, far below that.
+            torch.testing.assert_close(trained[name], p, rtol=0, atol=1e-4, msg=name)
+    rec = json.loads((out / "log.jsonl").read_text())
+    # The loss and the (pre-clip) gradient norm show the normalisation by the 126 target tokens of the step.
+    assert rec["num_tokens"] == 128 and abs(rec["loss"] - loss.item()) < 1e-5
+    assert abs(rec["grad_norm"] - grad_norm) < 1e-5 * grad_norm
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "constant"])
+def test_lr_schedules(schedule):
+    import argparse
+
+    args = argparse.Namespace(lr=1.0, steps=10, lr_schedule=schedule)
+    lrs = [_lr_at(s, args, 2) for s in range(1, 11)]
+    assert lrs[:2] == [0.5, 1.0]
+    if schedule == "constant":
+        assert lrs[2:] == [1.0] * 8
+    else:
+        assert lrs[2] == 1.0 and abs(lrs[-1] - 0.1) < 1e-12 and lrs == sorted(lrs[:2]) + sorted(lrs[2:], reverse=True)
+
+
+def test_rope_options_are_in_the_saved_config(tmp_path, text_file, capsys):
+    out = tmp_path / "run"
+    spec = "type=yarn,factor=4,original_max_position_embeddings=32768"
+    assert run_cli(["train", "--data", text_file, *FAST, "--steps", "1", "--rope-theta", "500000", "--rope-scaling", spec, "--output-dir", out]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    rope = cfg.get("rope_parameters") or {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg.get("rope_theta")}
+    assert rope["rope_type"] == "yarn" and rope["factor"] == 4 and rope["original_max_position_embeddings"] == 32768
+    assert rope["rope_theta"] == 500000
+    capsys.readouterr()
+    assert run_cli(["train", "--data", text_file, *FAST, "--rope-scaling", "type=nope,factor=2", "--output-dir", tmp_path / "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nope" in err and not (tmp_path / "x").exists()
