@@ -179,3 +179,29 @@ def test_rope_options_are_in_the_saved_config(tmp_path, text_file, capsys):
     assert run_cli(["train", "--data", text_file, *FAST, "--rope-scaling", "type=nope,factor=2", "--output-dir", tmp_path / "x"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "nope" in err and not (tmp_path / "x").exists()
+
+
+def _torchrun(args, tmp_path, port):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", str(port), "-m", "oomb", *map(str, args)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_torchrun_two_ranks_equal_one_process_accumulating_their_two_sequences(tmp_path, text_file):
+    import random
+
+    port = random.randint(20000, 40000)
+    common = ["train", "--data", text_file, *FAST, "--steps", "2", "--save-every", "1"]
+    dp = _torchrun([*common, "--output-dir", tmp_path / "dp"], tmp_path, port)
+    assert dp.returncode == 0, dp.stderr[-3000:]
+    assert dp.stdout.count("step     2/2") == 1  # rank 0 alone logs
+    assert run_cli([*common, "--grad-accum", "2", "--output-dir", tmp_path / "one"]) == 0
+    a, b = losses(tmp_path / "dp"), losses(tmp_path / "one")
+    assert [s for s, _ in a] == [1, 2] and abs(a[0][1] - b[0][1]) < 1e-5 and abs(a[1][1] - b[1][1]) < 1e-4
+    wa, wb = load_file(tmp_path / "dp" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=2e-4, msg=k)
+    assert json.loads((tmp_path / "dp" / "train_args.json").read_text())["world_size"] == 2
+    # bad input: every rank stops with status 2 and one line, none hangs
+    bad = _torchrun([*common, "--seq-len", "4096", "--chunk-size", "32", "--output-dir", tmp_path / "bad"], tmp_path, port + 1)
+    assert bad.returncode != 0 and "fewer than --seq-len 4096" in bad.stderr and not (tmp_path / "bad").exists()
