@@ -146,6 +146,32 @@ def _build_parser() -> argparse.ArgumentParser:
     w.add_argument("--no-progress", action="store_true", help="hide the progress bars")
 
     add_plan_subcommand(sub)
+
+    q = sub.add_parser(
+        "grad-error",
+        help="measure the gradient error of sparse attention against dense on one sequence",
+        description=(
+            "Run one dense step and one sparse step per page budget on the same sequence (the first of the seeded "
+            "data order) and print the relative gradient error ||g_sparse - g_dense|| / ||g_dense|| per parameter kind "
+            "(or per parameter). Nothing is trained or written, except --json."
+        ),
+        formatter_class=_HelpFormatter,
+    )
+    q.add_argument("--model", default="tiny", help="a preset name or a local Hugging Face model directory (as in 'oomb train')")
+    q.add_argument("--data", default=None, help="as in 'oomb train'; default: the bundled Austen corpus")
+    q.add_argument("--tokenizer", default=None, help="a local Hugging Face tokenizer folder; default: the bundled tokenizer")
+    q.add_argument("--seq-len", type=int, default=2048, help="tokens of the measured sequence")
+    q.add_argument("--chunk-size", type=int, default=512, help="tokens per chunk")
+    q.add_argument("--page-size", type=int, default=128, help="tokens per KV page; --chunk-size must be a multiple of it")
+    q.add_argument("--budgets", type=int, nargs="+", default=[4, 16, 64], help="page budgets to measure")
+    q.add_argument("--sink-pages", type=int, default=1, help="first pages always attended")
+    q.add_argument("--local-pages", type=int, default=8, help="latest past pages always attended")
+    q.add_argument("--sparse-score", choices=["mean", "quest"], default="mean", help="page score (mean key, or Quest's min/max bound)")
+    q.add_argument("--by", choices=["kind", "parameter"], default="kind", help="rows of the table: parameter kinds (q_proj, mlp, ...) or every parameter")
+    q.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to run")
+    q.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="parameter dtype; auto: bfloat16 on cuda, float32 on cpu")
+    q.add_argument("--seed", type=int, default=0, help="seed of the random weights of a preset and of the data order")
+    q.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON to PATH")
     return parser
 
 
@@ -737,6 +763,62 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
     return 0
 
 
+def _grad_error(args: argparse.Namespace) -> int:
+    """``oomb grad-error``: the sparse-vs-dense gradient error table of one sequence."""
+    for flag, value in (("--seq-len", args.seq_len), ("--chunk-size", args.chunk_size), ("--page-size", args.page_size)):
+        if value <= 0:
+            raise UsageError(f"{flag} is {value}", f"pass a positive number for {flag}")
+    if args.seq_len < 2:
+        raise UsageError(f"--seq-len is {args.seq_len}", "pass --seq-len 2 or more")
+    if args.chunk_size % args.page_size != 0:
+        raise UsageError(f"--chunk-size {args.chunk_size} is not a multiple of --page-size {args.page_size}", "pass a --page-size that divides --chunk-size")
+    for flag, value in (("--sink-pages", args.sink_pages), ("--local-pages", args.local_pages), *(("--budgets", b) for b in args.budgets)):
+        if value < 0:
+            raise UsageError(f"{flag} has {value}", f"pass 0 or a positive number of pages for {flag}")
+    if args.json is not None and not Path(args.json).expanduser().resolve().parent.is_dir():
+        raise UsageError(f"--json {args.json!r}: its folder does not exist", "pass a path in an existing folder")
+    import torch
+
+    from .config import OOMBConfig
+    from .data import BUNDLED_CORPUS, DataError, TokenSequences, load_documents, load_tokenizer, tokenize_documents
+    from .models.presets import UnknownModelError, build_model, check_config_supported, load_config
+    from .sparse_quality import sparse_grad_error
+    from . import UnsupportedModelError
+
+    device, dtype = _resolve_device_dtype(args)
+    try:
+        cfg = OOMBConfig(chunk_size=args.chunk_size, page_size=args.page_size, sparse=True, sink_pages=args.sink_pages,
+                         local_pages=args.local_pages, sparse_score=args.sparse_score)
+    except ValueError as exc:
+        raise _usage_from(exc, "fix the engine options (see 'oomb grad-error --help')") from exc
+    try:
+        tokenizer = load_tokenizer(args.tokenizer)
+        tokens = tokenize_documents(load_documents(args.data), tokenizer, cache=args.data is None or Path(args.data).resolve() == BUNDLED_CORPUS)
+        sequences = TokenSequences(tokens, args.seq_len, seed=args.seed)
+    except DataError as exc:
+        raise UsageError(exc.problem, exc.fix) from exc
+    try:
+        model_config = load_config(args.model)
+        check_config_supported(model_config)
+        _check_vocab(int(tokens.max()), int(model_config.vocab_size), args.model)
+        torch.manual_seed(args.seed)
+        model = build_model(args.model, dtype=dtype, device=device)
+    except (UnknownModelError, UnsupportedModelError) as exc:
+        raise _usage_from(exc, "use a Qwen2/2.5, Llama 2/3, Mistral or Qwen3 causal LM") from exc
+    input_ids = sequences[int(sequences.order(0)[0])].to(device)
+    try:
+        report = sparse_grad_error(model, input_ids, cfg, budgets=args.budgets)
+    except ValueError as exc:
+        raise _usage_from(exc, "see 'oomb grad-error --help'") from exc
+    print(report.table(by=args.by))
+    if args.json is not None:
+        path = Path(args.json).expanduser()
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
+        os.replace(tmp, path)
+    return 0
+
+
 def _plan(args: argparse.Namespace) -> int:
     """``oomb plan``: print the predicted memory of a run; 0 if it fits, 1 if not, 2 on bad input."""
     for flag, value in (("--seq-len", args.seq_len), ("--chunk-size", args.chunk_size), ("--page-size", args.page_size)):
@@ -760,6 +842,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _train(args)
         if args.command == "plan":
             return _plan(args)
+        if args.command == "grad-error":
+            return _grad_error(args)
     except UsageError as exc:
         _fail(f"{exc.problem}; {exc.fix}", 1 if isinstance(exc, _RunError) else 2)
     except KeyboardInterrupt:

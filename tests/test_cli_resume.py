@@ -205,3 +205,17 @@ def test_torchrun_two_ranks_equal_one_process_accumulating_their_two_sequences(t
     # bad input: every rank stops with status 2 and one line, none hangs
     bad = _torchrun([*common, "--seq-len", "4096", "--chunk-size", "32", "--output-dir", tmp_path / "bad"], tmp_path, port + 1)
     assert bad.returncode != 0 and "fewer than --seq-len 4096" in bad.stderr and not (tmp_path / "bad").exists()
+
+
+def test_grad_error_subcommand(tmp_path, text_file, capsys):
+    js = tmp_path / "report.json"
+    argv = ["grad-error", "--data", text_file, "--seq-len", "128", "--chunk-size", "32", "--page-size", "16",
+            "--budgets", "1", "64", "--local-pages", "1", "--json", js]
+    assert run_cli(argv) == 0
+    table = capsys.readouterr().out
+    assert "rel err @ 1 pages" in table and "**all**" in table
+    report = json.loads(js.read_text())
+    assert report["rel_error_all"]["64"] == 0.0 and report["rel_error_all"]["1"] > 0  # every page fits in 64
+    assert run_cli([*argv[:-2], "--budgets", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--budgets" in err
