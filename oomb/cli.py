@@ -647,7 +647,7 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
             try:
                 agree_ok(ok, device)
             except RankFailedError as exc:
-                raise _RunError(f"step {step}: another rank failed (its error is printed above)", "all ranks stopped; fix it and resume") from exc
+                raise _RunError(f"step {step}: another rank failed (its error is printed above)", "all ranks stopped") from exc
         if error is not None:
             raise error
 

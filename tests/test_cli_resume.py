@@ -202,9 +202,24 @@ def test_torchrun_two_ranks_equal_one_process_accumulating_their_two_sequences(t
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=2e-4, msg=k)
     assert json.loads((tmp_path / "dp" / "train_args.json").read_text())["world_size"] == 2
-    # bad input: every rank stops with status 2 and one line, none hangs
-    bad = _torchrun([*common, "--seq-len", "4096", "--chunk-size", "32", "--output-dir", tmp_path / "bad"], tmp_path, port + 1)
-    assert bad.returncode != 0 and "fewer than --seq-len 4096" in bad.stderr and not (tmp_path / "bad").exists()
+
+
+def test_torchrun_a_rank_that_fails_stops_every_rank_with_one_line(tmp_path):
+    import random
+
+    # Two sequences of 16 tokens: 16 words, then 16 EOS tokens (16 one-token documents: no target with
+    # --document-mask), so the rank that gets the second sequence fails its step.
+    data = tmp_path / "bad.jsonl"
+    data.write_text(json.dumps({"text": " ".join(["a"] * 16)}) + "\n" + json.dumps({"text": "</s>" * 15}) + "\n")
+    args = ["train", "--data", data, "--document-mask", "--seq-len", "16", "--chunk-size", "16", "--page-size", "16",
+            "--steps", "2", "--no-progress", "--output-dir", tmp_path / "run"]
+    res = _torchrun(args, tmp_path, random.randint(20000, 40000))
+    assert res.returncode != 0
+    errors = [line for line in res.stderr.splitlines() if line.startswith("oomb: error:")]
+    assert len(errors) == 2, res.stderr[-3000:]
+    assert any("step 1 failed: every label is -100" in e for e in errors)
+    assert any("step 1: another rank failed" in e for e in errors)
+    assert not (tmp_path / "run" / "model.safetensors").exists()
 
 
 def test_grad_error_subcommand(tmp_path, text_file, capsys):
