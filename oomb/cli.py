@@ -372,6 +372,14 @@ def _resume_command(argv: Sequence[str]) -> str:
     return "oomb " + shlex.join([*rest, "--resume", "latest"])
 
 
+def _log_step(line: str) -> float:
+    """The step of a log.jsonl line; infinity for a line that is not a complete record (a crash mid-write)."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return math.inf
+
+
 def _fingerprint(args: argparse.Namespace, tokens, dtype, world_size: int) -> dict:
     """What a checkpoint's run and the resuming run must share (see --resume in --help)."""
     import hashlib
@@ -615,7 +623,7 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
         # ---- every check passed: from here on we write.
         _prepare_output(out, args.overwrite)
         if start_step and log_path.is_file():  # drop the steps after the checkpoint: they are trained again
-            kept = [line for line in log_path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= start_step]
+            kept = [line for line in log_path.read_text(errors="replace").splitlines() if _log_step(line) <= start_step]
             tmp = log_path.with_name(".log.jsonl.tmp")
             tmp.write_text("".join(line + "\n" for line in kept))
             os.replace(tmp, log_path)

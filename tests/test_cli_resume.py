@@ -57,6 +57,8 @@ def test_resume_reproduces_the_uninterrupted_losses_exactly(tmp_path, text_file,
     shutil.copytree(a, b)
     for name in ("model.safetensors", "config.json"):
         (b / name).unlink()
+    with open(b / "log.jsonl", "a") as f:  # a record cut off by a crash is dropped too
+        f.write('{"step": 7, "lo')
     assert run_cli([*argv, "--output-dir", b, "--resume", b / "checkpoints" / "step-00000003"]) == 0
     assert losses(b) == straight  # the log keeps steps 1..3 and gets 4..6 again, equal to the last digit
     wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
@@ -216,9 +218,11 @@ def test_torchrun_a_rank_that_fails_stops_every_rank_with_one_line(tmp_path):
     res = _torchrun(args, tmp_path, random.randint(20000, 40000))
     assert res.returncode != 0
     errors = [line for line in res.stderr.splitlines() if line.startswith("oomb: error:")]
-    assert len(errors) == 2, res.stderr[-3000:]
-    assert any("step 1 failed: every label is -100" in e for e in errors)
-    assert any("step 1: another rank failed" in e for e in errors)
+    # The failing rank says why; the other says another rank failed -- unless torchrun, which ends the
+    # remaining workers as soon as one exits with an error, got there first.
+    assert 1 <= len(errors) <= 2, res.stderr[-3000:]
+    assert sum("step 1 failed: every label is -100" in e for e in errors) == 1, res.stderr[-3000:]
+    assert all("step 1 failed" in e or "step 1: another rank failed" in e for e in errors)
     assert not (tmp_path / "run" / "model.safetensors").exists()
 
 
