@@ -678,8 +678,7 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
                     for j in range(K):
                         input_ids = stream[((step - 1) * K + j) * W + ctx.rank].to(device)
                         cu = _document_bounds(input_ids.cpu(), tokenizer.eos_token_id) if args.document_mask else None
-                        targets = engine._prepare(input_ids, None, cu)[1]
-                        micro.append((input_ids, cu, int((targets != -100).sum())))
+                        micro.append((input_ids, cu, engine.count_valid_tokens(input_ids, None, cu)))
                 except ValueError as exc:
                     error = _RunError(f"step {step} failed: {_one_line(exc)}", "check the data")
                 check_all(error is None, step, error)

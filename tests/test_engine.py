@@ -396,3 +396,13 @@ def test_reserve_allocates_the_store_up_front():
     assert store.num_pages == 2 * 8 and engine.kv_store is store
     with pytest.raises(ValueError, match="seq_len must be"):
         engine.reserve(1)
+
+
+def test_count_valid_tokens_matches_step():
+    engine = Engine(tiny("qwen2").double(), OOMBConfig(chunk_size=8, page_size=4, attention_backend="torch"))
+    ids = torch.randint(0, VOCAB, (1, 20))
+    labels = ids.clone()
+    labels[0, 5:9] = -100
+    cu = torch.tensor([0, 12, 20])  # the boundary drops one more target
+    n = engine.count_valid_tokens(ids, labels, cu)
+    assert n == engine.step(ids, labels, cu_seqlens=cu).num_valid_tokens == 19 - 4 - 1

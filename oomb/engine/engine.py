@@ -256,6 +256,17 @@ class Engine:
             doc_start = doc_start.to(self.device, torch.int32)
         return input_ids.to(self.device, torch.int64), targets.to(self.device), doc_start, positions.to(self.device)
 
+    def count_valid_tokens(
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None
+    ) -> int:
+        """Tokens of one sequence that carry a loss, as :meth:`step` counts them.
+
+        Sum this over the sequences of a gradient-accumulation step (and over data-parallel
+        ranks) to get ``loss_normalizer``. Same arguments and input checks as :meth:`step`.
+        """
+        targets = self._prepare(input_ids, labels, cu_seqlens)[1]
+        return int((targets != IGNORE_INDEX).sum())
+
     def reserve(self, seq_len: int) -> PagedKVStore:
         """Allocate (or reuse) the KV page store for sequences of ``seq_len`` tokens now.
 
