@@ -238,3 +238,33 @@ def test_grad_error_subcommand(tmp_path, text_file, capsys):
     assert run_cli([*argv[:-2], "--budgets", "-1"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--budgets" in err
+
+
+def test_sigkill_while_writing_a_checkpoint_then_resume(tmp_path, text_file):
+    """`oomb train` is SIGKILLed in the middle of writing its step-2 checkpoint: the step-1
+    checkpoint still loads, and resuming from it reproduces the uninterrupted run's losses."""
+    argv = ["train", "--data", str(text_file), *FAST, "--steps", "4", "--warmup-steps", "1", "--save-every", "1"]
+    straight = tmp_path / "straight"
+    assert run_cli([*argv, "--output-dir", straight]) == 0
+    killed = tmp_path / "killed"
+    script = (
+        "import os, signal, sys, torch\n"
+        "import oomb.checkpoint as ck\n"
+        "from oomb.cli import main\n"
+        "real_save, calls = torch.save, []\n"
+        "def dying_save(obj, f, *a, **k):\n"
+        "    real_save(obj, f, *a, **k)\n"
+        "    calls.append(f)\n"
+        "    if len(calls) == 2:  # inside the step-2 checkpoint: weights and state written, meta.json not yet\n"
+        "        os.kill(os.getpid(), signal.SIGKILL)\n"
+        "ck.torch.save = dying_save\n"
+        f"sys.exit(main({[str(a) for a in argv] + ['--output-dir', str(killed)]!r}))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    ckpts = killed / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == "step-00000001"
+    assert any(p.name.startswith(".tmp-step-00000002") for p in ckpts.iterdir())
+    assert run_cli([*argv, "--output-dir", killed, "--resume", "latest"]) == 0
+    assert losses(killed) == losses(straight)
