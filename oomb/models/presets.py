@@ -38,76 +38,35 @@ class Preset:
     make: Callable[[], PretrainedConfig]
 
 
+_TINY_SHAPE = dict(
+    vocab_size=32000,
+    hidden_size=128,
+    intermediate_size=384,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=_MAX_POSITIONS,
+    tie_word_embeddings=True,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+"""The shape every tiny preset shares: ~5.3M parameters, 4.1M of them the tied 32,000 x 128 embedding."""
+
+
 def _tiny() -> PretrainedConfig:
-    # Qwen2-style; ~5.3M parameters, of which 4.1M are the tied 32,000 x 128 embedding.
-    return Qwen2Config(
-        vocab_size=32000,
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=_MAX_POSITIONS,
-        rope_theta=1e6,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        use_sliding_window=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    return Qwen2Config(**_TINY_SHAPE, rope_theta=1e6, rms_norm_eps=1e-6, use_sliding_window=False)
 
 
 def _tiny_llama() -> PretrainedConfig:
-    return LlamaConfig(
-        vocab_size=32000,
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=_MAX_POSITIONS,
-        rope_theta=5e5,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    return LlamaConfig(**_TINY_SHAPE, rope_theta=5e5, rms_norm_eps=1e-5)
 
 
 def _tiny_mistral() -> PretrainedConfig:
-    return MistralConfig(
-        vocab_size=32000,
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=_MAX_POSITIONS,
-        rope_theta=1e6,
-        sliding_window=None,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    return MistralConfig(**_TINY_SHAPE, rope_theta=1e6, sliding_window=None)
 
 
 def _tiny_qwen3() -> PretrainedConfig:
-    return Qwen3Config(
-        vocab_size=32000,
-        hidden_size=128,
-        intermediate_size=384,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=_MAX_POSITIONS,
-        rope_theta=1e6,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        use_sliding_window=False,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
+    return Qwen3Config(**_TINY_SHAPE, head_dim=32, rope_theta=1e6, rms_norm_eps=1e-6, use_sliding_window=False)
 
 
 def _qwen25_05b() -> PretrainedConfig:
