@@ -91,6 +91,9 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="", help="suffix of the result file names")
+    ap.add_argument("--profile", type=int, default=None, metavar="TOKENS",
+                    help="after the timed rows, profile one step per system at this length (torch.profiler) and "
+                         "write the top kernels by GPU time to <out>/profile_<system>_<TOKENS><tag>.txt")
     args = ap.parse_args(argv)
 
     device = torch.device(args.device)
@@ -196,6 +199,31 @@ def main(argv=None):
             write_results()  # after every row: a run cut short still leaves its numbers
 
     print(write_results())
+    if args.profile:
+        for system in args.systems:
+            profile_step(system, args.profile, run_system, device, args)
+
+
+def profile_step(system, T, run_system, device, args):
+    """One step under torch.profiler: top kernels by GPU time, and GPU busy time against wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        dt, _, _ = run_system(system, T)
+    ka = prof.key_averages()
+    busy_us = sum(e.self_device_time_total for e in ka if e.device_type == torch.autograd.DeviceType.CUDA)
+    if device.type == "cuda":
+        busy_us = busy_us or sum(e.self_device_time_total for e in ka)
+    head = (f"# {system}, {T} tokens, {args.model}: wall {dt:.2f} s (profiler on), "
+            f"GPU kernel time {busy_us / 1e6:.2f} s ({100 * busy_us / 1e6 / dt:.0f}% of wall)\n\n")
+    table = ka.table(sort_by="self_device_time_total" if device.type == "cuda" else "self_cpu_time_total", row_limit=45,
+                     max_name_column_width=90)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"profile_{system}_{T}{args.tag}.txt")
+    with open(path, "w") as f:
+        f.write(head + table + "\n")
+    print(head)
 
 
 if __name__ == "__main__":

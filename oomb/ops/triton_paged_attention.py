@@ -133,7 +133,7 @@ def _fwd_tile(acc, m_i, l_i, q, k, v, s_mask, qk_scale, MASKED: tl.constexpr, DO
     return acc, m_new, l_i
 
 
-@triton.autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY)
+@triton.autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY, cache_results=True)
 @triton.jit
 def _paged_attn_fwd_kernel(
     q_ptr,  # [C, Hq, D]
@@ -282,7 +282,7 @@ def _dq_tile(dq, q, do, k, v, lse2, delta, s_mask, qk_scale, MASKED: tl.constexp
     return dq + tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
 
 
-@triton.autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY)
+@triton.autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY, cache_results=True)
 @triton.jit
 def _paged_attn_bwd_dq_kernel(
     q_ptr,  # [C, Hq, D]
@@ -450,7 +450,7 @@ def _dkdv_tile(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_ptr, key_off
 
 
 # restore_value: autotuning runs the kernel once per config; the gradient pages must not keep those sums.
-@triton.autotune(configs=_DKDV_CONFIGS, key=_AUTOTUNE_KEY + ["IS_PAST"], restore_value=["dk_ptr", "dv_ptr"])
+@triton.autotune(configs=_DKDV_CONFIGS, key=_AUTOTUNE_KEY + ["IS_PAST"], restore_value=["dk_ptr", "dv_ptr"], cache_results=True)
 @triton.jit
 def _paged_attn_bwd_dkdv_kernel(
     q_ptr,  # [C, Hq, D]
