@@ -147,3 +147,118 @@ def test_reference_packed_documents(C, past_len, S, block, starts):
     torch.testing.assert_close(dv, v_all.grad[past_len:], rtol=1e-11, atol=1e-11)
     got_dk = dk_cache[bt.long()].reshape(-1, Hkv, D)[:past_len]
     torch.testing.assert_close(got_dk, k_all.grad[:past_len], rtol=1e-11, atol=1e-11)
+
+
+# ------------------------------------------------------------------ segmented past
+class FakeSegments:
+    """A PastSegments over one pool and block table (every segment read through the same table).
+
+    Records the acquire/release order and checks that each segment is released before the next is acquired.
+    """
+
+    def __init__(self, k_cache, v_cache, block_table, dk_cache, dv_cache, bounds, own=None):
+        self.pools = (k_cache, v_cache, block_table, dk_cache, dv_cache)
+        self.bounds = bounds
+        self.own = own
+        self.log = []
+
+    def acquire(self, index, grad):
+        assert not self.log or self.log[-1][0] != "acquire", self.log
+        self.log.append(("acquire", index, grad))
+        kc, vc, bt, dkc, dvc = self.pools
+        return kc, vc, bt, dkc if grad else None, dvc if grad else None
+
+    def release(self, index, grad):
+        assert self.log[-1] == ("acquire", index, grad), self.log
+        self.log.append(("release", index, grad))
+
+    def begin_backward(self):
+        self.log.append(("backward",))
+
+    def own_grad(self, n):
+        return None if self.own is None else (self.own[0][:n], self.own[1][:n])
+
+
+def check_segmented_equals_whole(backend, C, Hq, Hkv, D, past_len, S, cuts, starts=None, dtype=torch.float64,
+                                 device="cpu", tol=1e-12, block=8):
+    """paged_attention / paged_attention_forward with the past cut at token boundaries ``cuts`` equal the
+    unsegmented call: out, lse, dq, dk, dv (own stored gradient added) and the past dK/dV pages."""
+    from oomb.ops.paged_attention import PagedKV, paged_attention, paged_attention_forward
+
+    gen = torch.Generator().manual_seed(C * 7 + past_len)
+    q, k, v, k_cache, v_cache, bt = (t.to(device) for t in make_case(C, Hq, Hkv, D, past_len, S, gen, dtype=dtype))
+    n_own = -(-C // S)
+    own_pages = torch.arange(k_cache.shape[0], k_cache.shape[0] + n_own, dtype=torch.int32, device=device)
+    k_cache = torch.cat([k_cache, torch.zeros(n_own, S, Hkv, D, dtype=dtype, device=device)])
+    v_cache = torch.cat([v_cache, torch.zeros(n_own, S, Hkv, D, dtype=dtype, device=device)])
+    gdt = torch.float64 if dtype == torch.float64 else torch.float32
+    base_dk = torch.randn(k_cache.shape, generator=gen, dtype=gdt).to(device)  # already stored gradients
+    base_dv = torch.randn(k_cache.shape, generator=gen, dtype=gdt).to(device)
+    doc = None
+    if starts is not None:
+        doc_all = torch.zeros(past_len + C, dtype=torch.int32)
+        for s0 in starts:
+            doc_all[s0:] = s0
+        doc = doc_all[past_len:].clone().to(device)
+    dout = torch.randn(C, Hq, D, generator=gen, dtype=dtype).to(device)
+    scale = D ** -0.5
+    results = []
+    for segmented in (False, True):
+        dkc, dvc = base_dk.clone(), base_dv.clone()
+        qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+        if segmented:
+            bounds = list(zip([0] + cuts, cuts + [past_len])) if past_len else []
+            own = (dkc[own_pages.long()].flatten(0, 1), dvc[own_pages.long()].flatten(0, 1))
+            segs = FakeSegments(k_cache, v_cache, bt, dkc, dvc, bounds, own)
+            kv = PagedKV(None, None, None, past_len, q_doc_start=doc, segments=segs)
+        else:
+            kv = PagedKV(k_cache, v_cache, bt, past_len, dkc, dvc, own_pages, doc)
+        out_nograd, lse = paged_attention_forward(q, k, v, kv, scale, backend, block)
+        out = paged_attention(qq, kk, vv, kv, scale, backend, block)
+        out.backward(dout)
+        results.append((out_nograd, lse, out.detach(), qq.grad, kk.grad, vv.grad, dkc, dvc))
+        if segmented and bounds:
+            n = len(bounds)
+            fwd = [("acquire", i, False) for i in range(n)]
+            bwd = [("acquire", i, True) for i in reversed(range(n))]
+            assert [e for e in segs.log if e[0] == "acquire"] == fwd + fwd + bwd, segs.log
+    names = ["out (no grad)", "lse", "out", "dq", "dk", "dv", "past dK pages", "past dV pages"]
+    for name, a, b in zip(names, *results):
+        a, b = a.double().cpu(), b.double().cpu()
+        fin = torch.isfinite(b)
+        assert torch.equal(fin, torch.isfinite(a)), name
+        err = ((a[fin] - b[fin]).abs().max() / b[fin].abs().max().clamp_min(1e-30)).item() if fin.any() else 0.0
+        assert err <= tol, f"{name}: relative error {err:.3e} > {tol:.1e}"
+    return results
+
+
+SEGMENT_CASES = [
+    # C, Hq, Hkv, D, past_len, S, cuts (token boundaries of the segments), document starts
+    pytest.param(7, 4, 2, 8, 37, 4, [12, 20], None, id="gqa4:2-partial-last-page-cuts-off-chunk"),
+    pytest.param(9, 7, 1, 8, 40, 4, [4, 8, 36], None, id="gqa7:1-one-page-segments"),
+    pytest.param(5, 4, 2, 8, 23, 4, [20], None, id="last-segment-one-partial-page"),
+    pytest.param(8, 4, 2, 8, 30, 4, [8, 16], [0, 10, 31, 35], id="docs-first-segment-fully-masked"),
+    pytest.param(6, 4, 2, 8, 24, 4, [12], [0, 24], id="docs-whole-past-masked"),
+    pytest.param(6, 4, 2, 8, 24, 4, [], [0, 5, 26], id="one-segment-docs"),
+    pytest.param(6, 4, 2, 8, 0, 4, [], None, id="no-past"),
+]
+
+
+@pytest.mark.parametrize("C,Hq,Hkv,D,past_len,S,cuts,starts", SEGMENT_CASES)
+def test_segmented_reference_equals_whole(C, Hq, Hkv, D, past_len, S, cuts, starts):
+    results = check_segmented_equals_whole("torch", C, Hq, Hkv, D, past_len, S, cuts, starts)
+    if len(cuts) == 0:  # one segment: the same call, bit for bit
+        for a, b in zip(*results):
+            assert torch.equal(a, b)
+
+
+def test_reference_past_only_part_of_a_masked_row_is_zero_with_lse_minus_inf():
+    gen = torch.Generator().manual_seed(3)
+    q, k, v, k_cache, v_cache, bt = make_case(4, 2, 1, 8, 16, 4, gen)
+    doc = torch.tensor([0, 9, 9, 9])
+    out, lse = paged_attention_fwd_ref(q, k, v, k_cache, v_cache, bt, 8, q_doc_start=doc, past_start=4, include_own=False)
+    assert torch.all(out[1:] == 0) and torch.all(torch.isneginf(lse[:, 1:])) and torch.isfinite(lse[:, 0]).all()
+    with pytest.raises(ValueError, match="past_start"):
+        paged_attention_fwd_ref(q, k, v, k_cache, v_cache, bt, 8, past_start=9)
+    with pytest.raises(ValueError, match="include_own=False"):
+        paged_attention_fwd_ref(q, k, v, k_cache, v_cache, bt, 8, past_start=8, include_own=False)

@@ -237,3 +237,56 @@ def test_packed_documents_match_reference(C, Hq, Hkv, D, past_len, S, starts):
             g = got[name].cpu()[bt].reshape(-1, Hkv, D)[:past_len]
             r = ref[name][bt].reshape(-1, Hkv, D)[:past_len]
             assert_close(f"past {name}", g, r)
+
+
+# ------------------------------------------------------------------ segmented past
+from test_attention_ref import SEGMENT_CASES, check_segmented_equals_whole  # noqa: E402
+
+
+@pytest.mark.parametrize("C,Hq,Hkv,D,past_len,S,cuts,starts", SEGMENT_CASES)
+def test_segmented_kernels_equal_whole(C, Hq, Hkv, D, past_len, S, cuts, starts):
+    """Parts over [past_start, past_len) merged by log-sum-exp equal the one-call kernels (fp32, tight);
+    segment cuts that are not multiples of the interpreter's 16-token tile included."""
+    results = check_segmented_equals_whole("triton", C, Hq, Hkv, D, past_len, S, cuts, starts, dtype=torch.float32,
+                                           device=DEVICE, tol=2e-6)
+    if len(cuts) == 0:  # one segment: the same kernel calls, bit for bit
+        for a, b in zip(*results):
+            assert torch.equal(a, b)
+
+
+def test_past_only_part_kernels_match_reference():
+    """A past-only part (include_own=False, past_start > 0) of the kernels against the reference, incl. rows
+    that see no key in it (out 0, lse -inf), and its backward with a final lse."""
+    C, Hq, Hkv, D, past_len, S = 11, 4, 2, 16, 45, 4
+    case = make_case(C, Hq, Hkv, D, past_len, S, seed=5)
+    doc = torch.tensor([0] * 4 + [30] * 7, dtype=torch.int32, device=DEVICE)
+    args = (case["q"], case["k"], case["v"], case["k_cache"], case["v_cache"], case["block_table"])
+    out, lse = tpa.paged_attention_fwd(*args, 28, q_doc_start=doc, past_start=12, include_own=False, out_dtype=torch.float32)
+    d = {n: t.double().cpu() for n, t in case.items() if n != "block_table"}
+    bt = case["block_table"].cpu()
+    ref_args = (d["q"], d["k"], d["v"], d["k_cache"], d["v_cache"], bt)
+    out_r, lse_r = attention_ref.paged_attention_fwd_ref(*ref_args, 28, q_doc_start=doc.cpu(), past_start=12, include_own=False)
+    assert out.dtype == torch.float32
+    assert torch.all(out[4:] == 0) and torch.all(torch.isneginf(lse[:, 4:]))
+    assert_close("part out", out, out_r)
+    assert_close("part lse", lse[:, :4], lse_r[:, :4])
+    # Backward of the part with the final out/lse of the whole attention.
+    o_all, l_all = tpa.paged_attention_fwd(*args, past_len, q_doc_start=doc)
+    o_r, l_r = attention_ref.paged_attention_fwd_ref(*ref_args, past_len, q_doc_start=doc.cpu())
+    dkc = torch.zeros_like(case["k_cache"])
+    dvc = torch.zeros_like(case["v_cache"])
+    dq, dk, dv = tpa.paged_attention_bwd(case["dout"], *args[:3], o_all, l_all, *args[3:], 28, dkc, dvc, q_doc_start=doc,
+                                         past_start=12, include_own=False, dq_dtype=torch.float32)
+    dkc_r, dvc_r = torch.zeros_like(d["k_cache"]), torch.zeros_like(d["v_cache"])
+    dq_r, _, _ = attention_ref.paged_attention_bwd_ref(d["dout"], *ref_args[:3], o_r, l_r, *ref_args[3:], 28, dkc_r, dvc_r,
+                                                       q_doc_start=doc.cpu(), past_start=12, include_own=False)
+    assert dk is None and dv is None and dq.dtype == torch.float32
+    assert_close("part dq", dq, dq_r)
+    assert_close("part dK pages", dkc, dkc_r)
+    assert_close("part dV pages", dvc, dvc_r)
+    # Pages of tokens before past_start are untouched.
+    assert torch.all(dkc[bt[: 12 // S].long()] == 0)
+    with pytest.raises(ValueError, match="include_own=False"):
+        tpa.paged_attention_fwd(*args, 12, past_start=12, include_own=False)
+    with pytest.raises(ValueError, match="out_dtype"):
+        tpa.paged_attention_fwd(*args, 12, out_dtype=torch.float64)

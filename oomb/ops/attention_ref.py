@@ -99,12 +99,27 @@ class _Masks:
         kabs = torch.arange(start, end, device=self.qi.device)[None, :]
         return kabs < self.doc[:, None]
 
-    def first_past_token(self, block_size: int) -> int:
-        """Past blocks before every query's document are skipped (blocks stay aligned to block_size)."""
+    def first_past_token(self, block_size: int, past_start: int = 0) -> int:
+        """First past block read: blocks start at ``past_start`` + multiples of ``block_size``; those
+        wholly before every query's document are skipped."""
         if self.doc is None:
-            return 0
-        first = min(int(self.doc.min()), self.past_len)
-        return (first // block_size) * block_size
+            return past_start
+        first = min(max(int(self.doc.min()), past_start), self.past_len)
+        return past_start + ((first - past_start) // block_size) * block_size
+
+
+def _check_part(past_start, past_len, include_own):
+    if not isinstance(past_start, int) or not 0 <= past_start <= past_len:
+        raise ValueError(f"past_start must be an int in [0, past_len={past_len}]; got {past_start!r}")
+    if not include_own and past_start == past_len:
+        raise ValueError("include_own=False needs at least one past token (past_start < past_len)")
+
+
+def _merge(out, lse, out_b, lse_b):
+    """Log-sum-exp merge of two normalised parts; rows with lse = -inf (nothing visible) weigh 0, no NaN."""
+    new_lse = torch.logaddexp(lse, lse_b)
+    ref = torch.where(torch.isinf(new_lse), 0.0, new_lse)
+    return out * torch.exp(lse - ref)[..., None] + out_b * torch.exp(lse_b - ref)[..., None], new_lse
 
 
 def _check(q, k, v, k_cache, v_cache, block_table, past_len):
@@ -141,8 +156,11 @@ def _fwd_impl(
     softmax_scale: float | None = None,
     block_size: int = 4096,
     q_doc_start: torch.Tensor | None = None,
+    past_start: int = 0,
+    include_own: bool = True,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of one chunk over paged past K/V plus its own K/V (causal).
+    """Attention of one chunk over paged past K/V plus its own K/V (causal), or over one part of them.
 
     Args:
         q: [C, Hq, D] queries of the chunk (any float dtype).
@@ -156,15 +174,26 @@ def _fwd_impl(
             query's document starts (past tokens are 0..past_len-1, own token i is past_len+i);
             keys before it are masked out and past pages wholly before every query's document
             are skipped. None = one document.
+        past_start: first past token attended (tokens, 0 <= past_start <= past_len): only past
+            tokens [past_start, past_len) are read, through ``block_table[t // S]`` (entries for
+            earlier pages are never read). Own tokens stay at absolute index past_len + i.
+        include_own: False = leave out the chunk's own keys (a past-only part; needs
+            past_start < past_len). Parts are merged by the caller with the log-sum-exp rule.
+        out_dtype: dtype of ``out`` (default q's); a float32/float64 part output avoids a
+            rounding before the merge.
 
     Returns:
-        out: [C, Hq, D] in q's dtype.
-        lse: [Hq, C] log-sum-exp of the scaled scores, float32 (float64 for float64 q).
+        out: [C, Hq, D] in ``out_dtype``. A row that sees no key (possible only with
+            include_own=False and packed documents) is 0.
+        lse: [Hq, C] log-sum-exp of the scaled scores, float32 (float64 for float64 q); -inf
+            for a row that sees no key.
 
     Raises:
-        ValueError: on inconsistent shapes, Hq not a multiple of Hkv, or a block_table too short.
+        ValueError: on inconsistent shapes, Hq not a multiple of Hkv, a block_table too short,
+            or past_start outside [0, past_len] (or equal to past_len with include_own=False).
     """
     _check(q, k, v, k_cache, v_cache, block_table, past_len)
+    _check_part(past_start, past_len, include_own)
     C, Hq, D = q.shape
     Hkv = k.shape[1]
     acc = acc_dtype_for(q.dtype)
@@ -172,16 +201,20 @@ def _fwd_impl(
     qg = _to_groups(q, Hkv, acc)  # [Hkv, G*C, D]
     masks = _Masks(C, qg.shape[1] // C, past_len, q_doc_start, q.device)
 
-    # Own chunk, causal: row r (query r % C) sees own keys j <= r % C.
-    ko = k.to(acc).permute(1, 0, 2)
-    vo = v.to(acc).permute(1, 0, 2)
-    s = torch.matmul(qg, ko.transpose(1, 2)) * scale  # [Hkv, G*C, C]
-    s.masked_fill_(masks.own(), float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)  # [Hkv, G*C]
-    out = torch.matmul(torch.exp(s - lse[..., None]), vo)
-    del s
+    if include_own:
+        # Own chunk, causal: row r (query r % C) sees own keys j <= r % C.
+        ko = k.to(acc).permute(1, 0, 2)
+        vo = v.to(acc).permute(1, 0, 2)
+        s = torch.matmul(qg, ko.transpose(1, 2)) * scale  # [Hkv, G*C, C]
+        s.masked_fill_(masks.own(), float("-inf"))
+        lse = torch.logsumexp(s, dim=-1)  # [Hkv, G*C]
+        out = torch.matmul(torch.exp(s - lse[..., None]), vo)
+        del s
+    else:
+        lse = torch.full(qg.shape[:2], float("-inf"), dtype=acc, device=q.device)
+        out = torch.zeros_like(qg)
 
-    for start in range(masks.first_past_token(block_size), past_len, block_size):
+    for start in range(masks.first_past_token(block_size, past_start), past_len, block_size):
         end = min(past_len, start + block_size)
         kb = _gather_past(k_cache, block_table, start, end, acc)
         vb = _gather_past(v_cache, block_table, start, end, acc)
@@ -193,11 +226,14 @@ def _fwd_impl(
         # A row with every key masked has lse_b = -inf: give it zero weight, not NaN.
         out_b = torch.matmul(torch.exp(s - torch.where(torch.isinf(lse_b), 0.0, lse_b)[..., None]), vb)
         del s
-        new_lse = torch.logaddexp(lse, lse_b)
-        out = out * torch.exp(lse - new_lse)[..., None] + out_b * torch.exp(lse_b - new_lse)[..., None]
-        lse = new_lse
+        if include_own:
+            new_lse = torch.logaddexp(lse, lse_b)
+            out = out * torch.exp(lse - new_lse)[..., None] + out_b * torch.exp(lse_b - new_lse)[..., None]
+            lse = new_lse
+        else:  # lse may still be -inf here
+            out, lse = _merge(out, lse, out_b, lse_b)
 
-    out_CHD = _from_groups(out, C).to(q.dtype)
+    out_CHD = _from_groups(out, C).to(out_dtype or q.dtype)
     lse_HC = lse.view(Hkv, Hq // Hkv, C).reshape(Hq, C)
     return out_CHD, lse_HC
 
@@ -218,8 +254,11 @@ def _bwd_impl(
     softmax_scale: float | None = None,
     block_size: int = 4096,
     q_doc_start: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward of :func:`paged_attention_fwd_ref`.
+    past_start: int = 0,
+    include_own: bool = True,
+    dq_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Backward of :func:`paged_attention_fwd_ref`, or of one part of it.
 
     Args:
         dout: [C, Hq, D] gradient of ``out``.
@@ -228,16 +267,24 @@ def _bwd_impl(
         dk_cache, dv_cache: [P, S, Hkv, D] gradient page pools (float32 or float64). The past
             pages' dK/dV are ADDED here in place, outside autograd.
         q_doc_start: as in the forward.
+        past_start, include_own: the part (as in the forward). ``out`` and ``lse`` must be the
+            FINAL output and log-sum-exp over all parts (delta = rowsum(dout * out) and
+            p = exp(s - lse) then give this part's exact share); only the dK/dV of past tokens
+            [past_start, past_len) are added, and dq is this part's contribution (the caller
+            sums the parts).
+        dq_dtype: dtype of ``dq`` (default q's); float32/float64 keeps a part unrounded for the sum.
 
     Returns:
-        dq: [C, Hq, D] in q's dtype.
+        dq: [C, Hq, D] in ``dq_dtype``.
         dk, dv: [C, Hkv, D] in k's dtype -- the own chunk's contribution only (the caller adds
-            whatever later chunks already stored in the chunk's own gradient pages).
+            whatever later chunks already stored in the chunk's own gradient pages); None
+            when include_own=False.
 
     Raises:
-        ValueError: on inconsistent shapes, or past_len > 0 without gradient pools.
+        ValueError: on inconsistent shapes, past_len > 0 without gradient pools, or a bad part.
     """
     _check(q, k, v, k_cache, v_cache, block_table, past_len)
+    _check_part(past_start, past_len, include_own)
     if past_len > 0 and (dk_cache is None or dv_cache is None or dk_cache.shape != k_cache.shape):
         raise ValueError("past_len > 0 needs dk_cache/dv_cache with the same shape as k_cache")
     C, Hq, D = q.shape
@@ -265,10 +312,14 @@ def _bwd_impl(
     ko = k.to(acc).permute(1, 0, 2)
     vo = v.to(acc).permute(1, 0, 2)
     masks = _Masks(C, qg.shape[1] // C, past_len, q_doc_start, q.device)
-    dq, dk_own, dv_own = block_grads(ko, vo, masks.own())
+    if include_own:
+        dq, dk_own, dv_own = block_grads(ko, vo, masks.own())
+    else:
+        dq = torch.zeros_like(qg)
+        dk_own = dv_own = None
 
     S = k_cache.shape[1] if past_len > 0 else 1
-    for start in range(masks.first_past_token(block_size), past_len, block_size):
+    for start in range(masks.first_past_token(block_size, past_start), past_len, block_size):
         end = min(past_len, start + block_size)
         kb = _gather_past(k_cache, block_table, start, end, acc)
         vb = _gather_past(v_cache, block_table, start, end, acc)
@@ -282,28 +333,34 @@ def _bwd_impl(
             buf[start - p0 * S : end - p0 * S] = src.permute(1, 0, 2).to(dst.dtype)
             dst.index_add_(0, pages, buf.view(p1 - p0, S, Hkv, D))
 
+    if not include_own:
+        return _from_groups(dq, C).to(dq_dtype or q.dtype), None, None
     return (
-        _from_groups(dq, C).to(q.dtype),
+        _from_groups(dq, C).to(dq_dtype or q.dtype),
         dk_own.permute(1, 0, 2).to(k.dtype),
         dv_own.permute(1, 0, 2).to(v.dtype),
     )
 
 
 def paged_attention_fwd_ref(
-    q, k, v, k_cache, v_cache, block_table, past_len, softmax_scale=None, block_size=4096, q_doc_start=None
+    q, k, v, k_cache, v_cache, block_table, past_len, softmax_scale=None, block_size=4096, q_doc_start=None,
+    past_start=0, include_own=True, out_dtype=None,
 ):
     with _matmul_precision(q.dtype, q.device):
-        return _fwd_impl(q, k, v, k_cache, v_cache, block_table, past_len, softmax_scale, block_size, q_doc_start)
+        return _fwd_impl(
+            q, k, v, k_cache, v_cache, block_table, past_len, softmax_scale, block_size, q_doc_start, past_start,
+            include_own, out_dtype,
+        )
 
 
 def paged_attention_bwd_ref(
     dout, q, k, v, out, lse, k_cache, v_cache, block_table, past_len, dk_cache, dv_cache, softmax_scale=None,
-    block_size=4096, q_doc_start=None,
+    block_size=4096, q_doc_start=None, past_start=0, include_own=True, dq_dtype=None,
 ):
     with _matmul_precision(q.dtype, q.device):
         return _bwd_impl(
             dout, q, k, v, out, lse, k_cache, v_cache, block_table, past_len, dk_cache, dv_cache, softmax_scale,
-            block_size, q_doc_start,
+            block_size, q_doc_start, past_start, include_own, dq_dtype,
         )
 
 

@@ -12,19 +12,63 @@ pages plus the chunk's own K/V; its backward
 
 Backends: ``"torch"`` (the reference in :mod:`oomb.ops.attention_ref`) and
 ``"triton"`` (:mod:`oomb.ops.triton_paged_attention`), which share one contract.
+
+**Segmented past.** A store that cannot show a layer's whole past through one block
+table (:class:`oomb.engine.offload.OffloadedKVStore` stages it into a few fixed
+buffers) sets :attr:`PagedKV.segments`. The forward then runs one call per segment
+``[a, b)`` of past tokens (``past_start=a``, ``past_len=b``; the chunk's own keys go with
+the LAST segment, whose ``past_len`` is the whole past, so own token ``i`` keeps its
+absolute index for packed-document masks) and merges the parts in float32 (float64 for
+float64 inputs) with the log-sum-exp rule::
+
+    lse = logaddexp_s lse_s        out = sum_s exp(lse_s - lse) * out_s
+
+(a part in which a row sees no key has ``lse_s = -inf`` and weight 0). The backward runs
+the segments in reverse with the FINAL out and lse, so each call yields that segment's
+exact share: its dq (summed in float32) and its past dK/dV (added to its gradient pages
+before the store writes them back). With a single segment the calls are exactly the
+unsegmented ones, bit for bit.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Callable
+from typing import Callable, Protocol, Sequence
 
 import torch
 
 from .attention_ref import paged_attention_bwd_ref, paged_attention_fwd_ref
 
-__all__ = ["PagedKV", "paged_attention", "paged_attention_forward", "resolve_backend"]
+__all__ = ["PagedKV", "PastSegments", "paged_attention", "paged_attention_forward", "resolve_backend"]
+
+
+class PastSegments(Protocol):
+    """The past of one (chunk, layer) attention, shown one segment at a time (see the module docstring).
+
+    Attributes:
+        bounds: token ranges ``[(a_0, b_0), (a_1, b_1), ...]`` in order, ``a_0 = 0``,
+            ``a_{s+1} = b_s``, the last ``b`` = ``past_len``; empty when there is no past.
+    """
+
+    bounds: Sequence[tuple[int, int]]
+
+    def acquire(self, index: int, grad: bool) -> tuple:
+        """Make segment ``index`` readable by the next kernels (waits on the compute stream).
+
+        Returns ``(k_cache, v_cache, block_table, dk_cache, dv_cache)``: pools and an int32
+        table whose entries ``[a // S, ceil(b / S))`` address the segment's pages (earlier
+        entries are never read); the gradient pools are None unless ``grad``.
+        """
+
+    def release(self, index: int, grad: bool) -> None:
+        """The kernels reading (and, with ``grad``, adding into) segment ``index`` are enqueued."""
+
+    def begin_backward(self) -> None:
+        """The backward of this view starts (before its first segment)."""
+
+    def own_grad(self, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The dK/dV later chunks stored for the chunk's own ``n`` tokens ([n, Hkv, D] each), or None."""
 
 
 @dataclass
@@ -42,6 +86,9 @@ class PagedKV:
             sequences (see :func:`oomb.ops.attention_ref.paged_attention_fwd_ref`), or None.
         after_backward: called once the backward has written the past dK/dV and read the own
             stored gradient (a store that keeps pages in host memory writes them back here).
+        segments: None (the whole past through ``block_table``), or the past in segments
+            (:class:`PastSegments`); then k_cache, v_cache, block_table, dk_cache, dv_cache and
+            own_block_table are unused (None) and ``segments.own_grad`` gives the own stored gradient.
     """
 
     k_cache: torch.Tensor | None
@@ -53,6 +100,7 @@ class PagedKV:
     own_block_table: torch.Tensor | None = None
     q_doc_start: torch.Tensor | None = None
     after_backward: Callable[[], None] | None = None
+    segments: PastSegments | None = None
 
 
 @lru_cache(maxsize=None)
@@ -85,31 +133,112 @@ def _doc_kwargs(kv: PagedKV) -> dict:
     return {} if kv.q_doc_start is None else {"q_doc_start": kv.q_doc_start}
 
 
-def _fwd(backend: str, q, k, v, kv: PagedKV, scale: float, block_size: int):
+def _part_kwargs(part: tuple | None, dtype_name: str) -> dict:
+    """Keyword arguments of one segment call ``part = (past_start, include_own, out/dq dtype or None)``;
+    none for an unsegmented call (``part`` None), which so stays exactly the call it always was."""
+    if part is None:
+        return {}
+    past_start, include_own, dtype = part
+    kw = {"past_start": past_start, "include_own": include_own}
+    if dtype is not None:
+        kw[dtype_name] = dtype
+    return kw
+
+
+def _fwd(backend: str, q, k, v, kv: PagedKV, scale: float, block_size: int, part: tuple | None = None):
+    kw = _part_kwargs(part, "out_dtype")
     if backend == "triton":
         from .triton_paged_attention import paged_attention_fwd
 
         return paged_attention_fwd(
-            q, k, v, kv.k_cache, kv.v_cache, kv.block_table, kv.past_len, softmax_scale=scale, **_doc_kwargs(kv)
+            q, k, v, kv.k_cache, kv.v_cache, kv.block_table, kv.past_len, softmax_scale=scale, **_doc_kwargs(kv), **kw
         )
     return paged_attention_fwd_ref(
-        q, k, v, kv.k_cache, kv.v_cache, kv.block_table, kv.past_len, scale, block_size, kv.q_doc_start
+        q, k, v, kv.k_cache, kv.v_cache, kv.block_table, kv.past_len, scale, block_size, kv.q_doc_start, **kw
     )
 
 
-def _bwd(backend: str, dout, q, k, v, out, lse, kv: PagedKV, scale: float, block_size: int):
+def _bwd(backend: str, dout, q, k, v, out, lse, kv: PagedKV, scale: float, block_size: int, part: tuple | None = None,
+         delta: torch.Tensor | None = None):
     args = (dout, q, k, v, out, lse, kv.k_cache, kv.v_cache, kv.block_table, kv.past_len, kv.dk_cache, kv.dv_cache)
+    kw = _part_kwargs(part, "dq_dtype")
     if backend == "triton":
         from .triton_paged_attention import paged_attention_bwd
 
-        return paged_attention_bwd(*args, softmax_scale=scale, **_doc_kwargs(kv))
-    return paged_attention_bwd_ref(*args, scale, block_size, kv.q_doc_start)
+        if delta is not None:
+            kw["delta"] = delta
+        return paged_attention_bwd(*args, softmax_scale=scale, **_doc_kwargs(kv), **kw)
+    return paged_attention_bwd_ref(*args, scale, block_size, kv.q_doc_start, **kw)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _segment_view(kv: PagedKV, index: int, grad: bool) -> PagedKV:
+    """Acquire segment ``index`` and return the PagedKV of one call over it."""
+    kc, vc, bt, dkc, dvc = kv.segments.acquire(index, grad)
+    return PagedKV(kc, vc, bt, kv.segments.bounds[index][1], dkc, dvc, q_doc_start=kv.q_doc_start)
+
+
+def _fwd_segmented(backend: str, q, k, v, kv: PagedKV, scale: float, block_size: int):
+    """Forward over the segments of ``kv.segments`` merged by log-sum-exp -> (out in q's dtype, lse [Hq, C])."""
+    bounds = list(kv.segments.bounds)
+    if not bounds:  # no past: the own chunk alone
+        return _fwd(backend, q, k, v, PagedKV(None, None, None, 0, q_doc_start=kv.q_doc_start), scale, block_size)
+    n = len(bounds)
+    acc = None if n == 1 else _acc_dtype(q.dtype)
+    out = lse = lse_dtype = None
+    for i, (a, _) in enumerate(bounds):
+        part_kv = _segment_view(kv, i, False)
+        o, l = _fwd(backend, q, k, v, part_kv, scale, block_size, (a, i == n - 1, acc))
+        kv.segments.release(i, False)
+        if n == 1:
+            return o, l
+        lse_dtype = l.dtype
+        l = l.to(acc)
+        if out is None:
+            out, lse = o, l
+            continue
+        new = torch.logaddexp(lse, l)
+        ref = torch.where(torch.isinf(new), 0.0, new)  # a row that saw nothing yet: weights exp(-inf) = 0
+        out = out * torch.exp(lse - ref).t()[..., None] + o * torch.exp(l - ref).t()[..., None]
+        lse = new
+    return out.to(q.dtype), lse.to(lse_dtype)
+
+
+def _bwd_segmented(backend: str, dout, q, k, v, out, lse, kv: PagedKV, scale: float, block_size: int):
+    """Backward over the segments in reverse -> (dq, dk, dv) of the own chunk (dK/dV of the past added in place)."""
+    seg = kv.segments
+    bounds = list(seg.bounds)
+    seg.begin_backward()
+    if not bounds:
+        return _bwd(backend, dout, q, k, v, out, lse, PagedKV(None, None, None, 0, q_doc_start=kv.q_doc_start), scale,
+                    block_size)
+    n = len(bounds)
+    acc = None if n == 1 else _acc_dtype(q.dtype)
+    delta = None
+    if backend == "triton" and n > 1:
+        from .triton_paged_attention import _delta
+
+        delta = _delta(dout, out)
+    dq = dk = dv = None
+    for i in range(n - 1, -1, -1):
+        part_kv = _segment_view(kv, i, True)
+        dq_i, dk_i, dv_i = _bwd(backend, dout, q, k, v, out, lse, part_kv, scale, block_size,
+                                (bounds[i][0], i == n - 1, acc), delta)
+        seg.release(i, True)
+        dq = dq_i if dq is None else dq + dq_i
+        if i == n - 1:
+            dk, dv = dk_i, dv_i
+    return dq.to(q.dtype), dk, dv
 
 
 class _PagedAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, kv: PagedKV, scale: float, backend: str, block_size: int):
-        out, lse = _fwd(backend, q, k, v, kv, scale, block_size)
+        fwd = _fwd if kv.segments is None else _fwd_segmented
+        out, lse = fwd(backend, q, k, v, kv, scale, block_size)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.kv, ctx.scale, ctx.backend, ctx.block_size = kv, scale, backend, block_size
         return out
@@ -118,8 +247,14 @@ class _PagedAttentionFunction(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         kv: PagedKV = ctx.kv
-        dq, dk, dv = _bwd(ctx.backend, dout.contiguous(), q, k, v, out, lse, kv, ctx.scale, ctx.block_size)
-        if kv.own_block_table is not None:
+        bwd = _bwd if kv.segments is None else _bwd_segmented
+        dq, dk, dv = bwd(ctx.backend, dout.contiguous(), q, k, v, out, lse, kv, ctx.scale, ctx.block_size)
+        if kv.segments is not None:
+            own = kv.segments.own_grad(k.shape[0])
+            if own is not None:
+                dk = dk + own[0].to(dk.dtype)
+                dv = dv + own[1].to(dv.dtype)
+        elif kv.own_block_table is not None:
             n = k.shape[0]
             idx = kv.own_block_table.long()
             dk = dk + kv.dk_cache.index_select(0, idx).flatten(0, 1)[:n].to(dk.dtype)
@@ -154,5 +289,7 @@ def paged_attention(
 
 
 def paged_attention_forward(q, k, v, kv: PagedKV, softmax_scale: float, backend: str = "torch", block_size: int = 4096):
-    """No-grad forward (Stage 1): returns (out [C, Hq, D], lse [Hq, C] float32)."""
-    return _fwd(backend, q, k, v, kv, softmax_scale, block_size)
+    """No-grad forward (Stage 1): returns (out [C, Hq, D], lse [Hq, C] float32; float64 from the
+    torch backend for float64 inputs). Segmented like :func:`paged_attention` when ``kv.segments`` is set."""
+    fwd = _fwd if kv.segments is None else _fwd_segmented
+    return fwd(backend, q, k, v, kv, softmax_scale, block_size)

@@ -51,6 +51,11 @@ G = Hq // Hkv, D head dim, P pages in the pool, S = page_size tokens per page):
   must not list a page twice (two programs would then race on the same rows); the engine's
   allocator never does.
 
+Parts of the past (a store that stages the past in segments, :mod:`oomb.ops.paged_attention`):
+``past_start`` makes every past loop (and the past dK/dV grid) start at that token, tiles
+counted from it, and the constexpr ``HAS_OWN=False`` leaves out the own chunk. With the
+defaults (``past_start=0``, own included) the kernels run exactly the loops they always did.
+
 Precision: bf16/fp16 inputs are multiplied in their own type with fp32 accumulation
 (``p`` and ``ds`` are rounded to the input type before their products, as in
 FlashAttention); fp32 inputs use exact fp32 products (``input_precision="ieee"``).
@@ -92,7 +97,7 @@ _FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64
 _DQ_CONFIGS = _configs([(128, 128, 8, 2), (128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3)])
 # dk/dv holds two fp32 [BLOCK_N, D] accumulators plus its K/V tile: 8 warps keep spills small.
 _DKDV_CONFIGS = _configs([(64, 128, 8, 3), (64, 64, 4, 3), (64, 64, 8, 3), (64, 64, 8, 2), (32, 128, 8, 2), (64, 128, 8, 2)])
-_AUTOTUNE_KEY = ["G", "HEAD_DIM", "PAGE_SIZE", "HAS_DOC"]
+_AUTOTUNE_KEY = ["G", "HEAD_DIM", "PAGE_SIZE", "HAS_DOC", "HAS_OWN"]
 
 
 # --------------------------------------------------------------------------------------
@@ -146,6 +151,7 @@ def _paged_attn_fwd_kernel(
     lse_ptr,  # fp32 [Hq, C]
     doc_ptr,  # int32 [C] absolute first token of each query's document (HAS_DOC only)
     C,
+    past_start,  # first past token read (the part's start; 0 = the whole past)
     past_len,
     qk_scale,  # softmax_scale * log2(e)
     stride_q_c, stride_q_h, stride_q_d,
@@ -162,6 +168,7 @@ def _paged_attn_fwd_kernel(
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
     HAS_DOC: tl.constexpr,
+    HAS_OWN: tl.constexpr,  # False: a past-only part (the chunk's own keys are left out)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -185,14 +192,15 @@ def _paged_attn_fwd_kernel(
 
     kc = k_cache_ptr + hkv * stride_kc_h
     vc = v_cache_ptr + hkv * stride_vc_h
-    n_full = (past_len // BLOCK_N) * BLOCK_N
+    n_full = past_start + ((past_len - past_start) // BLOCK_N) * BLOCK_N
     if HAS_DOC:
         # Packed documents: key t is visible to query i iff doc[i] <= t. Document starts grow
         # with i, so the tile's first query bounds where any of its rows starts; tiles before
         # that are skipped, the rest masked.
         doc = tl.load(doc_ptr + i_q, mask=r_mask, other=0)
         doc_lo = tl.load(doc_ptr + row0 // G)
-        for start in range((tl.minimum(doc_lo, past_len) // BLOCK_N) * BLOCK_N, past_len, BLOCK_N):
+        doc_first = tl.minimum(tl.maximum(doc_lo, past_start), past_len)
+        for start in range(past_start + ((doc_first - past_start) // BLOCK_N) * BLOCK_N, past_len, BLOCK_N):
             tok = start + offs_n
             tok_mask = tok < past_len
             k = _load_rows(kc, _past_token_offsets(block_table_ptr, tok, tok_mask, stride_kc_p, stride_kc_t, PAGE_SIZE), tok_mask, offs_d, d_mask, stride_kc_d)
@@ -208,7 +216,7 @@ def _paged_attn_fwd_kernel(
         past_end = past_len
 
     # (a) Past tokens through the block table: full tiles unmasked, then the tail tile.
-    for start in range(0, n_full, BLOCK_N):
+    for start in range(past_start, n_full, BLOCK_N):
         tok = start + offs_n
         tok_mask = tok < past_len
         k = _load_rows(kc, _past_token_offsets(block_table_ptr, tok, tok_mask, stride_kc_p, stride_kc_t, PAGE_SIZE), tok_mask, offs_d, d_mask, stride_kc_d)
@@ -227,43 +235,50 @@ def _paged_attn_fwd_kernel(
             v = v.to(tl.float32)
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k, v, tok_mask[None, :], qk_scale, True, DOT_PREC)
 
-    # (b) Own chunk, causal (key j visible to query i iff j <= i). Tiles entirely at or
-    # below the tile's first query need no mask; the diagonal tiles do.
-    i_lo = row0 // G
-    i_hi = tl.minimum((row0 + BLOCK_M - 1) // G, C - 1)
-    own_full = ((i_lo + 1) // BLOCK_N) * BLOCK_N
-    ko = k_ptr + hkv * stride_k_h
-    vo = v_ptr + hkv * stride_v_h
-    own_masked_start = own_full
-    if HAS_DOC:
-        # Own key j sits at absolute token past_len + j: tiles before the tile's first
-        # document start are skipped, every other own tile is masked by document.
-        own_masked_start = ((tl.maximum(doc_lo - past_len, 0)) // BLOCK_N) * BLOCK_N
-        own_full = 0
-    for j0 in range(0, own_full, BLOCK_N):
-        j = j0 + offs_n
-        j_mask = j < C
-        k = _load_rows(ko, j.to(tl.int64) * stride_k_c, j_mask, offs_d, d_mask, stride_k_d)
-        v = _load_rows(vo, j.to(tl.int64) * stride_v_c, j_mask, offs_d, d_mask, stride_v_d)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k, v, None, qk_scale, False, DOT_PREC)
-    for j0 in range(own_masked_start, i_hi + 1, BLOCK_N):
-        j = j0 + offs_n
-        j_mask = j < C
-        k = _load_rows(ko, j.to(tl.int64) * stride_k_c, j_mask, offs_d, d_mask, stride_k_d)
-        v = _load_rows(vo, j.to(tl.int64) * stride_v_c, j_mask, offs_d, d_mask, stride_v_d)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s_mask = (j[None, :] <= i_q[:, None]) & j_mask[None, :]
+    if HAS_OWN:
+        # (b) Own chunk, causal (key j visible to query i iff j <= i). Tiles entirely at or
+        # below the tile's first query need no mask; the diagonal tiles do.
+        i_lo = row0 // G
+        i_hi = tl.minimum((row0 + BLOCK_M - 1) // G, C - 1)
+        own_full = ((i_lo + 1) // BLOCK_N) * BLOCK_N
+        ko = k_ptr + hkv * stride_k_h
+        vo = v_ptr + hkv * stride_v_h
+        own_masked_start = own_full
         if HAS_DOC:
-            s_mask = s_mask & ((past_len + j)[None, :] >= doc[:, None])
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k, v, s_mask, qk_scale, True, DOT_PREC)
+            # Own key j sits at absolute token past_len + j: tiles before the tile's first
+            # document start are skipped, every other own tile is masked by document.
+            own_masked_start = ((tl.maximum(doc_lo - past_len, 0)) // BLOCK_N) * BLOCK_N
+            own_full = 0
+        for j0 in range(0, own_full, BLOCK_N):
+            j = j0 + offs_n
+            j_mask = j < C
+            k = _load_rows(ko, j.to(tl.int64) * stride_k_c, j_mask, offs_d, d_mask, stride_k_d)
+            v = _load_rows(vo, j.to(tl.int64) * stride_v_c, j_mask, offs_d, d_mask, stride_v_d)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k, v, None, qk_scale, False, DOT_PREC)
+        for j0 in range(own_masked_start, i_hi + 1, BLOCK_N):
+            j = j0 + offs_n
+            j_mask = j < C
+            k = _load_rows(ko, j.to(tl.int64) * stride_k_c, j_mask, offs_d, d_mask, stride_k_d)
+            v = _load_rows(vo, j.to(tl.int64) * stride_v_c, j_mask, offs_d, d_mask, stride_v_d)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            s_mask = (j[None, :] <= i_q[:, None]) & j_mask[None, :]
+            if HAS_DOC:
+                s_mask = s_mask & ((past_len + j)[None, :] >= doc[:, None])
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k, v, s_mask, qk_scale, True, DOT_PREC)
 
-    # Every real row saw at least own key 0, so l_i > 0.
-    acc = acc / l_i[:, None]
+    if HAS_OWN:
+        # Every real row saw at least own key 0, so l_i > 0.
+        acc = acc / l_i[:, None]
+    else:
+        # A past-only part may leave a row with no visible key (packed documents): its m_i is
+        # -inf and l_i 0; dividing by 1 instead gives out 0 and lse -inf.
+        l_i = tl.where(l_i > 0, l_i, 1.0)
+        acc = acc / l_i[:, None]
     o_off = i_q.to(tl.int64) * stride_o_c + head * stride_o_h
     tl.store(out_ptr + o_off[:, None] + offs_d[None, :] * stride_o_d, acc.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
     lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # natural-log units
@@ -297,6 +312,7 @@ def _paged_attn_bwd_dq_kernel(
     dq_ptr,  # [C, Hq, D]
     doc_ptr,  # int32 [C] (HAS_DOC only)
     C,
+    past_start,
     past_len,
     qk_scale,  # softmax_scale * log2(e)
     softmax_scale,
@@ -316,6 +332,7 @@ def _paged_attn_bwd_dq_kernel(
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
     HAS_DOC: tl.constexpr,
+    HAS_OWN: tl.constexpr,  # False: a past-only part (the chunk's own keys are left out)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -341,12 +358,13 @@ def _paged_attn_bwd_dq_kernel(
 
     kc = k_cache_ptr + hkv * stride_kc_h
     vc = v_cache_ptr + hkv * stride_vc_h
-    n_full = (past_len // BLOCK_N) * BLOCK_N
+    n_full = past_start + ((past_len - past_start) // BLOCK_N) * BLOCK_N
     past_end = past_len
     if HAS_DOC:
         doc = tl.load(doc_ptr + i_q, mask=r_mask, other=0)
         doc_lo = tl.load(doc_ptr + row0 // G)
-        for start in range((tl.minimum(doc_lo, past_len) // BLOCK_N) * BLOCK_N, past_len, BLOCK_N):
+        doc_first = tl.minimum(tl.maximum(doc_lo, past_start), past_len)
+        for start in range(past_start + ((doc_first - past_start) // BLOCK_N) * BLOCK_N, past_len, BLOCK_N):
             tok = start + offs_n
             tok_mask = tok < past_len
             k = _load_rows(kc, _past_token_offsets(block_table_ptr, tok, tok_mask, stride_kc_p, stride_kc_t, PAGE_SIZE), tok_mask, offs_d, d_mask, stride_kc_d)
@@ -358,7 +376,7 @@ def _paged_attn_bwd_dq_kernel(
             dq = _dq_tile(dq, q, do, k, v, lse2, delta, s_mask, qk_scale, True, DOT_PREC)
         n_full = 0
         past_end = 0
-    for start in range(0, n_full, BLOCK_N):
+    for start in range(past_start, n_full, BLOCK_N):
         tok = start + offs_n
         tok_mask = tok < past_len
         k = _load_rows(kc, _past_token_offsets(block_table_ptr, tok, tok_mask, stride_kc_p, stride_kc_t, PAGE_SIZE), tok_mask, offs_d, d_mask, stride_kc_d)
@@ -377,36 +395,37 @@ def _paged_attn_bwd_dq_kernel(
             v = v.to(tl.float32)
         dq = _dq_tile(dq, q, do, k, v, lse2, delta, tok_mask[None, :], qk_scale, True, DOT_PREC)
 
-    i_lo = row0 // G
-    i_hi = tl.minimum((row0 + BLOCK_M - 1) // G, C - 1)
-    own_full = ((i_lo + 1) // BLOCK_N) * BLOCK_N
-    ko = k_ptr + hkv * stride_k_h
-    vo = v_ptr + hkv * stride_v_h
-    own_masked_start = own_full
-    if HAS_DOC:
-        own_masked_start = ((tl.maximum(doc_lo - past_len, 0)) // BLOCK_N) * BLOCK_N
-        own_full = 0
-    for j0 in range(0, own_full, BLOCK_N):
-        j = j0 + offs_n
-        j_mask = j < C
-        k = _load_rows(ko, j.to(tl.int64) * stride_k_c, j_mask, offs_d, d_mask, stride_k_d)
-        v = _load_rows(vo, j.to(tl.int64) * stride_v_c, j_mask, offs_d, d_mask, stride_v_d)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        dq = _dq_tile(dq, q, do, k, v, lse2, delta, None, qk_scale, False, DOT_PREC)
-    for j0 in range(own_masked_start, i_hi + 1, BLOCK_N):
-        j = j0 + offs_n
-        j_mask = j < C
-        k = _load_rows(ko, j.to(tl.int64) * stride_k_c, j_mask, offs_d, d_mask, stride_k_d)
-        v = _load_rows(vo, j.to(tl.int64) * stride_v_c, j_mask, offs_d, d_mask, stride_v_d)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s_mask = (j[None, :] <= i_q[:, None]) & j_mask[None, :]
+    if HAS_OWN:
+        i_lo = row0 // G
+        i_hi = tl.minimum((row0 + BLOCK_M - 1) // G, C - 1)
+        own_full = ((i_lo + 1) // BLOCK_N) * BLOCK_N
+        ko = k_ptr + hkv * stride_k_h
+        vo = v_ptr + hkv * stride_v_h
+        own_masked_start = own_full
         if HAS_DOC:
-            s_mask = s_mask & ((past_len + j)[None, :] >= doc[:, None])
-        dq = _dq_tile(dq, q, do, k, v, lse2, delta, s_mask, qk_scale, True, DOT_PREC)
+            own_masked_start = ((tl.maximum(doc_lo - past_len, 0)) // BLOCK_N) * BLOCK_N
+            own_full = 0
+        for j0 in range(0, own_full, BLOCK_N):
+            j = j0 + offs_n
+            j_mask = j < C
+            k = _load_rows(ko, j.to(tl.int64) * stride_k_c, j_mask, offs_d, d_mask, stride_k_d)
+            v = _load_rows(vo, j.to(tl.int64) * stride_v_c, j_mask, offs_d, d_mask, stride_v_d)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            dq = _dq_tile(dq, q, do, k, v, lse2, delta, None, qk_scale, False, DOT_PREC)
+        for j0 in range(own_masked_start, i_hi + 1, BLOCK_N):
+            j = j0 + offs_n
+            j_mask = j < C
+            k = _load_rows(ko, j.to(tl.int64) * stride_k_c, j_mask, offs_d, d_mask, stride_k_d)
+            v = _load_rows(vo, j.to(tl.int64) * stride_v_c, j_mask, offs_d, d_mask, stride_v_d)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            s_mask = (j[None, :] <= i_q[:, None]) & j_mask[None, :]
+            if HAS_DOC:
+                s_mask = s_mask & ((past_len + j)[None, :] >= doc[:, None])
+            dq = _dq_tile(dq, q, do, k, v, lse2, delta, s_mask, qk_scale, True, DOT_PREC)
 
     dq = dq * softmax_scale
     dq_off = i_q.to(tl.int64) * stride_dq_c + head * stride_dq_h
@@ -450,7 +469,7 @@ def _dkdv_tile(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_ptr, key_off
 
 
 # restore_value: autotuning runs the kernel once per config; the gradient pages must not keep those sums.
-@triton.autotune(configs=_DKDV_CONFIGS, key=_AUTOTUNE_KEY + ["IS_PAST"], restore_value=["dk_ptr", "dv_ptr"], cache_results=True)
+@triton.autotune(configs=_DKDV_CONFIGS, key=[k for k in _AUTOTUNE_KEY if k != "HAS_OWN"] + ["IS_PAST"], restore_value=["dk_ptr", "dv_ptr"], cache_results=True)
 @triton.jit
 def _paged_attn_bwd_dkdv_kernel(
     q_ptr,  # [C, Hq, D]
@@ -464,7 +483,8 @@ def _paged_attn_bwd_dkdv_kernel(
     dv_ptr,  # same layout as dk_ptr
     doc_ptr,  # int32 [C] (HAS_DOC only)
     C,
-    n_keys,  # past_len (IS_PAST) or C
+    key_start,  # first key of this launch: past_start (IS_PAST) or 0
+    n_keys,  # end of the keys: past_len (IS_PAST) or C
     key_off,  # absolute token of key 0: 0 (IS_PAST) or past_len
     qk_scale,  # softmax_scale * log2(e)
     softmax_scale,
@@ -489,7 +509,7 @@ def _paged_attn_bwd_dkdv_kernel(
 ):
     pid_n = tl.program_id(0)
     hkv = tl.program_id(1).to(tl.int64)
-    j0 = pid_n * BLOCK_N
+    j0 = key_start + pid_n * BLOCK_N
     j = j0 + tl.arange(0, BLOCK_N)  # key tokens owned by this program
     j_mask = j < n_keys
     offs_d = tl.arange(0, BLOCK_D)
@@ -613,6 +633,18 @@ def _check_inputs(q, k, v, k_cache, v_cache, block_table, past_len, softmax_scal
     return C, Hq, Hkv, D, page_size, scale
 
 
+def _check_part(past_start, past_len, include_own):
+    if not isinstance(past_start, int) or isinstance(past_start, bool) or not 0 <= past_start <= past_len:
+        raise ValueError(f"past_start must be an int in [0, past_len={past_len}]; got {past_start!r}")
+    if not include_own and past_start == past_len:
+        raise ValueError("include_own=False needs at least one past token (past_start < past_len)")
+
+
+def _delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """rowsum(dout * out) in fp32 -> contiguous [Hq, C] (the layout of lse)."""
+    return (dout.float() * out.float()).sum(-1).t().contiguous()
+
+
 def _check_doc(q_doc_start, C, past_len, device):
     """Validate q_doc_start -> contiguous int32 [C] on ``device``, or None."""
     if q_doc_start is None:
@@ -642,8 +674,11 @@ def paged_attention_fwd(
     past_len: int,
     softmax_scale: float | None = None,
     q_doc_start: torch.Tensor | None = None,
+    past_start: int = 0,
+    include_own: bool = True,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of one chunk over paged past K/V plus its own K/V (causal), in one kernel.
+    """Attention of one chunk over paged past K/V plus its own K/V (causal), or one part of it, in one kernel.
 
     Args:
         q: [C, Hq, D] queries of the chunk, bf16/fp16/fp32. Any strides (e.g. a transposed
@@ -659,18 +694,32 @@ def paged_attention_fwd(
             token index (past tokens 0..past_len-1, own token i at past_len + i) where each
             query's document starts; earlier keys are masked and wholly earlier key tiles
             skipped. None = one document.
+        past_start: first past token read (0 <= past_start <= past_len; any value, a multiple
+            of 128 keeps the key tiles page-aligned on a GPU): only past tokens
+            [past_start, past_len) are attended, through ``block_table[t // S]`` (entries of
+            earlier pages are never read). Own token i stays at absolute index past_len + i.
+        include_own: False = a past-only part (needs past_start < past_len); parts are merged
+            by the caller with the log-sum-exp rule.
+        out_dtype: dtype of ``out``: q's (default) or float32 (a part output kept unrounded
+            for the merge).
 
     Returns:
-        out: [C, Hq, D] in q's dtype, with q's memory layout.
-        lse: [Hq, C] float32, natural-log log-sum-exp of the scaled scores.
+        out: [C, Hq, D] in ``out_dtype``, with q's memory layout. With include_own=False a row
+            that sees no key (packed documents) is 0.
+        lse: [Hq, C] float32, natural-log log-sum-exp of the scaled scores; -inf for a row
+            that sees no key.
 
     Raises:
         ValueError: on inconsistent shapes, unsupported dtype or device, Hq not a multiple of
-            Hkv, head dim > 256, or a block_table too short / not int32.
+            Hkv, head dim > 256, a block_table too short / not int32, or a bad part
+            (past_start outside [0, past_len], or equal to past_len with include_own=False).
     """
     C, Hq, Hkv, D, page_size, scale = _check_inputs(q, k, v, k_cache, v_cache, block_table, past_len, softmax_scale)
+    _check_part(past_start, past_len, include_own)
+    if out_dtype not in (None, q.dtype, torch.float32):
+        raise ValueError(f"out_dtype must be None, q's dtype or torch.float32; got {out_dtype}")
     doc = _check_doc(q_doc_start, C, past_len, q.device)
-    out = _alloc_like(q)
+    out = _alloc_like(q, out_dtype)
     lse = _alloc((Hq, C), torch.float32, q.device)
     if C == 0:
         return out, lse
@@ -682,7 +731,7 @@ def paged_attention_fwd(
 
     _paged_attn_fwd_kernel[grid](
         q_ptr=q, k_ptr=k, v_ptr=v, k_cache_ptr=kc, v_cache_ptr=vc, block_table_ptr=bt, out_ptr=out, lse_ptr=lse,
-        C=C, past_len=past_len, qk_scale=scale * _LOG2E,
+        C=C, past_start=past_start, past_len=past_len, qk_scale=scale * _LOG2E,
         stride_q_c=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
         stride_k_c=k.stride(0), stride_k_h=k.stride(1), stride_k_d=k.stride(2),
         stride_v_c=v.stride(0), stride_v_h=v.stride(1), stride_v_d=v.stride(2),
@@ -691,7 +740,7 @@ def paged_attention_fwd(
         stride_o_c=out.stride(0), stride_o_h=out.stride(1), stride_o_d=out.stride(2),
         stride_lse_h=lse.stride(0), doc_ptr=doc if doc is not None else bt,
         G=G, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_D=max(16, triton.next_power_of_2(D)),
-        UPCAST=_INTERPRET, DOT_PREC=_dot_precision(q.dtype), HAS_DOC=doc is not None,
+        UPCAST=_INTERPRET, DOT_PREC=_dot_precision(q.dtype), HAS_DOC=doc is not None, HAS_OWN=bool(include_own),
     )
     return out, lse
 
@@ -711,8 +760,12 @@ def paged_attention_bwd(
     dv_cache: torch.Tensor | None,
     softmax_scale: float | None = None,
     q_doc_start: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward of :func:`paged_attention_fwd`; adds the past pages' dK/dV in place.
+    past_start: int = 0,
+    include_own: bool = True,
+    delta: torch.Tensor | None = None,
+    dq_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Backward of :func:`paged_attention_fwd` (or of one part of it); adds the past pages' dK/dV in place.
 
     Args:
         dout: [C, Hq, D] gradient of ``out``, q's dtype, any strides.
@@ -723,16 +776,27 @@ def paged_attention_bwd(
             atomics); rows of pages outside ``block_table[:ceil(past_len / S)]`` and the tail
             of a partial last page are not touched. May be None when past_len == 0.
         q_doc_start: as in the forward.
+        past_start, include_own: the part, as in the forward. ``out`` and ``lse`` must then be
+            the FINAL output and log-sum-exp over all parts, so that this call returns this
+            part's exact share: dq of its keys, and dK/dV added for past tokens
+            [past_start, past_len) only.
+        delta: optional float32 [Hq, C] contiguous ``rowsum(dout * out)`` (computed here when
+            None); callers running several parts compute it once.
+        dq_dtype: dtype of ``dq``: q's (default) or float32 (a part kept unrounded for the sum).
 
     Returns:
-        dq: [C, Hq, D] in q's dtype, with q's memory layout.
-        dk, dv: [C, Hkv, D] in k's dtype -- the own chunk's contribution only.
+        dq: [C, Hq, D] in ``dq_dtype``, with q's memory layout (this part's contribution).
+        dk, dv: [C, Hkv, D] in k's dtype -- the own chunk's contribution only; None when
+            include_own=False.
 
     Raises:
-        ValueError: as the forward, plus mismatched dout/out/lse shapes or dtypes, and
+        ValueError: as the forward, plus mismatched dout/out/lse/delta shapes or dtypes, and
             past_len > 0 without float32 gradient pools shaped like k_cache.
     """
     C, Hq, Hkv, D, page_size, scale = _check_inputs(q, k, v, k_cache, v_cache, block_table, past_len, softmax_scale)
+    _check_part(past_start, past_len, include_own)
+    if dq_dtype not in (None, q.dtype, torch.float32):
+        raise ValueError(f"dq_dtype must be None, q's dtype or torch.float32; got {dq_dtype}")
     if dout.shape != q.shape or out.shape != q.shape:
         raise ValueError(f"dout and out must be [C, Hq, D] = {tuple(q.shape)}; got {tuple(dout.shape)}, {tuple(out.shape)}")
     if dout.dtype != q.dtype or out.dtype != q.dtype:
@@ -750,9 +814,9 @@ def paged_attention_bwd(
                     f"got {None if t is None else (t.dtype, tuple(t.shape), t.device)}"
                 )
     doc = _check_doc(q_doc_start, C, past_len, q.device)
-    dq = _alloc_like(q)
-    dk = _alloc(tuple(k.shape), k.dtype, k.device)
-    dv = _alloc(tuple(v.shape), v.dtype, v.device)
+    dq = _alloc_like(q, dq_dtype)
+    dk = _alloc(tuple(k.shape), k.dtype, k.device) if include_own else None
+    dv = _alloc(tuple(v.shape), v.dtype, v.device) if include_own else None
     if C == 0:
         return dq, dk, dv
     G = Hq // Hkv
@@ -761,7 +825,10 @@ def paged_attention_bwd(
                   HAS_DOC=doc is not None)
 
     # delta = rowsum(dout * out) in fp32, [Hq, C] like lse (FlashAttention-2, Algorithm 2 line 4).
-    delta = (dout.float() * out.float()).sum(-1).t().contiguous()
+    if delta is None:
+        delta = _delta(dout, out)
+    elif delta.shape != (Hq, C) or delta.dtype != torch.float32 or delta.device != q.device or not delta.is_contiguous():
+        raise ValueError(f"delta must be contiguous float32 [Hq={Hq}, C={C}] on {q.device}; got {delta.dtype} {tuple(delta.shape)}")
     kc, vc, bt, skc, svc = _cache_args(k_cache, v_cache, block_table, past_len, k)
     doc_arg = doc if doc is not None else bt  # never read without HAS_DOC
 
@@ -771,7 +838,7 @@ def paged_attention_bwd(
     _paged_attn_bwd_dq_kernel[grid_rows](
         q_ptr=q, k_ptr=k, v_ptr=v, k_cache_ptr=kc, v_cache_ptr=vc, block_table_ptr=bt,
         dout_ptr=dout, lse_ptr=lse, delta_ptr=delta, dq_ptr=dq, doc_ptr=doc_arg,
-        C=C, past_len=past_len, qk_scale=scale * _LOG2E, softmax_scale=scale,
+        C=C, past_start=past_start, past_len=past_len, qk_scale=scale * _LOG2E, softmax_scale=scale,
         stride_q_c=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
         stride_k_c=k.stride(0), stride_k_h=k.stride(1), stride_k_d=k.stride(2),
         stride_v_c=v.stride(0), stride_v_h=v.stride(1), stride_v_d=v.stride(2),
@@ -779,13 +846,13 @@ def paged_attention_bwd(
         stride_vc_p=svc[0], stride_vc_t=svc[1], stride_vc_h=svc[2], stride_vc_d=svc[3],
         stride_do_c=dout.stride(0), stride_do_h=dout.stride(1), stride_do_d=dout.stride(2),
         stride_dq_c=dq.stride(0), stride_dq_h=dq.stride(1), stride_dq_d=dq.stride(2),
-        stride_lse_h=lse.stride(0), stride_delta_h=delta.stride(0),
+        stride_lse_h=lse.stride(0), stride_delta_h=delta.stride(0), HAS_OWN=bool(include_own),
         **common,
     )
 
-    def launch_dkdv(is_past, kk, vv, dkk, dvv, n_keys, key_off):
+    def launch_dkdv(is_past, kk, vv, dkk, dvv, key_start, n_keys, key_off):
         def grid_keys(meta):
-            return (triton.cdiv(n_keys, meta["BLOCK_N"]), Hkv)
+            return (triton.cdiv(n_keys - key_start, meta["BLOCK_N"]), Hkv)
 
         sk = kk.stride() if is_past else (0, *kk.stride())
         sv = vv.stride() if is_past else (0, *vv.stride())
@@ -794,7 +861,7 @@ def paged_attention_bwd(
         _paged_attn_bwd_dkdv_kernel[grid_keys](
             q_ptr=q, k_ptr=kk, v_ptr=vv, block_table_ptr=bt, dout_ptr=dout, lse_ptr=lse, delta_ptr=delta,
             dk_ptr=dkk, dv_ptr=dvv, doc_ptr=doc_arg,
-            C=C, n_keys=n_keys, key_off=key_off, qk_scale=scale * _LOG2E, softmax_scale=scale,
+            C=C, key_start=key_start, n_keys=n_keys, key_off=key_off, qk_scale=scale * _LOG2E, softmax_scale=scale,
             stride_q_c=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
             stride_k_p=sk[0], stride_k_t=sk[1], stride_k_h=sk[2], stride_k_d=sk[3],
             stride_v_p=sv[0], stride_v_t=sv[1], stride_v_h=sv[2], stride_v_d=sv[3],
@@ -806,7 +873,8 @@ def paged_attention_bwd(
             **common,
         )
 
-    if past_len > 0:
-        launch_dkdv(True, k_cache, v_cache, dk_cache, dv_cache, past_len, 0)
-    launch_dkdv(False, k, v, dk, dv, C, past_len)
+    if past_len > past_start:
+        launch_dkdv(True, k_cache, v_cache, dk_cache, dv_cache, past_start, past_len, 0)
+    if include_own:
+        launch_dkdv(False, k, v, dk, dv, 0, C, past_len)
     return dq, dk, dv
