@@ -44,8 +44,14 @@ class OOMBConfig:
 
     gpu_page_budget: int | None = None
     """With offload: GPU page-pool size in pages (a page = page_size tokens of one layer's K, V, dK and dV),
-    the two staging layers included, so at least 2 x ceil(T / page_size). None: on CUDA the largest the planner
+    the two staging buffers included, so at least 2 x min(offload_segment_pages, ceil(T / page_size)) (whole layers
+    with sparse attention); pages beyond stay resident on the GPU. None: on CUDA the largest the planner
     finds room for, on CPU the minimum. Setting it implies offload (an error with offload=False)."""
+
+    offload_segment_pages: int | None = None
+    """With offload: pages per staging segment. The attention reads a layer's non-resident past one segment at
+    a time through two segment buffers, so the GPU tier does not grow with the context. None: 32768 //
+    page_size (32K tokens). Sparse attention stages whole layers instead (it reads the past through one table)."""
 
     sparse: bool = False
     """Page-level top-K sparse attention (DESIGN.md §2.4): each block of `sparse_block_size` queries attends, per
@@ -90,6 +96,12 @@ class OOMBConfig:
                 raise ValueError(f"gpu_page_budget must be a positive number of pages or None, got {b!r}")
             if self.offload is False:
                 raise ValueError("gpu_page_budget sizes the GPU tier of offload; it cannot be set with offload=False")
+        if self.offload_segment_pages is not None:
+            sp = self.offload_segment_pages
+            if not isinstance(sp, int) or isinstance(sp, bool) or sp <= 0:
+                raise ValueError(f"offload_segment_pages must be a positive number of pages or None, got {sp!r}")
+            if self.offload is False:
+                raise ValueError("offload_segment_pages sizes the staging of offload; it cannot be set with offload=False")
         if not isinstance(self.sparse, bool):
             raise ValueError(f"sparse must be True or False, got {self.sparse!r}")
         for name in ("page_budget", "sink_pages", "local_pages"):

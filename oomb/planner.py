@@ -10,7 +10,7 @@ and finds the largest context that fits the machine.
 Peak GPU bytes of a step (the peak is in Stage 2, during the backward of the
 top layer of a chunk, when every layer's saved activations are alive)::
 
-    weights + grads + optimizer states + KV pool (resident + staging + write buffers)
+    weights + grads + optimizer states + KV pool (resident + staging + own-gradient + write buffers)
       + saved activations + max(attention temporaries, loss temporaries) + small terms
 
 **Saved activations** per token per layer (bytes; e = model dtype size, a = 4,
@@ -40,6 +40,12 @@ measured). **Loss temporaries:** one block of logits, ``loss_chunk x V x (2e + 8
 Calibration (H200, Qwen2.5-7B, bf16, chunk 4096, torch reference, no per-layer
 checkpointing): measured peak minus KV store 58.36 GiB at 32K and 128K;
 predicted 14.19 + 14.19 (weights, grads) + 24.28 + 5.25 + 0.33 + 0.10 = 58.3 GiB.
+
+Offload GPU tier: ``L x R`` resident pages + two staging buffers of ``min(SP, n - R)`` pages (SP =
+``offload_segment_pages``, 32K tokens by default; ``n - R`` with whole-layer staging) + two one-chunk
+own-gradient (dK, dV) and two one-chunk K/V write buffers: flat in the context length with segments.
+Segmented attention adds ~3 fp32 ``C x q`` temporaries (part output, merge, dq parts; ~170 MiB for
+Qwen2.5-7B at C = 4096), not counted below (the GPU reserve covers them).
 
 Host tier: ``L x (n - R)`` pages in pinned memory, where ``n`` pages per
 layer and ``R`` resident (:mod:`oomb.engine.offload`). The host budget is a
@@ -289,6 +295,8 @@ class MemoryPlan:
     max_seq_len_offload: int
     traffic: dict[str, int] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    segment_pages: int | None = None  # offload staging segment in pages (None: whole-layer staging)
+    own_buffers: int = 0  # GPU bytes of the two own-gradient buffers (segmented staging)
 
     @property
     def fits(self) -> bool:
@@ -296,11 +304,13 @@ class MemoryPlan:
 
     @property
     def staging(self) -> int:
-        """GPU bytes of the two staging sets."""
+        """GPU bytes of the two staging buffers (K, V, dK, dV): two segments, or two layers with whole-layer staging."""
+        from .engine.offload import _staging
+
         t = self.tiering
         if not t.offload:
             return 0
-        return 2 * (self.pages_per_layer - t.resident_pages_per_layer) * self.page_bytes
+        return 2 * _staging(self.pages_per_layer, t.resident_pages_per_layer, self.segment_pages) * self.page_bytes
 
     def check(self) -> "MemoryPlan":
         """Return self if the run fits, else raise :class:`MemoryPlanError` saying why and what to change."""
@@ -332,7 +342,7 @@ class MemoryPlan:
             f"  {'activations: loss temporaries':<40}{g(act['loss_temp'])}",
             f"  {'KV pages on GPU (' + ('all' if not t.offload else f'{t.resident_pages_per_layer} resident/layer') + ')':<40}"
             f"{g(self.gpu_pool - self.staging)}",
-            f"  {'KV staging (2 layers) + write buffers':<40}{g(self.staging + self.write_buffers)}",
+            f"  {self._staging_label():<40}{g(self.staging + self.own_buffers + self.write_buffers)}",
             f"  {'predicted peak':<40}{g(self.gpu_peak)}",
             f"  {'budget (' + self.machine.gpu_name + ')':<40}{g(self.gpu_budget)}",
             f"{'host':<42}",
@@ -352,6 +362,12 @@ class MemoryPlan:
             "fits" if self.fits else "DOES NOT FIT: " + "; ".join(self.problems),
         ]
         return "\n".join(rows)
+
+
+    def _staging_label(self) -> str:
+        if self.segment_pages is None:
+            return "KV staging (2 layers) + write buffers"
+        return f"KV staging (2 x {self.segment_pages * self.page_size // 1024}K tok) + buffers"
 
 
 def _page_bytes(shape: ModelShape, page_size: int, dtype: torch.dtype) -> int:
@@ -378,9 +394,10 @@ def _base_gpu(shape, seq_len, chunk_size, dtype, lora_rank, optimizer, checkpoin
 
 
 def _tier(L: int, n: int, pb: int, pool_budget: int, host_budget: int, offload: bool | str,
-          gpu_page_budget: int | None) -> tuple[Tiering | None, str | None]:
-    """Choose the tiering for n pages per layer, or (None, why not)."""
-    from .engine.offload import min_gpu_pages, resident_pages_for_budget
+          gpu_page_budget: int | None, segment_pages: int | None = None) -> tuple[Tiering | None, str | None]:
+    """Choose the tiering for n pages per layer, or (None, why not). ``segment_pages``: the staging
+    segment (None: whole-layer staging)."""
+    from .engine.offload import _staging, min_gpu_pages, resident_pages_for_budget
 
     all_pages = L * n
     if offload is False or (offload == "auto" and gpu_page_budget is None and all_pages * pb <= pool_budget):
@@ -395,13 +412,14 @@ def _tier(L: int, n: int, pb: int, pool_budget: int, host_budget: int, offload: 
                           f"{max(pool_budget, 0) / GiB:.2f} GiB is left for KV pages; lower it")
     else:
         pages = min(max(pool_budget, 0) // pb, all_pages)
-    need = min_gpu_pages(L, n)
+    need = min_gpu_pages(L, n, segment_pages)
     if pages < need:
-        return None, (f"offload needs at least {need:,} GPU pages ({need * pb / GiB:.2f} GiB: two layers of staging) "
+        what = "two layers of staging" if segment_pages is None else "two staging segments"
+        return None, (f"offload needs at least {need:,} GPU pages ({need * pb / GiB:.2f} GiB: {what}) "
                       f"but only {max(pool_budget, 0) / GiB:.2f} GiB is left; shorten the context, use a smaller chunk, "
                       "LoRA or checkpoint_layers")
-    R = resident_pages_for_budget(L, n, pages)
-    used = L * R + (2 * (n - R) if R < n else 0)
+    R = resident_pages_for_budget(L, n, pages, segment_pages)
+    used = L * R + 2 * _staging(n, R, segment_pages)
     host = L * (n - R) * pb
     if host > host_budget:
         return None, (f"the host tier needs {host / GiB:.2f} GiB of pinned memory but the budget is "
@@ -424,6 +442,7 @@ def plan(
     loss_chunk_size: int = 1024,
     offload: bool | str = "auto",
     gpu_page_budget: int | None = None,
+    offload_segment_pages: int | str | None = None,
     machine: Machine | None = None,
     gpu_reserve_bytes: int | None = None,
     host_fraction: float = 0.75,
@@ -441,6 +460,8 @@ def plan(
             as in :class:`oomb.OOMBConfig` ('auto' backend counts as triton).
         offload: True, False or 'auto' (offload only when every page does not fit on the GPU).
         gpu_page_budget: GPU pool in pages with offload (None: the largest that fits).
+        offload_segment_pages: offload staging segment in pages; None/'auto': 32K tokens' worth,
+            'layer': whole-layer staging (GPU bytes then grow with the context).
         machine: the memory to fit into; default :meth:`Machine.detect`.
         gpu_reserve_bytes: GPU bytes kept free for the CUDA allocator's fragmentation and library
             workspaces; default max(2 GiB, 3% of the GPU).
@@ -462,6 +483,11 @@ def plan(
     L = shape.num_layers
     pb = _page_bytes(shape, page_size, dtype)
     wbuf = 2 * 2 * chunk_size * shape.kv_dim * _dtype_size(dtype)  # two K+V write buffers of one chunk
+    from .engine.offload import resolve_segment_pages
+
+    SP = resolve_segment_pages(offload_segment_pages, page_size)
+    gsize = 8 if dtype == torch.float64 else 4
+    own_max = 0 if SP is None else 2 * 2 * chunk_size * shape.kv_dim * gsize  # two dK+dV buffers of one chunk
 
     def fixed_for(T: int) -> tuple:
         parts = _base_gpu(shape, T, chunk_size, dtype, lora_rank, optimizer, checkpoint_layers, backend,
@@ -473,9 +499,9 @@ def plan(
         _, fixed = fixed_for(T)
         n = -(-T // page_size)
         pool_budget = gpu_budget - fixed
-        t, why = _tier(L, n, pb, pool_budget, host_budget, off, budget)
+        t, why = _tier(L, n, pb, pool_budget, host_budget, off, budget, SP)
         if t is not None and t.offload:
-            t2, why = _tier(L, n, pb, pool_budget - wbuf, host_budget, off, budget)
+            t2, why = _tier(L, n, pb, pool_budget - wbuf - own_max, host_budget, off, budget, SP)
             t = t2
         return t, why
 
@@ -502,14 +528,19 @@ def plan(
         problems.insert(0, f"weights, gradients, optimizer states and one chunk's activations need {fixed / GiB:.2f} GiB "
                            f"but {gpu_budget / GiB:.2f} GiB of GPU memory is free (after a {reserve / GiB:.1f} GiB reserve); "
                            "use LoRA, checkpoint_layers or a smaller chunk_size")
+    from .engine.offload import _staging
+
+    own_b = 0
     if tiering.offload:
         R = tiering.resident_pages_per_layer
-        gpu_pool = (L * R + 2 * (n - R)) * pb
+        gpu_pool = (L * R + 2 * _staging(n, R, SP)) * pb
         host_kv = L * (n - R) * pb
         wb = wbuf
+        if SP is not None:
+            own_b = 2 * min(chunk_size // page_size, n - R) * page_size * shape.kv_dim * 2 * gsize
     else:
         gpu_pool, host_kv, wb = L * n * pb, 0, 0
-    gpu_peak = fixed + gpu_pool + wb
+    gpu_peak = fixed + gpu_pool + wb + own_b
     return MemoryPlan(
         model=str(name), shape=shape, seq_len=seq_len, chunk_size=chunk_size, page_size=page_size, dtype=dtype,
         num_params=n_params, trainable_params=trainable, weights=weights, grads=grads, optimizer=optim,
@@ -517,19 +548,28 @@ def plan(
         gpu_pool=gpu_pool, write_buffers=wb, host_kv=host_kv, gpu_peak=gpu_peak, host_peak=host_kv,
         gpu_budget=gpu_budget, host_budget=host_budget, machine=machine,
         max_seq_len_gpu_only=largest(False), max_seq_len_offload=largest(True), problems=problems,
-        traffic=offload_traffic(shape, seq_len, chunk_size, page_size, tiering.resident_pages_per_layer, dtype)
+        traffic=offload_traffic(shape, seq_len, chunk_size, page_size, tiering.resident_pages_per_layer, dtype,
+                                segment_pages=SP, checkpoint_layers=checkpoint_layers)
         if tiering.offload else {},
+        segment_pages=SP if tiering.offload else None, own_buffers=own_b,
     )
 
 
 def offload_traffic(
     shape: ModelShape, seq_len: int, chunk_size: int, page_size: int, resident_pages_per_layer: int,
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: torch.dtype = torch.bfloat16, segment_pages: int | None = None, checkpoint_layers: bool = False,
 ) -> dict[str, int]:
     """Bytes one training step copies host->device and device->host with offload (the schedule of
-    :mod:`oomb.engine.offload`; the same with or without per-layer checkpointing).
+    :mod:`oomb.engine.offload`).
 
-    Per layer and chunk c (P = c*C/S past pages, n = C/S own pages, R resident):
+    With segmented staging (``segment_pages`` an int) the staging copies come from running the
+    store's own schedule (:func:`oomb.engine.offload.segment_traffic`) over the step's calls (it
+    depends on ``checkpoint_layers``), plus the Stage-1 writes of new pages beyond R. Roughly:
+    every segment use stages its K/V (the backward reuses the last two segments the forward
+    left in the buffers), every backward its dK/dV, and writes them back.
+
+    Whole-layer staging (``segment_pages`` None; the same with or without per-layer checkpointing),
+    per layer and chunk c (P = c*C/S past pages, n = C/S own pages, R resident):
     Stage 1 (c < N-1) stages K/V of pages [R, P) and writes back the new pages beyond R; Stage 2
     stages K/V [R, P) for the forward, again for the backward of layers 0..L-3 (their staging set
     was reused by layer l+2), dK/dV [R, P + n) (chunk N-1: zero-filled on the device, not copied),
@@ -545,6 +585,14 @@ def offload_traffic(
     N = -(-seq_len // C)
     n = C // S
     h2d = d2h = 0
+    if segment_pages is not None:
+        from .engine.offload import segment_traffic
+
+        for c in range(N - 1):  # Stage-1 writes of the new pages beyond R
+            P = c * n
+            d2h += L * max(P + n - max(P, R), 0) * kvb
+        h2d_s, d2h_s = segment_traffic(L, seq_len, C, S, R, segment_pages, checkpoint_layers, kvb, gb)
+        return {"h2d_bytes": h2d_s, "d2h_bytes": d2h + d2h_s}
     for c in range(N):
         P = c * n
         kv = max(P - R, 0)
@@ -601,10 +649,15 @@ def choose_engine_tiering(engine: Any, seq_len: int) -> tuple[bool, int | None]:
     L, n = shape.num_layers, -(-seq_len // cfg.page_size)
     pb = _page_bytes(shape, cfg.page_size, dtype)
     host_budget = int(_host_memory()[0] * 0.75)
-    t, why = _tier(L, n, pb, pool_budget, host_budget, cfg.offload, None)
+    from .engine.offload import resolve_segment_pages
+
+    SP = resolve_segment_pages(engine._segment_pages(), cfg.page_size)
+    t, why = _tier(L, n, pb, pool_budget, host_budget, cfg.offload, None, SP)
     if t is not None and t.offload:
         wbuf = 4 * cfg.chunk_size * shape.kv_dim * _dtype_size(dtype)
-        t, why = _tier(L, n, pb, pool_budget - wbuf, host_budget, cfg.offload, None)
+        if SP is not None:  # the own-gradient buffers
+            wbuf += 4 * cfg.chunk_size * shape.kv_dim * (8 if dtype == torch.float64 else 4)
+        t, why = _tier(L, n, pb, pool_budget - wbuf, host_budget, cfg.offload, None, SP)
     if t is None:
         raise MemoryPlanError(f"{seq_len:,} tokens do not fit: {why}")
     if cfg.offload is True and not t.offload:

@@ -84,12 +84,32 @@ def test_monotone_in_length_chunk_and_options():
 def test_offload_grows_gpu_memory_only_by_staging():
     kw = dict(machine=H200, optimizer=None, checkpoint_layers=True, offload=True, gpu_page_budget=None)
     a = plan("qwen2.5-7b", 262144, **kw)
-    # With the minimum GPU tier (two staging layers) the GPU grows by 2 layers' pages per token only.
-    small = [plan("qwen2.5-7b", T, **{**kw, "gpu_page_budget": 2 * T // 128}) for T in (262144, 524288)]
-    per_token = (small[1].gpu_peak - small[0].gpu_peak) / 262144
+    # Whole-layer staging, minimum GPU tier (two staging layers): the GPU grows by 2 layers' pages per token.
+    layer = [plan("qwen2.5-7b", T, **{**kw, "gpu_page_budget": 2 * T // 128, "offload_segment_pages": "layer"})
+             for T in (262144, 524288)]
+    per_token = (layer[1].gpu_peak - layer[0].gpu_peak) / 262144
     assert per_token == pytest.approx(2 * 168 * 1024 / 28, rel=1e-6)
-    assert small[0].tiering.resident_pages_per_layer == 0 and small[0].host_kv == small[0].kv_total
+    assert layer[0].tiering.resident_pages_per_layer == 0 and layer[0].host_kv == layer[0].kv_total
     assert a.tiering.offload is False  # 256K fits on the H200 with checkpointing: no offload needed
+
+
+def test_segmented_offload_gpu_memory_is_flat_in_context_length():
+    """Segmented staging (the default): the minimum GPU tier is two 32K-token segments, so the predicted GPU
+    peak is the same at 256K..2M tokens, and a budget buys resident pages on top of it."""
+    kw = dict(machine=H200, optimizer=None, checkpoint_layers=True, offload=True)
+    pb = 168 * 1024 // 28 * 128  # one page of one layer: K, V (bf16) + dK, dV (fp32)
+    mins = [plan("qwen2.5-7b", T, gpu_page_budget=512, **kw) for T in (262144, 524288, 1 << 20, 1 << 21)]
+    assert len({p.gpu_peak for p in mins}) == 1
+    p = mins[0]
+    assert p.segment_pages == 256 and p.tiering.resident_pages_per_layer == 0
+    assert p.gpu_pool == p.staging == 512 * pb
+    assert p.own_buffers == 2 * 4096 * 512 * 2 * 4 and p.write_buffers == 2 * 4096 * 512 * 2 * 2
+    assert "KV staging (2 x 32K tok) + buffers" in p.table()
+    res = plan("qwen2.5-7b", 1 << 19, gpu_page_budget=512 + 28 * 100, **kw)
+    assert res.tiering.resident_pages_per_layer == 100 and res.gpu_pool == (512 + 28 * 100) * pb
+    # The planner's default offload plan at 1M tokens keeps resident pages as the free memory allows.
+    auto = plan("qwen2.5-7b", 1 << 20, machine=H200, optimizer=None, checkpoint_layers=True)
+    assert auto.tiering.offload and auto.tiering.resident_pages_per_layer > 0 and auto.segment_pages == 256
 
 
 def test_largest_context_is_consistent():

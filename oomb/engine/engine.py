@@ -293,6 +293,7 @@ class Engine:
                 store = OffloadedKVStore(
                     self.num_layers, self.num_kv_heads, self.head_dim, S, T, self.dtype, self.device,
                     chunk_size=self.config.chunk_size, gpu_pages=gpu_pages,
+                    segment_pages=self._segment_pages(), checkpoint_layers=self.config.checkpoint_layers,
                 )
             else:
                 store = PagedKVStore(
@@ -309,6 +310,12 @@ class Engine:
         if isinstance(store, OffloadedKVStore):
             store.begin_step(T)
         return store
+
+    def _segment_pages(self) -> int | str:
+        """The offload staging segment: whole layers for sparse attention (one block table), else the config's."""
+        if self.config.sparse:
+            return "layer"
+        return self.config.offload_segment_pages or "auto"
 
     def _ensure_sparse(self, T: int) -> None:
         """Fresh page representatives and selections for a sequence of T tokens (config.sparse), else None."""

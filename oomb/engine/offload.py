@@ -8,37 +8,68 @@ engine interface) for sequences whose K/V and dK/dV do not fit on the GPU.
 * on the GPU, in resident slot ``l * R + p``, when ``p < R`` (the first ``R``
   pages of EVERY layer are resident), else
 * in host memory at ``k_host[l, p - R]`` (pinned on CUDA), and is copied into a
-  staging slot of the GPU pool when an attention needs it.
+  staging buffer of the GPU pool when an attention needs it.
 
-The attention (reference or Triton) reads ONE pool tensor through a block
-table, so the GPU pool is ``[L*R resident pages | 2*W staging slots]`` with
-``W = pages_per_layer - R``: two staging sets, set ``l % 2`` for layer ``l``
-(current + prefetched next layer). Layer ``l``'s block table is fixed for the
-whole step -- ``[l*R, ..., l*R+R-1, base(l%2), base(l%2)+1, ...]`` -- so the
-view an autograd Function saved in the Stage-2 forward is still right in its
-backward, after the pages were staged again. Host pages of one layer are
-contiguous, so a layer's past is staged by one copy per tensor (K, V, dK, dV),
-never one copy per page.
+The GPU pool is ``[L*R resident pages | 2*W staging slots]``: two staging
+buffers of ``W`` pages. Host pages of one layer are contiguous, so a staging is
+one copy per tensor (K, V, dK, dV), never one copy per page.
+
+**Segments (default).** The attention takes a layer's past in segments
+(:mod:`oomb.ops.paged_attention`, "Segmented past": one kernel call per segment,
+merged by log-sum-exp; the backward runs the segments in reverse with the final
+lse), so staging holds one segment, not a layer: ``W = min(SP, n - R)`` for a
+segment of ``SP`` pages (``segment_pages``; default 32K tokens, 256 pages of
+128). For a past of ``P > R`` pages, segment 0 is pages ``[0, min(P, R+SP))``
+(the resident prefix read in place plus the first ``SP`` host pages), segment
+``i >= 1`` is ``[R + i*SP, min(P, R + (i+1)*SP))``; a past within ``R`` is one
+resident segment. Each acquire hands the attention a block table for the buffer
+the segment was staged into (a fixed table per buffer for segment 0, a view of
+one int32 ramp for the others), so buffers can alternate freely. With a single
+segment the kernel calls are exactly the unsegmented ones (bitwise). The
+chunk's own stored dK/dV (backward only) go through two small own-gradient
+buffers of one chunk each.
+
+``segment_pages='layer'`` keeps whole-layer staging (``W = n - R``, staging set
+``l % 2`` for layer ``l``, a block table fixed for the step), which the sparse
+attention needs (it reads the past through one table).
 
 **Why the earliest pages are resident.** Page ``p`` is read by every later
 chunk, so the earliest pages are read most often: keeping a prefix of every
-layer on the GPU removes the most traffic per resident byte, cuts the traffic
-of every layer alike (so no layer's copy becomes the one the compute waits
-for), and shrinks the staging sets too (they only hold the non-resident
-suffix). A GPU budget of ``G`` pages buys ``R = (G - 2n) // (L - 2)`` resident
-pages per layer for ``n`` pages per layer (:func:`resident_pages_for_budget`).
-(Keeping whole layers resident instead, as the published system does, leaves
-the staging sets a whole layer each and the other layers' traffic unchanged.)
+layer on the GPU removes the most traffic per resident byte and cuts the
+traffic of every layer alike (so no layer's copy becomes the one the compute
+waits for). A GPU budget of ``G`` pages buys the largest ``R`` with
+``L*R + 2*W <= G`` (:func:`resident_pages_for_budget`).
 
-**GPU bytes** = ``(L*R + 2*(n - R))`` pages + two one-chunk K/V write buffers. With
-the minimum tier (R = 0) the GPU still grows by two layers' pages per token
-(Qwen2.5-7B: 2 x 6 KiB = 12 KiB/token, ~126 MB per 10K tokens), because the
-attention reads a layer's whole past through one block table. A flat GPU
-footprint needs the attention to take the past in fixed-size segments (merged
-through the log-sum-exp; the backward needs only the final lse per segment),
-so that staging holds a segment, not a layer.
+**GPU bytes** = ``(L*R + 2*W)`` pages of K, V, dK, dV + two one-chunk own-gradient
+buffers (dK, dV) + two one-chunk K/V write buffers + int32 block tables (4 bytes
+per page of a layer). With segments nothing but the tables depends on the
+context length: Qwen2.5-7B (28 layers, 4 KV heads, head dim 128, bf16 K/V, fp32
+dK/dV, page 128, chunk 4096, R = 0) holds 2 x 256 pages x 768 KiB = 384 MiB of
+staging + 32 MiB own-gradient + 16 MiB write buffers = 432 MiB at any length,
+plus ~312 bytes of table per 10K tokens. (Whole-layer staging grows by two
+layers' pages per token: 12 KiB/token, ~126 MB per 10K tokens.)
 
-**Schedule** (what is copied when; L layers, chunk c, P past pages)::
+**Schedule, segmented** (:class:`_SegmentSchedule`; L layers, chunk c)::
+
+    Stage 1, chunk c, layer l:  write the chunk's new K/V (resident slots, or owned GPU buffer -> host, D2H);
+                                segments 0..k-1 of l's past in order, each staged one segment ahead
+    Stage 2 fwd, layer l:       segments 0..k-1 of l (the first two of layer 0 are still staged from the
+                                backward of chunk c+1)
+    [checkpointing: the recompute of layer l before its backward: segments 0..k-1 again]
+    Stage 2 bwd, layer l:       own dK/dV staged (one backward ahead); segments k-1..0 with their dK/dV
+                                (the last two are the forward's, their dK/dV added in place); after each
+                                segment's backward its dK/dV are written back (D2H) before the buffer is reused
+
+The next segment use is predicted from the engine's order (the schedule re-finds
+its place if the engine departs from it) and staged into the buffer no kernel
+is reading while the current segment computes; the next layer's first segment
+is staged during the current layer's last. A prefetch never reads pages Stage 1
+has not written yet. Host dK/dV pages are never zeroed on the host: a page whose
+gradient was never written back is zero-filled in its staging slot instead of
+copied. :func:`segment_traffic` counts the bytes of this schedule (the planner's
+traffic).
+
+**Schedule, whole-layer** (``segment_pages='layer'``; P past pages)::
 
     Stage 1, chunk c, layer l:   use K/V[0:P] of l;      prefetch K/V of l+1 (or layer 0 of chunk c+1)
                                  write the chunk's new K/V: resident slots, or owned GPU buffer -> host (D2H)
@@ -49,30 +80,30 @@ so that staging holds a segment, not a layer.
                                  K/V of layer 0 of chunk c-1)
 
 With per-layer checkpointing the recompute asks for a layer again right before
-its backward; that view finds the pages already staged. Host dK/dV pages are
-never zeroed on the host: a page whose gradient was never written back is
-zero-filled in its staging slot instead of copied.
+its backward; that view finds the pages already staged.
 
 **Ordering.** Copies run on one side CUDA stream, in issue order. Before a
-copy overwrites a staging set it waits on an event the compute stream recorded
-after the last kernel that reads the set; before a kernel reads a set the
-compute stream waits on the event recorded after the copy into it; a D2H
-write-back waits on an event recorded after the kernels that produced the
-data. New K/V of Stage 1 go through two owned GPU buffers (the compute stream
-waits for the previous D2H out of a buffer before refilling it), so no tensor
-of the autograd graph is ever read by the copy stream. Host-side waits are
-never used for ordering.
+copy overwrites a staging buffer it waits on an event the compute stream
+recorded after the last kernel that reads it (a segment's dK/dV write-back is
+issued before any later copy into its buffer, so the stream order keeps them
+apart); before a kernel reads a buffer the compute stream waits on the event
+recorded after the copy into it; a D2H write-back waits on an event recorded
+after the kernels that produced the data. New K/V of Stage 1 go through two
+owned GPU buffers (the compute stream waits for the previous D2H out of a
+buffer before refilling it), so no tensor of the autograd graph is ever read by
+the copy stream. Host-side waits are never used for ordering.
 
 On CPU there are no streams: every copy runs synchronously where it is issued,
 with the same schedule, so CPU tests check page placement, prefetch order and
-lifetimes, and losses/gradients equal PagedKVStore's bitwise. The stream calls
-go through ``_CudaStreams`` / ``_SyncStreams``; tests substitute a simulated
-side stream that defers every copy as long as the events allow, which turns a
+lifetimes, and losses/gradients against PagedKVStore's. The stream calls go
+through ``_CudaStreams`` / ``_SyncStreams``; tests substitute a simulated side
+stream that defers every copy as long as the events allow, which turns a
 missing compute-side wait into wrong numbers on CPU.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import warnings
 import weakref
@@ -82,19 +113,62 @@ import torch
 
 from ..ops.paged_attention import PagedKV
 
-__all__ = ["OffloadedKVStore", "min_gpu_pages", "resident_pages_for_budget"]
+__all__ = [
+    "DEFAULT_SEGMENT_TOKENS",
+    "OffloadedKVStore",
+    "default_segment_pages",
+    "min_gpu_pages",
+    "resident_pages_for_budget",
+    "resolve_segment_pages",
+    "segment_traffic",
+]
+
+DEFAULT_SEGMENT_TOKENS = 32768
+"""Default staging segment: 32K tokens (256 pages of 128), i.e. 2 x 256 x 768 KiB = 384 MiB for Qwen2.5-7B."""
 
 
-def min_gpu_pages(num_layers: int, pages_per_layer: int) -> int:
-    """Smallest GPU pool (pages) for ``pages_per_layer`` pages per layer: two staging sets, or all pages if fewer."""
-    return min(2 * pages_per_layer, num_layers * pages_per_layer)
+def default_segment_pages(page_size: int) -> int:
+    """Pages of the default staging segment (:data:`DEFAULT_SEGMENT_TOKENS` tokens, at least one page)."""
+    return max(1, DEFAULT_SEGMENT_TOKENS // page_size)
 
 
-def resident_pages_for_budget(num_layers: int, pages_per_layer: int, gpu_pages: int) -> int:
+def resolve_segment_pages(segment_pages: int | str | None, page_size: int) -> int | None:
+    """``'auto'``/None -> :func:`default_segment_pages`; ``'layer'`` -> None (whole-layer staging); an int >= 1 -> itself.
+
+    Raises:
+        ValueError: anything else.
+    """
+    if segment_pages is None or segment_pages == "auto":
+        return default_segment_pages(page_size)
+    if segment_pages == "layer":
+        return None
+    if isinstance(segment_pages, bool) or not isinstance(segment_pages, int) or segment_pages < 1:
+        raise ValueError(
+            f"segment_pages must be a positive number of pages, 'auto' or 'layer'; got {segment_pages!r}"
+        )
+    return segment_pages
+
+
+def _staging(n: int, R: int, segment_pages: int | None) -> int:
+    """Pages of ONE staging buffer: the non-resident pages of a layer, or at most one segment of them."""
+    return n - R if segment_pages is None else min(segment_pages, n - R)
+
+
+def min_gpu_pages(num_layers: int, pages_per_layer: int, segment_pages: int | None = None) -> int:
+    """Smallest GPU pool (pages) for ``pages_per_layer`` pages per layer: two staging buffers (of a whole
+    layer when ``segment_pages`` is None, else of ``min(segment_pages, pages_per_layer)`` pages), or all
+    pages if fewer."""
+    return min(2 * _staging(pages_per_layer, 0, segment_pages), num_layers * pages_per_layer)
+
+
+def resident_pages_for_budget(
+    num_layers: int, pages_per_layer: int, gpu_pages: int, segment_pages: int | None = None
+) -> int:
     """Resident pages per layer (R) that a GPU pool of ``gpu_pages`` pages affords.
 
-    The pool holds ``L*R`` resident pages plus two staging sets of ``n - R`` slots
-    (none when ``R == n``). Returns the largest such R.
+    The pool holds ``L*R`` resident pages plus two staging buffers of ``W`` slots (none when
+    ``R == n``): ``W = n - R`` with whole-layer staging (``segment_pages`` None), else
+    ``W = min(segment_pages, n - R)``. Returns the largest such R.
 
     Raises:
         ValueError: if ``gpu_pages`` is below :func:`min_gpu_pages`.
@@ -102,15 +176,26 @@ def resident_pages_for_budget(num_layers: int, pages_per_layer: int, gpu_pages: 
     L, n = num_layers, pages_per_layer
     if gpu_pages >= L * n:
         return n
-    need = min_gpu_pages(L, n)
+    need = min_gpu_pages(L, n, segment_pages)
     if gpu_pages < need:
+        what = "two layers' staging" if segment_pages is None else f"two staging buffers of {_staging(n, 0, segment_pages)} pages"
         raise ValueError(
             f"a GPU page budget of {gpu_pages} pages cannot stage {n} pages per layer: offload needs at least "
-            f"{need} pages on the GPU (two layers' staging); raise gpu_page_budget or shorten the sequence"
+            f"{need} pages on the GPU ({what}); raise gpu_page_budget or shorten the sequence"
         )
-    if L <= 2:  # staging two layers costs as much as keeping them all
-        return n
-    return min(n, (gpu_pages - 2 * n) // (L - 2))
+    if segment_pages is None:
+        if L <= 2:  # staging two layers costs as much as keeping them all
+            return n
+        return min(n, (gpu_pages - 2 * n) // (L - 2))
+    # L*R + 2*min(SP, n - R) grows with R (slope L or L - 2 >= 0 for L >= 2; L == 1 returned above).
+    lo, hi = 0, n - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if L * mid + 2 * _staging(n, mid, segment_pages) <= gpu_pages:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 @dataclass(frozen=True)
@@ -133,6 +218,405 @@ class _Tag:
     kv: bool
     grad_start: int | None = None  # chunk whose dK/dV are staged (None: none)
     grad_own: int = 0
+
+
+# ----------------------------------------------------------------------------- segmented staging
+@dataclass(frozen=True)
+class _SegUse:
+    """One attention call's use of one past segment: K/V, plus dK/dV (the call's backward) if ``grad``."""
+
+    layer: int
+    start: int  # token offset of the chunk
+    seg: int  # segment index (0 = the first, holding the resident pages)
+    grad: bool
+
+
+@dataclass
+class _BufTag:
+    """What a segment staging buffer holds: K/V of host pages [lo, kv_hi) of (layer, seg); dK/dV of
+    [lo, grad_hi) as of the backward of the chunk at ``grad_start`` (None: none)."""
+
+    layer: int
+    seg: int
+    kv_hi: int
+    grad_start: int | None = None
+    grad_hi: int = 0
+
+
+class _SegmentSchedule:
+    """Which host pages go into which of the two segment staging buffers, and when.
+
+    Pure bookkeeping (no tensors): :class:`OffloadedKVStore` drives it with the calls the
+    engine makes and performs the copies it asks for through ``hooks``; :func:`segment_traffic`
+    drives it with the calls a step is predicted to make and only counts bytes. So the
+    planner's traffic and the store's are one computation.
+
+    Geometry for a call whose past is ``P`` pages (R resident, SP = segment pages): no segment
+    when P == 0; one segment [0, P) when P <= R (resident, nothing staged); else
+    ``k = ceil((P - R) / SP)`` segments, segment 0 = pages [0, min(P, R + SP)) (the resident
+    prefix plus the first host pages), segment i >= 1 = [R + i*SP, min(P, R + (i+1)*SP)).
+    Host pages of segment i: [R + i*SP, hi), staged into buffer slots [0, hi - R - i*SP).
+
+    Prefetch: the steps's calls are predicted (Stage 1 chunks 0..N-2, then per chunk from the
+    last: forward of layers 0..L-1, then per layer from the top: [forward again with per-layer
+    checkpointing,] backward), each call's segments in order, a backward's in reverse. When a
+    segment is acquired, the next predicted segment use that needs host pages is staged into
+    the other buffer (or, for the backward right after a forward of the same segment, its
+    dK/dV are added to the buffer the forward reads: an "upgrade"). A buffer holding K/V of
+    [lo, hi) serves any later use of that segment needing [lo, hi' <= hi). If the engine's
+    order departs from the prediction, the schedule re-finds its place (or stages on demand).
+
+    Own gradient pages (the dK/dV later chunks stored for the chunk's own pages, read once by
+    its backward) go through two small buffers (own buffer ``layer % 2``), staged when the
+    previous backward starts (or ends, if that one uses the same own buffer).
+    """
+
+    def __init__(self, hooks, num_layers: int, page_size: int, chunk_size: int, resident: int, segment_pages: int,
+                 checkpoint_layers: bool) -> None:
+        self.hooks = hooks
+        self.L, self.S, self.C, self.R, self.SP = num_layers, page_size, chunk_size, resident, segment_pages
+        self.checkpoint_layers = checkpoint_layers
+        self.reset(None)
+
+    # geometry
+    def page_bounds(self, past_pages: int) -> list[tuple[int, int]]:
+        """Page ranges [lo, hi) of the segments of a past of ``past_pages`` pages."""
+        P, R, SP = past_pages, self.R, self.SP
+        if P == 0:
+            return []
+        if P <= R:
+            return [(0, P)]
+        k = -(-(P - R) // SP)
+        return [(0 if i == 0 else R + i * SP, min(P, R + (i + 1) * SP)) for i in range(k)]
+
+    def host_range(self, use: _SegUse) -> tuple[int, int] | None:
+        """Host pages [lo, hi) ``use`` reads (lo = R + seg*SP), or None when all its pages are resident."""
+        hi = min(use.start // self.S, self.R + (use.seg + 1) * self.SP)
+        lo = self.R + use.seg * self.SP
+        return (lo, hi) if hi > lo else None
+
+    def valid_upto(self, layer: int, seg: int, lo: int, hi: int) -> int:
+        """End of the pages of [lo, hi) (one segment) whose host dK/dV were written back (a prefix)."""
+        return min(max(self.written[layer].get(seg, 0), lo), hi)
+
+    def page_valid(self, layer: int, page: int) -> bool:
+        seg = (page - self.R) // self.SP
+        return page < self.written[layer].get(seg, 0)
+
+    # lifecycle
+    def reset(self, seq_len: int | None) -> None:
+        self.tags: list[_BufTag | None] = [None, None]
+        self.busy: list[_SegUse | None] = [None, None]
+        self.last_used = [0, 0]
+        self.clock = 0
+        self.written: list[dict[int, int]] = [{} for _ in range(self.L)]
+        self.stored = [0] * self.L  # pages of each layer whose K/V are in the store (a prefetch reads no others)
+        self.own_tag: list[tuple[int, int] | None] = [None, None]
+        self.own_deferred: tuple[int, int] | None = None
+        self.ahead: collections.deque = collections.deque()
+        self.calls = self._predicted_uses(seq_len) if seq_len is not None else iter(())
+        self.window = 8 + 4 * self.L * (len(self.page_bounds(-(-(seq_len or 0) // self.S))) + 1)
+
+    def release_from(self, layer: int, keep: int) -> None:
+        self.stored[layer] = min(self.stored[layer], keep)
+        w = self.written[layer]
+        for seg in w:
+            w[seg] = min(w[seg], keep)
+
+    def _predicted_uses(self, T: int):
+        """Segment uses of one step needing host pages, in the engine's order (see the class docstring)."""
+        L, C = self.L, self.C
+        N = -(-T // C)
+
+        def fwd(layer, s):
+            for i in range(len(self.page_bounds(s // self.S))):
+                u = _SegUse(layer, s, i, False)
+                if self.host_range(u) is not None:
+                    yield u
+
+        def bwd(layer, s):
+            for i in reversed(range(len(self.page_bounds(s // self.S)))):
+                u = _SegUse(layer, s, i, True)
+                if self.host_range(u) is not None:
+                    yield u
+
+        for c in range(N - 1):
+            for layer in range(L):
+                yield from fwd(layer, c * C)
+        for c in range(N - 1, -1, -1):
+            for layer in range(L):
+                yield from fwd(layer, c * C)
+            for layer in range(L - 1, -1, -1):
+                if self.checkpoint_layers:
+                    yield from fwd(layer, c * C)
+                yield from bwd(layer, c * C)
+
+    def _peek(self, idx: int) -> _SegUse | None:
+        while len(self.ahead) <= idx:
+            nxt = next(self.calls, None)
+            if nxt is None:
+                return None
+            self.ahead.append(nxt)
+        return self.ahead[idx]
+
+    def _advance(self, use: _SegUse) -> None:
+        """Consume ``use`` from the predicted order (and whatever was predicted before it)."""
+        for idx in range(self.window):
+            u = self._peek(idx)
+            if u is None:
+                return
+            if u == use:
+                for _ in range(idx + 1):
+                    self.ahead.popleft()
+                return
+
+    # buffers
+    def _find(self, use: _SegUse, hi: int) -> int | None:
+        for b, tag in enumerate(self.tags):
+            if tag is not None and tag.layer == use.layer and tag.seg == use.seg and tag.kv_hi >= hi:
+                return b
+        return None
+
+    def _missing(self, use: _SegUse, b: int | None, hi: int) -> tuple[bool, bool]:
+        kv = b is None
+        tag = None if b is None else self.tags[b]
+        grad = use.grad and (tag is None or tag.grad_start != use.start or tag.grad_hi < hi)
+        return kv, grad
+
+    def _choose(self) -> int:
+        """A buffer no kernel is reading: the least recently used one."""
+        free = [b for b in (0, 1) if self.busy[b] is None]
+        return min(free, key=lambda b: self.last_used[b])
+
+    def _stage(self, b: int, use: _SegUse, lo: int, hi: int, kv: bool, grad: bool, why: str) -> None:
+        if kv:
+            self.tags[b] = _BufTag(use.layer, use.seg, hi)
+        valid = None
+        if grad:
+            valid = self.valid_upto(use.layer, use.seg, lo, hi)
+            self.tags[b].grad_start, self.tags[b].grad_hi = use.start, hi
+        self.hooks.stage(b, use, lo, hi, kv, valid, why)
+
+    def acquire(self, use: _SegUse) -> int | None:
+        """Make ``use``'s host pages ready for the compute stream -> its buffer (None: all resident)."""
+        rng = self.host_range(use)
+        if rng is None:
+            return None
+        lo, hi = rng
+        self._advance(use)
+        b = self._find(use, hi)
+        kv, grad = self._missing(use, b, hi)
+        if kv or grad:
+            if b is None:
+                b = self._choose()
+            elif self.busy[b] is not None:
+                raise RuntimeError(f"segment buffer {b} is in use by {self.busy[b]} while {use} needs it: "
+                                   "segments were acquired out of order")
+            self._stage(b, use, lo, hi, kv, grad, "on_demand")
+        self.hooks.wait(b)
+        self.busy[b] = use
+        self.clock += 1
+        self.last_used[b] = self.clock
+        self._prefetch()
+        return b
+
+    def _prefetch(self) -> None:
+        """Stage the next predicted use that reads host pages (into a buffer no kernel is reading)."""
+        nxt = self._peek(0)
+        if nxt is None:
+            return
+        lo, hi = self.host_range(nxt)
+        if hi > self.stored[nxt.layer]:
+            return  # Stage 1 has not written those pages yet (the lookahead passed resident-only calls)
+        b = self._find(nxt, hi)
+        kv, grad = self._missing(nxt, b, hi)
+        if not (kv or grad):
+            return
+        if b is None:
+            if all(u is not None for u in self.busy):
+                return
+            b = self._choose()
+        elif self.busy[b] is not None and self.busy[b].grad:
+            return  # never add dK/dV under a backward that writes them (staged on demand instead)
+        self._stage(b, nxt, lo, hi, kv, grad, "prefetched")
+
+    def release(self, use: _SegUse, b: int | None) -> None:
+        """The kernels of ``use`` are enqueued; a backward's dK/dV are written back to the host."""
+        if b is None:
+            return
+        self.busy[b] = None
+        lo, hi = self.host_range(use)
+        if use.grad:
+            w = self.written[use.layer]
+            w[use.seg] = max(w.get(use.seg, 0), hi)
+        self.hooks.release(b, use, lo, hi, use.grad)
+
+    # own gradient pages
+    def own_range(self, start: int, own_pages: int) -> tuple[int, int] | None:
+        """Host pages of a chunk's own pages [P, P + own_pages) (None when all resident or none)."""
+        P = start // self.S
+        lo, hi = max(P, self.R), P + own_pages
+        return (lo, hi) if hi > lo else None
+
+    def _own_runs(self, layer: int, lo: int, hi: int) -> list[tuple[int, int, bool]]:
+        runs: list[tuple[int, int, bool]] = []
+        for p in range(lo, hi):
+            ok = self.page_valid(layer, p)
+            if runs and runs[-1][2] == ok:
+                runs[-1] = (runs[-1][0], p + 1, ok)
+            else:
+                runs.append((p, p + 1, ok))
+        return runs
+
+    def _stage_own(self, layer: int, start: int, why: str) -> None:
+        rng = self.own_range(start, self.C // self.S)
+        if rng is None:
+            return
+        ob = layer % 2
+        self.own_tag[ob] = (layer, start)
+        self.hooks.stage_own(ob, layer, rng[0], self._own_runs(layer, *rng), why)
+
+    def begin_backward(self, layer: int, start: int, own_pages: int) -> None:
+        """The backward of (chunk at ``start``, ``layer``) starts: its own gradient pages ready, the next one's staged."""
+        if self.own_range(start, own_pages) is not None:
+            ob = layer % 2
+            if self.own_tag[ob] != (layer, start):
+                self._stage_own(layer, start, "on_demand")
+            self.hooks.wait_own(ob)
+        nxt = (layer - 1, start) if layer > 0 else ((self.L - 1, start - self.C) if start > 0 else None)
+        self.own_deferred = None
+        if nxt is not None and self.own_range(nxt[1], self.C // self.S) is not None:
+            if nxt[0] % 2 != layer % 2:
+                self._stage_own(*nxt, "prefetched")
+            else:
+                self.own_deferred = nxt  # its buffer is this backward's: after it
+
+    def end_backward(self, layer: int, start: int) -> None:
+        """The backward has read its own gradient pages."""
+        self.hooks.own_read(layer % 2)
+        if self.own_deferred is not None:
+            nxt, self.own_deferred = self.own_deferred, None
+            self._stage_own(*nxt, "prefetched")
+
+
+class _CountingHooks:
+    """Hooks of :class:`_SegmentSchedule` that only count bytes (the planner's view of a step)."""
+
+    def __init__(self, kv_page_bytes: int, grad_page_bytes: int) -> None:
+        self.kvb, self.gb = kv_page_bytes, grad_page_bytes
+        self.h2d = self.d2h = 0
+
+    def stage(self, b, use, lo, hi, kv, valid, why):
+        if kv:
+            self.h2d += (hi - lo) * self.kvb
+        if valid is not None:
+            self.h2d += (valid - lo) * self.gb
+
+    def wait(self, b):
+        pass
+
+    def release(self, b, use, lo, hi, writeback):
+        if writeback:
+            self.d2h += (hi - lo) * self.gb
+
+    def stage_own(self, ob, layer, lo, runs, why):
+        self.h2d += sum(e - a for a, e, ok in runs if ok) * self.gb
+
+    def wait_own(self, ob):
+        pass
+
+    def own_read(self, ob):
+        pass
+
+
+def segment_traffic(
+    num_layers: int, seq_len: int, chunk_size: int, page_size: int, resident_pages_per_layer: int,
+    segment_pages: int, checkpoint_layers: bool, kv_page_bytes: int, grad_page_bytes: int, simulate: bool | None = None,
+) -> tuple[int, int]:
+    """(host->device, device->host) bytes of the segment staging of one step (Stage-1 writes excluded).
+    ``*_page_bytes``: one page of one layer, K+V and dK+dV.
+
+    ``simulate`` True runs :class:`_SegmentSchedule` over the step's predicted calls (exact by
+    construction; time grows with (T / chunk) x (T / segment)); False uses the closed form below,
+    which a test checks against the simulation over many small configurations; None (default):
+    the closed form for L >= 3 layers, the simulation otherwise.
+
+    Closed form (L >= 3), chunk c with H = max(c*C/S - R, 0) host pages in k = ceil(H / SP)
+    segments, ``first2``/``last2`` = host pages of its first/last two segments:
+
+    * Stage 1 (c < N-1): K/V of every host page, every layer.
+    * Stage-2 forward: the same, less layer 0's first two segments (still staged from the
+      backward of chunk c+1; with k = 1 both for c and c+1 also layer 1's segment); chunk N-1
+      saves nothing.
+    * Stage-2 backward K/V: without checkpointing L*H less ``last2`` (k >= 2; the top layer's
+      last two segments are still staged from its forward) or 2H (k = 1: layers L-1 and L-2);
+      with checkpointing the recompute stages L*H less 2H (k = 1) or H (k = 2), and each
+      backward L*(H - last2) (its last two segments are left by its recompute).
+    * dK/dV: every backward stages its host pages (c < N-1; chunk N-1's are zero-filled) and its
+      own pages beyond R (c < N-1), and writes its host pages back.
+    """
+    L, C, S, R, SP = num_layers, chunk_size, page_size, resident_pages_per_layer, segment_pages
+    if simulate is None:
+        simulate = L < 3
+    if not simulate:
+        N = -(-seq_len // C)
+        n = C // S
+        H = [max(c * n - R, 0) for c in range(N)]
+        k = [-(-h // SP) for h in H]
+        kv = g = d2h = 0
+        for c in range(N):
+            h, kc = H[c], k[c]
+            own = max(c * n + n - max(c * n, R), 0) if c < N - 1 else 0
+            if c < N - 1:
+                kv += L * h  # Stage 1
+                g += L * h + L * own
+            d2h += L * h
+            if h == 0:
+                continue
+            first2 = min(h, 2 * SP)
+            last2 = h if kc <= 2 else h - (kc - 2) * SP
+            save_fwd = 0
+            if c < N - 1:
+                save_fwd = first2 + (h if kc == 1 and k[c + 1] == 1 else 0)
+            kv += L * h - save_fwd
+            if checkpoint_layers:
+                kv += L * h - (2 * h if kc == 1 else h if kc == 2 else 0) + L * (h - last2)
+            else:
+                kv += L * h - (2 * h if kc == 1 else last2)
+        return kv * kv_page_bytes + g * grad_page_bytes, d2h * grad_page_bytes
+    hooks = _CountingHooks(kv_page_bytes, grad_page_bytes)
+    sched = _SegmentSchedule(hooks, num_layers, page_size, chunk_size, resident_pages_per_layer, segment_pages,
+                             checkpoint_layers)
+    sched.reset(seq_len)
+    L, C, S = num_layers, chunk_size, page_size
+    N = -(-seq_len // C)
+
+    def fwd(layer, s):
+        for i in range(len(sched.page_bounds(s // S))):
+            u = _SegUse(layer, s, i, False)
+            sched.release(u, sched.acquire(u))
+
+    for c in range(N - 1):
+        for layer in range(L):
+            sched.stored[layer] = (c + 1) * (C // S)  # the engine writes a chunk's pages before its attention
+            fwd(layer, c * C)
+    for c in range(N - 1, -1, -1):
+        s = c * C
+        own = 0 if c == N - 1 else C // S
+        for layer in range(L):
+            fwd(layer, s)
+        for layer in range(L - 1, -1, -1):
+            if checkpoint_layers:
+                fwd(layer, s)
+            sched.begin_backward(layer, s, own)
+            for i in reversed(range(len(sched.page_bounds(s // S)))):
+                u = _SegUse(layer, s, i, True)
+                sched.release(u, sched.acquire(u))
+            sched.end_backward(layer, s)
+        if c < N - 1:
+            for layer in range(L):
+                sched.release_from(layer, s // S)
+    return hooks.h2d, hooks.d2h
 
 
 class _CudaStreams:
@@ -228,20 +712,30 @@ class OffloadedKVStore:
         dtype: K/V dtype (the model's).
         device: the compute device (``cuda`` or, for simulation, ``cpu``).
         chunk_size: the engine's chunk size in tokens (to predict the next chunk's pages).
-        gpu_pages: GPU pool budget in pages, staging included; ``None`` = the minimum
-            (every page in the host tier, two staging sets). See :func:`resident_pages_for_budget`.
+        gpu_pages: GPU pool budget in pages (resident + staging; the own-gradient and write
+            buffers come on top); ``None`` = the minimum (every page in the host tier, two staging
+            buffers). See :func:`resident_pages_for_budget`.
         grad_dtype: dK/dV dtype; default float32 (float64 for a float64 model).
         trace: record every transfer in :attr:`trace` (tests).
+        segment_pages: staging segment in pages (an int >= 1), ``'auto'`` (default:
+            :func:`default_segment_pages`, 32K tokens) or ``'layer'`` (whole-layer staging: the
+            attention reads a layer's whole past through one block table, as the sparse attention
+            needs; GPU bytes then grow with the context).
+        checkpoint_layers: the engine recomputes each layer's forward before its backward
+            (per-layer checkpointing); only the prefetch order depends on it.
 
     Attributes:
-        k_cache, v_cache: [L*R + 2*W, S, Hkv, D] GPU pool (model dtype): resident pages, then two staging sets.
+        k_cache, v_cache: [L*R + 2*W, S, Hkv, D] GPU pool (model dtype): resident pages, then two staging buffers.
         dk_cache, dv_cache: same shape, ``grad_dtype``.
-        k_host, v_host, dk_host, dv_host: [L, W, S, Hkv, D] host tier (pinned on CUDA).
-        resident_pages_per_layer: R. staging_pages: W (per set).
+        own_dk_cache, own_dv_cache: [2*O, S, Hkv, D] ``grad_dtype``, O = min(chunk pages, n - R):
+            the own-gradient buffers (segmented staging only, else None).
+        k_host, v_host, dk_host, dv_host: [L, n - R, S, Hkv, D] host tier (pinned on CUDA).
+        resident_pages_per_layer: R. staging_pages: W (per buffer): n - R with whole-layer staging,
+            else min(segment_pages, n - R). segment_pages: the segment (None: whole layer).
         stats: bytes copied each way, stagings issued ahead ("prefetched") or at the point of use ("on_demand").
 
     Raises:
-        ValueError: a budget below two layers' staging.
+        ValueError: a budget below two staging buffers; a bad ``segment_pages``.
     """
 
     def __init__(
@@ -257,9 +751,12 @@ class OffloadedKVStore:
         gpu_pages: int | None = None,
         grad_dtype: torch.dtype | None = None,
         trace: bool = False,
+        segment_pages: int | str = "auto",
+        checkpoint_layers: bool = False,
     ) -> None:
         if chunk_size % page_size:
             raise ValueError(f"chunk_size ({chunk_size}) must be a multiple of page_size ({page_size})")
+        SP = resolve_segment_pages(segment_pages, page_size)
         self.num_layers = L = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -270,9 +767,12 @@ class OffloadedKVStore:
         self.device = torch.device(device)
         self.max_pages_per_layer = n = -(-max_seq_len // S)
         self.num_pages = L * n  # logical pages, both tiers
-        self.gpu_page_budget = min_gpu_pages(L, n) if gpu_pages is None else gpu_pages
-        self.resident_pages_per_layer = R = resident_pages_for_budget(L, n, self.gpu_page_budget)
-        self.staging_pages = W = n - R
+        self.gpu_page_budget = min_gpu_pages(L, n, SP) if gpu_pages is None else gpu_pages
+        self.resident_pages_per_layer = R = resident_pages_for_budget(L, n, self.gpu_page_budget, SP)
+        self.segment_pages = SP
+        self.segmented = SP is not None
+        self.host_pages_per_layer = H = n - R
+        self.staging_pages = W = _staging(n, R, SP)
         self.gpu_pool_pages = L * R + 2 * W
         self._cuda = self.device.type == "cuda"
 
@@ -281,7 +781,7 @@ class OffloadedKVStore:
         self.v_cache = torch.empty(shape, dtype=dtype, device=self.device)
         self.dk_cache = torch.empty(shape, dtype=self.grad_dtype, device=self.device)
         self.dv_cache = torch.empty(shape, dtype=self.grad_dtype, device=self.device)
-        hshape = (L, W, S, num_kv_heads, head_dim)
+        hshape = (L, H, S, num_kv_heads, head_dim)
         self._host_pins: list[int] = []
         self.k_host = self._host_empty(hshape, dtype)
         self.v_host = self._host_empty(hshape, dtype)
@@ -291,13 +791,34 @@ class OffloadedKVStore:
             fin = weakref.finalize(self, _unregister_host, list(self._host_pins), [self.k_host, self.v_host, self.dk_host, self.dv_host])
             fin.atexit = False  # the process's exit releases the pins anyway
 
-        # Fixed block tables: layer l's page p -> resident slot or a slot of staging set l % 2.
-        table = torch.empty((L, n), dtype=torch.int32)
-        for layer in range(L):
-            table[layer, :R] = torch.arange(layer * R, layer * R + R, dtype=torch.int32)
-            base = L * R + (layer % 2) * W
-            table[layer, R:] = torch.arange(base, base + W, dtype=torch.int32)
-        self.block_table = table.to(self.device)
+        self.own_dk_cache = self.own_dv_cache = None
+        self._sched = None
+        if not self.segmented:
+            # Fixed block tables: layer l's page p -> resident slot or a slot of staging set l % 2.
+            table = torch.empty((L, n), dtype=torch.int32)
+            for layer in range(L):
+                table[layer, :R] = torch.arange(layer * R, layer * R + R, dtype=torch.int32)
+                base = L * R + (layer % 2) * W
+                table[layer, R:] = torch.arange(base, base + W, dtype=torch.int32)
+            self.block_table = table.to(self.device)
+        else:
+            self.block_table = None
+            # Segment 0 of layer l in buffer b: [l*R .. l*R+R-1 (resident), base(b) .. base(b)+W-1].
+            first = torch.empty((2, L, R + W), dtype=torch.int32)
+            for b in range(2):
+                for layer in range(L):
+                    first[b, layer, :R] = torch.arange(layer * R, layer * R + R, dtype=torch.int32)
+                    first[b, layer, R:] = torch.arange(L * R + b * W, L * R + b * W + W, dtype=torch.int32)
+            self._first_tables = first.to(self.device)
+            # Segment i >= 1 (host pages from p0 = R + i*SP) in buffer b reads page p at slot
+            # base(b) + p - p0: a view of this ramp starting at n + base(b) - p0 (entries before p0 unused).
+            self._ramp = torch.arange(-n, self.gpu_pool_pages, dtype=torch.int32).to(self.device)
+            O = min(chunk_size // S, H)
+            oshape = (2 * O, S, num_kv_heads, head_dim)
+            self.own_pages = O
+            self.own_dk_cache = torch.empty(oshape, dtype=self.grad_dtype, device=self.device)
+            self.own_dv_cache = torch.empty(oshape, dtype=self.grad_dtype, device=self.device)
+            self._sched = _SegmentSchedule(self, L, S, chunk_size, R, SP, checkpoint_layers)
 
         # The copy stream and events; owned buffers for Stage-1 writes to the host tier (two,
         # alternating, one chunk each) when copies are asynchronous.
@@ -305,7 +826,9 @@ class OffloadedKVStore:
         self._ready = [st.event(), st.event()]  # copy into staging set s done
         self._free = [st.event(), st.event()]  # readers of staging set s done
         self._wbuf_free = [st.event(), st.event()]  # D2H out of write buffer b done
-        if st.asynchronous and W > 0:
+        self._own_ready = [st.event(), st.event()]  # copy into own-gradient buffer b done
+        self._own_free = [st.event(), st.event()]  # the backward reading own-gradient buffer b is enqueued
+        if st.asynchronous and H > 0:
             wshape = (2, chunk_size // S, S, num_kv_heads, head_dim)
             self._wbuf_k = torch.empty(wshape, dtype=dtype, device=self.device)
             self._wbuf_v = torch.empty(wshape, dtype=dtype, device=self.device)
@@ -346,10 +869,19 @@ class OffloadedKVStore:
 
     @property
     def nbytes(self) -> int:
-        """GPU bytes held by the store: the pool (resident + staging, K, V, dK, dV) and the write buffers."""
+        """GPU bytes of the store's page buffers: the pool (resident + staging, K, V, dK, dV), the own-gradient
+        buffers and the write buffers. Block tables: :attr:`index_nbytes`."""
         tensors = [self.k_cache, self.v_cache, self.dk_cache, self.dv_cache]
+        if self.own_dk_cache is not None:
+            tensors += [self.own_dk_cache, self.own_dv_cache]
         if self._wbuf_k is not None:
             tensors += [self._wbuf_k, self._wbuf_v]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    @property
+    def index_nbytes(self) -> int:
+        """GPU bytes of the int32 block tables (4 bytes per page of a layer, or per page with segments)."""
+        tensors = [self.block_table] if self.block_table is not None else [self._first_tables, self._ramp]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     @property
@@ -383,6 +915,8 @@ class OffloadedKVStore:
         self._wbuf_next = 0
         self._seq_len: int | None = None
         self.stats = {"h2d_bytes": 0, "d2h_bytes": 0, "prefetched": 0, "on_demand": 0}
+        if self._sched is not None:
+            self._sched.reset(None)
         if self.trace is not None:
             self.trace.clear()
 
@@ -391,6 +925,8 @@ class OffloadedKVStore:
         if not self.fits(seq_len):
             raise ValueError(f"{seq_len} tokens do not fit a store sized for {self.max_pages_per_layer * self.page_size}")
         self._seq_len = seq_len
+        if self._sched is not None:
+            self._sched.reset(seq_len)
 
     @property
     def num_free_pages(self) -> int:
@@ -407,6 +943,8 @@ class OffloadedKVStore:
         keep = start // S
         self._pages[layer] = min(self._pages[layer], keep)
         self._grad_valid[layer] = min(self._grad_valid[layer], keep)
+        if self._sched is not None:
+            self._sched.release_from(layer, keep)
         if self.trace is not None:
             self.trace.append(("release", layer, keep))
 
@@ -469,6 +1007,8 @@ class OffloadedKVStore:
             if self.trace is not None:
                 self.trace.append(("write_host", layer, a, p1))
         self._pages[layer] = p1
+        if self._sched is not None:
+            self._sched.stored[layer] = p1
 
     # --------------------------------------------------------------- staging
     def _set(self, layer: int) -> int:
@@ -582,9 +1122,14 @@ class OffloadedKVStore:
         """
         S, L = self.page_size, self.num_layers
         past = start // S
-        table = self.block_table[layer]
         if self.trace is not None:
             self.trace.append(("view", stage, layer, start))
+        if self.segmented:
+            own = 0 if (stage == 1 or is_last) else -(-length // S)
+            seg = _SegmentedPast(self, layer, start, own)
+            after = functools.partial(self._sched.end_backward, layer, start) if stage == 2 else None
+            return PagedKV(None, None, None, start, q_doc_start=q_doc_start, after_backward=after, segments=seg)
+        table = self.block_table[layer]
         if stage == 1:
             use = _Use(layer, start, past, 0, False)
             self._acquire(use)
@@ -614,11 +1159,23 @@ class OffloadedKVStore:
         )
 
     def layer_block_table(self, layer: int, num_pages: int) -> torch.Tensor:
-        """int32 [num_pages] GPU slots of the first ``num_pages`` pages of ``layer`` (resident or staging; a view)."""
+        """int32 [num_pages] GPU slots of the first ``num_pages`` pages of ``layer`` (resident or staging; a view).
+
+        Raises:
+            RuntimeError: with segmented staging (a layer's pages have no fixed slots then).
+        """
+        if self.segmented:
+            raise RuntimeError("a store with segmented staging has no fixed per-layer block table (segment_pages='layer' has)")
         return self.block_table[layer, :num_pages]
 
     def after_attention_forward(self, layer: int, stage: int) -> None:
         """The attention forward of ``layer`` is enqueued: a K/V-only staging set may be refilled."""
+        if self.segmented:
+            # Every segment was released by the attention itself. After an attention with no host
+            # segment (chunk 0, or a resident past) the next host use is staged now; not at the view,
+            # which comes before Stage 1 writes this layer's pages.
+            self._sched._prefetch()
+            return
         use = self._inflight.get(layer)
         if use is not None and not use.grad:
             self._release(layer, self._streams.record_compute())
@@ -660,7 +1217,7 @@ class OffloadedKVStore:
             for p in range(start // S, -(-(start + n) // S)):
                 if p < R:
                     pages.append(gpu[layer * R + p].cpu())
-                elif p < self._grad_valid[layer]:
+                elif self._host_grad_valid(layer, p):
                     pages.append(host[layer, p - R].clone())
                 else:
                     pages.append(torch.zeros_like(host[layer, 0]))
@@ -668,3 +1225,148 @@ class OffloadedKVStore:
             off = start - (start // S) * S
             out.append(flat[off : off + n])
         return out[0], out[1]
+
+    def _host_grad_valid(self, layer: int, page: int) -> bool:
+        if self._sched is not None:
+            return self._sched.page_valid(layer, page)
+        return page < self._grad_valid[layer]
+
+    def grad_written_pages(self, layer: int) -> int:
+        """End of the pages [R, end) of ``layer`` whose host dK/dV hold a written-back gradient (0 if none)."""
+        if self._sched is None:
+            return self._grad_valid[layer]
+        R = self.resident_pages_per_layer
+        p = R
+        while p < self.max_pages_per_layer and self._host_grad_valid(layer, p):
+            p += 1
+        return p if p > R else 0
+
+    # ----------------------------------------------- segmented staging (hooks of _SegmentSchedule)
+    def _slots(self, b: int) -> int:
+        return self.num_layers * self.resident_pages_per_layer + b * self.staging_pages
+
+    def stage(self, b: int, use: _SegUse, lo: int, hi: int, kv: bool, valid: int | None, why: str) -> None:
+        """Copy host pages [lo, hi) of ``use.layer`` into buffer ``b`` (K/V if ``kv``; dK/dV if ``valid`` is
+        not None: pages below ``valid`` copied, the rest zero-filled), on the side stream."""
+        st, R = self._streams, self.resident_pages_per_layer
+        base, m, h = self._slots(b), hi - lo, lo - R
+        layer = use.layer
+        st.copy_wait(self._free[b])  # kernels that read or wrote the buffer are enqueued before this point
+        if kv:
+            st.copy_(self.k_cache[base : base + m], self.k_host[layer, h : h + m])
+            st.copy_(self.v_cache[base : base + m], self.v_host[layer, h : h + m])
+            self.stats["h2d_bytes"] += 2 * m * self.k_host[0, 0].numel() * self.k_host.element_size()
+        if valid is not None:
+            nv = valid - lo
+            if nv:
+                st.copy_(self.dk_cache[base : base + nv], self.dk_host[layer, h : h + nv])
+                st.copy_(self.dv_cache[base : base + nv], self.dv_host[layer, h : h + nv])
+                self.stats["h2d_bytes"] += 2 * nv * self.dk_host[0, 0].numel() * self.dk_host.element_size()
+            if m > nv:  # never written back: zero on the device instead of copying
+                st.zero_(self.dk_cache[base + nv : base + m])
+                st.zero_(self.dv_cache[base + nv : base + m])
+        st.record_copy(self._ready[b])
+        self.stats[why] += 1
+        if self.trace is not None:
+            self.trace.append(("stage", why, layer, use.start, use.seg, b, kv, valid is not None))
+
+    def wait(self, b: int) -> None:
+        """The compute stream waits for the copies into buffer ``b``."""
+        self._wait_segment(self._ready[b])
+
+    def _wait_segment(self, ev) -> None:
+        # One place for every compute-side wait on a segment (a test removes it to show the simulator notices).
+        self._streams.compute_wait(ev)
+
+    def release(self, b: int, use: _SegUse, lo: int, hi: int, writeback: bool) -> None:
+        """Readers of buffer ``b`` are enqueued; with ``writeback`` its dK/dV go back to the host (D2H)."""
+        st, R = self._streams, self.resident_pages_per_layer
+        ev = st.record_compute()
+        self._free[b] = ev
+        if writeback:
+            base, m, h = self._slots(b), hi - lo, lo - R
+            st.copy_wait(ev)  # the backward kernels that added into the buffer
+            st.copy_(self.dk_host[use.layer, h : h + m], self.dk_cache[base : base + m])
+            st.copy_(self.dv_host[use.layer, h : h + m], self.dv_cache[base : base + m])
+            self.stats["d2h_bytes"] += 2 * m * self.dk_host[0, 0].numel() * self.dk_host.element_size()
+            if self.trace is not None:
+                self.trace.append(("writeback", use.layer, use.start, use.seg, b))
+
+    def stage_own(self, ob: int, layer: int, lo: int, runs: list, why: str) -> None:
+        """Copy the own-gradient host pages (runs of [a, e) pages from ``lo``, valid or zero) into own buffer ``ob``."""
+        st, R, O = self._streams, self.resident_pages_per_layer, self.own_pages
+        st.copy_wait(self._own_free[ob])
+        for a, e, ok in runs:
+            d0, d1 = ob * O + a - lo, ob * O + e - lo
+            if ok:
+                st.copy_(self.own_dk_cache[d0:d1], self.dk_host[layer, a - R : e - R])
+                st.copy_(self.own_dv_cache[d0:d1], self.dv_host[layer, a - R : e - R])
+                self.stats["h2d_bytes"] += 2 * (e - a) * self.dk_host[0, 0].numel() * self.dk_host.element_size()
+            else:
+                st.zero_(self.own_dk_cache[d0:d1])
+                st.zero_(self.own_dv_cache[d0:d1])
+        st.record_copy(self._own_ready[ob])
+        self.stats[why] += 1
+        if self.trace is not None:
+            self.trace.append(("stage_own", why, layer, lo, ob))
+
+    def wait_own(self, ob: int) -> None:
+        self._wait_segment(self._own_ready[ob])
+
+    def own_read(self, ob: int) -> None:
+        self._own_free[ob] = self._streams.record_compute()
+
+    def _segment(self, past: "_SegmentedPast", index: int, grad: bool) -> tuple:
+        """(use, buffer, tensors) of segment ``index`` of ``past``, acquired."""
+        use = _SegUse(past.layer, past.start, index, grad)
+        b = self._sched.acquire(use)
+        L, R, SP = self.num_layers, self.resident_pages_per_layer, self.segment_pages
+        if b is None or index == 0:
+            table = self._first_tables[0 if b is None else b, past.layer]
+        else:
+            off = self.max_pages_per_layer + self._slots(b) - (R + index * SP)
+            table = self._ramp[off:]
+        grads = (self.dk_cache, self.dv_cache) if grad else (None, None)
+        return b, (self.k_cache, self.v_cache, table, *grads)
+
+    def _own_grad(self, past: "_SegmentedPast", n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if past.own == 0:
+            return None
+        R, P, layer = self.resident_pages_per_layer, past.start // self.page_size, past.layer
+        end = P + past.own
+        out = []
+        for gpu, own in ((self.dk_cache, self.own_dk_cache), (self.dv_cache, self.own_dv_cache)):
+            parts = []
+            if P < R:
+                parts.append(gpu[layer * R + P : layer * R + min(R, end)])
+            if end > R:
+                ob = layer % 2
+                parts.append(own[ob * self.own_pages : ob * self.own_pages + end - max(P, R)])
+            pages = parts[0] if len(parts) == 1 else torch.cat(parts)
+            out.append(pages.flatten(0, 1)[:n])
+        return out[0], out[1]
+
+
+class _SegmentedPast:
+    """The :class:`~oomb.ops.paged_attention.PastSegments` of one (chunk, layer) view of an OffloadedKVStore."""
+
+    def __init__(self, store: OffloadedKVStore, layer: int, start: int, own: int) -> None:
+        self.store, self.layer, self.start, self.own = store, layer, start, own
+        S = store.page_size
+        self.bounds = [(lo * S, hi * S) for lo, hi in store._sched.page_bounds(start // S)]
+        self._held: dict[tuple[int, bool], int | None] = {}
+
+    def acquire(self, index: int, grad: bool) -> tuple:
+        b, tensors = self.store._segment(self, index, grad)
+        self._held[(index, grad)] = b
+        return tensors
+
+    def release(self, index: int, grad: bool) -> None:
+        b = self._held.pop((index, grad))
+        self.store._sched.release(_SegUse(self.layer, self.start, index, grad), b)
+
+    def begin_backward(self) -> None:
+        self.store._sched.begin_backward(self.layer, self.start, self.own)
+
+    def own_grad(self, n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return self.store._own_grad(self, n)
