@@ -378,14 +378,34 @@ def _assert_close_training(m_ref, m_off, out_ref, out_off, tol=1e-12):
     """Loss and EVERY parameter gradient within ``tol`` (relative, per parameter: max |diff| / max |ref|)."""
     assert abs(out_ref.loss - out_off.loss) <= tol * abs(out_ref.loss), (out_ref.loss, out_off.loss)
     for (name, a), (_, b) in zip(m_ref.named_parameters(), m_off.named_parameters()):
-        err = ((a.grad - b.grad).abs().max() / a.grad.abs().max().clamp_min(1e-300)).item()
+        err = ((a.grad - b.grad).abs().max() / a.grad.abs().max().clamp_min(1e-30)).item()
         assert err <= tol, f"{name}: relative error {err:.3e}"
 
 
 def _lazy(monkeypatch):
+    """Lazy simulated side stream; host pages and GPU pool start as NaN, so a read of a page never written
+    (or a staged gradient never zero-filled) shows."""
     streams = []
     monkeypatch.setattr(offload, "_make_streams", lambda device: streams.append(_LazyStreams()) or streams[-1])
+    monkeypatch.setattr(OffloadedKVStore, "_host_empty", lambda self, shape, dtype: torch.full(shape, float("nan"), dtype=dtype))
+    orig_empty = offload.torch.empty
+
+    def nan_empty(*shape, dtype=None, device=None, **kw):
+        t = orig_empty(*shape, dtype=dtype, device=device, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(offload, "torch", _TorchWith(empty=nan_empty))
     return streams
+
+
+class _TorchWith:
+    """``torch`` with some attributes replaced (poisons what offload.py allocates)."""
+
+    def __init__(self, **attrs):
+        self.__dict__.update(attrs)
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
 
 
 SEGMENT_CASES = [

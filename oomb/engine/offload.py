@@ -1117,8 +1117,12 @@ class OffloadedKVStore:
     ) -> PagedKV:
         """The paged state of (chunk at token ``start``, ``layer``), its pages staged on the GPU.
 
-        Same contract as :meth:`PagedKVStore.attention_view`. In Stage 2 the returned view's
-        ``after_backward`` writes the updated past dK/dV back to the host and readies the next layer.
+        Same contract as :meth:`PagedKVStore.attention_view`. With segmented staging the view stages
+        nothing itself: its ``segments`` (:class:`~oomb.ops.paged_attention.PastSegments`) stage each
+        segment when the attention acquires it and write its dK/dV back when its backward releases
+        it; ``after_backward`` frees the own-gradient buffer. With whole-layer staging the view
+        stages the layer's past, and in Stage 2 its ``after_backward`` writes the updated past
+        dK/dV back to the host and readies the next layer.
         """
         S, L = self.page_size, self.num_layers
         past = start // S
