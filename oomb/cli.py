@@ -496,7 +496,8 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
     except (UnknownModelError, UnsupportedModelError) as exc:
         raise _usage_from(exc, "use a Qwen2/2.5, Llama 2/3, Mistral or Qwen3 causal LM (see 'oomb train --help')") from exc
     _check_vocab(int(tokens.max()), int(model_config.vocab_size), args.model)
-    engine_kwargs = {"offload": {"auto": "auto", "on": True, "off": False}[args.offload], "gpu_page_budget": args.gpu_page_budget}
+    engine_kwargs = {"offload": {"auto": "auto", "on": True, "off": False}[args.offload], "gpu_page_budget": args.gpu_page_budget,
+                     "offload_segment_pages": args.offload_segment_pages}
     if device.type == "cuda":
         # Predict the GPU and host memory of the run before allocating anything (DESIGN.md §4 sizes).
         from .planner import plan_for_train_args

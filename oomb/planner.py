@@ -626,7 +626,8 @@ def choose_engine_tiering(engine: Any, seq_len: int) -> tuple[bool, int | None]:
     callers that know the optimizer (the CLI) should plan with :func:`plan` and pass ``gpu_page_budget``.
 
     Raises:
-        MemoryPlanError: on CUDA, if not even two layers of staging fit, or the host tier does not.
+        MemoryPlanError: on CUDA, if not even the two staging buffers fit (two segments; two layers with
+            sparse attention), or the host tier does not.
     """
     cfg = engine.config
     if cfg.offload is False:
@@ -667,23 +668,29 @@ def choose_engine_tiering(engine: Any, seq_len: int) -> tuple[bool, int | None]:
 
 # ------------------------------------------------------------------------ CLI
 def add_offload_arguments(parser: Any) -> None:
-    """``--offload {auto,on,off}`` and ``--gpu-page-budget PAGES`` (for ``oomb train`` and ``oomb plan``)."""
+    """``--offload {auto,on,off}``, ``--gpu-page-budget PAGES`` and ``--offload-segment-pages PAGES`` (for
+    ``oomb train`` and ``oomb plan``)."""
     parser.add_argument("--offload", choices=["auto", "on", "off"], default="auto",
                         help="KV pages in pinned host memory with a GPU tier; auto: only when they do not all fit on the GPU")
     parser.add_argument("--gpu-page-budget", type=int, default=None,
                         help="with offload: GPU page-pool size in pages (page = page-size tokens of one layer's K, V, dK, dV), "
                              "staging included; default: the largest that fits")
+    parser.add_argument("--offload-segment-pages", type=int, default=None,
+                        help="with offload: pages per staging segment (the attention reads the past one segment at a "
+                             "time, so GPU memory stays flat in the context length); default: 32768 tokens' worth")
 
 
 def plan_for_train_args(args: Any, dtype: torch.dtype, machine: Machine | None = None) -> MemoryPlan:
     """The plan of an ``oomb train`` run from its parsed arguments (model, seq_len, chunk_size, page_size,
-    attention_backend, checkpoint_layers, lora_rank, offload, gpu_page_budget), AdamW included."""
+    attention_backend, checkpoint_layers, lora_rank, offload, gpu_page_budget, offload_segment_pages, sparse),
+    AdamW included. Sparse attention stages whole layers (as the engine does)."""
     return plan(
         args.model, args.seq_len, chunk_size=args.chunk_size, page_size=args.page_size, dtype=dtype,
         lora_rank=getattr(args, "lora_rank", 0), optimizer="adamw", checkpoint_layers=args.checkpoint_layers,
         attention_backend="torch" if args.attention_backend == "torch" else "triton",
         offload={"auto": "auto", "on": True, "off": False}[getattr(args, "offload", "auto")],
         gpu_page_budget=getattr(args, "gpu_page_budget", None), machine=machine,
+        offload_segment_pages="layer" if getattr(args, "sparse", False) else getattr(args, "offload_segment_pages", None),
     )
 
 
@@ -728,6 +735,7 @@ def run_plan(args: Any) -> int:
         checkpoint_layers=args.checkpoint_layers,
         attention_backend="torch" if args.attention_backend == "torch" else "triton",
         offload=offload, gpu_page_budget=args.gpu_page_budget, machine=machine,
+        offload_segment_pages=args.offload_segment_pages,
     )
     print(p.table())
     return 0 if p.fits else 1

@@ -174,6 +174,13 @@ def test_train_arguments_map_to_a_plan_and_engine_settings():
     settings = p.engine_settings()
     assert settings["offload"] is True and settings["gpu_page_budget"] == p.tiering.gpu_pages
     assert p.optimizer == 8 * p.trainable_params
+    assert p.segment_pages == 256
+    seg = plan_for_train_args(parser.parse_args(["--checkpoint-layers", "--offload-segment-pages", "64"]), torch.bfloat16,
+                              machine=H200)
+    assert seg.segment_pages == 64 and seg.staging == 2 * 64 * seg.page_bytes
+    args = parser.parse_args(["--checkpoint-layers"])
+    args.sparse = True  # the engine stages whole layers for sparse attention: so does its plan
+    assert plan_for_train_args(args, torch.bfloat16, machine=H200).segment_pages is None
     args = parser.parse_args(["--seq-len", "65536", "--offload", "off"])
     assert plan_for_train_args(args, torch.bfloat16, machine=H200).engine_settings() == {"offload": False, "gpu_page_budget": None}
     args = parser.parse_args(["--offload", "off", "--checkpoint-layers"])
