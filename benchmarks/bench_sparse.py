@@ -83,7 +83,7 @@ def step(model, args, sparse: bool, backend: str, ids: torch.Tensor, device: tor
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
-    out = engine.step(ids)
+    out = engine.step(ids, progress=getattr(args, "progress", False))
     if device.type == "cuda":
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
@@ -199,6 +199,7 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--progress", action="store_true", help="tqdm bars over each step's chunks (stderr)")
     args = ap.parse_args(argv)
 
     device = torch.device(args.device)
