@@ -257,7 +257,7 @@ class _SegmentSchedule:
     prefix plus the first host pages), segment i >= 1 = [R + i*SP, min(P, R + (i+1)*SP)).
     Host pages of segment i: [R + i*SP, hi), staged into buffer slots [0, hi - R - i*SP).
 
-    Prefetch: the steps's calls are predicted (Stage 1 chunks 0..N-2, then per chunk from the
+    Prefetch: the step's calls are predicted (Stage 1 chunks 0..N-2, then per chunk from the
     last: forward of layers 0..L-1, then per layer from the top: [forward again with per-layer
     checkpointing,] backward), each call's segments in order, a backward's in reverse. When a
     segment is acquired, the next predicted segment use that needs host pages is staged into
@@ -728,7 +728,7 @@ class OffloadedKVStore:
         k_cache, v_cache: [L*R + 2*W, S, Hkv, D] GPU pool (model dtype): resident pages, then two staging buffers.
         dk_cache, dv_cache: same shape, ``grad_dtype``.
         own_dk_cache, own_dv_cache: [2*O, S, Hkv, D] ``grad_dtype``, O = min(chunk pages, n - R):
-            the own-gradient buffers (segmented staging only, else None).
+            the own-gradient buffers (segmented staging only, else None); own_pages: O (0 without).
         k_host, v_host, dk_host, dv_host: [L, n - R, S, Hkv, D] host tier (pinned on CUDA).
         resident_pages_per_layer: R. staging_pages: W (per buffer): n - R with whole-layer staging,
             else min(segment_pages, n - R). segment_pages: the segment (None: whole layer).
@@ -792,6 +792,7 @@ class OffloadedKVStore:
             fin.atexit = False  # the process's exit releases the pins anyway
 
         self.own_dk_cache = self.own_dv_cache = None
+        self.own_pages = 0
         self._sched = None
         if not self.segmented:
             # Fixed block tables: layer l's page p -> resident slot or a slot of staging set l % 2.
