@@ -163,7 +163,12 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--replot", metavar="JSON", default=None, help="only redraw the PNG of an earlier run's JSON")
     args = ap.parse_args(argv)
+    if args.replot:
+        with open(args.replot) as f:
+            _plot(args.replot[: -len(".json")] if args.replot.endswith(".json") else args.replot, json.load(f))
+        return
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -374,7 +379,12 @@ def _write_markdown(stem: str, res: dict) -> None:
 
 
 def _plot(stem: str, res: dict) -> None:
-    import matplotlib
+    """PNG of part a; skipped with a note when matplotlib is missing (re-plot later with --replot)."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(f"matplotlib is not installed: no plot; run `python benchmarks/bench_offload.py --replot {stem}.json` where it is")
+        return
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -72,7 +72,7 @@ def engine_config(args, sparse: bool, backend: str) -> OOMBConfig:
         chunk_size=args.chunk_size, page_size=args.page_size, attention_backend=backend, offload=offload,
         checkpoint_layers=args.checkpoint_layers, sparse=sparse, page_budget=args.page_budget,
         sink_pages=args.sink_pages, local_pages=args.local_pages, sparse_block_size=args.block_size,
-        sparse_score=args.score,
+        sparse_score=args.score, gpu_page_budget=args.gpu_page_budget,
     )
 
 
@@ -199,6 +199,8 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="")
+    ap.add_argument("--gpu-page-budget", type=int, default=None,
+                    help="with offload: GPU page-pool size in pages (default: the planner's largest that fits)")
     ap.add_argument("--progress", action="store_true", help="tqdm bars over each step's chunks (stderr)")
     args = ap.parse_args(argv)
 
@@ -293,8 +295,11 @@ def main(argv=None):
             else:
                 try:
                     row.update(step(model, args, sparse, backend, ids_of(T), device))
-                except torch.OutOfMemoryError:
+                except torch.OutOfMemoryError as exc:
                     row["error"] = "out of memory"
+                    row["oom_message"] = str(exc).splitlines()[0][:600]
+                    if device.type == "cuda":
+                        row["peak_gib_at_oom"] = torch.cuda.max_memory_allocated() / GiB
             model.zero_grad(set_to_none=True)
             gc.collect()
             if device.type == "cuda":
