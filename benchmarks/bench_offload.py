@@ -5,7 +5,7 @@ Three parts (``--parts a b c``), each next to the memory planner's prediction:
 * **a** -- peak GPU memory (``torch.cuda.max_memory_allocated``) of one full
   step (Stage 1 + Stage 2, no optimizer, gradients kept) at several lengths
   with offload on and a fixed GPU tier (``--gpu-page-budget``, default
-  ``min``: two layers of staging, every page through host memory), plus
+  ``min``: the two default 32K-token staging segments, every page through host memory), plus
   optionally the plain-HF baseline (SDPA + per-layer checkpointing) at the
   same lengths. The slope (MB per 10K tokens) is fitted over the oomb points.
 * **b** -- step time at ``--overhead-len`` (128K) with every page on the GPU,
@@ -57,7 +57,7 @@ from oomb import Engine, OOMBConfig  # noqa: E402
 from oomb.engine import engine as engine_module  # noqa: E402
 from oomb.engine.engine import _ChunkContext  # noqa: E402
 from oomb.engine.loss import chunked_cross_entropy_sum  # noqa: E402
-from oomb.engine.offload import OffloadedKVStore, min_gpu_pages, resident_pages_for_budget  # noqa: E402
+from oomb.engine.offload import OffloadedKVStore, default_segment_pages, min_gpu_pages, resident_pages_for_budget  # noqa: E402
 from oomb.models.presets import preset_config  # noqa: E402
 from oomb.ops.paged_attention import resolve_backend  # noqa: E402
 from oomb.planner import GiB, Machine, ModelShape, offload_traffic, plan  # noqa: E402
@@ -93,9 +93,9 @@ def _peak(device):
 
 
 def _budget(spec: str, L: int, T: int, page: int) -> int | None:
-    """'min' -> two staging layers; 'auto' -> None (the planner decides); else a page count."""
+    """'min' -> the two default-size staging segments; 'auto' -> None (the planner decides); else a page count."""
     if spec == "min":
-        return min_gpu_pages(L, -(-T // page))
+        return min_gpu_pages(L, -(-T // page), default_segment_pages(page))
     if spec == "auto":
         return None
     return int(spec)
@@ -157,7 +157,7 @@ def main(argv=None):
     ap.add_argument("--page-size", type=int, default=128)
     ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
     ap.add_argument("--checkpoint-layers", action="store_true")
-    ap.add_argument("--gpu-page-budget", default="min", help="part a: 'min' (two staging layers), 'auto' or a page count")
+    ap.add_argument("--gpu-page-budget", default="min", help="part a: 'min' (two default staging segments), 'auto' or a page count")
     ap.add_argument("--hf", action="store_true", help="part a: also the plain-HF baseline at the same lengths")
     ap.add_argument("--warmup-len", type=int, default=8192)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
