@@ -616,6 +616,27 @@ def choose_tiering(model: Any, seq_len: int, **kwargs) -> Tiering:
     return plan(model, seq_len, **kwargs).check().tiering
 
 
+def sparse_state_bytes(shape: "ModelShape", seq_len: int, config: Any, dtype: torch.dtype) -> int:
+    """GPU bytes of the sparse state of one step (an upper bound): page representatives plus selections.
+
+    Representatives: ``L * ceil(T / page_size) * Hkv * D`` values in the accumulation dtype (fp32 for
+    half inputs), twice for the 'quest' score (min and max). Selections: int32 ``[nb, Hkv, K]`` page ids
+    plus ``[nb, Hkv]`` counts per (chunk, layer), ``nb = ceil(T / sparse_block_size)`` blocks in all,
+    ``K = page_budget + sink_pages + local_pages``. Returns 0 unless ``config.sparse``.
+    """
+    if not config.sparse:
+        return 0
+    from .ops.attention_ref import acc_dtype_for
+
+    L, Hkv, D = shape.num_layers, shape.num_kv_heads, shape.head_dim
+    n_pages = -(-seq_len // config.page_size)
+    reps = L * n_pages * Hkv * D * torch.empty((), dtype=acc_dtype_for(dtype)).element_size()
+    reps *= 2 if config.sparse_score == "quest" else 1
+    nb = -(-seq_len // config.sparse_block_size)
+    K = config.page_budget + config.sink_pages + config.local_pages
+    return reps + L * nb * Hkv * (K + 1) * 4
+
+
 def choose_engine_tiering(engine: Any, seq_len: int) -> tuple[bool, int | None]:
     """(offload, gpu_pages) for an :class:`oomb.Engine` about to allocate its store for ``seq_len`` tokens.
 
@@ -646,6 +667,11 @@ def choose_engine_tiering(engine: Any, seq_len: int) -> tuple[bool, int | None]:
     act = activation_bytes(shape, cfg.chunk_size, dtype, cfg.checkpoint_layers, backend, cfg.attention_block_size,
                            cfg.loss_chunk_size, max(seq_len - cfg.chunk_size, 0))["total"]
     reserve = max(2 * GiB, int(0.03 * total))
+    if cfg.sparse:
+        # Page representatives and stored selections live on the GPU for the whole step, and the first
+        # 1M-token sparse + offload step planned without them (and with the plain reserve) ran out of
+        # memory in Stage 2 (benchmarks/NOTES.md, 2026-11-30): count them and keep 4 GiB more free.
+        reserve += sparse_state_bytes(shape, seq_len, cfg, dtype) + 4 * GiB
     pool_budget = free + cached - reserve - missing_grads - act
     L, n = shape.num_layers, -(-seq_len // cfg.page_size)
     pb = _page_bytes(shape, cfg.page_size, dtype)

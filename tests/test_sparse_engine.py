@@ -184,3 +184,33 @@ def test_grad_error_report():
     assert set(report.to_dict()["rel_error_all"]) == {"0", "2", "12"}
     with pytest.raises(ValueError, match="budgets"):
         sparse_grad_error(model, ids, cfg, budgets=[])
+
+
+@pytest.mark.parametrize("score", ["mean", "quest"])
+def test_planner_sparse_state_bytes_bounds_the_real_state(monkeypatch, score):
+    """The planner's sparse-state bytes equal the representatives' bytes plus a bound on every selection made."""
+    from oomb.planner import ModelShape, sparse_state_bytes
+
+    made = []
+    real_select = sparse_ops.select_pages
+
+    def spy(*args, **kwargs):
+        sel = real_select(*args, **kwargs)
+        made.append(sel.page_idx.nbytes + sel.counts.nbytes)
+        return sel
+
+    monkeypatch.setattr("oomb.ops.sparse.select_pages", spy)
+    model = tiny("qwen2", 4, 2, 16)
+    cfg = OOMBConfig(chunk_size=32, page_size=8, sparse=True, page_budget=2, sink_pages=1, local_pages=1,
+                     sparse_block_size=16, sparse_score=score)
+    engine = Engine(model, cfg)
+    T = 160
+    engine.step(torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(0)))
+    shape = ModelShape.from_config(model.config)
+    bound = sparse_state_bytes(shape, T, cfg, torch.float32)
+    reps = engine.sparse_state.reps.nbytes
+    assert made, "no selection was made"
+    assert reps + sum(made) <= bound
+    L, nb, Hkv = shape.num_layers, -(-T // 16), shape.num_kv_heads
+    assert bound - reps == L * nb * Hkv * (2 + 1 + 1 + 1) * 4  # selections: K ids + a count per row
+    assert sparse_state_bytes(shape, T, OOMBConfig(chunk_size=32, page_size=8), torch.float32) == 0
