@@ -122,16 +122,23 @@ def load_documents(path: str | os.PathLike | None = None) -> list[Document]:
 def load_tokenizer(path: str | os.PathLike | None = None):
     """Load a local Hugging Face tokenizer (``AutoTokenizer``, no network). ``None``: the bundled one.
 
+    The class is the one the folder's ``tokenizer_config.json`` names, also when the folder is a model
+    folder (an ``oomb train`` output) whose ``config.json`` would make ``AutoTokenizer`` pick another.
+
     Raises:
         DataError: the folder does not exist or holds no loadable tokenizer.
     """
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, PretrainedConfig
 
     root = BUNDLED_TOKENIZER if path is None else Path(path)
     if not root.is_dir():
         raise DataError(f"tokenizer folder {str(root)!r} does not exist", "pass --tokenizer a local folder with tokenizer.json (or omit it for the bundled tokenizer)")
     try:
-        return AutoTokenizer.from_pretrained(str(root), local_files_only=True)
+        # An empty config: the class comes from the folder's tokenizer_config.json (or tokenizer.json), never
+        # from a config.json beside it. A trained oomb output holds both, and transformers >= 5.2x swaps in the
+        # model type's tokenizer class (Qwen2Tokenizer for a qwen2 config), which splits the bundled
+        # SentencePiece vocabulary's text differently ('truth' -> 'tr', 'uth', spaces lost).
+        return AutoTokenizer.from_pretrained(str(root), local_files_only=True, config=PretrainedConfig())
     except (OSError, ValueError, TypeError, KeyError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DataError(

@@ -142,3 +142,16 @@ def test_sequences_too_short_say_how_many_tokens():
     assert "--seq-len 50" in info.value.fix
     with pytest.raises(DataError, match="at least 2"):
         TokenSequences(np.arange(50), seq_len=1)
+
+
+def test_tokenizer_saved_beside_a_qwen2_config_loads_as_it_was_saved(tmp_path, tokenizer):
+    """An oomb output folder (config.json of a qwen2 model + the tokenizer) gives back the same tokenization."""
+    from oomb.models.presets import preset_config
+
+    tokenizer.save_pretrained(str(tmp_path))
+    preset_config("tiny").save_pretrained(str(tmp_path))  # model_type qwen2, as `oomb train` writes
+    again = load_tokenizer(tmp_path)
+    text = "It is a truth universally acknowledged, that a single man in possession of a good fortune"
+    assert type(again).__name__ == type(tokenizer).__name__
+    assert again.tokenize(text) == tokenizer.tokenize(text)
+    assert again(text)["input_ids"] == tokenizer(text)["input_ids"]
