@@ -200,9 +200,24 @@ def _read_meta(path: Path) -> dict[str, Any]:
         meta = json.loads(meta_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"{meta_path} is corrupt ({exc}); resume from another checkpoint") from exc
-    if meta.get("format") != _FORMAT or "files" not in meta:
+    if not isinstance(meta, dict) or meta.get("format") != _FORMAT or "files" not in meta:
         raise CheckpointError(f"{meta_path} is not an oomb checkpoint of format {_FORMAT}; resume from another checkpoint")
-    for name, info in meta["files"].items():
+    files, step = meta.get("files"), meta.get("step")
+    damaged = None
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        damaged = f"its step is {step!r}, not a non-negative integer"
+    elif not isinstance(files, dict) or not all(
+        isinstance(info, dict) and isinstance(info.get("bytes"), int) and isinstance(info.get("sha256"), str)
+        for info in files.values()
+    ):
+        damaged = "its file list is not {name: {bytes, sha256}}"
+    elif "fingerprint" in meta and not isinstance(meta["fingerprint"], dict):
+        damaged = "its run fingerprint is not a mapping"
+    elif any(Path(name).is_absolute() or ".." in Path(name).parts for name in files):
+        damaged = "it names files outside the checkpoint folder"
+    if damaged is not None:
+        raise CheckpointError(f"{meta_path} is damaged ({damaged}); resume from another checkpoint")
+    for name, info in files.items():
         f = path / name
         if not f.is_file():
             raise CheckpointError(f"{f} is missing; the checkpoint is incomplete — resume from another checkpoint")

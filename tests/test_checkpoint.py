@@ -76,6 +76,25 @@ def test_corrupt_and_partial_checkpoints_are_named(tmp_path):
         load_checkpoint(path, _model(), None, None, FP)
 
 
+@pytest.mark.parametrize("edit, fragment", [
+    (lambda meta: [1, 2], "not an oomb checkpoint"),
+    (lambda meta: "text", "not an oomb checkpoint"),
+    (lambda meta: {k: v for k, v in meta.items() if k != "step"}, "is damaged (its step is None"),
+    (lambda meta: {**meta, "step": "3"}, "is damaged (its step is '3'"),
+    (lambda meta: {**meta, "files": [1]}, "is damaged (its file list"),
+    (lambda meta: {**meta, "files": {k: {"bytes": v["bytes"]} for k, v in meta["files"].items()}}, "is damaged (its file list"),
+    (lambda meta: {**meta, "fingerprint": [1]}, "is damaged (its run fingerprint"),
+    (lambda meta: {**meta, "files": {"../x": {"bytes": 1, "sha256": "0"}}}, "is damaged (it names files outside"),
+])
+def test_a_damaged_meta_json_is_named(tmp_path, edit, fragment):
+    path = save_checkpoint(tmp_path, 1, _model(), None, None, FP)
+    meta = json.loads((path / "meta.json").read_text())
+    (path / "meta.json").write_text(json.dumps(edit(meta)))
+    with pytest.raises(CheckpointError, match=r"meta\.json .*; resume from another checkpoint") as info:
+        load_checkpoint(path, _model(), None, None, FP)
+    assert fragment in str(info.value)
+
+
 def test_a_different_run_is_refused_with_the_reason(tmp_path):
     path = save_checkpoint(tmp_path, 1, _model(), None, None, FP)
     with pytest.raises(CheckpointError, match="seq_len: checkpoint 128, now 256"):

@@ -101,6 +101,26 @@ def test_resume_refuses_other_settings_and_corrupt_checkpoints(tmp_path, text_fi
     assert err.count("\n") == 1 and "meta.json" in err
 
 
+@pytest.mark.parametrize("meta", ["[1, 2]", "no-step"])
+def test_resume_from_a_damaged_meta_json_exits_2_with_one_line(tmp_path, text_file, capsys, meta):
+    out = tmp_path / "run"
+    argv = ["train", "--data", text_file, *FAST, "--steps", "2", "--output-dir", out]
+    assert run_cli(argv) == 0
+    capsys.readouterr()
+    meta_path = out / "checkpoints" / "step-00000002" / "meta.json"
+    if meta == "no-step":
+        data = json.loads(meta_path.read_text())
+        del data["step"]
+        meta = json.dumps(data)
+    meta_path.write_text(meta)
+    before = (out / "log.jsonl").read_bytes()
+    assert run_cli([*argv, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(meta_path) in err and "resume from another checkpoint" in err, err
+    assert "Traceback" not in err
+    assert (out / "log.jsonl").read_bytes() == before
+
+
 def test_sigterm_saves_a_checkpoint_and_says_how_to_resume(tmp_path, text_file):
     out = tmp_path / "run"
     args = ["train", "--data", str(text_file), *FAST, "--steps", "100000", "--lr-schedule", "constant", "--output-dir", str(out)]
