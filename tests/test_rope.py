@@ -13,6 +13,20 @@ def test_parse_rope_scaling():
     assert parse_rope_scaling("type=linear,factor=2.5") == {"rope_type": "linear", "factor": 2.5}
     with pytest.raises(ValueError, match="key=value"):
         parse_rope_scaling("yarn")
+    assert parse_rope_scaling("") == {}
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("factor=4", "has no type"),
+    ("factor=4,original_max_position_embeddings=32768", "has no type"),
+    ("type=linear,factor=0.5", "must be >= 1 for type 'linear'"),
+    ("type=yarn,factor=0", "must be > 0"),
+    ("type=dynamic,factor=-1", "must be > 0"),
+    ("type=linear,factor=big", "must be a number"),
+])
+def test_parse_rope_scaling_refuses_no_type_and_bad_factors(spec, match):
+    with pytest.raises(ValueError, match=match):
+        parse_rope_scaling(spec)
 
 
 def test_set_rope_changes_forward_and_saved_config(tmp_path):
@@ -45,6 +59,7 @@ def test_set_rope_then_chunked_training_is_exact():
     (dict(rope_scaling={"rope_type": "longrope", "factor": 2}), "not supported"),
     (dict(rope_scaling={"rope_type": "llama3", "factor": 8}), "needs low_freq_factor"),
     (dict(rope_scaling={"rope_type": "linear", "factor": 0}), "factor must be > 0"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": 0.5}), "factor must be >= 1"),
 ])
 def test_set_rope_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -25,6 +25,21 @@ _REQUIRED = {
     "yarn": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
+# Types that stretch the context by ``factor``: transformers only warns on factor < 1 (it would shrink it).
+_STRETCH = ("linear", "dynamic", "yarn", "llama3")
+
+
+def _check_factor(rope_type: Any, factor: Any) -> None:
+    """``factor`` is a positive number, and >= 1 for the context-stretching types."""
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or factor != factor:
+        raise ValueError(f"rope scaling factor must be a number, got {factor!r}; e.g. 'type=linear,factor=4'")
+    if factor <= 0:
+        raise ValueError(f"rope scaling factor must be > 0, got {factor}; e.g. 'type=linear,factor=4'")
+    if rope_type in _STRETCH and factor < 1:
+        raise ValueError(
+            f"rope scaling factor must be >= 1 for type {rope_type!r} (it stretches the context by factor), got {factor}; "
+            f"e.g. 'type={rope_type},factor=4'"
+        )
 
 
 def parse_rope_scaling(text: str) -> dict[str, Any]:
@@ -33,7 +48,8 @@ def parse_rope_scaling(text: str) -> dict[str, Any]:
     Numbers become int or float; ``type`` is accepted for ``rope_type``.
 
     Raises:
-        ValueError: on an item without ``=``.
+        ValueError: on an item without ``=``; on a non-empty spec without ``type``/``rope_type``; on a
+            ``factor`` that is not a positive number (or below 1 for linear, dynamic, yarn and llama3).
     """
     out: dict[str, Any] = {}
     for item in filter(None, (p.strip() for p in text.split(","))):
@@ -48,6 +64,10 @@ def parse_rope_scaling(text: str) -> dict[str, Any]:
             except ValueError:
                 continue
         out[key] = value
+    if out and not out.get("rope_type"):
+        raise ValueError(f"rope scaling {text.strip()!r} has no type; add type=..., e.g. 'type=linear,{text.strip()}'")
+    if "factor" in out:
+        _check_factor(out["rope_type"], out["factor"])
     return out
 
 
@@ -83,8 +103,8 @@ def set_rope(model: torch.nn.Module, rope_theta: float | None = None, rope_scali
         missing = [k for k in _REQUIRED.get(rope_type, ()) if k not in scaling and k not in params]
         if missing:
             raise ValueError(f"rope type {rope_type!r} needs {', '.join(missing)}; e.g. 'type={rope_type},factor=4'")
-        if "factor" in scaling and float(scaling["factor"]) <= 0:
-            raise ValueError(f"rope scaling factor must be > 0, got {scaling['factor']}")
+        if "factor" in scaling:
+            _check_factor(rope_type, scaling["factor"])
         if rope_type == "default":
             params = {"rope_type": "default", "rope_theta": params.get("rope_theta", 10000.0)}
         params.update(scaling)
