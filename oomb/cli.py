@@ -93,7 +93,7 @@ def _build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
     )
     g = t.add_argument_group("model and data")
-    g.add_argument("--model", default="tiny", help="a preset name (tiny, tiny-llama, tiny-mistral, tiny-qwen3, qwen2.5-0.5b, qwen2.5-7b; random weights) or a local Hugging Face model directory")
+    g.add_argument("--model", default="tiny", help="a preset name (tiny, tiny-llama, tiny-mistral, tiny-qwen3, qwen2.5-0.5b, qwen2.5-7b; random weights) or a local Hugging Face model directory; a bare preset name always means the preset, so write a local folder of that name as a path (./tiny)")
     g.add_argument("--data", default=None, help="a text file, a .jsonl file (a \"text\" field per line) or a folder of .txt/.jsonl files; default: the bundled Austen corpus")
     g.add_argument("--tokenizer", default=None, help="a local Hugging Face tokenizer folder; default: the bundled 32K SentencePiece tokenizer")
     g.add_argument("--seq-len", type=int, default=2048, help="tokens per training sequence (one sequence per step)")
@@ -157,7 +157,7 @@ def _build_parser() -> argparse.ArgumentParser:
         ),
         formatter_class=_HelpFormatter,
     )
-    q.add_argument("--model", default="tiny", help="a preset name or a local Hugging Face model directory (as in 'oomb train')")
+    q.add_argument("--model", default="tiny", help="a preset name or a local Hugging Face model directory (as in 'oomb train'; a local folder named like a preset is written ./NAME)")
     q.add_argument("--data", default=None, help="as in 'oomb train'; default: the bundled Austen corpus")
     q.add_argument("--tokenizer", default=None, help="a local Hugging Face tokenizer folder; default: the bundled tokenizer")
     q.add_argument("--seq-len", type=int, default=2048, help="tokens of the measured sequence")
@@ -178,7 +178,26 @@ def _build_parser() -> argparse.ArgumentParser:
 # ---------------------------------------------------------------- checks
 
 
+_SEED_LIMIT = 2**32
+
+
+def _check_seed(args: argparse.Namespace) -> None:
+    if not 0 <= args.seed < _SEED_LIMIT:
+        raise UsageError(f"--seed is {args.seed}", f"pass an integer from 0 to {_SEED_LIMIT - 1}")
+
+
+def _check_offload_flags(args: argparse.Namespace) -> None:
+    """--gpu-page-budget and --offload-segment-pages (train and plan)."""
+    if args.gpu_page_budget is not None and args.gpu_page_budget <= 0:
+        raise UsageError(f"--gpu-page-budget is {args.gpu_page_budget}", "pass a positive number of pages, or leave it out")
+    if args.gpu_page_budget is not None and args.offload == "off":
+        raise UsageError("--gpu-page-budget sizes the GPU tier of offload but --offload is off", "pass --offload on (or auto), or leave --gpu-page-budget out")
+    if args.offload_segment_pages is not None and args.offload_segment_pages <= 0:
+        raise UsageError(f"--offload-segment-pages is {args.offload_segment_pages}", "pass a positive number of pages, or leave it out")
+
+
 def _check_sizes(args: argparse.Namespace) -> None:
+    _check_seed(args)
     for flag, value in (
         ("--seq-len", args.seq_len),
         ("--chunk-size", args.chunk_size),
@@ -205,10 +224,7 @@ def _check_sizes(args: argparse.Namespace) -> None:
         raise UsageError(f"--weight-decay is {args.weight_decay}", "pass 0 or a positive number")
     if args.max_grad_norm < 0 or not math.isfinite(args.max_grad_norm):
         raise UsageError(f"--max-grad-norm is {args.max_grad_norm}", "pass 0 (no clipping) or a positive number")
-    if args.gpu_page_budget is not None and args.gpu_page_budget <= 0:
-        raise UsageError(f"--gpu-page-budget is {args.gpu_page_budget}", "pass a positive number of pages, or leave it out")
-    if args.gpu_page_budget is not None and args.offload == "off":
-        raise UsageError("--gpu-page-budget sizes the GPU tier of offload but --offload is off", "pass --offload on (or auto), or leave --gpu-page-budget out")
+    _check_offload_flags(args)
     if args.lora_rank < 0:
         raise UsageError(f"--lora-rank is {args.lora_rank}", "pass 0 for a full fine-tune or a positive LoRA rank")
     for flag, value in (("--page-budget", args.page_budget), ("--sink-pages", args.sink_pages), ("--local-pages", args.local_pages)):
@@ -244,10 +260,38 @@ def _is_within(path: Path, root: Path) -> bool:
         return False
 
 
+_OOMB_OUTPUT_MARKERS = ("log.jsonl", "train_args.json", "checkpoints")
+
+
+def _check_writable_dir_path(flag: str, given: str, path: Path) -> None:
+    """``path`` (a directory to create or use) can be made: its nearest existing ancestor is a writable directory.
+
+    Probes by creating and removing an empty temporary directory there (os.access is not enough for root,
+    or on /proc-like file systems); nothing else is written.
+    """
+    import tempfile
+
+    ancestor = path
+    while not ancestor.exists():
+        if ancestor.parent == ancestor:
+            break
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise UsageError(f"{flag} {given!r}: {str(ancestor)!r} is a file, not a folder", f"pass a {flag} whose parent folders are folders")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".oomb-probe-", dir=ancestor))
+    except OSError as exc:
+        raise UsageError(
+            f"{flag} {given!r}: cannot create folders in {str(ancestor)!r} ({exc.strerror or exc})",
+            f"pass a {flag} in a folder you can write to",
+        ) from exc
+
+
 def _check_output_dir(args: argparse.Namespace) -> Path:
     out = Path(args.output_dir).expanduser().resolve()
     if out.exists() and not out.is_dir():
         raise UsageError(f"--output-dir {args.output_dir!r} is a file", "pass a directory path that is new or empty")
+    _check_writable_dir_path("--output-dir", args.output_dir, out)
     if args.resume is not None:
         if args.resume == "latest" and not (out / "checkpoints").is_dir():
             raise UsageError(
@@ -272,6 +316,13 @@ def _check_output_dir(args: argparse.Namespace) -> Path:
                     f"--output-dir {args.output_dir!r} contains {str(p)!r}, which --overwrite would delete",
                     "pass an output directory of its own",
                 )
+        # Only an earlier oomb run is replaced: never the contents of some other folder (a source tree, ...).
+        if not any((out / name).exists() for name in _OOMB_OUTPUT_MARKERS):
+            raise UsageError(
+                f"--overwrite: --output-dir {str(out)!r} is not empty and does not look like an oomb output "
+                f"(no {', '.join(_OOMB_OUTPUT_MARKERS[:2])} or {_OOMB_OUTPUT_MARKERS[2]}/ in it)",
+                "remove its contents by hand if they are not needed, or pick another --output-dir",
+            )
     return out
 
 
@@ -286,9 +337,27 @@ def _resolve_device_dtype(args: argparse.Namespace):
     return torch.device(args.device), dtype
 
 
+_FLAG_NAMES = [
+    ("use LoRA, checkpoint_layers or a smaller chunk_size", "use --lora-rank, --checkpoint-layers or a smaller --chunk-size"),
+    ("use a smaller chunk, LoRA or checkpoint_layers", "use a smaller --chunk-size, --lora-rank or --checkpoint-layers"),
+    ("plan(..., machine=Machine(...))", "oomb plan --gpu-gib"),
+]
+_PARAM_FLAGS = ("offload_segment_pages", "gpu_page_budget", "checkpoint_layers", "seq_len", "chunk_size", "page_size",
+                "page_budget", "sink_pages", "local_pages", "lora_rank", "rope_theta")
+
+
+def _flag_names(text: str) -> str:
+    """A library message as the CLI user reads it: Python parameter names become the flags that set them."""
+    import re
+
+    for old, new in _FLAG_NAMES:
+        text = text.replace(old, new)
+    return re.sub(r"(?<![\w/.-])(" + "|".join(_PARAM_FLAGS) + r")(?![\w/.-])", lambda m: "--" + m.group(1).replace("_", "-"), text)
+
+
 def _usage_from(exc: Exception, default_fix: str) -> UsageError:
-    """Split a library error 'problem; fix' into a UsageError (or add ``default_fix``)."""
-    problem, sep, fix = _one_line(str(exc)).partition("; ")
+    """Split a library error 'problem; fix' into a UsageError (or add ``default_fix``), with flag names."""
+    problem, sep, fix = _flag_names(_one_line(str(exc))).partition("; ")
     return UsageError(problem, fix if sep else default_fix)
 
 
@@ -380,12 +449,18 @@ def _log_step(line: str) -> float:
         return math.inf
 
 
+def _preset_names() -> list[str]:
+    from .models.presets import preset_names
+
+    return preset_names()
+
+
 def _fingerprint(args: argparse.Namespace, tokens, dtype, world_size: int) -> dict:
     """What a checkpoint's run and the resuming run must share (see --resume in --help)."""
     import hashlib
 
     return {
-        "model": args.model if not os.path.isdir(args.model) else str(Path(args.model).resolve()),
+        "model": args.model if args.model in _preset_names() or not os.path.isdir(args.model) else str(Path(args.model).resolve()),
         "seq_len": args.seq_len,
         "data_sha256": hashlib.sha256(tokens.tobytes()).hexdigest(),
         "tokenizer": args.tokenizer and str(Path(args.tokenizer).resolve()),
@@ -783,8 +858,15 @@ def _grad_error(args: argparse.Namespace) -> int:
     for flag, value in (("--sink-pages", args.sink_pages), ("--local-pages", args.local_pages), *(("--budgets", b) for b in args.budgets)):
         if value < 0:
             raise UsageError(f"{flag} has {value}", f"pass 0 or a positive number of pages for {flag}")
-    if args.json is not None and not Path(args.json).expanduser().resolve().parent.is_dir():
-        raise UsageError(f"--json {args.json!r}: its folder does not exist", "pass a path in an existing folder")
+    _check_seed(args)
+    if args.json is not None:
+        json_path = Path(args.json).expanduser().resolve()
+        if json_path.is_dir():
+            raise UsageError(f"--json {args.json!r} is a folder", "pass a file path, e.g. --json report.json")
+        if not json_path.parent.is_dir():
+            raise UsageError(f"--json {args.json!r}: its folder does not exist", "pass a path in an existing folder")
+        if not os.access(json_path.parent, os.W_OK | os.X_OK) or (json_path.exists() and not os.access(json_path, os.W_OK)):
+            raise UsageError(f"--json {args.json!r} cannot be written", "pass a path you can write to")
     import torch
 
     from .config import OOMBConfig
@@ -819,6 +901,17 @@ def _grad_error(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise _usage_from(exc, "see 'oomb grad-error --help'") from exc
     print(report.table(by=args.by))
+    # The last chunk has the most past pages; a budget that holds them all selects every page (sparse = dense).
+    last_chunk_start = (args.seq_len - 1) // args.chunk_size * args.chunk_size
+    past_pages = last_chunk_start // args.page_size
+    dense_budgets = [b for b in args.budgets if b + args.sink_pages + args.local_pages >= past_pages]
+    if dense_budgets:
+        print(
+            f"oomb: note: budget {', '.join(map(str, dense_budgets))} + --sink-pages {args.sink_pages} + --local-pages "
+            f"{args.local_pages} covers all {past_pages} past pages of the last chunk, so sparse equals dense there (error 0); "
+            "measure with a longer --seq-len or a smaller --page-size",
+            file=sys.stderr,
+        )
     if args.json is not None:
         path = Path(args.json).expanduser()
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
@@ -834,10 +927,25 @@ def _plan(args: argparse.Namespace) -> int:
             raise UsageError(f"{flag} is {value}", f"pass a positive number for {flag}")
     if args.lora_rank < 0:
         raise UsageError(f"--lora-rank is {args.lora_rank}", "pass 0 for a full fine-tune or a positive LoRA rank")
+    if args.chunk_size % args.page_size != 0:
+        raise UsageError(f"--chunk-size {args.chunk_size} is not a multiple of --page-size {args.page_size}", "pass a --page-size that divides --chunk-size")
+    if args.seq_len < 2:
+        raise UsageError(f"--seq-len is {args.seq_len}", "pass --seq-len 2 or more")
+    for flag, value in (("--gpu-gib", args.gpu_gib), ("--host-gib", args.host_gib)):
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise UsageError(f"{flag} is {value}", f"pass a positive number of GiB for {flag}, or leave it out to use this machine's")
+    _check_offload_flags(args)
+    import contextlib
+    import io
+
+    report = io.StringIO()
     try:
-        return args.func(args)
+        with contextlib.redirect_stdout(report):  # the planner's advice names Python parameters; print flags
+            return args.func(args)
     except ValueError as exc:  # MemoryPlanError, UnknownModelError, UnsupportedModelError, config errors
         raise _usage_from(exc, "see 'oomb plan --help'") from exc
+    finally:
+        sys.stdout.write(_flag_names(report.getvalue()))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -223,9 +223,10 @@ def test_cuda_run_that_does_not_fit_is_refused_before_the_model_is_built(tmp_pat
     out = tmp_path / "previous-run"
     out.mkdir()
     (out / "keep.txt").write_text("keep")
+    (out / "log.jsonl").write_text('{"step": 1}\n')  # an earlier run's output, so --overwrite may replace it
     status = run_cli(["train", "--data", text_file, "--model", "qwen2.5-7b", "--device", "cuda", "--output-dir", out, "--overwrite", *FAST])
     _check_refused(status, capsys, "GiB")
-    assert snapshot(out) == {"keep.txt": b"keep"}
+    assert snapshot(out) == {"keep.txt": b"keep", "log.jsonl": b'{"step": 1}\n'}
 
 
 @pytest.mark.parametrize(
@@ -238,9 +239,10 @@ def test_bad_models_exit_2_and_touch_nothing(request, tmp_path, text_file, capsy
     out = tmp_path / "previous-run"
     out.mkdir()
     (out / "keep.txt").write_text("keep")
+    (out / "log.jsonl").write_text('{"step": 1}\n')  # an earlier run's output, so --overwrite may replace it
     status = run_cli(["train", "--data", text_file, "--model", model_dir, "--output-dir", out, "--overwrite", *FAST])
     _check_refused(status, capsys, fragment)
-    assert snapshot(out) == {"keep.txt": b"keep"}
+    assert snapshot(out) == {"keep.txt": b"keep", "log.jsonl": b'{"step": 1}\n'}
 
 
 def test_non_empty_output_dir_needs_overwrite(tmp_path, text_file, capsys):
@@ -383,3 +385,131 @@ def test_sparse_run_equals_dense_while_the_past_fits_and_differs_when_it_does_no
     # 128 tokens = 4 pages of 32: a budget of 64 pages holds every past page.
     assert loss("--sparse") == pytest.approx(dense, rel=1e-6)
     assert loss("--sparse", "--page-budget", "0", "--local-pages", "0", "--sink-pages", "0") != pytest.approx(dense, rel=1e-6)
+
+
+# ---------------------------------------------------------------- fresh-user findings
+
+
+def _previous_run(tmp_path):
+    out = tmp_path / "previous-run"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"precious")
+    (out / "log.jsonl").write_text('{"step": 1}\n')
+    return out
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**32)])
+def test_a_bad_seed_is_refused_before_the_output_dir_is_touched(tmp_path, text_file, capsys, seed):
+    out = _previous_run(tmp_path)
+    before = snapshot(out)
+    _check_refused(run_cli(["train", "--data", text_file, "--output-dir", out, "--overwrite", *FAST, "--seed", seed]), capsys, f"--seed is {seed}")
+    assert snapshot(out) == before
+    new = tmp_path / "new"
+    _check_refused(run_cli(["train", "--data", text_file, "--output-dir", new, *FAST, "--seed", seed]), capsys, "--seed")
+    assert not new.exists()
+    _check_refused(run_cli(["grad-error", "--data", text_file, "--seed", seed]), capsys, f"--seed is {seed}")
+
+
+def test_overwrite_refuses_a_folder_that_is_not_an_oomb_output(tmp_path, text_file, capsys):
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "main.py").write_text("print('my work')\n")
+    (src / "pkg").mkdir()
+    (src / "pkg" / "mod.py").write_text("x = 1\n")
+    before = snapshot(src)
+    _check_refused(run_cli(["train", "--data", text_file, "--output-dir", src, "--overwrite", *FAST]), capsys, "does not look like an oomb output")
+    assert snapshot(src) == before
+    # an earlier run (only its checkpoints/ left) may still be replaced
+    (src / "checkpoints").mkdir()
+    assert run_cli(["train", "--data", text_file, "--output-dir", src, "--overwrite", *FAST, "--steps", "1"]) == 0
+    assert not (src / "main.py").exists() and (src / "log.jsonl").is_file()
+
+
+def test_a_bare_preset_name_means_the_preset_even_with_a_folder_of_that_name(tmp_path, text_file, capsys, monkeypatch):
+    work = tmp_path / "work"
+    (work / "tiny").mkdir(parents=True)
+    (work / "tiny" / "notes.txt").write_text("not a model")
+    monkeypatch.chdir(work)
+    out = tmp_path / "out"
+    assert run_cli(["train", "--data", text_file, "--output-dir", out, *FAST, "--steps", "1"]) == 0
+    assert json.loads((out / "train_args.json").read_text())["model"] == "tiny"
+    capsys.readouterr()
+    # written as a path, the folder is meant (and refused: it holds no model)
+    _check_refused(run_cli(["train", "--data", text_file, "--model", "./tiny", "--output-dir", tmp_path / "out2", *FAST]), capsys, "without config.json")
+
+
+def test_model_help_says_a_preset_name_beats_a_folder(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "./tiny" in capsys.readouterr().out
+
+
+def test_an_output_dir_that_cannot_be_created_is_refused_up_front(tmp_path, text_file, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    _check_refused(run_cli(["train", "--data", text_file, "--output-dir", afile / "run", *FAST]), capsys, "is a file, not a folder")
+    assert afile.read_text() == "x"
+    if os.path.isdir("/proc/self"):
+        _check_refused(run_cli(["train", "--data", text_file, "--output-dir", "/proc/oomb-x/run", *FAST]), capsys, "cannot create folders")
+
+
+@pytest.mark.parametrize("spec, fragment", [("factor=4", "has no type"), ("type=linear,factor=0.5", "must be >= 1"),
+                                            ("type=yarn,factor=-2", "must be > 0")])
+def test_bad_rope_scaling_is_refused(tmp_path, text_file, capsys, spec, fragment):
+    out = tmp_path / "run"
+    _check_refused(run_cli(["train", "--data", text_file, "--output-dir", out, *FAST, "--rope-scaling", spec]), capsys, fragment)
+    assert not out.exists()
+
+
+def test_grad_error_json_folder_is_refused_before_measuring(tmp_path, text_file, capsys, monkeypatch):
+    import oomb.sparse_quality as sq
+
+    def no_run(*a, **k):
+        raise AssertionError("measured before checking --json")
+
+    monkeypatch.setattr(sq, "sparse_grad_error", no_run)
+    _check_refused(run_cli(["grad-error", "--data", text_file, "--json", tmp_path]), capsys, "is a folder")
+    assert os.listdir(tmp_path) == ["text.txt"]
+
+
+def test_grad_error_notes_budgets_that_hold_the_whole_past(tmp_path, text_file, capsys):
+    # 256 tokens, chunks of 64, pages of 16: the last chunk has 12 past pages.
+    argv = ["grad-error", "--data", text_file, "--seq-len", "256", "--chunk-size", "64", "--page-size", "16",
+            "--sink-pages", "0", "--local-pages", "0", "--budgets", "1", "16"]
+    assert run_cli(argv) == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if "note:" in line]
+    assert len(err) == 1 and "budget 16 " in err[0] and "12 past pages" in err[0] and "--seq-len" in err[0], err
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["--gpu-gib", "-1"], "--gpu-gib is -1"),
+    (["--gpu-gib", "nan"], "--gpu-gib is nan"),
+    (["--host-gib", "-0.75"], "--host-gib is -0.75"),
+    (["--gpu-gib", "80", "--host-gib", "inf"], "--host-gib is inf"),
+    (["--offload", "off", "--gpu-page-budget", "5"], "--offload is off"),
+    (["--gpu-page-budget", "0"], "--gpu-page-budget is 0"),
+    (["--offload-segment-pages", "0"], "--offload-segment-pages is 0"),
+])
+def test_plan_refuses_bad_machines_and_offload_flags(capsys, extra, fragment):
+    _check_refused(run_cli(["plan", "--model", "tiny", "--seq-len", "4096", "--chunk-size", "512", *extra]), capsys, fragment)
+
+
+def test_cli_errors_name_flags_not_python_names(tmp_path, text_file, capsys):
+    from oomb.cli import _flag_names
+
+    assert _flag_names("need 9 pages on the GPU; raise gpu_page_budget or shorten the sequence") == \
+        "need 9 pages on the GPU; raise --gpu-page-budget or shorten the sequence"
+    assert "use --lora-rank, --checkpoint-layers or a smaller --chunk-size" in _flag_names("x; use LoRA, checkpoint_layers or a smaller chunk_size")
+    assert _flag_names("need seq_len >= 2 and offload_segment_pages must be") == "need --seq-len >= 2 and --offload-segment-pages must be"
+    assert _flag_names("/a/seq_len/b") == "/a/seq_len/b"
+    out = tmp_path / "run"
+    _check_refused(run_cli(["train", "--data", text_file, "--output-dir", out, *FAST, "--offload-segment-pages", "-1"]), capsys, "--offload-segment-pages is -1")
+    # a library error raised through the CLI (the engine's page-budget check) names the flag
+    _check_refused(run_cli(["train", "--data", text_file, "--output-dir", out, *FAST, "--offload", "on", "--gpu-page-budget", "3"]), capsys, "--gpu-page-budget")
+
+
+def test_plan_advice_names_flags(capsys):
+    assert run_cli(["plan", "--model", "qwen2.5-7b", "--gpu-gib", "8", "--host-gib", "64"]) == 1
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "--lora-rank, --checkpoint-layers or a smaller --chunk-size" in out
+    assert "checkpoint_layers" not in out and "chunk_size" not in out

@@ -137,7 +137,9 @@ def preset_config(name: str) -> PretrainedConfig:
 
 
 def _is_local_model_dir(path: str) -> bool:
-    return os.path.isdir(path)
+    # A bare preset name always means the preset, even with a folder of that name in the working
+    # directory; such a folder is written as a path ("./tiny").
+    return path not in PRESETS and os.path.isdir(path)
 
 
 def load_config(name_or_path: str) -> PretrainedConfig:
