@@ -619,3 +619,151 @@ def test_segment_traffic_closed_form_equals_the_schedule():
                             args = (L, T, 4 * chunk_pages, 4, R, sp, ckpt, 7, 3)
                             assert offload.segment_traffic(*args, simulate=True) == offload.segment_traffic(
                                 *args, simulate=False), args
+
+
+# ------------------------------------------------- sparse attention: Stage 2 stages only the selected pages
+from oomb.ops.sparse import SparseAttentionState  # noqa: E402
+
+SPARSE = dict(sparse=True, page_budget=1, sink_pages=1, local_pages=1, sparse_block_size=4)
+
+
+def _sparse_pair(monkeypatch, ids, budget, cu=None, spy=None, **cfg):
+    """(ref model, offloaded model, ref out, offloaded out, offloaded engine): sparse, all on device vs offloaded
+    (lazy side stream, NaN-poisoned host tier and GPU pool)."""
+    streams = _lazy(monkeypatch)
+    torch.manual_seed(3)
+    m_ref = tiny("qwen2", 4, 2, layers=3).double()
+    m_off = clone_model(m_ref)
+    cfg = dict(SPARSE, attention_backend="torch", **cfg)
+    e_ref = Engine(m_ref, OOMBConfig(offload=False, **cfg))
+    e_off = Engine(m_off, OOMBConfig(offload=True, gpu_page_budget=budget, **cfg))
+    out_ref = e_ref.step(ids, cu_seqlens=cu)
+    out_off = e_off.step(ids, cu_seqlens=cu)
+    assert streams and streams[0].max_queued >= 2
+    return m_ref, m_off, out_ref, out_off, e_off
+
+
+def _staged_pages(monkeypatch):
+    """Record the ``pages`` of every whole-layer staging (None: the whole layer)."""
+    seen = []
+    orig = OffloadedKVStore._stage
+
+    def stage(self, use, why):
+        seen.append(use.pages)
+        return orig(self, use, why)
+
+    monkeypatch.setattr(OffloadedKVStore, "_stage", stage)
+    return seen
+
+
+@pytest.mark.parametrize("budget,ckpt,packed,chunk", [
+    (None, False, False, 8),  # every page in the host tier
+    (None, True, True, 12),  # per-layer checkpointing, packed documents
+    (2 * 13 + 4, False, True, 8),  # R = 4 resident pages (sink and early pages), packed documents
+    (2 * 13 + 3, True, False, 12),  # R = 3, checkpointing
+])
+def test_sparse_offload_stages_selected_pages_bitwise(monkeypatch, budget, ckpt, packed, chunk):
+    """Sparse + offload: Stage 2 stages only the pages the selections read (never-staged slots hold NaN), and the
+    loss and every gradient equal the all-on-device sparse step bitwise; traffic is below whole-layer staging."""
+    seen = _staged_pages(monkeypatch)
+    ids = torch.randint(0, VOCAB, (1, 52), generator=torch.Generator().manual_seed(7))
+    cu = torch.tensor([0, 9, 30, 52]) if packed else None
+    m_ref, m_off, out_ref, out_off, e_off = _sparse_pair(monkeypatch, ids, budget, cu, chunk_size=chunk, page_size=4,
+                                                         checkpoint_layers=ckpt)
+    store = e_off.kv_store
+    assert not store.segmented and store.resident_pages_per_layer == (0 if budget is None else budget - 26)
+    assert any(p is not None and p != ((store.resident_pages_per_layer, store.max_pages_per_layer),) for p in seen)
+    _assert_same_training(m_ref, m_off, out_ref, out_off)
+    assert store.stats["on_demand"] == 0
+    pred = offload_traffic(ModelShape.from_config(m_off.config), 52, chunk, 4, store.resident_pages_per_layer,
+                           torch.float64, segment_pages=None, checkpoint_layers=ckpt)
+    assert store.stats["h2d_bytes"] < pred["h2d_bytes"] and store.stats["d2h_bytes"] < pred["d2h_bytes"]
+
+
+def _traffic(monkeypatch, page_budget, whole_layer):
+    if whole_layer:
+        monkeypatch.setattr(SparseAttentionState, "needed_pages", lambda self, layer, start: None)
+    ids = torch.randint(0, VOCAB, (1, 56), generator=torch.Generator().manual_seed(8))
+    _, _, out_ref, out_off, e_off = _sparse_pair(monkeypatch, ids, None, chunk_size=8, page_size=4,
+                                                 **{"page_budget": page_budget})
+    assert out_ref.loss == out_off.loss
+    return e_off.kv_store.stats
+
+
+@pytest.mark.parametrize("page_budget", [1, 14])
+def test_sparse_offload_traffic_below_whole_layer(monkeypatch, page_budget):
+    """The store's counters: Stage-2 traffic strictly below whole-layer staging for a small budget, equal when the
+    budget covers the past (Stage 1 is the same either way)."""
+    with monkeypatch.context() as mp:
+        sel = _traffic(mp, page_budget, False)
+    with monkeypatch.context() as mp:
+        whole = _traffic(mp, page_budget, True)
+    if page_budget == 1:
+        assert sel["h2d_bytes"] < whole["h2d_bytes"] and sel["d2h_bytes"] < whole["d2h_bytes"], (sel, whole)
+    else:
+        assert (sel["h2d_bytes"], sel["d2h_bytes"]) == (whole["h2d_bytes"], whole["d2h_bytes"]), (sel, whole)
+
+
+def _unions(monkeypatch, ids, cu, **cfg):
+    """Page unions {(start, layer): sorted pages} of every selection of a sparse on-device step (the last chunk's too)."""
+    with monkeypatch.context() as mp:
+        mp.setattr(SparseAttentionState, "release", lambda self, start: None)
+        torch.manual_seed(3)
+        engine = Engine(tiny("qwen2", 4, 2, layers=3).double(), OOMBConfig(offload=False, attention_backend="torch", **cfg))
+        engine.step(ids, cu_seqlens=cu)
+    out = {}
+    for key, sel in engine.sparse_state.selections.items():
+        n = sel.n_past_pages
+        out[key] = list(range(n)) if sel.dense else sorted(set(sel.page_idx.clamp(min=0).flatten().tolist()))
+    return out
+
+
+def test_sparse_offload_needed_pages_for_every_chunk_zero_fills_never_written(monkeypatch):
+    """A hook naming the pages of the last chunk too: the last chunk's backward writes back only its pages, so later
+    stagings mix written and never-written (zero-filled; the host tier is NaN) gradient pages per page."""
+    ids = torch.randint(0, VOCAB, (1, 52), generator=torch.Generator().manual_seed(9))
+    cu = torch.tensor([0, 21, 52])
+    cfg = dict(SPARSE, chunk_size=8, page_size=4)
+    unions = _unions(monkeypatch, ids, cu, **cfg)
+    monkeypatch.setattr(SparseAttentionState, "needed_pages", lambda self, layer, start: unions[(start, layer)])
+    runs = []
+    orig = OffloadedKVStore._valid_runs
+
+    def valid_runs(self, layer, a, e):
+        out = orig(self, layer, a, e)
+        runs.append([ok for _, _, ok in out])
+        return out
+
+    monkeypatch.setattr(OffloadedKVStore, "_valid_runs", valid_runs)
+    m_ref, m_off, out_ref, out_off, _ = _sparse_pair(monkeypatch, ids, None, cu, **{k: v for k, v in cfg.items() if k not in SPARSE})
+    assert any(False in r and True in r[r.index(False):] for r in runs)  # a written page above a never-written one
+    _assert_same_training(m_ref, m_off, out_ref, out_off)
+
+
+def test_sparse_offload_skipped_writeback_is_detected(monkeypatch):
+    """Control: writing back the gradients of all needed pages but the first run changes the gradients."""
+    import dataclasses
+
+    orig = OffloadedKVStore._after_backward
+
+    def after_backward(self, use):
+        if use.pages:
+            use = dataclasses.replace(use, pages=use.pages[1:])
+        return orig(self, use)
+
+    monkeypatch.setattr(OffloadedKVStore, "_after_backward", after_backward)
+    ids = torch.randint(0, VOCAB, (1, 52), generator=torch.Generator().manual_seed(7))
+    m_ref, m_off, out_ref, out_off, _ = _sparse_pair(monkeypatch, ids, None, chunk_size=8, page_size=4)
+    assert out_ref.loss == out_off.loss  # the forward does not depend on gradients
+    assert any(not torch.equal(a.grad, b.grad) for a, b in zip(m_ref.parameters(), m_off.parameters()))
+
+
+def test_sparse_offload_missing_wait_for_selected_pages_is_detected(monkeypatch):
+    """Control: without the compute-side wait on stagings of selected pages the lazy stream serves stale pages."""
+    orig = OffloadedKVStore._wait_staged
+    monkeypatch.setattr(OffloadedKVStore, "_wait_staged",
+                        lambda self, use, ev: None if use.pages is not None else orig(self, use, ev))
+    ids = torch.randint(0, VOCAB, (1, 52), generator=torch.Generator().manual_seed(7))
+    m_ref, m_off, out_ref, out_off, _ = _sparse_pair(monkeypatch, ids, None, chunk_size=8, page_size=4)
+    assert not out_off.loss == out_ref.loss or any(
+        not torch.equal(a.grad, b.grad) for a, b in zip(m_ref.parameters(), m_off.parameters()))

@@ -96,7 +96,7 @@ class _ChunkContext:
                 sparse.write(layer, self.start, k)
         if sparse is not None:
             # Made once (Stage 1, or the last chunk's first Stage-2 forward) and reused unchanged.
-            sel = sparse.selection(layer, self.start, q, self.q_doc_start)
+            sel = sparse.selection(layer, self.start, q, self.q_doc_start, record_pages=self.stage == 1)
             if self.stage == 1:
                 out, _ = sparse_paged_attention_forward(q, k, v, kv, sel, scaling, eng._backend, eng.config.attention_block_size)
             else:
@@ -317,13 +317,24 @@ class Engine:
             return "layer"
         return self.config.offload_segment_pages or "auto"
 
-    def _ensure_sparse(self, T: int) -> None:
-        """Fresh page representatives and selections for a sequence of T tokens (config.sparse), else None."""
+    def _ensure_sparse(self, T: int, stage2: bool = True) -> None:
+        """Fresh page representatives and selections for a sequence of T tokens (config.sparse), else None.
+
+        With an offloaded store that stages whole layers (``stage2``: a training step follows), the
+        store gets the selections' page unions as its ``needed_pages`` hook, so that Stage 2 stages only
+        the pages a (chunk, layer)'s selection reads; otherwise the hook is None (whole layers).
+        """
         self._sparse = None
         if self.config.sparse:
             self._sparse = SparseAttentionState(
                 self.config, self.num_layers, self.num_kv_heads, self.head_dim, T, self.dtype, self.device
             )
+        store = self._store
+        if isinstance(store, OffloadedKVStore):
+            track = stage2 and self._sparse is not None and not store.segmented
+            store.needed_pages = self._sparse.needed_pages if track else None
+            if track:
+                self._sparse.track_pages = True
 
     @property
     def sparse_state(self) -> SparseAttentionState | None:
@@ -451,7 +462,7 @@ class Engine:
         C = self.config.chunk_size
         self._backend = resolve_backend(self.config.attention_backend, self.device)
         self._ensure_store(T)
-        self._ensure_sparse(T)
+        self._ensure_sparse(T, stage2=False)
         total = 0.0
         with _rope_state_of_full_sequence(self._decoder, T, self.device, self.dtype):
             for s in range(0, T, C):

@@ -82,6 +82,25 @@ traffic).
 With per-layer checkpointing the recompute asks for a layer again right before
 its backward; that view finds the pages already staged.
 
+**Sparse attention: only the selected pages in Stage 2.** A sparse (chunk, layer)
+reads only the past pages of its selection (made in Stage 1, reused unchanged in
+Stage 2). The engine gives the store a hook, :attr:`OffloadedKVStore.needed_pages`
+``(layer, start) -> sorted list of logical past pages | None``: the union of the
+selection's pages over blocks and heads (sink and local pages are part of it; page 0
+too where a row is padded, since the PyTorch reference gathers padding from page 0
+before masking it; every page for a dense selection), copied to pinned host memory
+in Stage 1 so Stage 2 reads it without a device sync. None (unknown: Stage 1, the
+last chunk, dense attention) stages the whole layer as above. With a list, the
+Stage-2 uses of that (chunk, layer) copy K/V, and dK/dV, only of the needed host
+pages (one copy per run of consecutive pages per tensor) plus the chunk's own
+gradient pages, into the SAME slots (the block table does not change; other slots
+hold whatever they held, and no kernel reads them), and after the backward write
+back dK/dV of the needed pages only. Whether a host gradient page was ever written
+back is tracked per page, so a needed page never written is zero-filled. The events
+are the same as for whole layers. This Stage-2 traffic is data-dependent (the size
+of the unions) and bounded by the whole-layer traffic that
+:func:`oomb.planner.offload_traffic` estimates; equal when every selection is dense.
+
 **Ordering.** Copies run on one side CUDA stream, in issue order. Before a
 copy overwrites a staging buffer it waits on an event the compute stream
 recorded after the last kernel that reads it (a segment's dK/dV write-back is
@@ -103,6 +122,7 @@ missing compute-side wait into wrong numbers on CPU.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import functools
 import warnings
@@ -200,24 +220,56 @@ def resident_pages_for_budget(
 
 @dataclass(frozen=True)
 class _Use:
-    """One use of a layer's pages: K/V of ``past`` pages, plus dK/dV of ``past + own`` pages if ``grad``."""
+    """One use of a layer's pages: K/V of ``past`` pages, plus dK/dV of ``past + own`` pages if ``grad``.
+
+    ``pages``: runs ``(a, e)`` of the host pages [a, e) (R <= a < e <= past, ascending) that the
+    attention reads (Stage 2 with a ``needed_pages`` hook); None: all of [R, past)."""
 
     layer: int
     start: int  # token offset of the chunk
     past: int  # past pages whose K/V are read
     own: int  # the chunk's own pages whose stored dK/dV are read (backward only)
     grad: bool
+    pages: tuple[tuple[int, int], ...] | None = None
 
 
 @dataclass
 class _Tag:
-    """What a staging set holds."""
+    """What a staging set holds (``pages``/``grad_pages``: host-page runs staged; None: all of [R, past))."""
 
     layer: int
     past: int
     kv: bool
     grad_start: int | None = None  # chunk whose dK/dV are staged (None: none)
     grad_own: int = 0
+    pages: tuple[tuple[int, int], ...] | None = None
+    grad_pages: tuple[tuple[int, int], ...] | None = None
+
+
+def _covers(have: tuple[tuple[int, int], ...] | None, need: tuple[tuple[int, int], ...] | None) -> bool:
+    """Whether the host-page runs ``have`` (None: all) include every page of ``need`` (None: all)."""
+    if have is None or have == need:
+        return True
+    if need is None:
+        return False
+    i = 0
+    for a, e in need:
+        while i < len(have) and have[i][1] <= a:
+            i += 1
+        if i == len(have) or have[i][0] > a or have[i][1] < e:
+            return False
+    return True
+
+
+def _page_runs(pages) -> tuple[tuple[int, int], ...]:
+    """Sorted distinct page indices -> runs ``(a, e)`` of consecutive pages [a, e)."""
+    runs: list[list[int]] = []
+    for p in pages:
+        if runs and runs[-1][1] == p:
+            runs[-1][1] = p + 1
+        else:
+            runs.append([p, p + 1])
+    return tuple((a, e) for a, e in runs)
 
 
 # ----------------------------------------------------------------------------- segmented staging
@@ -733,6 +785,11 @@ class OffloadedKVStore:
         resident_pages_per_layer: R. staging_pages: W (per buffer): n - R with whole-layer staging,
             else min(segment_pages, n - R). segment_pages: the segment (None: whole layer).
         stats: bytes copied each way, stagings issued ahead ("prefetched") or at the point of use ("on_demand").
+        needed_pages: None, or a callable ``(layer, start) -> sorted list[int] | None`` naming the logical
+            past pages the attention of (``layer``, chunk at token ``start``) reads in Stage 2 (None:
+            unknown, all). With whole-layer staging, Stage 2 then stages and writes back only those
+            pages (see the module docstring); segmented staging ignores it. Set by the engine for
+            sparse attention; not cleared by :meth:`reset`.
 
     Raises:
         ValueError: a budget below two staging buffers; a bad ``segment_pages``.
@@ -836,6 +893,7 @@ class OffloadedKVStore:
         else:
             self._wbuf_k = self._wbuf_v = None
         self.trace: list[tuple] | None = [] if trace else None
+        self.needed_pages = None
         self.reset()
 
     # ------------------------------------------------------------------ memory
@@ -906,6 +964,8 @@ class OffloadedKVStore:
         L = self.num_layers
         self._pages = [0] * L  # pages stored per layer
         self._grad_valid = [0] * L  # host dK/dV valid for pages [R, _grad_valid) of each layer
+        self._grad_extra: list[set[int]] = [set() for _ in range(L)]  # ... and for these pages (>= _grad_valid)
+        self._runs_cache: dict[tuple[int, int], tuple[tuple[int, int], ...] | None] = {}
         self._tag: list[_Tag | None] = [None, None]
         self._busy = [False, False]
         self._owner = [-1, -1]  # layer whose use holds each staging set while busy
@@ -944,6 +1004,11 @@ class OffloadedKVStore:
         keep = start // S
         self._pages[layer] = min(self._pages[layer], keep)
         self._grad_valid[layer] = min(self._grad_valid[layer], keep)
+        extra = self._grad_extra[layer]
+        if extra:
+            extra.difference_update([p for p in extra if p >= keep])
+        for key in [key for key in self._runs_cache if key[0] == layer and key[1] >= start]:
+            del self._runs_cache[key]
         if self._sched is not None:
             self._sched.release_from(layer, keep)
         if self.trace is not None:
@@ -1019,12 +1084,14 @@ class OffloadedKVStore:
         """(K/V present, dK/dV present) for ``use`` in its staging set (trivially so when all resident)."""
         R = self.resident_pages_per_layer
         tag = self._tag[self._set(use.layer)]
-        kv_here = tag is not None and tag.layer == use.layer and tag.past == use.past and tag.kv
+        kv_here = (tag is not None and tag.layer == use.layer and tag.past == use.past and tag.kv
+                   and _covers(tag.pages, use.pages))
         kv_ok = use.past <= R or kv_here
         grad_ok = (
             not use.grad
             or use.past + use.own <= R
-            or (kv_here and tag.grad_start == use.start and tag.grad_own == use.own)
+            or (kv_here and tag.grad_start == use.start and tag.grad_own == use.own
+                and _covers(tag.grad_pages, use.pages))
         )
         return kv_ok, grad_ok
 
@@ -1048,29 +1115,103 @@ class OffloadedKVStore:
         st = self._streams
         st.copy_wait(st.record_compute() if self._busy[s] else self._free[s])
         if not kv_ok:
-            m = use.past - R
-            st.copy_(self.k_cache[base : base + m], self.k_host[layer, :m])
-            st.copy_(self.v_cache[base : base + m], self.v_host[layer, :m])
-            self.stats["h2d_bytes"] += 2 * self.k_host[layer, :m].numel() * self.k_host.element_size()
-            tag = _Tag(layer, use.past, kv=True)
+            # Pages keep their slots (base + p - R) either way: only the copies differ.
+            for a, e in ((R, use.past),) if use.pages is None else use.pages:
+                st.copy_(self.k_cache[base + a - R : base + e - R], self.k_host[layer, a - R : e - R])
+                st.copy_(self.v_cache[base + a - R : base + e - R], self.v_host[layer, a - R : e - R])
+                self.stats["h2d_bytes"] += 2 * self.k_host[layer, a - R : e - R].numel() * self.k_host.element_size()
+            tag = _Tag(layer, use.past, kv=True, pages=use.pages)
         if not grad_ok:
-            end = use.past + use.own - R
-            valid = min(max(self._grad_valid[layer] - R, 0), end)
-            if valid:
-                st.copy_(self.dk_cache[base : base + valid], self.dk_host[layer, :valid])
-                st.copy_(self.dv_cache[base : base + valid], self.dv_host[layer, :valid])
-                self.stats["h2d_bytes"] += 2 * self.dk_host[layer, :valid].numel() * self.dk_host.element_size()
-            if end > valid:  # never written back: zero on the device instead of copying
-                st.zero_(self.dk_cache[base + valid : base + end])
-                st.zero_(self.dv_cache[base + valid : base + end])
+            # dK/dV of the past pages read (all, or the needed runs) and of the chunk's own pages beyond R.
+            end = use.past + use.own
+            if use.pages is None:
+                spans = [(R, end)]
+            else:
+                spans = list(use.pages)
+                own_lo = max(use.past, R)
+                if end > own_lo:
+                    if spans and spans[-1][1] == own_lo:
+                        spans[-1] = (spans[-1][0], end)
+                    else:
+                        spans.append((own_lo, end))
+            for a, e in spans:
+                for x, y, ok in self._valid_runs(layer, a, e):
+                    if ok:
+                        st.copy_(self.dk_cache[base + x - R : base + y - R], self.dk_host[layer, x - R : y - R])
+                        st.copy_(self.dv_cache[base + x - R : base + y - R], self.dv_host[layer, x - R : y - R])
+                        self.stats["h2d_bytes"] += 2 * self.dk_host[layer, x - R : y - R].numel() * self.dk_host.element_size()
+                    else:  # never written back: zero on the device instead of copying
+                        st.zero_(self.dk_cache[base + x - R : base + y - R])
+                        st.zero_(self.dv_cache[base + x - R : base + y - R])
             if tag is None or tag.layer != layer or tag.past != use.past:
-                tag = _Tag(layer, use.past, kv=use.past <= R)
-            tag.grad_start, tag.grad_own = use.start, use.own
+                tag = _Tag(layer, use.past, kv=use.past <= R, pages=use.pages)
+            tag.grad_start, tag.grad_own, tag.grad_pages = use.start, use.own, use.pages
         st.record_copy(self._ready[s])
         self._tag[s] = tag
         self.stats[why] += 1
         if self.trace is not None:
             self.trace.append(("stage", why, layer, use.start, use.past, use.own if use.grad else None))
+
+    def _valid_runs(self, layer: int, a: int, e: int) -> list[tuple[int, int, bool]]:
+        """Pages [a, e) (>= R) of ``layer`` split into runs ``(x, y, written)``: whether their host dK/dV
+        hold a written-back gradient (else the staging zero-fills them)."""
+        gv = max(self._grad_valid[layer], a)
+        out: list[tuple[int, int, bool]] = []
+        if gv > a:
+            out.append((a, min(gv, e), True))
+        extra = self._grad_extra[layer]
+        if not extra:
+            if e > gv:
+                out.append((gv, e, False))
+            return out
+        for p in range(gv, e):
+            ok = p in extra
+            if out and out[-1][2] == ok and out[-1][1] == p:
+                out[-1] = (out[-1][0], p + 1, ok)
+            else:
+                out.append((p, p + 1, ok))
+        return out
+
+    def _mark_written(self, layer: int, runs) -> None:
+        """Host dK/dV of the pages of ``runs`` ([a, e), >= R) now hold a written-back gradient."""
+        R = self.resident_pages_per_layer
+        gv = max(self._grad_valid[layer], R)
+        extra = self._grad_extra[layer]
+        for a, e in runs:
+            if e <= gv:
+                continue
+            if a <= gv:
+                gv = e
+            else:
+                extra.update(range(a, e))
+        while gv in extra:
+            extra.discard(gv)
+            gv += 1
+        if extra:
+            extra.difference_update([p for p in extra if p < gv])
+        if gv > max(self._grad_valid[layer], R):
+            self._grad_valid[layer] = gv
+
+    def _stage2_use(self, layer: int, start: int, past: int, own: int, grad: bool) -> _Use:
+        """A Stage-2 use; its ``pages`` are the host pages the ``needed_pages`` hook names (None: all)."""
+        return _Use(layer, start, past, own, grad, self._needed_runs(layer, start, past))
+
+    def _needed_runs(self, layer: int, start: int, past: int) -> tuple[tuple[int, int], ...] | None:
+        """Runs of the host pages [R, past) the attention of (``layer``, chunk at ``start``) reads (None: all)."""
+        R = self.resident_pages_per_layer
+        if self.needed_pages is None or past <= R:
+            return None
+        key = (layer, start)
+        if key not in self._runs_cache:
+            pages = self.needed_pages(layer, start)
+            if pages is not None:
+                pages = _page_runs(pages[bisect.bisect_left(pages, R) : bisect.bisect_left(pages, past)])
+            self._runs_cache[key] = pages
+        return self._runs_cache[key]
+
+    def _wait_staged(self, use: _Use, ev) -> None:
+        # The compute stream waits for the copies into a staging set (a test removes it to show the simulator notices).
+        self._streams.compute_wait(ev)
 
     def _acquire(self, use: _Use) -> None:
         """Make ``use``'s pages ready for the compute stream (staging now what was not prefetched)."""
@@ -1078,7 +1219,7 @@ class OffloadedKVStore:
             self._pending = None
         self._stage(use, "on_demand")
         s = self._set(use.layer)
-        self._streams.compute_wait(self._ready[s])
+        self._wait_staged(use, self._ready[s])
         self._busy[s] = True
         self._owner[s] = use.layer
         self._inflight[use.layer] = use
@@ -1100,17 +1241,19 @@ class OffloadedKVStore:
         else:
             self._stage(use, "prefetched")
 
-    def _next_chunk_forward(self, start: int) -> _Use | None:
+    def _next_chunk_forward(self, start: int, stage2: bool) -> _Use | None:
         """Layer 0's K/V use of the chunk at token ``start`` (None past the sequence)."""
         if start < 0 or (self._seq_len is not None and start >= self._seq_len):
             return None
+        if stage2:
+            return self._stage2_use(0, start, start // self.page_size, 0, False)
         return _Use(0, start, start // self.page_size, 0, False)
 
     def _next_backward(self, use: _Use) -> _Use | None:
         """The use after the backward of ``use.layer``: the next lower layer's backward, or chunk c-1's forward."""
         if use.layer > 0:
-            return _Use(use.layer - 1, use.start, use.past, use.own, True)
-        return self._next_chunk_forward(use.start - self.chunk_size) if use.start > 0 else None
+            return self._stage2_use(use.layer - 1, use.start, use.past, use.own, True)
+        return self._next_chunk_forward(use.start - self.chunk_size, True) if use.start > 0 else None
 
     # ------------------------------------------------------ engine interface
     def attention_view(
@@ -1138,7 +1281,7 @@ class OffloadedKVStore:
         if stage == 1:
             use = _Use(layer, start, past, 0, False)
             self._acquire(use)
-            nxt = _Use(layer + 1, start, past, 0, False) if layer + 1 < L else self._next_chunk_forward(start + length)
+            nxt = _Use(layer + 1, start, past, 0, False) if layer + 1 < L else self._next_chunk_forward(start + length, False)
             self._prefetch(nxt)
             return PagedKV(self.k_cache, self.v_cache, table[:past], start, q_doc_start=q_doc_start)
         if self._seen_start != start:
@@ -1146,16 +1289,16 @@ class OffloadedKVStore:
         recompute = layer in self._seen_layers  # per-layer checkpointing re-runs the forward in backward
         self._seen_layers.add(layer)
         own = 0 if is_last else -(-length // S)
-        bwd = _Use(layer, start, past, own, True)  # what this view's backward reads
+        bwd = self._stage2_use(layer, start, past, own, True)  # what this view's backward reads
         grad = recompute or layer == L - 1  # the backward of this view comes next
-        use = bwd if grad else _Use(layer, start, past, 0, False)
+        use = bwd if grad else _Use(layer, start, past, 0, False, bwd.pages)
         self._acquire(use)
         if grad:
             nxt = self._next_backward(bwd)
         elif layer + 1 == L - 1:  # the top layer's forward is followed by its backward: stage its dK/dV too
-            nxt = _Use(layer + 1, start, past, own, True)
+            nxt = self._stage2_use(layer + 1, start, past, own, True)
         else:
-            nxt = _Use(layer + 1, start, past, 0, False)
+            nxt = self._stage2_use(layer + 1, start, past, 0, False)
         self._prefetch(nxt)
         own_table = None if is_last else table[past : past + own]
         return PagedKV(
@@ -1192,13 +1335,25 @@ class OffloadedKVStore:
         st = self._streams
         done = st.record_compute()  # the backward kernels of this layer are enqueued before this point
         m = use.past - R
-        if m > 0:
+        if m > 0 and use.pages is None:
             base = L * R + s * W
             st.copy_wait(done)
             st.copy_(self.dk_host[use.layer, :m], self.dk_cache[base : base + m])
             st.copy_(self.dv_host[use.layer, :m], self.dv_cache[base : base + m])
             self.stats["d2h_bytes"] += 2 * self.dk_host[use.layer, :m].numel() * self.dk_host.element_size()
             self._grad_valid[use.layer] = max(self._grad_valid[use.layer], use.past)
+            if self._grad_extra[use.layer]:
+                self._mark_written(use.layer, ())
+            if self.trace is not None:
+                self.trace.append(("writeback", use.layer, use.start, use.past))
+        elif m > 0 and use.pages:  # only the pages the backward wrote (the selected ones): the rest are untouched
+            base = L * R + s * W
+            st.copy_wait(done)
+            for a, e in use.pages:
+                st.copy_(self.dk_host[use.layer, a - R : e - R], self.dk_cache[base + a - R : base + e - R])
+                st.copy_(self.dv_host[use.layer, a - R : e - R], self.dv_cache[base + a - R : base + e - R])
+                self.stats["d2h_bytes"] += 2 * self.dk_host[use.layer, a - R : e - R].numel() * self.dk_host.element_size()
+            self._mark_written(use.layer, use.pages)
             if self.trace is not None:
                 self.trace.append(("writeback", use.layer, use.start, use.past))
         self._release(use.layer, done)
@@ -1234,7 +1389,7 @@ class OffloadedKVStore:
     def _host_grad_valid(self, layer: int, page: int) -> bool:
         if self._sched is not None:
             return self._sched.page_valid(layer, page)
-        return page < self._grad_valid[layer]
+        return page < self._grad_valid[layer] or page in self._grad_extra[layer]
 
     def grad_written_pages(self, layer: int) -> int:
         """End of the pages [R, end) of ``layer`` whose host dK/dV hold a written-back gradient (0 if none)."""
