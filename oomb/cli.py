@@ -352,7 +352,7 @@ def _flag_names(text: str) -> str:
 
     for old, new in _FLAG_NAMES:
         text = text.replace(old, new)
-    return re.sub(r"(?<![\w/.-])(" + "|".join(_PARAM_FLAGS) + r")(?![\w/.-])", lambda m: "--" + m.group(1).replace("_", "-"), text)
+    return re.sub(r"(?<![\w/.-])(" + "|".join(_PARAM_FLAGS) + r")(?![\w/-]|\.\w)", lambda m: "--" + m.group(1).replace("_", "-"), text)
 
 
 def _usage_from(exc: Exception, default_fix: str) -> UsageError:

@@ -117,6 +117,7 @@ def test_overwrite_replaces_a_previous_run(tmp_path, text_file):
     out = tmp_path / "run"
     out.mkdir()
     (out / "old.txt").write_text("old")
+    (out / "log.jsonl").write_text('{"step": 1}\n')  # an earlier run: --overwrite replaces only oomb outputs
     assert run_cli(["train", "--data", text_file, "--output-dir", out, "--overwrite", *FAST]) == 0
     assert not (out / "old.txt").exists() and (out / "model.safetensors").is_file()
     assert len((out / "log.jsonl").read_text().splitlines()) == 2
@@ -283,6 +284,7 @@ def test_command_line_entry_point(tmp_path, text_file):
     out = tmp_path / "run"
     out.mkdir()
     (out / "keep.txt").write_text("keep")
+    (out / "train_args.json").write_text("{}")  # an earlier run, so --overwrite is allowed to get that far
     bad = subprocess.run(
         [sys.executable, "-m", "oomb", "train", "--data", text_file, "--output-dir", out, "--overwrite", "--seq-len", "100000"],
         capture_output=True,
@@ -292,7 +294,7 @@ def test_command_line_entry_point(tmp_path, text_file):
     assert bad.returncode == 2, bad.stderr
     assert bad.stderr.count("\n") == 1 and bad.stderr.startswith("oomb: error: the data has "), bad.stderr
     assert "pass --seq-len" in bad.stderr
-    assert snapshot(out) == {"keep.txt": b"keep"}
+    assert snapshot(out) == {"keep.txt": b"keep", "train_args.json": b"{}"}
 
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
@@ -501,7 +503,8 @@ def test_cli_errors_name_flags_not_python_names(tmp_path, text_file, capsys):
         "need 9 pages on the GPU; raise --gpu-page-budget or shorten the sequence"
     assert "use --lora-rank, --checkpoint-layers or a smaller --chunk-size" in _flag_names("x; use LoRA, checkpoint_layers or a smaller chunk_size")
     assert _flag_names("need seq_len >= 2 and offload_segment_pages must be") == "need --seq-len >= 2 and --offload-segment-pages must be"
-    assert _flag_names("/a/seq_len/b") == "/a/seq_len/b"
+    assert _flag_names("/a/seq_len/b and seq_len.txt") == "/a/seq_len/b and seq_len.txt"
+    assert _flag_names("use a smaller chunk_size.") == "use a smaller --chunk-size."
     out = tmp_path / "run"
     _check_refused(run_cli(["train", "--data", text_file, "--output-dir", out, *FAST, "--offload-segment-pages", "-1"]), capsys, "--offload-segment-pages is -1")
     # a library error raised through the CLI (the engine's page-budget check) names the flag
