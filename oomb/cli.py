@@ -1,4 +1,5 @@
-"""The ``oomb`` command line: ``oomb train`` fine-tunes a causal LM on long sequences.
+"""The ``oomb`` command line: ``oomb train`` fine-tunes a causal LM on long sequences; ``oomb plan``,
+``oomb grad-error`` and ``oomb eval`` size and measure runs.
 
 Every input is checked before anything is written: a bad input ends the
 program with exit status 2 and one line on stderr, ``oomb: error: <problem>;
@@ -22,6 +23,8 @@ from typing import NoReturn, Sequence
 __all__ = ["main"]
 
 _LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+_EVAL_MAX_WINDOWS = 16
+"""``oomb eval`` without --num-windows: every whole window of the data, at most this many."""
 
 
 class UsageError(Exception):
@@ -159,7 +162,7 @@ def _build_parser() -> argparse.ArgumentParser:
     )
     q.add_argument("--model", default="tiny", help="a preset name or a local Hugging Face model directory (as in 'oomb train'; a local folder named like a preset is written ./NAME)")
     q.add_argument("--data", default=None, help="as in 'oomb train'; default: the bundled Austen corpus")
-    q.add_argument("--tokenizer", default=None, help="a local Hugging Face tokenizer folder; default: the bundled tokenizer")
+    q.add_argument("--tokenizer", default=None, help="a local Hugging Face tokenizer folder; default: the --model folder's tokenizer if it has one, else the bundled tokenizer")
     q.add_argument("--seq-len", type=int, default=2048, help="tokens of the measured sequence")
     q.add_argument("--chunk-size", type=int, default=512, help="tokens per chunk")
     q.add_argument("--page-size", type=int, default=128, help="tokens per KV page; --chunk-size must be a multiple of it")
@@ -172,6 +175,35 @@ def _build_parser() -> argparse.ArgumentParser:
     q.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="parameter dtype; auto: bfloat16 on cuda, float32 on cpu")
     q.add_argument("--seed", type=int, default=0, help="seed of the random weights of a preset and of the data order")
     q.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON to PATH")
+
+    v = sub.add_parser(
+        "eval",
+        help="held-out loss at long context, dense and with sparse attention",
+        description=(
+            "Evaluate the mean token loss of a model on consecutive, non-overlapping --seq-len token windows of the "
+            "data, in file order (not shuffled: two runs read the same tokens), once with dense attention and once per "
+            "sparse page budget. Prints a Markdown table (loss, perplexity, change vs dense, tokens, seconds); nothing "
+            "is trained or written, except --json. Pass held-out text as --data: the default is the training corpus."
+        ),
+        formatter_class=_HelpFormatter,
+    )
+    v.add_argument("--model", default="tiny", help="a preset name (random weights) or a local Hugging Face model directory, e.g. the --output-dir of 'oomb train' (a local folder named like a preset is written ./NAME)")
+    v.add_argument("--data", default=None, help="as in 'oomb train'; default: the bundled Austen corpus")
+    v.add_argument("--tokenizer", default=None, help="a local Hugging Face tokenizer folder; default: the --model folder's tokenizer if it has one (an 'oomb train' output does), else the bundled tokenizer")
+    v.add_argument("--seq-len", type=int, default=2048, help="tokens per evaluation window (the context length)")
+    v.add_argument("--num-windows", type=int, default=None, help=f"windows to evaluate, from the start of the data; default: every whole window, at most {_EVAL_MAX_WINDOWS}")
+    v.add_argument("--chunk-size", type=int, default=512, help="tokens per chunk")
+    v.add_argument("--page-size", type=int, default=128, help="tokens per KV page; --chunk-size must be a multiple of it")
+    v.add_argument("--budgets", type=int, nargs="+", default=None, metavar="B", help="sparse page budgets to evaluate (pages per query block and KV head, each >= 1); default: dense only. The dense row is always included")
+    v.add_argument("--sink-pages", type=int, default=1, help="with --budgets: first pages always attended")
+    v.add_argument("--local-pages", type=int, default=8, help="with --budgets: latest past pages always attended")
+    v.add_argument("--sparse-score", choices=["mean", "quest"], default="mean", help="with --budgets: page score (mean key, or Quest's min/max bound)")
+    v.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto", help="attention over the paged KV cache: PyTorch reference, Triton kernels, or auto")
+    add_offload_arguments(v)
+    v.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to run")
+    v.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="parameter dtype; auto: bfloat16 on cuda, float32 on cpu")
+    v.add_argument("--seed", type=int, default=0, help="seed of the random weights of a preset")
+    v.add_argument("--json", default=None, metavar="PATH", help="also write the report (with the per-window losses) as JSON to PATH")
     return parser
 
 
@@ -846,8 +878,29 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
     return 0
 
 
-def _grad_error(args: argparse.Namespace) -> int:
-    """``oomb grad-error``: the sparse-vs-dense gradient error table of one sequence."""
+def _check_json_arg(args: argparse.Namespace) -> None:
+    """--json PATH (grad-error, eval) can be written: not a folder, in an existing folder we may write to."""
+    if args.json is None:
+        return
+    json_path = Path(args.json).expanduser().resolve()
+    if json_path.is_dir():
+        raise UsageError(f"--json {args.json!r} is a folder", "pass a file path, e.g. --json report.json")
+    if not json_path.parent.is_dir():
+        raise UsageError(f"--json {args.json!r}: its folder does not exist", "pass a path in an existing folder")
+    if not os.access(json_path.parent, os.W_OK | os.X_OK) or (json_path.exists() and not os.access(json_path, os.W_OK)):
+        raise UsageError(f"--json {args.json!r} cannot be written", "pass a path you can write to")
+
+
+def _write_json(given: str, data: dict) -> None:
+    """Write ``data`` to the --json path atomically (a temporary file beside it, then renamed)."""
+    path = Path(given).expanduser()
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _check_measure_sizes(args: argparse.Namespace) -> None:
+    """--seq-len, --chunk-size, --page-size, --sink-pages, --local-pages and --seed of grad-error and eval."""
     for flag, value in (("--seq-len", args.seq_len), ("--chunk-size", args.chunk_size), ("--page-size", args.page_size)):
         if value <= 0:
             raise UsageError(f"{flag} is {value}", f"pass a positive number for {flag}")
@@ -855,38 +908,42 @@ def _grad_error(args: argparse.Namespace) -> int:
         raise UsageError(f"--seq-len is {args.seq_len}", "pass --seq-len 2 or more")
     if args.chunk_size % args.page_size != 0:
         raise UsageError(f"--chunk-size {args.chunk_size} is not a multiple of --page-size {args.page_size}", "pass a --page-size that divides --chunk-size")
-    for flag, value in (("--sink-pages", args.sink_pages), ("--local-pages", args.local_pages), *(("--budgets", b) for b in args.budgets)):
+    for flag, value in (("--sink-pages", args.sink_pages), ("--local-pages", args.local_pages)):
         if value < 0:
             raise UsageError(f"{flag} has {value}", f"pass 0 or a positive number of pages for {flag}")
     _check_seed(args)
-    if args.json is not None:
-        json_path = Path(args.json).expanduser().resolve()
-        if json_path.is_dir():
-            raise UsageError(f"--json {args.json!r} is a folder", "pass a file path, e.g. --json report.json")
-        if not json_path.parent.is_dir():
-            raise UsageError(f"--json {args.json!r}: its folder does not exist", "pass a path in an existing folder")
-        if not os.access(json_path.parent, os.W_OK | os.X_OK) or (json_path.exists() and not os.access(json_path, os.W_OK)):
-            raise UsageError(f"--json {args.json!r} cannot be written", "pass a path you can write to")
-    import torch
 
-    from .config import OOMBConfig
-    from .data import BUNDLED_CORPUS, DataError, TokenSequences, load_documents, load_tokenizer, tokenize_documents
-    from .models.presets import UnknownModelError, build_model, check_config_supported, load_config
-    from .sparse_quality import sparse_grad_error
-    from . import UnsupportedModelError
 
-    device, dtype = _resolve_device_dtype(args)
+def _measure_tokenizer_path(args: argparse.Namespace) -> str | None:
+    """--tokenizer, else the --model folder when it holds a tokenizer (an 'oomb train' output), else None (bundled)."""
+    if args.tokenizer is not None:
+        return args.tokenizer
+    from .models.presets import _is_local_model_dir
+
+    if _is_local_model_dir(args.model) and any(os.path.isfile(os.path.join(args.model, n)) for n in ("tokenizer.json", "tokenizer_config.json")):
+        return args.model
+    return None
+
+
+def _load_tokens(args: argparse.Namespace, tokenizer_path: str | None):
+    """The --data token stream of grad-error and eval: int64 ``[N]``, EOS between documents."""
+    from .data import BUNDLED_CORPUS, DataError, load_documents, load_tokenizer, tokenize_documents
+
     try:
-        cfg = OOMBConfig(chunk_size=args.chunk_size, page_size=args.page_size, sparse=True, sink_pages=args.sink_pages,
-                         local_pages=args.local_pages, sparse_score=args.sparse_score)
-    except ValueError as exc:
-        raise _usage_from(exc, "fix the engine options (see 'oomb grad-error --help')") from exc
-    try:
-        tokenizer = load_tokenizer(args.tokenizer)
-        tokens = tokenize_documents(load_documents(args.data), tokenizer, cache=args.data is None or Path(args.data).resolve() == BUNDLED_CORPUS)
-        sequences = TokenSequences(tokens, args.seq_len, seed=args.seed)
+        tokenizer = load_tokenizer(tokenizer_path)
+        return tokenize_documents(load_documents(args.data), tokenizer, cache=args.data is None or Path(args.data).resolve() == BUNDLED_CORPUS)
     except DataError as exc:
         raise UsageError(exc.problem, exc.fix) from exc
+
+
+def _load_model(args: argparse.Namespace, tokens, device, dtype, command: str):
+    """The --model of grad-error and eval (a preset seeded by --seed, or a local folder), its config and
+    vocabulary checked against ``tokens`` before any weight is read."""
+    import torch
+
+    from .models.presets import UnknownModelError, build_model, check_config_supported, load_config
+    from . import UnsupportedModelError
+
     try:
         model_config = load_config(args.model)
         check_config_supported(model_config)
@@ -894,7 +951,48 @@ def _grad_error(args: argparse.Namespace) -> int:
         torch.manual_seed(args.seed)
         model = build_model(args.model, dtype=dtype, device=device)
     except (UnknownModelError, UnsupportedModelError) as exc:
-        raise _usage_from(exc, "use a Qwen2/2.5, Llama 2/3, Mistral or Qwen3 causal LM") from exc
+        raise _usage_from(exc, f"use a Qwen2/2.5, Llama 2/3, Mistral or Qwen3 causal LM (see 'oomb {command} --help')") from exc
+    _check_vocab(int(tokens.max()), _vocab_size(model), args.model)
+    return model
+
+
+def _note_dense_budgets(args: argparse.Namespace, budgets: Sequence[int], result: str) -> None:
+    """Note on stderr the budgets that hold every past page of the last chunk (there sparse is dense)."""
+    last_chunk_start = (args.seq_len - 1) // args.chunk_size * args.chunk_size
+    past_pages = last_chunk_start // args.page_size
+    dense_budgets = [b for b in budgets if b + args.sink_pages + args.local_pages >= past_pages]
+    if dense_budgets:
+        print(
+            f"oomb: note: budget {', '.join(map(str, dense_budgets))} + --sink-pages {args.sink_pages} + --local-pages "
+            f"{args.local_pages} covers all {past_pages} past pages of the last chunk, so sparse equals dense there ({result}); "
+            "measure with a longer --seq-len or a smaller --page-size",
+            file=sys.stderr,
+        )
+
+
+def _grad_error(args: argparse.Namespace) -> int:
+    """``oomb grad-error``: the sparse-vs-dense gradient error table of one sequence."""
+    _check_measure_sizes(args)
+    for b in args.budgets:
+        if b < 0:
+            raise UsageError(f"--budgets has {b}", "pass 0 or a positive number of pages for --budgets")
+    _check_json_arg(args)
+    from .config import OOMBConfig
+    from .data import DataError, TokenSequences
+    from .sparse_quality import sparse_grad_error
+
+    device, dtype = _resolve_device_dtype(args)
+    try:
+        cfg = OOMBConfig(chunk_size=args.chunk_size, page_size=args.page_size, sparse=True, sink_pages=args.sink_pages,
+                         local_pages=args.local_pages, sparse_score=args.sparse_score)
+    except ValueError as exc:
+        raise _usage_from(exc, "fix the engine options (see 'oomb grad-error --help')") from exc
+    tokens = _load_tokens(args, _measure_tokenizer_path(args))
+    try:
+        sequences = TokenSequences(tokens, args.seq_len, seed=args.seed)
+    except DataError as exc:
+        raise UsageError(exc.problem, exc.fix) from exc
+    model = _load_model(args, tokens, device, dtype, "grad-error")
     input_ids = sequences[int(sequences.order(0)[0])].to(device)
     try:
         report = sparse_grad_error(model, input_ids, cfg, budgets=args.budgets)
@@ -902,21 +1000,76 @@ def _grad_error(args: argparse.Namespace) -> int:
         raise _usage_from(exc, "see 'oomb grad-error --help'") from exc
     print(report.table(by=args.by))
     # The last chunk has the most past pages; a budget that holds them all selects every page (sparse = dense).
-    last_chunk_start = (args.seq_len - 1) // args.chunk_size * args.chunk_size
-    past_pages = last_chunk_start // args.page_size
-    dense_budgets = [b for b in args.budgets if b + args.sink_pages + args.local_pages >= past_pages]
-    if dense_budgets:
-        print(
-            f"oomb: note: budget {', '.join(map(str, dense_budgets))} + --sink-pages {args.sink_pages} + --local-pages "
-            f"{args.local_pages} covers all {past_pages} past pages of the last chunk, so sparse equals dense there (error 0); "
-            "measure with a longer --seq-len or a smaller --page-size",
-            file=sys.stderr,
-        )
+    _note_dense_budgets(args, args.budgets, "error 0")
     if args.json is not None:
-        path = Path(args.json).expanduser()
-        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        tmp.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
-        os.replace(tmp, path)
+        _write_json(args.json, report.to_dict())
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    """``oomb eval``: mean loss on consecutive --seq-len windows, dense and per sparse page budget."""
+    _check_measure_sizes(args)
+    args.budgets = args.budgets or []
+    for b in args.budgets:
+        if b < 1:
+            raise UsageError(f"--budgets has {b}", "pass page budgets of 1 or more (the dense row is always included)")
+    if args.num_windows is not None and args.num_windows < 1:
+        raise UsageError(f"--num-windows is {args.num_windows}", "pass 1 or more, or leave it out for every window")
+    if args.attention_backend == "triton" and args.device != "cuda":
+        raise UsageError("--attention-backend triton runs on the GPU only", "pass --device cuda, or --attention-backend torch (or auto) on the CPU")
+    _check_offload_flags(args)
+    _check_json_arg(args)
+    budgets = list(dict.fromkeys(args.budgets))  # in the given order, each once
+    import torch
+
+    from .config import OOMBConfig
+    from .evaluation import evaluate_windows
+
+    device, dtype = _resolve_device_dtype(args)
+    try:
+        cfg = OOMBConfig(chunk_size=args.chunk_size, page_size=args.page_size, attention_backend=args.attention_backend,
+                         sink_pages=args.sink_pages, local_pages=args.local_pages, sparse_score=args.sparse_score,
+                         offload={"auto": "auto", "on": True, "off": False}[args.offload], gpu_page_budget=args.gpu_page_budget,
+                         offload_segment_pages=args.offload_segment_pages)
+    except ValueError as exc:
+        raise _usage_from(exc, "fix the engine options (see 'oomb eval --help')") from exc
+    # Windows are checked before any weight is read.
+    tokenizer_path = _measure_tokenizer_path(args)
+    tokens = _load_tokens(args, tokenizer_path)
+    n, S = int(tokens.shape[0]), args.seq_len
+    available = n // S
+    if available == 0:
+        raise UsageError(f"the data has {n:,} tokens, fewer than one window of --seq-len {S}", f"pass --seq-len {n} or less, or more text as --data")
+    if args.num_windows is not None and args.num_windows > available:
+        raise UsageError(
+            f"--num-windows is {args.num_windows} but the data ({n:,} tokens) holds {available} window(s) of --seq-len {S}",
+            f"pass --num-windows {available} or less, or a smaller --seq-len",
+        )
+    count = args.num_windows if args.num_windows is not None else min(available, _EVAL_MAX_WINDOWS)
+    from .evaluation import token_windows
+
+    windows = token_windows(tokens, S, count)
+    model = _load_model(args, tokens, device, dtype, "eval")
+    capped = "" if args.num_windows is not None or count == available else f" (of {available}; --num-windows {available} for all)"
+    print(
+        f"oomb: eval {args.model} ({str(dtype).replace('torch.', '')}, {device}); tokenizer {tokenizer_path or 'bundled'}; "
+        f"{n:,} tokens -> {count} window(s) of {S}{capped}; chunk {args.chunk_size}, page {args.page_size}; "
+        f"modes: dense{''.join(f', sparse {b}' for b in budgets)}",
+        file=sys.stderr,
+    )
+    try:
+        report = evaluate_windows(model, windows, cfg, budgets=budgets)
+    except torch.OutOfMemoryError as exc:
+        raise _RunError(f"out of GPU memory evaluating --seq-len {S}", "use a smaller --chunk-size or --offload on (see 'oomb plan')") from exc
+    except ValueError as exc:
+        raise _usage_from(exc, "see 'oomb eval --help'") from exc
+    print(report.table())
+    _note_dense_budgets(args, budgets, "same loss")
+    if args.json is not None:
+        data = report.to_dict()
+        data.update(model=args.model, data=args.data, tokenizer=tokenizer_path, chunk_size=args.chunk_size,
+                    dtype=str(dtype).replace("torch.", ""), device=str(device), data_tokens=n)
+        _write_json(args.json, data)
     return 0
 
 
@@ -960,6 +1113,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _plan(args)
         if args.command == "grad-error":
             return _grad_error(args)
+        if args.command == "eval":
+            return _eval(args)
     except UsageError as exc:
         _fail(f"{exc.problem}; {exc.fix}", 1 if isinstance(exc, _RunError) else 2)
     except KeyboardInterrupt:

@@ -1,0 +1,163 @@
+"""`oomb eval`: dense loss against a plain Hugging Face forward, sparse = dense when the budget holds the whole
+past, a small budget really runs the sparse path, deterministic windows, and one-line refusals of bad input."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from oomb.cli import main
+from oomb.data import load_documents, load_tokenizer, tokenize_documents
+from oomb.evaluation import token_windows
+
+TEXT = (
+    "It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+    "must be in want of a wife. However little known the feelings or views of such a man may be "
+    "on his first entering a neighbourhood, this truth is so well fixed in the minds of the "
+    "surrounding families, that he is considered as the rightful property of some one or other "
+    "of their daughters.\n"
+)
+# Windows of 128 tokens, chunks of 32, pages of 8: the last chunk has 12 past pages.
+S = 128
+SMALL = ["--seq-len", str(S), "--chunk-size", "32", "--page-size", "8"]
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    f = tmp_path_factory.mktemp("data") / "text.txt"
+    # Varied text (not one sentence repeated), so that attention to distant pages matters.
+    f.write_text("".join(f"{i}: {TEXT[(7 * i) % 200 :]}{TEXT[: (7 * i) % 200]}" for i in range(8)))
+    return f
+
+
+@pytest.fixture(scope="module")
+def tokens(text_file):
+    return tokenize_documents(load_documents(text_file), load_tokenizer(None))
+
+
+def run_cli(argv):
+    try:
+        return main([str(a) for a in argv])
+    except SystemExit as exc:
+        return exc.code
+
+
+def run_eval(tmp_path, argv, name="report.json"):
+    js = tmp_path / name
+    assert run_cli(["eval", *argv, "--json", js]) == 0
+    return json.loads(js.read_text())
+
+
+def _check_refused(status, capsys, fragment):
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert status == 2, err
+    assert len(lines) == 1, err
+    assert lines[0].startswith("oomb: error: ") and "; " in lines[0], lines[0]
+    assert fragment in lines[0], lines[0]
+    assert "Traceback" not in err
+
+
+def _hf_losses(model, windows):
+    model.eval()
+    with torch.no_grad():
+        return [float(model(input_ids=w, labels=w).loss) for w in windows]
+
+
+def test_dense_loss_of_a_trained_output_equals_a_plain_hf_forward(tmp_path, text_file, tokens, capsys):
+    """fp32: the dense row's per-window losses equal transformers' own full-sequence loss on the same windows,
+    for an `oomb train` output folder (model and tokenizer read from it)."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "run"
+    assert run_cli(["train", "--data", text_file, "--output-dir", out, "--seq-len", "128", "--chunk-size", "64",
+                    "--page-size", "32", "--steps", "1", "--no-progress"]) == 0
+    capsys.readouterr()
+    report = run_eval(tmp_path, ["--model", out, "--data", text_file, *SMALL, "--num-windows", "2"])
+    assert f"tokenizer {out}" in capsys.readouterr().err  # the output folder's tokenizer, not the bundled one
+    dense = report["rows"][0]
+    assert dense["mode"] == "dense" and dense["budget"] is None and len(report["rows"]) == 1
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    ref = _hf_losses(model, token_windows(tokens, S, 2))
+    assert dense["window_losses"] == pytest.approx(ref, rel=2e-6, abs=0)
+    assert dense["loss"] == pytest.approx(sum(ref) / 2, rel=2e-6, abs=0)
+    assert dense["tokens"] == 2 * (S - 1) and dense["window_tokens"] == [S - 1, S - 1]
+    assert dense["perplexity"] == pytest.approx(np.exp(dense["loss"]), rel=1e-12)
+
+
+def test_dense_loss_of_a_preset_equals_a_plain_hf_forward(tmp_path, text_file, tokens):
+    from oomb.models.presets import build_model
+
+    report = run_eval(tmp_path, ["--model", "tiny", "--seed", "3", "--data", text_file, *SMALL, "--num-windows", "1"])
+    torch.manual_seed(3)
+    ref = _hf_losses(build_model("tiny"), token_windows(tokens, S, 1))
+    assert report["rows"][0]["window_losses"] == pytest.approx(ref, rel=2e-6, abs=0)
+
+
+def test_a_budget_holding_the_whole_past_is_dense_and_a_small_one_is_not(tmp_path, text_file, capsys):
+    # 12 past pages in the last chunk: budget 12 (no sink/local pages) holds them all; budget 1 does not.
+    report = run_eval(tmp_path, ["--data", text_file, *SMALL, "--num-windows", "2", "--budgets", "1", "12",
+                                 "--sink-pages", "0", "--local-pages", "0"])
+    out, err = capsys.readouterr()
+    dense, small, whole = report["rows"]
+    assert (small["budget"], whole["budget"]) == (1, 12)
+    assert whole["window_losses"] == dense["window_losses"] and whole["rel_change_pct"] == 0.0
+    assert all(abs(s - d) > 1e-5 for s, d in zip(small["window_losses"], dense["window_losses"])), (small, dense)
+    assert small["rel_change_pct"] == pytest.approx((small["loss"] - dense["loss"]) / dense["loss"] * 100)
+    # the Markdown table: one row per mode, and the note that budget 12 equals dense
+    rows = [line for line in out.splitlines() if line.startswith("| ")]
+    assert [r.split("|")[1].strip() for r in rows] == ["mode", "dense", "sparse 1", "sparse 12"]
+    assert f"{dense['loss']:.6f}" in rows[1] and f"{small['rel_change_pct']:+.3f}%" in rows[2]
+    assert "note: budget 12 " in err and "budget 1," not in err
+
+
+def test_windows_are_consecutive_deterministic_and_capped(tmp_path, text_file, tokens, capsys, monkeypatch):
+    available = len(tokens) // S
+    assert available >= 4
+    windows = token_windows(tokens, S)
+    assert len(windows) == available
+    for i, w in enumerate(windows):
+        assert w.shape == (1, S) and w.dtype == torch.int64
+        assert torch.equal(w[0], torch.from_numpy(tokens[i * S : (i + 1) * S]))
+    # default: every whole window, at most the cap (a note says how many there are)
+    import oomb.cli as cli
+
+    monkeypatch.setattr(cli, "_EVAL_MAX_WINDOWS", 2)
+    a = run_eval(tmp_path, ["--data", text_file, *SMALL], "a.json")
+    assert f"2 window(s) of {S} (of {available}; --num-windows {available} for all)" in capsys.readouterr().err
+    assert a["num_windows"] == 2 and a["window_starts"] == [0, S]
+    # the same windows again: identical losses; --num-windows 1 gives the first of them
+    b = run_eval(tmp_path, ["--data", text_file, *SMALL], "b.json")
+    assert b["rows"][0]["window_losses"] == a["rows"][0]["window_losses"]
+    c = run_eval(tmp_path, ["--data", text_file, *SMALL, "--num-windows", "1"], "c.json")
+    assert c["rows"][0]["window_losses"] == a["rows"][0]["window_losses"][:1]
+
+
+def test_token_windows_refuses_too_little_data():
+    with pytest.raises(ValueError, match="fewer than one window"):
+        token_windows(np.arange(10), 11)
+    with pytest.raises(ValueError, match="holds 2 window"):
+        token_windows(np.arange(10), 5, 3)
+
+
+def test_bad_eval_input_exits_2_with_one_line(tmp_path, text_file, tokens, capsys):
+    n = len(tokens)
+    base = ["eval", "--data", text_file, *SMALL]
+    _check_refused(run_cli(["eval", "--data", text_file, "--seq-len", n + 1]), capsys,
+                   f"the data has {n:,} tokens, fewer than one window of --seq-len {n + 1}; pass --seq-len {n} or less")
+    _check_refused(run_cli([*base, "--budgets", "4", "0"]), capsys, "--budgets has 0")
+    _check_refused(run_cli([*base, "--budgets", "-2"]), capsys, "--budgets has -2")
+    _check_refused(run_cli([*base, "--num-windows", "0"]), capsys, "--num-windows is 0")
+    _check_refused(run_cli([*base, "--num-windows", "999"]), capsys, f"pass --num-windows {n // S} or less")
+    _check_refused(run_cli(["eval", "--data", text_file, "--seq-len", "1"]), capsys, "--seq-len is 1")
+    _check_refused(run_cli(["eval", "--data", text_file, "--chunk-size", "100", "--page-size", "64"]), capsys, "not a multiple of --page-size")
+    _check_refused(run_cli([*base, "--sink-pages", "-1"]), capsys, "--sink-pages")
+    _check_refused(run_cli([*base, "--json", tmp_path]), capsys, "is a folder")
+    _check_refused(run_cli([*base, "--model", "gpt-17"]), capsys, "gpt-17")
+    _check_refused(run_cli([*base, "--budgets"]), capsys, "--budgets")
+    if not torch.cuda.is_available():
+        _check_refused(run_cli([*base, "--device", "cuda"]), capsys, "--device cuda")
+        _check_refused(run_cli([*base, "--attention-backend", "triton"]), capsys, "--attention-backend triton")
