@@ -76,7 +76,30 @@ def engine_config(args, sparse: bool, backend: str) -> OOMBConfig:
     )
 
 
+_UNION_SIZES: list[int] = []
+
+
+def _record_union_sizes() -> None:
+    """Count the pages each Stage-2 staging of sparse + offload asks for (benchmark instrumentation)."""
+    from oomb.ops.sparse import SparseAttentionState
+
+    if getattr(SparseAttentionState.needed_pages, "_bench_wrapped", False):
+        return
+    orig = SparseAttentionState.needed_pages
+
+    def needed_pages(self, layer, start):
+        pages = orig(self, layer, start)
+        if pages is not None:
+            _UNION_SIZES.append(len(pages))
+        return pages
+
+    needed_pages._bench_wrapped = True
+    SparseAttentionState.needed_pages = needed_pages
+
+
 def step(model, args, sparse: bool, backend: str, ids: torch.Tensor, device: torch.device) -> dict:
+    _record_union_sizes()
+    _UNION_SIZES.clear()
     engine = Engine(model, engine_config(args, sparse, backend))
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -99,6 +122,12 @@ def step(model, args, sparse: bool, backend: str, ids: torch.Tensor, device: tor
         page_summaries_gib=None if state is None else state.reps.nbytes / GiB,
         rss_gib=rss_gib(),
     )
+    stats = getattr(store, "stats", None)
+    if stats:
+        row["offload_stats"] = dict(stats)
+    if _UNION_SIZES:
+        u = sorted(_UNION_SIZES)
+        row["stage2_staged_pages"] = dict(uses=len(u), mean=sum(u) / len(u), median=u[len(u) // 2], max=u[-1])
     del engine
     return row
 
