@@ -290,3 +290,43 @@ def test_past_only_part_kernels_match_reference():
         tpa.paged_attention_fwd(*args, 12, past_start=12, include_own=False)
     with pytest.raises(ValueError, match="out_dtype"):
         tpa.paged_attention_fwd(*args, 12, out_dtype=torch.float64)
+
+
+# ------------------------------------------------------------------ dk/dv kernel variants (v3 query-major, v5 head-major)
+DKDV_AB = [
+    # C, Hq, Hkv, D, past_len, S, transposed_q, doc starts (absolute) or None, past_start
+    pytest.param(33, 7, 1, 80, 50, 4, True, None, 0, id="gqa7-d80-page4-strided"),
+    pytest.param(20, 8, 2, 96, 45, 32, False, [0, 30, 52], 0, id="gqa4-d96-docs"),
+    pytest.param(17, 3, 3, 64, 70, 16, True, None, 19, id="gqa1-segment-past_start19"),
+]
+
+
+@pytest.mark.parametrize("C,Hq,Hkv,D,past_len,S,transposed_q,starts,past_start", DKDV_AB)
+def test_dkdv_variants_agree(monkeypatch, C, Hq, Hkv, D, past_len, S, transposed_q, starts, past_start):
+    """The v3 and v5 dk/dv kernels give the same gradients (same products, only the order in which the query rows are
+    summed differs: fp32 tolerance), accumulated into the same non-zero gradient pages; dq (one kernel) is bitwise equal."""
+    case = make_case(C, Hq, Hkv, D, past_len, S, seed=C * 7 + past_len, transposed_q=transposed_q)
+    doc = None
+    if starts is not None:
+        doc_all = torch.zeros(past_len + C, dtype=torch.int32)
+        for s0 in starts:
+            doc_all[s0:] = s0
+        doc = doc_all[past_len:].clone().to(DEVICE)
+    args = (case["q"], case["k"], case["v"], case["k_cache"], case["v_cache"], case["block_table"], past_len)
+    out, lse = tpa.paged_attention_fwd(*args, q_doc_start=doc)
+    gen = torch.Generator().manual_seed(1)
+    base_k = torch.randn(case["k_cache"].shape, generator=gen).to(DEVICE)
+    base_v = torch.randn(case["v_cache"].shape, generator=gen).to(DEVICE)
+    res = {}
+    for variant in ("v3", "v5"):
+        monkeypatch.setattr(tpa, "DKDV_VARIANT", variant)
+        dkc, dvc = base_k.clone(), base_v.clone()
+        dq, dk, dv = tpa.paged_attention_bwd(case["dout"], *args[:3], out, lse, *args[3:], dkc, dvc, q_doc_start=doc,
+                                             past_start=past_start)
+        res[variant] = dict(dq=dq, dk=dk, dv=dv, dk_cache=dkc, dv_cache=dvc)
+    assert torch.equal(res["v3"]["dq"], res["v5"]["dq"])
+    for name in ("dk", "dv", "dk_cache", "dv_cache"):
+        assert_close(f"{name} v5 vs v3", res["v5"][name], res["v3"][name], rtol=2e-6)
+    monkeypatch.setattr(tpa, "DKDV_VARIANT", "v4")
+    with pytest.raises(ValueError, match="OOMB_DKDV_VARIANT"):
+        tpa.paged_attention_bwd(case["dout"], *args[:3], out, lse, *args[3:], base_k.clone(), base_v.clone())

@@ -32,7 +32,9 @@ G = Hq // Hkv, D head dim, P pages in the pool, S = page_size tokens per page):
   - dq: one program per (row tile, KV head), looping over past and own key tiles;
   - dk/dv: one program per (key tile, KV head), looping over every row tile that sees it.
     For past tiles it reads the fp32 gradient pages, adds its sum and writes them back;
-    for the own chunk it writes ``dk``/``dv``.
+    for the own chunk it writes ``dk``/``dv``. Two versions (``OOMB_DKDV_VARIANT``): v5, the
+    default, walks the rows head-major (tiles of consecutive queries of one head: strided 2-D
+    q/dout tiles, contiguous lse/delta); v3 walks the query-major rows of the other kernels.
 
   Why a deterministic schedule and not atomics: each past token's dK/dV row is owned by
   exactly one program, which sums the contributions of all queries (and all G heads of the
@@ -66,7 +68,8 @@ the reference run in fp16; bf16 out/dq/dk/dv 1.4x; bf16 past dK/dV 1.7e-3 relati
 reference-in-bf16 (whose products are TF32) but 0.58x SDPA flash's error on the same problem.
 
 Speed on an H200 (Qwen2.5-7B attention, bf16, 4096 queries, 32K / 128K past tokens): forward
-395 / 384 TFLOP/s (1.26x / 1.17x SDPA flash), backward 263 / 271 (0.84x / 0.85x).
+395 / 384 TFLOP/s (1.26x / 1.17x SDPA flash) in the v3/v4 runs; backward with the v5 dk/dv kernel
+334 / 341 (1.06x / 1.06x SDPA flash; v3 dk/dv: 262 / 267, 0.83x).
 """
 
 from __future__ import annotations
@@ -98,6 +101,18 @@ _DQ_CONFIGS = _configs([(128, 128, 8, 2), (128, 64, 8, 2), (128, 64, 8, 3), (64,
 # dk/dv holds two fp32 [BLOCK_N, D] accumulators plus its K/V tile: 8 warps keep spills small.
 _DKDV_CONFIGS = _configs([(64, 128, 8, 3), (64, 64, 4, 3), (64, 64, 8, 3), (64, 64, 8, 2), (32, 128, 8, 2), (64, 128, 8, 2)])
 _AUTOTUNE_KEY = ["G", "HEAD_DIM", "PAGE_SIZE", "HAS_DOC", "HAS_OWN"]
+
+# Which dk/dv kernel the backward launches: "v5" (default: head-major row walk, contiguous
+# lse/delta loads) or "v3" (query-major rows, the kernel measured in benchmarks/NOTES.md v1-v4).
+# Read at every call, so a benchmark can time both in one process (set DKDV_VARIANT).
+DKDV_VARIANTS = ("v3", "v5")
+DKDV_VARIANT = os.environ.get("OOMB_DKDV_VARIANT", "v5")
+
+
+def dkdv_variant() -> str:
+    if DKDV_VARIANT not in DKDV_VARIANTS:
+        raise ValueError(f"OOMB_DKDV_VARIANT / DKDV_VARIANT must be one of {DKDV_VARIANTS}; got {DKDV_VARIANT!r}")
+    return DKDV_VARIANT
 
 
 # --------------------------------------------------------------------------------------
@@ -565,6 +580,151 @@ def _paged_attn_bwd_dkdv_kernel(
     tl.store(dv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=st_mask)
 
 
+# dk/dv v5: rows walked head-major (all query tiles of head 0 of the group, then head 1, ...).
+# A row tile is then BLOCK_M consecutive queries of ONE head: q/dout are plain strided 2-D tiles
+# (one base pointer per tile, no per-row div/mod by G and no per-row int64 head offsets), and
+# lse/delta, stored [Hq, C], are one contiguous vector load each. The per-tile arithmetic is v3's,
+# so results differ from v3 only by the fp32 summation order over the rows. H200, Qwen2.5-7B shape
+# (benchmarks/NOTES.md "Kernels" v5): 8.7 ms against v3's 13.1 ms at 32K past. Only BLOCK_M=64,
+# BLOCK_N=128, 8 warps is kept: 32x128x4 warps and 128x128x8 warps were 2.7x / 3.2x slower there.
+_DKDV5_CONFIGS = _configs([(64, 128, 8, 3), (64, 128, 8, 4), (64, 128, 8, 2)])
+
+
+@triton.jit
+def _dkdv5_tile(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_ptr, key_off, i0, C, j, offs_m, offs_d, d_mask,
+                qk_scale, stride_q_c, stride_q_d, stride_do_c, stride_do_d,
+                CAUSAL: tl.constexpr, HAS_DOC: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+    """dk/dv [N, D] += contributions of queries [i0, i0 + BLOCK_M) of one head (pointers already at that head)."""
+    i = i0 + offs_m
+    i_mask = i < C
+    # Rows past C read q = dout = lse = delta = 0 and so contribute exactly 0.
+    q = _load_rows(q_ptr, i.to(tl.int64) * stride_q_c, i_mask, offs_d, d_mask, stride_q_d)
+    do = _load_rows(do_ptr, i.to(tl.int64) * stride_do_c, i_mask, offs_d, d_mask, stride_do_d)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    lse2 = tl.load(lse_ptr + i, mask=i_mask, other=0.0) * 1.4426950408889634
+    delta = tl.load(delta_ptr + i, mask=i_mask, other=0.0)
+    s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # [N, M] (transposed scores)
+    p_t = tl.exp2(s_t - lse2[None, :])
+    if CAUSAL:
+        p_t = tl.where(j[:, None] <= i[None, :], p_t, 0.0)
+    if HAS_DOC:
+        doc = tl.load(doc_ptr + i, mask=i_mask, other=0)
+        p_t = tl.where((key_off + j)[:, None] >= doc[None, :], p_t, 0.0)
+    dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PREC)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PREC)
+    return dk, dv
+
+
+@triton.jit
+def _dkdv5_loop(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_ptr, key_off, i_lo, n_t, C, j, hkv, offs_m, offs_d, d_mask,
+                qk_scale, stride_q_c, stride_q_h, stride_q_d, stride_do_c, stride_do_h, stride_do_d, stride_lse_h, stride_delta_h,
+                G: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOC: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+                BLOCK_M: tl.constexpr):
+    """Query tiles [i_lo + t * BLOCK_M) for t < n_t, of each of the G heads in turn: one flat loop (pipelines as one)."""
+    for t in range(0, G * n_t):
+        g = t // n_t
+        i0 = i_lo + (t - g * n_t) * BLOCK_M
+        head = hkv * G + g  # int64
+        dk, dv = _dkdv5_tile(dk, dv, k, v, q_ptr + head * stride_q_h, do_ptr + head * stride_do_h,
+                             lse_ptr + head * stride_lse_h, delta_ptr + head * stride_delta_h, doc_ptr, key_off, i0, C, j,
+                             offs_m, offs_d, d_mask, qk_scale, stride_q_c, stride_q_d, stride_do_c, stride_do_d,
+                             CAUSAL, HAS_DOC, UPCAST, DOT_PREC)
+    return dk, dv
+
+
+@triton.autotune(configs=_DKDV5_CONFIGS, key=[k for k in _AUTOTUNE_KEY if k != "HAS_OWN"] + ["IS_PAST"], restore_value=["dk_ptr", "dv_ptr"], cache_results=True)
+@triton.jit
+def _paged_attn_bwd_dkdv5_kernel(
+    q_ptr, k_ptr, v_ptr, block_table_ptr, dout_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, doc_ptr,  # as v3's kernel
+    C,
+    key_start,
+    n_keys,
+    key_off,
+    qk_scale,
+    softmax_scale,
+    stride_q_c, stride_q_h, stride_q_d,
+    stride_k_p, stride_k_t, stride_k_h, stride_k_d,
+    stride_v_p, stride_v_t, stride_v_h, stride_v_d,
+    stride_do_c, stride_do_h, stride_do_d,
+    stride_dk_p, stride_dk_t, stride_dk_h, stride_dk_d,
+    stride_dv_p, stride_dv_t, stride_dv_h, stride_dv_d,
+    stride_lse_h,
+    stride_delta_h,
+    G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    IS_PAST: tl.constexpr,
+    UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+    HAS_DOC: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    hkv = tl.program_id(1).to(tl.int64)
+    j0 = key_start + pid_n * BLOCK_N
+    j = j0 + tl.arange(0, BLOCK_N)
+    j_mask = j < n_keys
+    offs_d = tl.arange(0, BLOCK_D)
+    d_mask = offs_d < HEAD_DIM
+    offs_m = tl.arange(0, BLOCK_M)
+    if IS_PAST:
+        k_off = _past_token_offsets(block_table_ptr, j, j_mask, stride_k_p, stride_k_t, PAGE_SIZE)
+        v_off = _past_token_offsets(block_table_ptr, j, j_mask, stride_v_p, stride_v_t, PAGE_SIZE)
+    else:
+        k_off = j.to(tl.int64) * stride_k_t
+        v_off = j.to(tl.int64) * stride_v_t
+    k = _load_rows(k_ptr + hkv * stride_k_h, k_off, j_mask, offs_d, d_mask, stride_k_d)
+    v = _load_rows(v_ptr + hkv * stride_v_h, v_off, j_mask, offs_d, d_mask, stride_v_d)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+
+    n_tiles = tl.cdiv(C, BLOCK_M)
+    if IS_PAST:
+        # Every query of the chunk sees every past token (without packed documents): no causal mask.
+        dk, dv = _dkdv5_loop(dk, dv, k, v, q_ptr, dout_ptr, lse_ptr, delta_ptr, doc_ptr, key_off, 0, n_tiles, C, j, hkv,
+                             offs_m, offs_d, d_mask, qk_scale, stride_q_c, stride_q_h, stride_q_d,
+                             stride_do_c, stride_do_h, stride_do_d, stride_lse_h, stride_delta_h,
+                             G, False, HAS_DOC, UPCAST, DOT_PREC, BLOCK_M)
+    else:
+        # Queries i >= j0 see this tile; query tiles starting at or after its last key need no mask.
+        t_lo = j0 // BLOCK_M
+        t_mid = tl.minimum(tl.cdiv(j0 + BLOCK_N - 1, BLOCK_M), n_tiles)
+        dk, dv = _dkdv5_loop(dk, dv, k, v, q_ptr, dout_ptr, lse_ptr, delta_ptr, doc_ptr, key_off, t_lo * BLOCK_M, t_mid - t_lo, C, j,
+                             hkv, offs_m, offs_d, d_mask, qk_scale, stride_q_c, stride_q_h, stride_q_d,
+                             stride_do_c, stride_do_h, stride_do_d, stride_lse_h, stride_delta_h,
+                             G, True, HAS_DOC, UPCAST, DOT_PREC, BLOCK_M)
+        dk, dv = _dkdv5_loop(dk, dv, k, v, q_ptr, dout_ptr, lse_ptr, delta_ptr, doc_ptr, key_off, t_mid * BLOCK_M, n_tiles - t_mid, C, j,
+                             hkv, offs_m, offs_d, d_mask, qk_scale, stride_q_c, stride_q_h, stride_q_d,
+                             stride_do_c, stride_do_h, stride_do_d, stride_lse_h, stride_delta_h,
+                             G, False, HAS_DOC, UPCAST, DOT_PREC, BLOCK_M)
+
+    dk = dk * softmax_scale
+    if IS_PAST:
+        dk_off = _past_token_offsets(block_table_ptr, j, j_mask, stride_dk_p, stride_dk_t, PAGE_SIZE)
+        dv_off = _past_token_offsets(block_table_ptr, j, j_mask, stride_dv_p, stride_dv_t, PAGE_SIZE)
+    else:
+        dk_off = j.to(tl.int64) * stride_dk_t
+        dv_off = j.to(tl.int64) * stride_dv_t
+    st_mask = j_mask[:, None] & d_mask[None, :]
+    dk_ptrs = dk_ptr + hkv * stride_dk_h + dk_off[:, None] + offs_d[None, :] * stride_dk_d
+    dv_ptrs = dv_ptr + hkv * stride_dv_h + dv_off[:, None] + offs_d[None, :] * stride_dv_d
+    if IS_PAST:
+        # This program owns these gradient-page rows: one read-add-write, no atomics.
+        dk += tl.load(dk_ptrs, mask=st_mask, other=0.0)
+        dv += tl.load(dv_ptrs, mask=st_mask, other=0.0)
+    tl.store(dk_ptrs, dk.to(dk_ptr.dtype.element_ty), mask=st_mask)
+    tl.store(dv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=st_mask)
+
+
 # --------------------------------------------------------------------------------------
 # Launchers: every check, allocation, grid and stride lives here.
 # --------------------------------------------------------------------------------------
@@ -858,7 +1018,8 @@ def paged_attention_bwd(
         sv = vv.stride() if is_past else (0, *vv.stride())
         sdk = dkk.stride() if is_past else (0, *dkk.stride())
         sdv = dvv.stride() if is_past else (0, *dvv.stride())
-        _paged_attn_bwd_dkdv_kernel[grid_keys](
+        kernel = _paged_attn_bwd_dkdv5_kernel if dkdv_variant() == "v5" else _paged_attn_bwd_dkdv_kernel
+        kernel[grid_keys](
             q_ptr=q, k_ptr=kk, v_ptr=vv, block_table_ptr=bt, dout_ptr=dout, lse_ptr=lse, delta_ptr=delta,
             dk_ptr=dkk, dv_ptr=dvv, doc_ptr=doc_arg,
             C=C, key_start=key_start, n_keys=n_keys, key_off=key_off, qk_scale=scale * _LOG2E, softmax_scale=scale,
