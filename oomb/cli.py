@@ -170,6 +170,7 @@ def _build_parser() -> argparse.ArgumentParser:
     q.add_argument("--sink-pages", type=int, default=1, help="first pages always attended")
     q.add_argument("--local-pages", type=int, default=8, help="latest past pages always attended")
     q.add_argument("--sparse-score", choices=["mean", "quest"], default="mean", help="page score (mean key, or Quest's min/max bound)")
+    q.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto", help="attention over the paged KV cache: PyTorch reference, Triton kernels, or auto (triton on cuda); torch avoids compiling float32 kernels for a short float32 measurement")
     q.add_argument("--by", choices=["kind", "parameter"], default="kind", help="rows of the table: parameter kinds (q_proj, mlp, ...) or every parameter")
     q.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to run")
     q.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="parameter dtype; auto: bfloat16 on cuda, float32 on cpu")
@@ -973,6 +974,8 @@ def _note_dense_budgets(args: argparse.Namespace, budgets: Sequence[int], result
 def _grad_error(args: argparse.Namespace) -> int:
     """``oomb grad-error``: the sparse-vs-dense gradient error table of one sequence."""
     _check_measure_sizes(args)
+    if args.attention_backend == "triton" and args.device != "cuda":
+        raise UsageError("--attention-backend triton runs on the GPU only", "pass --device cuda, or --attention-backend torch (or auto) on the CPU")
     for b in args.budgets:
         if b < 0:
             raise UsageError(f"--budgets has {b}", "pass 0 or a positive number of pages for --budgets")
@@ -984,7 +987,8 @@ def _grad_error(args: argparse.Namespace) -> int:
     device, dtype = _resolve_device_dtype(args)
     try:
         cfg = OOMBConfig(chunk_size=args.chunk_size, page_size=args.page_size, sparse=True, sink_pages=args.sink_pages,
-                         local_pages=args.local_pages, sparse_score=args.sparse_score)
+                         local_pages=args.local_pages, sparse_score=args.sparse_score,
+                         attention_backend=args.attention_backend)
     except ValueError as exc:
         raise _usage_from(exc, "fix the engine options (see 'oomb grad-error --help')") from exc
     tokens = _load_tokens(args, _measure_tokenizer_path(args))

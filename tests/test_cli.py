@@ -483,6 +483,24 @@ def test_grad_error_notes_budgets_that_hold_the_whole_past(tmp_path, text_file, 
     assert len(err) == 1 and "budget 16 " in err[0] and "12 past pages" in err[0] and "--seq-len" in err[0], err
 
 
+def test_grad_error_attention_backend(tmp_path, text_file, capsys, monkeypatch):
+    """--attention-backend reaches the engine config; triton without a GPU is refused up front."""
+    _check_refused(run_cli(["grad-error", "--data", text_file, "--attention-backend", "triton"]), capsys, "--attention-backend triton")
+    import oomb.sparse_quality as sq
+
+    seen = []
+    orig = sq.sparse_grad_error
+
+    def spy(model, input_ids, cfg, **kw):
+        seen.append(cfg.attention_backend)
+        return orig(model, input_ids, cfg, **kw)
+
+    monkeypatch.setattr(sq, "sparse_grad_error", spy)
+    argv = ["grad-error", "--data", text_file, "--seq-len", "128", "--chunk-size", "64", "--page-size", "16",
+            "--budgets", "1", "--attention-backend", "torch"]
+    assert run_cli(argv) == 0 and seen == ["torch"]
+
+
 @pytest.mark.parametrize("extra, fragment", [
     (["--gpu-gib", "-1"], "--gpu-gib is -1"),
     (["--gpu-gib", "nan"], "--gpu-gib is nan"),

@@ -627,9 +627,14 @@ from oomb.ops.sparse import SparseAttentionState  # noqa: E402
 SPARSE = dict(sparse=True, page_budget=1, sink_pages=1, local_pages=1, sparse_block_size=4)
 
 
-def _sparse_pair(monkeypatch, ids, budget, cu=None, spy=None, **cfg):
+def _sparse_pair(monkeypatch, ids, budget, cu=None, spy=None, exact_unions=True, **cfg):
     """(ref model, offloaded model, ref out, offloaded out, offloaded engine): sparse, all on device vs offloaded
-    (lazy side stream, NaN-poisoned host tier and GPU pool)."""
+    (lazy side stream, NaN-poisoned host tier and GPU pool). ``exact_unions``: Stage 2 stages exactly the
+    selections' page unions (no merging of nearby runs, no whole-layer fallback), so the tests see them."""
+    if exact_unions:
+        monkeypatch.setattr(OffloadedKVStore, "stage_merge_gap_pages", 0)
+        monkeypatch.setattr(OffloadedKVStore, "stage_whole_fraction", 2.0)
+        monkeypatch.setattr(OffloadedKVStore, "stage_max_runs", 10**9)
     streams = _lazy(monkeypatch)
     torch.manual_seed(3)
     m_ref = tiny("qwen2", 4, 2, layers=3).double()
@@ -678,6 +683,38 @@ def test_sparse_offload_stages_selected_pages_bitwise(monkeypatch, budget, ckpt,
     pred = offload_traffic(ModelShape.from_config(m_off.config), 52, chunk, 4, store.resident_pages_per_layer,
                            torch.float64, segment_pages=None, checkpoint_layers=ckpt)
     assert store.stats["h2d_bytes"] < pred["h2d_bytes"] and store.stats["d2h_bytes"] < pred["d2h_bytes"]
+
+
+@pytest.mark.parametrize("gap,fraction,max_runs", [(2, 2.0, 10**9), (0, 0.3, 10**9), (0, 2.0, 1)])
+def test_sparse_offload_coalesced_stagings_bitwise(monkeypatch, gap, fraction, max_runs):
+    """Merged runs, and the whole-layer fallback for dense unions or too many runs, give the same training bitwise."""
+    monkeypatch.setattr(OffloadedKVStore, "stage_merge_gap_pages", gap)
+    monkeypatch.setattr(OffloadedKVStore, "stage_whole_fraction", fraction)
+    monkeypatch.setattr(OffloadedKVStore, "stage_max_runs", max_runs)
+    seen = _staged_pages(monkeypatch)
+    ids = torch.randint(0, VOCAB, (1, 52), generator=torch.Generator().manual_seed(7))
+    m_ref, m_off, out_ref, out_off, e_off = _sparse_pair(monkeypatch, ids, 2 * 13 + 3, None, exact_unions=False,
+                                                         chunk_size=8, page_size=4)
+    _assert_same_training(m_ref, m_off, out_ref, out_off)
+    assert e_off.kv_store.stats["on_demand"] == 0
+    if fraction > 1 and max_runs > 1:  # merged runs only: some staging is a strict subset with gaps filled
+        assert any(p is not None for p in seen)
+    elif max_runs == 1:  # more than one run -> the whole layer
+        assert any(p is None for p in seen) and all(p is None or len(p) == 1 for p in seen)
+    else:  # every union covers >= 30% of its span here -> the whole layer
+        assert all(p is None for p in seen)
+
+
+def test_coalesce_runs():
+    from oomb.engine.offload import _coalesce_runs
+
+    runs = ((10, 12), (13, 14), (20, 21))
+    assert _coalesce_runs(runs, 10, 100, 0, 1.0, 99) == runs
+    assert _coalesce_runs(runs, 10, 100, 1, 1.0, 99) == ((10, 14), (20, 21))
+    assert _coalesce_runs(runs, 10, 100, 6, 1.0, 99) == ((10, 21),)
+    assert _coalesce_runs(runs, 10, 100, 6, 0.1, 99) is None  # 11 of 90 pages >= 10%
+    assert _coalesce_runs(runs, 10, 100, 0, 1.0, 2) is None  # 3 runs > 2
+    assert _coalesce_runs((), 10, 100, 1, 0.5, 9) == ()
 
 
 def _traffic(monkeypatch, page_budget, whole_layer):

@@ -272,6 +272,33 @@ def _page_runs(pages) -> tuple[tuple[int, int], ...]:
     return tuple((a, e) for a, e in runs)
 
 
+def _coalesce_runs(
+    runs: tuple[tuple[int, int], ...], lo: int, hi: int, merge_gap: int, whole_fraction: float, max_runs: int
+) -> tuple[tuple[int, int], ...] | None:
+    """Page runs of a Stage-2 staging made cheap to copy; None: stage the whole span [lo, hi).
+
+    Runs separated by at most ``merge_gap`` pages are merged (copying a short gap costs less than
+    the extra copy calls: one page of K, V, dK, dV of a 7B layer is 768 KiB, ~15 us over PCIe 5,
+    about one copy call's overhead). If the merged runs still cover at least ``whole_fraction``
+    of [lo, hi), or there are more than ``max_runs`` of them, the whole span is staged: one
+    contiguous copy per tensor moves it at full bandwidth, while thousands of short copies do not
+    (a 1M-token sparse step whose unions covered most of the past ran Stage 2 at ~5.5 s per chunk
+    with per-run copies against ~1.3 s with whole layers; benchmarks/NOTES.md, 2026-12-01).
+    """
+    if not runs or hi <= lo:
+        return runs
+    merged: list[list[int]] = []
+    for a, e in runs:
+        if merged and a - merged[-1][1] <= merge_gap:
+            merged[-1][1] = e
+        else:
+            merged.append([a, e])
+    covered = sum(e - a for a, e in merged)
+    if covered >= whole_fraction * (hi - lo) or len(merged) > max_runs:
+        return None
+    return tuple((a, e) for a, e in merged)
+
+
 # ----------------------------------------------------------------------------- segmented staging
 @dataclass(frozen=True)
 class _SegUse:
@@ -795,6 +822,13 @@ class OffloadedKVStore:
         ValueError: a budget below two staging buffers; a bad ``segment_pages``.
     """
 
+    #: Selected-page staging (``needed_pages``): runs at most this many pages apart are merged, and
+    #: the whole non-resident past is staged when the merged runs cover ``stage_whole_fraction`` of
+    #: it or number more than ``stage_max_runs`` (see :func:`_coalesce_runs`).
+    stage_merge_gap_pages: int = 1
+    stage_whole_fraction: float = 0.5
+    stage_max_runs: int = 256
+
     def __init__(
         self,
         num_layers: int,
@@ -1205,7 +1239,9 @@ class OffloadedKVStore:
         if key not in self._runs_cache:
             pages = self.needed_pages(layer, start)
             if pages is not None:
-                pages = _page_runs(pages[bisect.bisect_left(pages, R) : bisect.bisect_left(pages, past)])
+                runs = _page_runs(pages[bisect.bisect_left(pages, R) : bisect.bisect_left(pages, past)])
+                pages = _coalesce_runs(runs, R, past, self.stage_merge_gap_pages, self.stage_whole_fraction,
+                                       self.stage_max_runs)
             self._runs_cache[key] = pages
         return self._runs_cache[key]
 
