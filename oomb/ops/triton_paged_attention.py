@@ -134,6 +134,24 @@ def _past_token_offsets(block_table_ptr, tok, tok_mask, stride_p, stride_t, PAGE
 
 
 @triton.jit
+def _past_from(past_start, PART: tl.constexpr):
+    """The first past token of a launch: ``past_start`` for a part (PART), else the literal 0.
+
+    Measured (H200, ``benchmarks/ab_forward.py``, 2026-12-01, 4096 queries, Qwen2.5-7B heads):
+    with the past loops starting at the runtime ``past_start`` the forward ran at 327 / 320
+    TFLOP/s at 32K / 128K past against 384 / 384 for the same kernel before parts existed
+    (bitwise-equal outputs, same autotuned config); a ``tl.multiple_of`` hint on the tile start
+    did not change that. With the start a literal 0 for whole-past launches (the dense path) the
+    loops compile as before and the forward is back at 383 / 383. Only parts (offload segments)
+    pay for the runtime start."""
+    if PART:
+        start = past_start
+    else:
+        start = 0
+    return start
+
+
+@triton.jit
 def _fwd_tile(acc, m_i, l_i, q, k, v, s_mask, qk_scale, MASKED: tl.constexpr, DOT_PREC: tl.constexpr):
     """One online-softmax step (log2 domain): scores of q [M, D] against k [N, D], update acc/m_i/l_i."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # [M, N], log2 units
@@ -184,6 +202,7 @@ def _paged_attn_fwd_kernel(
     DOT_PREC: tl.constexpr,
     HAS_DOC: tl.constexpr,
     HAS_OWN: tl.constexpr,  # False: a past-only part (the chunk's own keys are left out)
+    PART: tl.constexpr,  # past_start > 0 (see _past_from below)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -207,6 +226,7 @@ def _paged_attn_fwd_kernel(
 
     kc = k_cache_ptr + hkv * stride_kc_h
     vc = v_cache_ptr + hkv * stride_vc_h
+    past_start = _past_from(past_start, PART)
     n_full = past_start + ((past_len - past_start) // BLOCK_N) * BLOCK_N
     if HAS_DOC:
         # Packed documents: key t is visible to query i iff doc[i] <= t. Document starts grow
@@ -348,6 +368,7 @@ def _paged_attn_bwd_dq_kernel(
     DOT_PREC: tl.constexpr,
     HAS_DOC: tl.constexpr,
     HAS_OWN: tl.constexpr,  # False: a past-only part (the chunk's own keys are left out)
+    PART: tl.constexpr,  # past_start > 0 (see _past_from below)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -373,6 +394,7 @@ def _paged_attn_bwd_dq_kernel(
 
     kc = k_cache_ptr + hkv * stride_kc_h
     vc = v_cache_ptr + hkv * stride_vc_h
+    past_start = _past_from(past_start, PART)
     n_full = past_start + ((past_len - past_start) // BLOCK_N) * BLOCK_N
     past_end = past_len
     if HAS_DOC:
@@ -516,6 +538,7 @@ def _paged_attn_bwd_dkdv_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_D: tl.constexpr,
     IS_PAST: tl.constexpr,
+    PART: tl.constexpr,  # key_start > 0
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
     HAS_DOC: tl.constexpr,
@@ -524,7 +547,7 @@ def _paged_attn_bwd_dkdv_kernel(
 ):
     pid_n = tl.program_id(0)
     hkv = tl.program_id(1).to(tl.int64)
-    j0 = key_start + pid_n * BLOCK_N
+    j0 = _past_from(key_start, PART) + pid_n * BLOCK_N
     j = j0 + tl.arange(0, BLOCK_N)  # key tokens owned by this program
     j_mask = j < n_keys
     offs_d = tl.arange(0, BLOCK_D)
@@ -659,6 +682,7 @@ def _paged_attn_bwd_dkdv5_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_D: tl.constexpr,
     IS_PAST: tl.constexpr,
+    PART: tl.constexpr,  # key_start > 0
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
     HAS_DOC: tl.constexpr,
@@ -667,7 +691,7 @@ def _paged_attn_bwd_dkdv5_kernel(
 ):
     pid_n = tl.program_id(0)
     hkv = tl.program_id(1).to(tl.int64)
-    j0 = key_start + pid_n * BLOCK_N
+    j0 = _past_from(key_start, PART) + pid_n * BLOCK_N
     j = j0 + tl.arange(0, BLOCK_N)
     j_mask = j < n_keys
     offs_d = tl.arange(0, BLOCK_D)
@@ -901,6 +925,7 @@ def paged_attention_fwd(
         stride_lse_h=lse.stride(0), doc_ptr=doc if doc is not None else bt,
         G=G, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_D=max(16, triton.next_power_of_2(D)),
         UPCAST=_INTERPRET, DOT_PREC=_dot_precision(q.dtype), HAS_DOC=doc is not None, HAS_OWN=bool(include_own),
+        PART=past_start > 0,
     )
     return out, lse
 
@@ -1007,6 +1032,7 @@ def paged_attention_bwd(
         stride_do_c=dout.stride(0), stride_do_h=dout.stride(1), stride_do_d=dout.stride(2),
         stride_dq_c=dq.stride(0), stride_dq_h=dq.stride(1), stride_dq_d=dq.stride(2),
         stride_lse_h=lse.stride(0), stride_delta_h=delta.stride(0), HAS_OWN=bool(include_own),
+        PART=past_start > 0,
         **common,
     )
 
@@ -1031,6 +1057,7 @@ def paged_attention_bwd(
             stride_dv_p=sdv[0], stride_dv_t=sdv[1], stride_dv_h=sdv[2], stride_dv_d=sdv[3],
             stride_lse_h=lse.stride(0), stride_delta_h=delta.stride(0),
             IS_PAST=is_past,
+            PART=key_start > 0,
             **common,
         )
 
