@@ -423,7 +423,9 @@ def _tier(L: int, n: int, pb: int, pool_budget: int, host_budget: int, offload: 
     host = L * (n - R) * pb
     if host > host_budget:
         return None, (f"the host tier needs {host / GiB:.2f} GiB of pinned memory but the budget is "
-                      f"{host_budget / GiB:.2f} GiB; shorten the context or free host RAM")
+                      f"{host_budget / GiB:.2f} GiB; shorten the context, free host "
+                      f"RAM, or keep more pages on the GPU ({R:,} of {n:,} per layer now) with less GPU memory for "
+                      "activations and weights: checkpoint_layers (--checkpoint-layers), LoRA or a smaller chunk")
     return Tiering(R < n, used if R < n else None, R), None
 
 

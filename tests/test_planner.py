@@ -131,6 +131,12 @@ def test_impossible_runs_are_refused_clearly():
         plan("qwen2.5-7b", 1 << 20, machine=H200, optimizer=None, checkpoint_layers=True, offload=False).check()
     with pytest.raises(MemoryPlanError, match="host tier needs .* GiB of pinned memory"):
         plan("qwen2.5-7b", 1 << 21, machine=H200, optimizer=None, checkpoint_layers=True).check()
+    # The 1M sparse step on a 128 GiB host failed this way without per-layer checkpointing (2026-12-01):
+    # the message names the GPU-side remedies too, with the resident pages it found.
+    small_host = Machine(gpu_free_bytes=int(139.3 * GiB), gpu_total_bytes=int(139.8 * GiB), host_available_bytes=100 * GiB,
+                         host_total_bytes=128 * GiB, gpu_name="H200")
+    with pytest.raises(MemoryPlanError, match=r"keep more pages on the GPU \([\d,]+ of 8,192 per layer now\).*checkpoint_layers"):
+        plan("qwen2.5-7b", 1 << 20, machine=small_host, optimizer=None).check()
     with pytest.raises(MemoryPlanError, match="offload needs at least"):
         plan("qwen2.5-7b", 1 << 20, machine=H200, optimizer=None, checkpoint_layers=True, gpu_page_budget=100).check()
     no_gpu = Machine(gpu_free_bytes=0, gpu_total_bytes=0, host_available_bytes=64 * GiB, host_total_bytes=64 * GiB)
