@@ -101,23 +101,30 @@ are the same as for whole layers. This Stage-2 traffic is data-dependent (the si
 of the unions) and bounded by the whole-layer traffic that
 :func:`oomb.planner.offload_traffic` estimates; equal when every selection is dense.
 
-**Ordering.** Copies run on one side CUDA stream, in issue order. Before a
-copy overwrites a staging buffer it waits on an event the compute stream
-recorded after the last kernel that reads it (a segment's dK/dV write-back is
-issued before any later copy into its buffer, so the stream order keeps them
-apart); before a kernel reads a buffer the compute stream waits on the event
+**Ordering.** Copies run on two side CUDA streams, host->device (H2D) and
+device->host (D2H), each in issue order; PCIe is full duplex, so a write-back
+can overlap the next staging. Before a copy overwrites a staging buffer it
+waits on an event the compute stream recorded after the last kernel that reads
+it; before a kernel reads a buffer the compute stream waits on the event
 recorded after the copy into it; a D2H write-back waits on an event recorded
-after the kernels that produced the data. New K/V of Stage 1 go through two
-owned GPU buffers (the compute stream waits for the previous D2H out of a
-buffer before refilling it), so no tensor of the autograd graph is ever read by
-the copy stream. Host-side waits are never used for ordering.
+after the kernels that produced the data. Between the two copy streams: an H2D
+copy of dK/dV into a buffer waits for the last write-back out of it (its K/V
+copies need not: a write-back reads only dK/dV slots), and an H2D copy reading
+host pages of a layer waits for the last D2H copy into that layer's host pages
+(Stage-1 writes and write-backs). New K/V of Stage 1 go through two owned GPU
+buffers (the compute stream waits for the previous D2H out of a buffer before
+refilling it), so no tensor of the autograd graph is ever read by a copy
+stream. Host-side waits are never used for ordering. With whole-layer staging
+the write-back of layer l and the staging of layer l-2 share a set, so only the
+K/V part of that staging overlaps the write-back. ``OOMB_OFFLOAD_COPY_STREAMS=1``
+puts both directions on one stream (the schedule before 2026-12-01).
 
 On CPU there are no streams: every copy runs synchronously where it is issued,
 with the same schedule, so CPU tests check page placement, prefetch order and
 lifetimes, and losses/gradients against PagedKVStore's. The stream calls go
-through ``_CudaStreams`` / ``_SyncStreams``; tests substitute a simulated side
-stream that defers every copy as long as the events allow, which turns a
-missing compute-side wait into wrong numbers on CPU.
+through ``_CudaStreams`` / ``_SyncStreams``; tests substitute two simulated copy
+streams that defer every copy as long as the events allow, which turns a
+missing wait (compute-side, or between the copy streams) into wrong numbers on CPU.
 """
 
 from __future__ import annotations
@@ -125,6 +132,7 @@ from __future__ import annotations
 import bisect
 import collections
 import functools
+import os
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -699,13 +707,18 @@ def segment_traffic(
 
 
 class _CudaStreams:
-    """The side copy stream and the events that order it against the compute (current) stream."""
+    """The two copy streams (host->device ``copy``, device->host ``d2h``) and the events that order them
+    against the compute (current) stream and each other."""
 
     asynchronous = True
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.copy = torch.cuda.Stream(device)
+        # OOMB_OFFLOAD_COPY_STREAMS=1 puts both directions on one stream (serialised, as before 2026-12-01;
+        # for A/B measurements and debugging). The events are the same either way.
+        one = os.environ.get("OOMB_OFFLOAD_COPY_STREAMS", "2") == "1"
+        self.d2h = self.copy if one else torch.cuda.Stream(device)
 
     def event(self) -> torch.cuda.Event:
         return torch.cuda.Event()
@@ -733,8 +746,19 @@ class _CudaStreams:
         with torch.cuda.stream(self.copy):
             dst.zero_()
 
+    def d2h_wait(self, ev: torch.cuda.Event) -> None:
+        self.d2h.wait_event(ev)
+
+    def d2h_copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with torch.cuda.stream(self.d2h):
+            dst.copy_(src, non_blocking=True)
+
+    def record_d2h(self, ev: torch.cuda.Event) -> None:
+        ev.record(self.d2h)
+
     def synchronize(self) -> None:
         self.copy.synchronize()
+        self.d2h.synchronize()
 
 
 class _SyncStreams:
@@ -762,6 +786,15 @@ class _SyncStreams:
 
     def zero_(self, dst: torch.Tensor) -> None:
         dst.zero_()
+
+    def d2h_wait(self, ev) -> None:
+        pass
+
+    def d2h_copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
+    def record_d2h(self, ev) -> None:
+        pass
 
     def synchronize(self) -> None:
         pass
@@ -920,6 +953,12 @@ class OffloadedKVStore:
         self._wbuf_free = [st.event(), st.event()]  # D2H out of write buffer b done
         self._own_ready = [st.event(), st.event()]  # copy into own-gradient buffer b done
         self._own_free = [st.event(), st.event()]  # the backward reading own-gradient buffer b is enqueued
+        # Device->host copies run on their own stream, concurrently with host->device ones (PCIe is
+        # full duplex), so the two orders a single stream gave for free are events now: a copy INTO
+        # staging set / buffer s waits for the last write-back OUT of it (_wb_buf[s]), and a copy
+        # reading host pages of layer l waits for the last device->host copy into them (_wb_layer[l]).
+        self._wb_buf = [None, None]
+        self._wb_layer: list = [None] * L
         if st.asynchronous and H > 0:
             wshape = (2, chunk_size // S, S, num_kv_heads, head_dim)
             self._wbuf_k = torch.empty(wshape, dtype=dtype, device=self.device)
@@ -1099,16 +1138,40 @@ class OffloadedKVStore:
                 wv = self._wbuf_v[b].view(-1, Hkv, D)[:nt]
                 wk.copy_(k[t0:])
                 wv.copy_(v[t0:])
-                st.copy_wait(st.record_compute())  # the buffer is filled
-                st.copy_(hk, wk)
-                st.copy_(hv, wv)
-                st.record_copy(self._wbuf_free[b])
+                st.d2h_wait(st.record_compute())  # the buffer is filled
+                st.d2h_copy_(hk, wk)
+                st.d2h_copy_(hv, wv)
+                st.record_d2h(self._wbuf_free[b])
+                self._wb_layer[layer] = self._d2h_event()
             self.stats["d2h_bytes"] += 2 * nt * Hkv * D * k.element_size()
             if self.trace is not None:
                 self.trace.append(("write_host", layer, a, p1))
         self._pages[layer] = p1
         if self._sched is not None:
             self._sched.stored[layer] = p1
+
+    # ------------------------------------------------- device->host ordering (two copy streams)
+    def _d2h_event(self):
+        """A new event after everything enqueued so far on the device->host stream."""
+        ev = self._streams.event()
+        self._streams.record_d2h(ev)
+        return ev
+
+    def _wrote_back(self, buf: int, layer: int) -> None:
+        """Write-backs out of staging set / buffer ``buf`` into host pages of ``layer`` are enqueued."""
+        ev = self._d2h_event()
+        self._wb_buf[buf] = ev
+        self._wb_layer[layer] = ev
+
+    def _after_host_writes(self, layer: int) -> None:
+        """The host->device stream waits until the host pages of ``layer`` hold what was written to them."""
+        if self._wb_layer[layer] is not None:
+            self._streams.copy_wait(self._wb_layer[layer])
+
+    def _after_writeback_out_of(self, buf: int) -> None:
+        """The host->device stream waits until the last write-back out of set / buffer ``buf`` has read it."""
+        if self._wb_buf[buf] is not None:
+            self._streams.copy_wait(self._wb_buf[buf])
 
     # --------------------------------------------------------------- staging
     def _set(self, layer: int) -> int:
@@ -1148,6 +1211,7 @@ class OffloadedKVStore:
         # to K/V + dK/dV) waits for everything enqueued so far instead.
         st = self._streams
         st.copy_wait(st.record_compute() if self._busy[s] else self._free[s])
+        self._after_host_writes(layer)
         if not kv_ok:
             # Pages keep their slots (base + p - R) either way: only the copies differ.
             for a, e in ((R, use.past),) if use.pages is None else use.pages:
@@ -1157,6 +1221,9 @@ class OffloadedKVStore:
             tag = _Tag(layer, use.past, kv=True, pages=use.pages)
         if not grad_ok:
             # dK/dV of the past pages read (all, or the needed runs) and of the chunk's own pages beyond R.
+            # Only these slots are read by a write-back out of the set: the K/V copies above may run
+            # while the previous layer's write-back is still in flight, these wait for it.
+            self._after_writeback_out_of(s)
             end = use.past + use.own
             if use.pages is None:
                 spans = [(R, end)]
@@ -1373,9 +1440,10 @@ class OffloadedKVStore:
         m = use.past - R
         if m > 0 and use.pages is None:
             base = L * R + s * W
-            st.copy_wait(done)
-            st.copy_(self.dk_host[use.layer, :m], self.dk_cache[base : base + m])
-            st.copy_(self.dv_host[use.layer, :m], self.dv_cache[base : base + m])
+            st.d2h_wait(done)
+            st.d2h_copy_(self.dk_host[use.layer, :m], self.dk_cache[base : base + m])
+            st.d2h_copy_(self.dv_host[use.layer, :m], self.dv_cache[base : base + m])
+            self._wrote_back(s, use.layer)
             self.stats["d2h_bytes"] += 2 * self.dk_host[use.layer, :m].numel() * self.dk_host.element_size()
             self._grad_valid[use.layer] = max(self._grad_valid[use.layer], use.past)
             if self._grad_extra[use.layer]:
@@ -1384,11 +1452,12 @@ class OffloadedKVStore:
                 self.trace.append(("writeback", use.layer, use.start, use.past))
         elif m > 0 and use.pages:  # only the pages the backward wrote (the selected ones): the rest are untouched
             base = L * R + s * W
-            st.copy_wait(done)
+            st.d2h_wait(done)
             for a, e in use.pages:
-                st.copy_(self.dk_host[use.layer, a - R : e - R], self.dk_cache[base + a - R : base + e - R])
-                st.copy_(self.dv_host[use.layer, a - R : e - R], self.dv_cache[base + a - R : base + e - R])
+                st.d2h_copy_(self.dk_host[use.layer, a - R : e - R], self.dk_cache[base + a - R : base + e - R])
+                st.d2h_copy_(self.dv_host[use.layer, a - R : e - R], self.dv_cache[base + a - R : base + e - R])
                 self.stats["d2h_bytes"] += 2 * self.dk_host[use.layer, a - R : e - R].numel() * self.dk_host.element_size()
+            self._wrote_back(s, use.layer)
             self._mark_written(use.layer, use.pages)
             if self.trace is not None:
                 self.trace.append(("writeback", use.layer, use.start, use.past))
@@ -1448,11 +1517,13 @@ class OffloadedKVStore:
         base, m, h = self._slots(b), hi - lo, lo - R
         layer = use.layer
         st.copy_wait(self._free[b])  # kernels that read or wrote the buffer are enqueued before this point
+        self._after_host_writes(layer)
         if kv:
             st.copy_(self.k_cache[base : base + m], self.k_host[layer, h : h + m])
             st.copy_(self.v_cache[base : base + m], self.v_host[layer, h : h + m])
             self.stats["h2d_bytes"] += 2 * m * self.k_host[0, 0].numel() * self.k_host.element_size()
         if valid is not None:
+            self._after_writeback_out_of(b)
             nv = valid - lo
             if nv:
                 st.copy_(self.dk_cache[base : base + nv], self.dk_host[layer, h : h + nv])
@@ -1481,9 +1552,10 @@ class OffloadedKVStore:
         self._free[b] = ev
         if writeback:
             base, m, h = self._slots(b), hi - lo, lo - R
-            st.copy_wait(ev)  # the backward kernels that added into the buffer
-            st.copy_(self.dk_host[use.layer, h : h + m], self.dk_cache[base : base + m])
-            st.copy_(self.dv_host[use.layer, h : h + m], self.dv_cache[base : base + m])
+            st.d2h_wait(ev)  # the backward kernels that added into the buffer
+            st.d2h_copy_(self.dk_host[use.layer, h : h + m], self.dk_cache[base : base + m])
+            st.d2h_copy_(self.dv_host[use.layer, h : h + m], self.dv_cache[base : base + m])
+            self._wrote_back(b, use.layer)
             self.stats["d2h_bytes"] += 2 * m * self.dk_host[0, 0].numel() * self.dk_host.element_size()
             if self.trace is not None:
                 self.trace.append(("writeback", use.layer, use.start, use.seg, b))
@@ -1492,6 +1564,7 @@ class OffloadedKVStore:
         """Copy the own-gradient host pages (runs of [a, e) pages from ``lo``, valid or zero) into own buffer ``ob``."""
         st, R, O = self._streams, self.resident_pages_per_layer, self.own_pages
         st.copy_wait(self._own_free[ob])
+        self._after_host_writes(layer)
         for a, e, ok in runs:
             d0, d1 = ob * O + a - lo, ob * O + e - lo
             if ok:
