@@ -3,8 +3,6 @@
 Usage (CUDA only)::
 
     PYTHONPATH=. python benchmarks/bench_kernels.py --out benchmarks/results/
-    # A/B of the dk/dv kernels (NOTES.md "Kernels" v5), timed in one process:
-    PYTHONPATH=. python benchmarks/bench_kernels.py --dkdv-variant v3 v5 --out benchmarks/results/
 
 1. Correctness, bf16 and fp16: relative error ||x - ref32|| / ||ref32|| of out, lse, dq, dk,
    dv and the past pages' dK/dV, where ref32 is the PyTorch reference in float32 on the same
@@ -18,7 +16,9 @@ Usage (CUDA only)::
    counted at half; backward = 2.5x forward) next to SDPA's flash backend on the SAME
    problem: q[4096] against k/v[past + 4096] with a bottom-right causal mask
    (``causal_lower_right``, which SDPA routes to the flash kernel), K/V heads expanded to 28
-   outside the timed region. Times are ``triton.testing.do_bench`` medians.
+   outside the timed region. Times are ``triton.testing.do_bench`` medians. At the transposed-view
+   speed rows it also records the dk/dv kernel's autotune timings and ptxas registers/spills and a
+   per-kernel breakdown of the backward (torch.profiler).
 
 Writes kernels_<gpu>_<date>.json and .md under --out and prints a short table last.
 """
@@ -322,24 +322,21 @@ CASES = [
 
 def _prewarm_worker(args):
     """Compile one autotune config for every case into Triton's disk cache (runs in a spawned process)."""
-    cfg_idx, case_idx, variants = args
+    cfg_idx, case_idx = args
     import oomb.ops.triton_paged_attention as tpa
 
-    for kern in (tpa._paged_attn_fwd_kernel, tpa._paged_attn_bwd_dq_kernel, tpa._paged_attn_bwd_dkdv_kernel,
-                 tpa._paged_attn_bwd_dkdv5_kernel):
+    for kern in (tpa._paged_attn_fwd_kernel, tpa._paged_attn_bwd_dq_kernel, tpa._paged_attn_bwd_dkdv5_kernel):
         kern.configs = [kern.configs[min(cfg_idx, len(kern.configs) - 1)]]
     name, C, Hq, Hkv, D, past_len, S, dtype, seed, _ = CASES[case_idx]
     t = time.time()
     x = make_inputs(C, Hq, Hkv, D, past_len, S, dtype, seed)
-    for variant in variants:  # every dk/dv variant the run will time
-        tpa.DKDV_VARIANT = variant
-        run_kernel(tpa, x, past_len)
+    run_kernel(tpa, x, past_len)
     torch.cuda.synchronize()
     return f"{name} cfg{cfg_idx} {time.time() - t:.1f}s"
 
 
-def prewarm(n_configs, variants):
-    jobs = [(c, i, tuple(variants)) for i in range(len(CASES)) for c in range(n_configs)]
+def prewarm(n_configs):
+    jobs = [(c, i) for i in range(len(CASES)) for c in range(n_configs)]
     t = time.time()
     with mp.get_context("spawn").Pool(min(len(jobs), max(1, (os.cpu_count() or 2) - 1))) as pool:
         msgs = pool.map(_prewarm_worker, jobs)
@@ -372,23 +369,23 @@ def to_markdown(report):
     if report.get("smoke_256k"):
         L += ["", f"256K smoke: {report['smoke_256k']}"]
     L += ["", "## Speed (bf16, Hq=28, Hkv=4, D=128, page 128, 4096 queries; do_bench median)", "",
-          "| past tokens | dk/dv | q layout | fwd ms | fwd TFLOP/s | SDPA flash fwd TFLOP/s | fwd ratio | bwd ms | bwd TFLOP/s | SDPA flash bwd TFLOP/s | bwd ratio |",
-          "|---|---|---|---|---|---|---|---|---|---|---|"]
+          "| past tokens | q layout | fwd ms | fwd TFLOP/s | SDPA flash fwd TFLOP/s | fwd ratio | bwd ms | bwd TFLOP/s | SDPA flash bwd TFLOP/s | bwd ratio |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
     for s in report["speed"]:
         if "error" in s:
-            L.append(f"| {s.get('past_len')} | {s.get('dkdv_variant')} | ERROR {s['error'][:200]} | | | | | | | | |")
+            L.append(f"| {s.get('past_len')} | ERROR {s['error'][:200]} | | | | | | | | |")
             continue
-        L.append(f"| {s['past_len']} | {s.get('dkdv_variant')} | {'contiguous' if s['contiguous_q'] else 'transposed view'} | {s['fwd_ms']:.2f} | {s['fwd_tflops']:.0f} | "
+        L.append(f"| {s['past_len']} | {'contiguous' if s['contiguous_q'] else 'transposed view'} | {s['fwd_ms']:.2f} | {s['fwd_tflops']:.0f} | "
                  f"{fmt(s.get('sdpa_fwd_tflops'))} | {fmt(s.get('fwd_vs_sdpa'))} | {s['bwd_ms']:.2f} | {s['bwd_tflops']:.0f} | "
                  f"{fmt(s.get('sdpa_bwd_tflops'))} | {fmt(s.get('bwd_vs_sdpa'))} |")
     for s in report["speed"]:
         if s.get("dkdv_autotune"):
             L.append("")
-            L.append(f"dk/dv {s.get('dkdv_variant')} at {s['past_len']} past, autotune (ms per config) and ptxas stats: "
+            L.append(f"dk/dv at {s['past_len']} past, autotune (ms per config) and ptxas stats: "
                      f"{json.dumps(s['dkdv_autotune'], default=str)}")
         if s.get("bwd_kernels_ms"):
             L.append("")
-            L.append(f"Backward kernels at {s['past_len']} past, dk/dv {s.get('dkdv_variant')} (ms/call): {s['bwd_kernels_ms']}")
+            L.append(f"Backward kernels at {s['past_len']} past (ms/call): {s['bwd_kernels_ms']}")
     L += ["", "FLOPs: 4·Hq·D·(C·past + C²/2) forward, 2.5x that backward (own causal part counted at half). "
           "SDPA: flash backend, q[4096] vs k/v[past+4096] with causal_lower_right (same visible pairs), "
           "KV heads expanded before timing. Backward times include delta = rowsum(dout*out).",
@@ -403,9 +400,6 @@ def main():
     ap.add_argument("--smoke-past", type=int, default=262144, help="past tokens of the smoke check (0: skip)")
     ap.add_argument("--no-prewarm", action="store_true", help="compile configs serially in the main process")
     ap.add_argument("--skip-correctness", action="store_true")
-    ap.add_argument("--dkdv-variant", nargs="+", default=None, metavar="V",
-                    help="dk/dv kernel variant(s) to check and time in this process, e.g. v3 v5 for an A/B "
-                         "(default: the module's, i.e. OOMB_DKDV_VARIANT or v5)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_kernels.py needs a CUDA GPU")
@@ -415,12 +409,8 @@ def main():
 
     import oomb.ops.triton_paged_attention as tpa
 
-    variants = args.dkdv_variant or [tpa.dkdv_variant()]
-    for kern in (tpa._paged_attn_bwd_dkdv_kernel, tpa._paged_attn_bwd_dkdv5_kernel):
-        record_tunings(kern)
-    for variant in variants:
-        if variant not in tpa.DKDV_VARIANTS:
-            sys.exit(f"--dkdv-variant must be among {tpa.DKDV_VARIANTS}; got {variant!r}")
+    dkdv_kernel = tpa._paged_attn_bwd_dkdv5_kernel
+    record_tunings(dkdv_kernel)
 
     def bench(fn, **kw):
         return do_bench(fn, warmup=25, rep=400, return_mode="median", **kw)
@@ -430,26 +420,22 @@ def main():
     report = dict(
         gpu=gpu, date=date, command=" ".join(sys.argv),
         versions=dict(torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda, python=platform.python_version()),
-        correctness=[], speed=[], dkdv_variants=variants,
+        correctness=[], speed=[],
     )
     t0 = time.time()
     if not args.no_prewarm:
         try:
-            report["prewarm"] = prewarm(max(len(tpa._FWD_CONFIGS), len(tpa._DQ_CONFIGS), len(tpa._DKDV_CONFIGS),
-                                            len(tpa._DKDV5_CONFIGS)), variants)
+            report["prewarm"] = prewarm(max(len(tpa._FWD_CONFIGS), len(tpa._DQ_CONFIGS), len(tpa._DKDV5_CONFIGS)))
         except Exception as e:  # noqa: BLE001
             print("pre-warm failed:", e, flush=True)
     poison(tpa)
-    for variant in variants if not args.skip_correctness else []:
-        tpa.DKDV_VARIANT = variant
+    if not args.skip_correctness:
         for name, C, Hq, Hkv, D, past_len, S, dtype, seed, wf in CASES:
-            name = name if len(variants) == 1 else f"{name}[dkdv {variant}]"
             try:
                 r = check_case(tpa, name, C, Hq, Hkv, D, past_len, S, dtype, seed, with_flash=wf)
             except Exception as e:  # noqa: BLE001
                 traceback.print_exc()
                 r = dict(name=name, error=f"{type(e).__name__}: {e}")
-            r["dkdv_variant"] = variant
             report["correctness"].append(r)
             print(f"[{time.time() - t0:6.1f}s] correctness {name}: "
                   + ("ERROR " + r["error"][:300] if "error" in r else
@@ -460,33 +446,27 @@ def main():
             acc = check_accumulate_and_determinism(tpa)
         except Exception as e:  # noqa: BLE001
             acc = dict(error=f"{type(e).__name__}: {e}")
-        acc["dkdv_variant"] = variant
-        report["accumulate"] = acc if len(variants) == 1 else {**report.get("accumulate", {}), variant: acc}
-        print(f"[{time.time() - t0:6.1f}s] accumulate/determinism ({variant}): {acc}", flush=True)
+        report["accumulate"] = acc
+        print(f"[{time.time() - t0:6.1f}s] accumulate/determinism: {acc}", flush=True)
     for past in [int(p) for p in args.past.split(",") if p]:
         for contiguous in ((False, True) if past == 32768 else (False,)):
-            for variant in variants:  # A/B of the dk/dv kernels on the same inputs, same process
-                tpa.DKDV_VARIANT = variant
+            try:
+                r = bench_speed(tpa, past, bench, contiguous_q=contiguous)
+            except Exception as e:  # noqa: BLE001
+                traceback.print_exc()
+                r = dict(past_len=past, error=f"{type(e).__name__}: {e}")
+            if not contiguous and "error" not in r:
                 try:
-                    r = bench_speed(tpa, past, bench, contiguous_q=contiguous)
+                    r["dkdv_autotune"] = compiled_stats(dkdv_kernel)
                 except Exception as e:  # noqa: BLE001
-                    traceback.print_exc()
-                    r = dict(past_len=past, error=f"{type(e).__name__}: {e}")
-                r["dkdv_variant"] = variant
-                if not contiguous and "error" not in r:
-                    kern = tpa._paged_attn_bwd_dkdv5_kernel if variant == "v5" else tpa._paged_attn_bwd_dkdv_kernel
-                    try:
-                        r["dkdv_autotune"] = compiled_stats(kern)
-                    except Exception as e:  # noqa: BLE001
-                        r["dkdv_autotune"] = f"{type(e).__name__}: {e}"[:300]
-                report["speed"].append(r)
-                print(f"[{time.time() - t0:6.1f}s] speed {r}", flush=True)
-                torch.cuda.empty_cache()
+                    r["dkdv_autotune"] = f"{type(e).__name__}: {e}"[:300]
+            report["speed"].append(r)
+            print(f"[{time.time() - t0:6.1f}s] speed {r}", flush=True)
+            torch.cuda.empty_cache()
     # Chosen config per autotune key (key = G, HEAD_DIM, PAGE_SIZE[, IS_PAST, ATOMIC_DQ], dtypes).
     report["configs"] = {
         n: {str(key): str(cfg) for key, cfg in getattr(k, "cache", {}).items()}
-        for n, k in (("fwd", tpa._paged_attn_fwd_kernel), ("dq", tpa._paged_attn_bwd_dq_kernel), ("dkdv", tpa._paged_attn_bwd_dkdv_kernel),
-                     ("dkdv5", tpa._paged_attn_bwd_dkdv5_kernel))
+        for n, k in (("fwd", tpa._paged_attn_fwd_kernel), ("dq", tpa._paged_attn_bwd_dq_kernel), ("dkdv5", dkdv_kernel))
     }
     if args.smoke_past:
         try:
@@ -495,7 +475,7 @@ def main():
             got = run_kernel(tpa, x, args.smoke_past)
             ref = run_ref(x, args.smoke_past, torch.float32)
             bt = x["block_table"]
-            sm = dict(past_len=args.smoke_past, dkdv_variant=tpa.DKDV_VARIANT)  # the last of --dkdv-variant
+            sm = dict(past_len=args.smoke_past)
             for n in ("out", "lse", "dq", "dk", "dv"):
                 sm[n] = rel_err(got[n], ref[n])
                 sm[n + "_finite"] = bool(torch.isfinite(got[n]).all())
@@ -524,12 +504,12 @@ def main():
             if not e["pass_2x"]:
                 print(f"  {c['name']} {n}: kernel {e['kernel']:.2e} ref_lp {e['ref_lp']:.2e} flash {fmt(e['flash'])} "
                       f"ratio {e['ratio']:.2f} (≤ flash: {e.get('le_flash')})")
-    print(f"{'past':>7} {'dkdv':>5} {'layout':>10} {'fwd TF/s':>9} {'sdpa fwd':>9} {'ratio':>6} {'bwd TF/s':>9} {'sdpa bwd':>9} {'ratio':>6}")
+    print(f"{'past':>7} {'layout':>10} {'fwd TF/s':>9} {'sdpa fwd':>9} {'ratio':>6} {'bwd TF/s':>9} {'sdpa bwd':>9} {'ratio':>6}")
     for s in report["speed"]:
         if "error" in s:
-            print(f"{s['past_len']:>7} {s.get('dkdv_variant'):>5} ERROR {s['error'][:100]}")
+            print(f"{s['past_len']:>7} ERROR {s['error'][:100]}")
             continue
-        print(f"{s['past_len']:>7} {s.get('dkdv_variant'):>5} {'contig' if s['contiguous_q'] else 'view':>10} {s['fwd_tflops']:9.1f} {fmt(s.get('sdpa_fwd_tflops')):>9} "
+        print(f"{s['past_len']:>7} {'contig' if s['contiguous_q'] else 'view':>10} {s['fwd_tflops']:9.1f} {fmt(s.get('sdpa_fwd_tflops')):>9} "
               f"{fmt(s.get('fwd_vs_sdpa')):>6} {s['bwd_tflops']:9.1f} {fmt(s.get('sdpa_bwd_tflops')):>9} {fmt(s.get('bwd_vs_sdpa')):>6}")
 
 

@@ -17,12 +17,13 @@ with ``softmax_scale * log2(e)`` folded into one multiplier.
 Layout of the work (shape legend: C own-chunk tokens, Hq query heads, Hkv KV heads,
 G = Hq // Hkv, D head dim, P pages in the pool, S = page_size tokens per page):
 
-* Grouped-query attention inside the kernels. The rows of a tile are the flattened
-  (query, head-in-group) pairs of one KV head, query-major: row ``r`` is query ``r // G`` of
-  query head ``hkv * G + r % G``. A tile of ``BLOCK_M`` rows therefore holds all G heads of
-  ``BLOCK_M / G`` consecutive queries, and every K/V tile loaded is shared by the G heads
-  of its group; nothing is expanded or copied. Query-major rows keep each tile's query
-  positions contiguous, so the causal part of the own chunk is skipped tile by tile.
+* Grouped-query attention inside the kernels. The rows of a forward or dq tile are the
+  flattened (query, head-in-group) pairs of one KV head, query-major: row ``r`` is query
+  ``r // G`` of query head ``hkv * G + r % G``. A tile of ``BLOCK_M`` rows therefore holds all
+  G heads of ``BLOCK_M / G`` consecutive queries, and every K/V tile loaded is shared by the G
+  heads of its group; nothing is expanded or copied. Query-major rows keep each tile's query
+  positions contiguous, so the causal part of the own chunk is skipped tile by tile. (dk/dv
+  walks the same rows head-major, below; its K/V tile is shared by the G heads as well.)
 * ``BLOCK_N`` (keys per compute tile) is independent of ``page_size``: each key token
   ``t`` of a past tile is looked up as page ``block_table[t // S]``, slot ``t % S``, so a
   tile may span several pages or part of one, and a partial last page is masked.
@@ -32,9 +33,11 @@ G = Hq // Hkv, D head dim, P pages in the pool, S = page_size tokens per page):
   - dq: one program per (row tile, KV head), looping over past and own key tiles;
   - dk/dv: one program per (key tile, KV head), looping over every row tile that sees it.
     For past tiles it reads the fp32 gradient pages, adds its sum and writes them back;
-    for the own chunk it writes ``dk``/``dv``. Two versions (``OOMB_DKDV_VARIANT``): v5, the
-    default, walks the rows head-major (tiles of consecutive queries of one head: strided 2-D
-    q/dout tiles, contiguous lse/delta); v3 walks the query-major rows of the other kernels.
+    for the own chunk it writes ``dk``/``dv``. It walks the rows head-major -- all query tiles
+    of head 0 of the group, then head 1, ... -- so a row tile is ``BLOCK_M`` consecutive queries
+    of one head (strided 2-D q/dout tiles, contiguous lse/delta). This head-major walk replaced
+    an earlier walk over the row-interleaved (query-major) rows of the other two kernels, which
+    was 1.5x slower (dk/dv 13.1 -> 8.7 ms at 32K past tokens on an H200).
 
   Why a deterministic schedule and not atomics: each past token's dK/dV row is owned by
   exactly one program, which sums the contributions of all queries (and all G heads of the
@@ -68,8 +71,9 @@ the reference run in fp16; bf16 out/dq/dk/dv 1.4x; bf16 past dK/dV 1.7e-3 relati
 reference-in-bf16 (whose products are TF32) but 0.58x SDPA flash's error on the same problem.
 
 Speed on an H200 (Qwen2.5-7B attention, bf16, 4096 queries, 32K / 128K past tokens): forward
-395 / 384 TFLOP/s (1.26x / 1.17x SDPA flash) in the v3/v4 runs; backward with the v5 dk/dv kernel
-334 / 341 (1.06x / 1.06x SDPA flash; v3 dk/dv: 262 / 267, 0.83x).
+395 / 384 TFLOP/s (1.26x / 1.17x SDPA flash; benchmarks/NOTES.md "Kernels" runs v3 and v4);
+backward 334 / 341 (1.06x / 1.06x SDPA flash; "Kernels" run v5, in which the earlier
+row-interleaved dk/dv walk gave 262 / 267, 0.83x).
 """
 
 from __future__ import annotations
@@ -98,21 +102,7 @@ def _configs(gpu: list[tuple[int, int, int, int]]) -> list[triton.Config]:
 
 _FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)])
 _DQ_CONFIGS = _configs([(128, 128, 8, 2), (128, 64, 8, 2), (128, 64, 8, 3), (64, 64, 4, 3)])
-# dk/dv holds two fp32 [BLOCK_N, D] accumulators plus its K/V tile: 8 warps keep spills small.
-_DKDV_CONFIGS = _configs([(64, 128, 8, 3), (64, 64, 4, 3), (64, 64, 8, 3), (64, 64, 8, 2), (32, 128, 8, 2), (64, 128, 8, 2)])
 _AUTOTUNE_KEY = ["G", "HEAD_DIM", "PAGE_SIZE", "HAS_DOC", "HAS_OWN"]
-
-# Which dk/dv kernel the backward launches: "v5" (default: head-major row walk, contiguous
-# lse/delta loads) or "v3" (query-major rows, the kernel measured in benchmarks/NOTES.md v1-v4).
-# Read at every call, so a benchmark can time both in one process (set DKDV_VARIANT).
-DKDV_VARIANTS = ("v3", "v5")
-DKDV_VARIANT = os.environ.get("OOMB_DKDV_VARIANT", "v5")
-
-
-def dkdv_variant() -> str:
-    if DKDV_VARIANT not in DKDV_VARIANTS:
-        raise ValueError(f"OOMB_DKDV_VARIANT / DKDV_VARIANT must be one of {DKDV_VARIANTS}; got {DKDV_VARIANT!r}")
-    return DKDV_VARIANT
 
 
 # --------------------------------------------------------------------------------------
@@ -469,147 +459,16 @@ def _paged_attn_bwd_dq_kernel(
     tl.store(dq_ptr + dq_off[:, None] + offs_d[None, :] * stride_dq_d, dq.to(dq_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
 
 
-@triton.jit
-def _dkdv_tile(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_ptr, key_off, row0, C, j, hkv, offs_d, d_mask,
-               qk_scale,
-               stride_q_c, stride_q_h, stride_q_d,
-               stride_do_c, stride_do_h, stride_do_d,
-               stride_lse_h, stride_delta_h,
-               G: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOC: tl.constexpr, UPCAST: tl.constexpr,
-               DOT_PREC: tl.constexpr, BLOCK_M: tl.constexpr):
-    """dk/dv [N, D] += contributions of rows [row0, row0 + BLOCK_M) (all G heads of those queries)."""
-    offs_r = row0 + tl.arange(0, BLOCK_M)
-    r_mask = offs_r < C * G
-    i_q = offs_r // G
-    head = hkv * G + offs_r % G
-    # Rows past C * G read q = dout = lse = delta = 0 and so contribute exactly 0.
-    q = _load_rows(q_ptr, i_q.to(tl.int64) * stride_q_c + head * stride_q_h, r_mask, offs_d, d_mask, stride_q_d)
-    do = _load_rows(do_ptr, i_q.to(tl.int64) * stride_do_c + head * stride_do_h, r_mask, offs_d, d_mask, stride_do_d)
-    if UPCAST:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
-    lse2 = tl.load(lse_ptr + head * stride_lse_h + i_q, mask=r_mask, other=0.0) * 1.4426950408889634
-    delta = tl.load(delta_ptr + head * stride_delta_h + i_q, mask=r_mask, other=0.0)
-    s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # [N, M] (transposed scores)
-    p_t = tl.exp2(s_t - lse2[None, :])
-    if CAUSAL:
-        p_t = tl.where(j[:, None] <= i_q[None, :], p_t, 0.0)
-    if HAS_DOC:
-        # Key at absolute token key_off + j is visible to query i iff doc[i] <= key_off + j.
-        doc = tl.load(doc_ptr + i_q, mask=r_mask, other=0)
-        p_t = tl.where((key_off + j)[:, None] >= doc[None, :], p_t, 0.0)
-    dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PREC)
-    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-    ds_t = p_t * (dp_t - delta[None, :])
-    dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PREC)
-    return dk, dv
-
-
-# restore_value: autotuning runs the kernel once per config; the gradient pages must not keep those sums.
-@triton.autotune(configs=_DKDV_CONFIGS, key=[k for k in _AUTOTUNE_KEY if k != "HAS_OWN"] + ["IS_PAST"], restore_value=["dk_ptr", "dv_ptr"], cache_results=True)
-@triton.jit
-def _paged_attn_bwd_dkdv_kernel(
-    q_ptr,  # [C, Hq, D]
-    k_ptr,  # IS_PAST: k_cache [P, S, Hkv, D]; else own k [C, Hkv, D]
-    v_ptr,  # same layout as k_ptr
-    block_table_ptr,  # int32 (IS_PAST only)
-    dout_ptr,  # [C, Hq, D]
-    lse_ptr,  # fp32 [Hq, C]
-    delta_ptr,  # fp32 [Hq, C]
-    dk_ptr,  # IS_PAST: fp32 dk_cache [P, S, Hkv, D] (read-add-write); else dk [C, Hkv, D] (write)
-    dv_ptr,  # same layout as dk_ptr
-    doc_ptr,  # int32 [C] (HAS_DOC only)
-    C,
-    key_start,  # first key of this launch: past_start (IS_PAST) or 0
-    n_keys,  # end of the keys: past_len (IS_PAST) or C
-    key_off,  # absolute token of key 0: 0 (IS_PAST) or past_len
-    qk_scale,  # softmax_scale * log2(e)
-    softmax_scale,
-    stride_q_c, stride_q_h, stride_q_d,
-    stride_k_p, stride_k_t, stride_k_h, stride_k_d,  # own k: stride_k_p unused, stride_k_t = token stride
-    stride_v_p, stride_v_t, stride_v_h, stride_v_d,
-    stride_do_c, stride_do_h, stride_do_d,
-    stride_dk_p, stride_dk_t, stride_dk_h, stride_dk_d,
-    stride_dv_p, stride_dv_t, stride_dv_h, stride_dv_d,
-    stride_lse_h,
-    stride_delta_h,
-    G: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    IS_PAST: tl.constexpr,
-    PART: tl.constexpr,  # key_start > 0
-    UPCAST: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-    HAS_DOC: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    pid_n = tl.program_id(0)
-    hkv = tl.program_id(1).to(tl.int64)
-    j0 = _past_from(key_start, PART) + pid_n * BLOCK_N
-    j = j0 + tl.arange(0, BLOCK_N)  # key tokens owned by this program
-    j_mask = j < n_keys
-    offs_d = tl.arange(0, BLOCK_D)
-    d_mask = offs_d < HEAD_DIM
-    if IS_PAST:
-        k_off = _past_token_offsets(block_table_ptr, j, j_mask, stride_k_p, stride_k_t, PAGE_SIZE)
-        v_off = _past_token_offsets(block_table_ptr, j, j_mask, stride_v_p, stride_v_t, PAGE_SIZE)
-        dk_off = _past_token_offsets(block_table_ptr, j, j_mask, stride_dk_p, stride_dk_t, PAGE_SIZE)
-        dv_off = _past_token_offsets(block_table_ptr, j, j_mask, stride_dv_p, stride_dv_t, PAGE_SIZE)
-    else:
-        k_off = j.to(tl.int64) * stride_k_t
-        v_off = j.to(tl.int64) * stride_v_t
-        dk_off = j.to(tl.int64) * stride_dk_t
-        dv_off = j.to(tl.int64) * stride_dv_t
-    # Keys past n_keys read 0; their rows are never stored.
-    k = _load_rows(k_ptr + hkv * stride_k_h, k_off, j_mask, offs_d, d_mask, stride_k_d)
-    v = _load_rows(v_ptr + hkv * stride_v_h, v_off, j_mask, offs_d, d_mask, stride_v_d)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-
-    n_rows = C * G
-    if IS_PAST:
-        # Every query of the chunk sees every past token (without packed documents): no causal mask.
-        for row0 in range(0, n_rows, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptr, dout_ptr, lse_ptr, delta_ptr, doc_ptr, key_off, row0, C, j, hkv, offs_d, d_mask,
-                                qk_scale, stride_q_c, stride_q_h, stride_q_d, stride_do_c, stride_do_h, stride_do_d,
-                                stride_lse_h, stride_delta_h, G, False, HAS_DOC, UPCAST, DOT_PREC, BLOCK_M)
-    else:
-        # Queries i >= j0 see this tile; rows whose query is >= the tile's last key need no mask.
-        row_lo = ((j0 * G) // BLOCK_M) * BLOCK_M
-        row_mid = tl.minimum(tl.cdiv((j0 + BLOCK_N - 1) * G, BLOCK_M) * BLOCK_M, tl.cdiv(n_rows, BLOCK_M) * BLOCK_M)
-        for row0 in range(row_lo, row_mid, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptr, dout_ptr, lse_ptr, delta_ptr, doc_ptr, key_off, row0, C, j, hkv, offs_d, d_mask,
-                                qk_scale, stride_q_c, stride_q_h, stride_q_d, stride_do_c, stride_do_h, stride_do_d,
-                                stride_lse_h, stride_delta_h, G, True, HAS_DOC, UPCAST, DOT_PREC, BLOCK_M)
-        for row0 in range(row_mid, n_rows, BLOCK_M):
-            dk, dv = _dkdv_tile(dk, dv, k, v, q_ptr, dout_ptr, lse_ptr, delta_ptr, doc_ptr, key_off, row0, C, j, hkv, offs_d, d_mask,
-                                qk_scale, stride_q_c, stride_q_h, stride_q_d, stride_do_c, stride_do_h, stride_do_d,
-                                stride_lse_h, stride_delta_h, G, False, HAS_DOC, UPCAST, DOT_PREC, BLOCK_M)
-
-    dk = dk * softmax_scale
-    st_mask = j_mask[:, None] & d_mask[None, :]
-    dk_ptrs = dk_ptr + hkv * stride_dk_h + dk_off[:, None] + offs_d[None, :] * stride_dk_d
-    dv_ptrs = dv_ptr + hkv * stride_dv_h + dv_off[:, None] + offs_d[None, :] * stride_dv_d
-    if IS_PAST:
-        # This program owns these gradient-page rows: one read-add-write, no atomics.
-        dk += tl.load(dk_ptrs, mask=st_mask, other=0.0)
-        dv += tl.load(dv_ptrs, mask=st_mask, other=0.0)
-    tl.store(dk_ptrs, dk.to(dk_ptr.dtype.element_ty), mask=st_mask)
-    tl.store(dv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=st_mask)
-
-
-# dk/dv v5: rows walked head-major (all query tiles of head 0 of the group, then head 1, ...).
+# dk/dv: rows walked head-major (all query tiles of head 0 of the group, then head 1, ...).
 # A row tile is then BLOCK_M consecutive queries of ONE head: q/dout are plain strided 2-D tiles
 # (one base pointer per tile, no per-row div/mod by G and no per-row int64 head offsets), and
-# lse/delta, stored [Hq, C], are one contiguous vector load each. The per-tile arithmetic is v3's,
-# so results differ from v3 only by the fp32 summation order over the rows. H200, Qwen2.5-7B shape
-# (benchmarks/NOTES.md "Kernels" v5): 8.7 ms against v3's 13.1 ms at 32K past. Only BLOCK_M=64,
-# BLOCK_N=128, 8 warps is kept: 32x128x4 warps and 128x128x8 warps were 2.7x / 3.2x slower there.
+# lse/delta, stored [Hq, C], are one contiguous vector load each. It replaced a walk over the
+# row-interleaved (query-major) rows of the forward and dq kernels with the same per-tile arithmetic
+# (only the fp32 summation order over the rows differed), which was 1.5x slower: H200, Qwen2.5-7B
+# shape, 13.1 -> 8.7 ms at 32K past (benchmarks/NOTES.md "Kernels" v5 -- hence the "5" in the names
+# below, the names that run's results and profiles show).
+# It holds two fp32 [BLOCK_N, D] accumulators plus its K/V tile, so 8 warps. Only BLOCK_M=64,
+# BLOCK_N=128 is kept: 32x128x4 warps and 128x128x8 warps were 2.7x / 3.2x slower there.
 _DKDV5_CONFIGS = _configs([(64, 128, 8, 3), (64, 128, 8, 4), (64, 128, 8, 2)])
 
 
@@ -659,18 +518,28 @@ def _dkdv5_loop(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_ptr, key_of
     return dk, dv
 
 
+# restore_value: autotuning runs the kernel once per config; the gradient pages must not keep those sums.
 @triton.autotune(configs=_DKDV5_CONFIGS, key=[k for k in _AUTOTUNE_KEY if k != "HAS_OWN"] + ["IS_PAST"], restore_value=["dk_ptr", "dv_ptr"], cache_results=True)
 @triton.jit
 def _paged_attn_bwd_dkdv5_kernel(
-    q_ptr, k_ptr, v_ptr, block_table_ptr, dout_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, doc_ptr,  # as v3's kernel
+    q_ptr,  # [C, Hq, D]
+    k_ptr,  # IS_PAST: k_cache [P, S, Hkv, D]; else own k [C, Hkv, D]
+    v_ptr,  # same layout as k_ptr
+    block_table_ptr,  # int32 (IS_PAST only)
+    dout_ptr,  # [C, Hq, D]
+    lse_ptr,  # fp32 [Hq, C]
+    delta_ptr,  # fp32 [Hq, C]
+    dk_ptr,  # IS_PAST: fp32 dk_cache [P, S, Hkv, D] (read-add-write); else dk [C, Hkv, D] (write)
+    dv_ptr,  # same layout as dk_ptr
+    doc_ptr,  # int32 [C] (HAS_DOC only)
     C,
-    key_start,
-    n_keys,
-    key_off,
-    qk_scale,
+    key_start,  # first key of this launch: past_start (IS_PAST) or 0
+    n_keys,  # end of the keys: past_len (IS_PAST) or C
+    key_off,  # absolute token of key 0: 0 (IS_PAST) or past_len
+    qk_scale,  # softmax_scale * log2(e)
     softmax_scale,
     stride_q_c, stride_q_h, stride_q_d,
-    stride_k_p, stride_k_t, stride_k_h, stride_k_d,
+    stride_k_p, stride_k_t, stride_k_h, stride_k_d,  # own k: stride_k_p unused, stride_k_t = token stride
     stride_v_p, stride_v_t, stride_v_h, stride_v_d,
     stride_do_c, stride_do_h, stride_do_d,
     stride_dk_p, stride_dk_t, stride_dk_h, stride_dk_d,
@@ -692,7 +561,7 @@ def _paged_attn_bwd_dkdv5_kernel(
     pid_n = tl.program_id(0)
     hkv = tl.program_id(1).to(tl.int64)
     j0 = _past_from(key_start, PART) + pid_n * BLOCK_N
-    j = j0 + tl.arange(0, BLOCK_N)
+    j = j0 + tl.arange(0, BLOCK_N)  # key tokens owned by this program
     j_mask = j < n_keys
     offs_d = tl.arange(0, BLOCK_D)
     d_mask = offs_d < HEAD_DIM
@@ -703,6 +572,7 @@ def _paged_attn_bwd_dkdv5_kernel(
     else:
         k_off = j.to(tl.int64) * stride_k_t
         v_off = j.to(tl.int64) * stride_v_t
+    # Keys past n_keys read 0; their rows are never stored.
     k = _load_rows(k_ptr + hkv * stride_k_h, k_off, j_mask, offs_d, d_mask, stride_k_d)
     v = _load_rows(v_ptr + hkv * stride_v_h, v_off, j_mask, offs_d, d_mask, stride_v_d)
     if UPCAST:
@@ -1044,8 +914,7 @@ def paged_attention_bwd(
         sv = vv.stride() if is_past else (0, *vv.stride())
         sdk = dkk.stride() if is_past else (0, *dkk.stride())
         sdv = dvv.stride() if is_past else (0, *dvv.stride())
-        kernel = _paged_attn_bwd_dkdv5_kernel if dkdv_variant() == "v5" else _paged_attn_bwd_dkdv_kernel
-        kernel[grid_keys](
+        _paged_attn_bwd_dkdv5_kernel[grid_keys](
             q_ptr=q, k_ptr=kk, v_ptr=vv, block_table_ptr=bt, dout_ptr=dout, lse_ptr=lse, delta_ptr=delta,
             dk_ptr=dkk, dv_ptr=dvv, doc_ptr=doc_arg,
             C=C, key_start=key_start, n_keys=n_keys, key_off=key_off, qk_scale=scale * _LOG2E, softmax_scale=scale,
