@@ -851,7 +851,7 @@ def test_two_copy_streams_exact_and_each_cross_stream_wait_matters(monkeypatch, 
     """Device->host copies run on their own stream (concurrent with host->device ones on a GPU). With both
     simulated lazily, training matches the all-on-device run (bitwise for whole layers; segments merge
     partial attentions, so to 1e-12); without the wait for earlier writes into host pages, or for the
-    last write-back out of a staging buffer, a host->device copy reads/overwrites data too early: wrong."""
+    last write-back (piece) out of a staging buffer, a host->device copy reads/overwrites data too early: wrong."""
     torch.manual_seed(1)
     m_ref = tiny("qwen2", 4, 2, layers=4).double()
     ids = torch.randint(0, VOCAB, (1, 44))
@@ -865,9 +865,35 @@ def test_two_copy_streams_exact_and_each_cross_stream_wait_matters(monkeypatch, 
     if segment_pages == "layer":
         _assert_same_training(m_ref, m_ok, out_ref, out_ok)
     assert _worst_rel_err(m_ref, m_ok, out_ref, out_ok) <= 1e-12
-    for hook in ("_after_host_writes", "_after_writeback_out_of"):
+    # Whole layers: dK/dV stagings follow the previous write-back out of the set piece by piece.
+    out_of = "_after_writeback_piece" if segment_pages == "layer" else "_after_writeback_out_of"
+    for hook in ("_after_host_writes", out_of):
         with monkeypatch.context() as mp:
-            mp.setattr(OffloadedKVStore, hook, lambda self, x: None)
+            mp.setattr(OffloadedKVStore, hook, lambda self, *a: None)
             m_bad = clone_model(m_ref)
             out_bad, _ = _step(m_bad, ids, offload=True, **common)
         assert _worst_rel_err(m_ref, m_bad, out_ref, out_bad) > 1e-6, f"removing {hook} went unnoticed"
+
+
+def test_writeback_pieces_split_and_order(monkeypatch):
+    """The whole-layer write-back is cut into pieces with an event each; a later staging of the same slots is
+    cut at the piece bounds and each part waits for (only) the last piece over its slots."""
+    store = OffloadedKVStore(3, 1, 4, 4, 64, torch.float32, "cpu", chunk_size=8, gpu_pages=32, segment_pages="layer")
+    assert store.resident_pages_per_layer == 0 and store.staging_pages == 16
+    store.writeback_pieces = 3
+    store.dk_cache.copy_(torch.arange(store.dk_cache.numel(), dtype=torch.float32).view_as(store.dk_cache))
+    store.dv_cache.copy_(-store.dk_cache)
+    store.dk_host.zero_()
+    store.dv_host.zero_()
+    store._write_back_pieces(0, 1, 0, [(0, 2), (5, 9)])  # 6 slots -> pieces of 2: [0,2) [5,7) [7,9)
+    for x, y in ((0, 2), (5, 9)):  # exactly those slots reached layer 1's host pages
+        assert torch.equal(store.dk_host[1, x:y], store.dk_cache[x:y])
+        assert torch.equal(store.dv_host[1, x:y], store.dv_cache[x:y])
+    assert not store.dk_host[1, 2:5].any() and not store.dk_host[1, 9:].any() and not store.dk_host[0].any() and not store.dk_host[2].any()
+    assert store.stats["d2h_bytes"] == 2 * 6 * store.dk_host[0, 0].numel() * 4
+    assert [(a, b) for a, b, _ in store._wb_pieces[0]] == [(0, 2), (5, 7), (7, 9)]
+    assert store._writeback_split(0, 0, 10) == [(0, 2, 0), (2, 5, -1), (5, 7, 1), (7, 9, 2), (9, 10, -1)]
+    assert store._writeback_split(0, 3, 6) == [(3, 5, -1), (5, 6, 1)]
+    assert store._writeback_split(1, 0, 4) == [(0, 4, -1)]  # nothing written out of set 1 yet
+    store._write_back_pieces(0, 0, 0, [(0, 7)])  # 7 slots -> pieces of 3: [0,3) [3,6) [6,7)
+    assert [(a, b) for a, b, _ in store._wb_pieces[0]] == [(0, 3), (3, 6), (6, 7)]

@@ -115,9 +115,12 @@ host pages of a layer waits for the last D2H copy into that layer's host pages
 buffers (the compute stream waits for the previous D2H out of a buffer before
 refilling it), so no tensor of the autograd graph is ever read by a copy
 stream. Host-side waits are never used for ordering. With whole-layer staging
-the write-back of layer l and the staging of layer l-2 share a set, so only the
-K/V part of that staging overlaps the write-back. ``OOMB_OFFLOAD_COPY_STREAMS=1``
-puts both directions on one stream (the schedule before 2026-12-01).
+the write-back of layer l and the staging of layer l-2 share a set: the
+write-back goes out in ``writeback_pieces`` (8) pieces with an event each, and
+each dK/dV copy of the staging waits only for the piece that read its slots, so
+the staging follows the write-back piece by piece and both directions stay busy.
+``OOMB_OFFLOAD_COPY_STREAMS=1`` puts both directions on one stream (the schedule
+before 2026-12-01).
 
 On CPU there are no streams: every copy runs synchronously where it is issued,
 with the same schedule, so CPU tests check page placement, prefetch order and
@@ -959,6 +962,11 @@ class OffloadedKVStore:
         # reading host pages of layer l waits for the last device->host copy into them (_wb_layer[l]).
         self._wb_buf = [None, None]
         self._wb_layer: list = [None] * L
+        # Whole-layer staging writes a layer's dK/dV back in pieces (slot ranges with an event each), so
+        # the dK/dV staging of the layer that reuses the set (two layers down) can follow the write-back
+        # piece by piece instead of waiting for all of it; _wb_prev[s]: the write-backs before those.
+        self._wb_pieces: list[list] = [[], []]
+        self._wb_prev = [None, None]
         if st.asynchronous and H > 0:
             wshape = (2, chunk_size // S, S, num_kv_heads, head_dim)
             self._wbuf_k = torch.empty(wshape, dtype=dtype, device=self.device)
@@ -1163,6 +1171,65 @@ class OffloadedKVStore:
         self._wb_buf[buf] = ev
         self._wb_layer[layer] = ev
 
+    writeback_pieces = 8
+    """Whole-layer staging: a layer's dK/dV write-back is split into about this many pieces (one event each)."""
+
+    def _write_back_pieces(self, s: int, layer: int, base: int, runs: list[tuple[int, int]]) -> None:
+        """D2H of the dK/dV slots ``runs`` ([x, y) offsets from ``base``) of set ``s`` into host pages of ``layer``
+        (page R + x at slot base + x), in about ``writeback_pieces`` pieces, each followed by an event."""
+        st = self._streams
+        total = sum(y - x for x, y in runs)
+        if total <= 0:
+            return
+        step = max(1, -(-total // self.writeback_pieces))
+        pieces, lo, done = [], None, 0
+        for x, y in runs:
+            while x < y:
+                e = min(y, x + step - done)
+                st.d2h_copy_(self.dk_host[layer, x:e], self.dk_cache[base + x : base + e])
+                st.d2h_copy_(self.dv_host[layer, x:e], self.dv_cache[base + x : base + e])
+                self.stats["d2h_bytes"] += 2 * self.dk_host[layer, x:e].numel() * self.dk_host.element_size()
+                lo = x if lo is None else lo
+                done += e - x
+                x = e
+                if done == step:
+                    pieces.append((lo, e, self._d2h_event()))
+                    lo, done = None, 0
+        if lo is not None:
+            pieces.append((lo, runs[-1][1], self._d2h_event()))
+        self._wb_prev[s] = self._wb_buf[s]
+        self._wb_pieces[s] = pieces
+        self._wb_buf[s] = pieces[-1][2]
+        self._wb_layer[layer] = pieces[-1][2]
+
+    def _writeback_split(self, s: int, x: int, y: int) -> list[tuple[int, int, int]]:
+        """Slots [x, y) of set ``s`` cut at the last write-back's piece bounds -> ``(x, y, piece)``, ``piece`` the
+        index of the last piece whose slot range overlaps the part (-1: none)."""
+        out = []
+        pieces = self._wb_pieces[s]
+        i = 0
+        while x < y:
+            while i < len(pieces) and pieces[i][1] <= x:
+                i += 1
+            if i == len(pieces):
+                out.append((x, y, -1))
+                break
+            lo, hi, _ = pieces[i]
+            if x < lo:  # a gap before piece i
+                e = min(y, lo)
+                out.append((x, e, -1))
+                x = e
+                continue
+            e = min(y, hi)
+            out.append((x, e, i))
+            x = e
+        return out
+
+    def _after_writeback_piece(self, s: int, piece: int) -> None:
+        """The host->device stream waits until write-back piece ``piece`` out of set ``s`` has read its slots."""
+        if piece >= 0:
+            self._streams.copy_wait(self._wb_pieces[s][piece][2])
+
     def _after_host_writes(self, layer: int) -> None:
         """The host->device stream waits until the host pages of ``layer`` hold what was written to them."""
         if self._wb_layer[layer] is not None:
@@ -1222,8 +1289,10 @@ class OffloadedKVStore:
         if not grad_ok:
             # dK/dV of the past pages read (all, or the needed runs) and of the chunk's own pages beyond R.
             # Only these slots are read by a write-back out of the set: the K/V copies above may run
-            # while the previous layer's write-back is still in flight, these wait for it.
-            self._after_writeback_out_of(s)
+            # while the previous layer's write-back is still in flight; each dK/dV copy below waits
+            # for the write-back piece(s) out of its slots.
+            if self._wb_prev[s] is not None:
+                st.copy_wait(self._wb_prev[s])
             end = use.past + use.own
             if use.pages is None:
                 spans = [(R, end)]
@@ -1236,14 +1305,16 @@ class OffloadedKVStore:
                     else:
                         spans.append((own_lo, end))
             for a, e in spans:
-                for x, y, ok in self._valid_runs(layer, a, e):
-                    if ok:
-                        st.copy_(self.dk_cache[base + x - R : base + y - R], self.dk_host[layer, x - R : y - R])
-                        st.copy_(self.dv_cache[base + x - R : base + y - R], self.dv_host[layer, x - R : y - R])
-                        self.stats["h2d_bytes"] += 2 * self.dk_host[layer, x - R : y - R].numel() * self.dk_host.element_size()
-                    else:  # never written back: zero on the device instead of copying
-                        st.zero_(self.dk_cache[base + x - R : base + y - R])
-                        st.zero_(self.dv_cache[base + x - R : base + y - R])
+                for x0, y0, ok in self._valid_runs(layer, a, e):
+                    for x, y, piece in self._writeback_split(s, x0 - R, y0 - R):  # slot offsets
+                        self._after_writeback_piece(s, piece)
+                        if ok:
+                            st.copy_(self.dk_cache[base + x : base + y], self.dk_host[layer, x:y])
+                            st.copy_(self.dv_cache[base + x : base + y], self.dv_host[layer, x:y])
+                            self.stats["h2d_bytes"] += 2 * self.dk_host[layer, x:y].numel() * self.dk_host.element_size()
+                        else:  # never written back: zero on the device instead of copying
+                            st.zero_(self.dk_cache[base + x : base + y])
+                            st.zero_(self.dv_cache[base + x : base + y])
             if tag is None or tag.layer != layer or tag.past != use.past:
                 tag = _Tag(layer, use.past, kv=use.past <= R, pages=use.pages)
             tag.grad_start, tag.grad_own, tag.grad_pages = use.start, use.own, use.pages
@@ -1441,10 +1512,7 @@ class OffloadedKVStore:
         if m > 0 and use.pages is None:
             base = L * R + s * W
             st.d2h_wait(done)
-            st.d2h_copy_(self.dk_host[use.layer, :m], self.dk_cache[base : base + m])
-            st.d2h_copy_(self.dv_host[use.layer, :m], self.dv_cache[base : base + m])
-            self._wrote_back(s, use.layer)
-            self.stats["d2h_bytes"] += 2 * self.dk_host[use.layer, :m].numel() * self.dk_host.element_size()
+            self._write_back_pieces(s, use.layer, base, [(0, m)])
             self._grad_valid[use.layer] = max(self._grad_valid[use.layer], use.past)
             if self._grad_extra[use.layer]:
                 self._mark_written(use.layer, ())
@@ -1453,11 +1521,7 @@ class OffloadedKVStore:
         elif m > 0 and use.pages:  # only the pages the backward wrote (the selected ones): the rest are untouched
             base = L * R + s * W
             st.d2h_wait(done)
-            for a, e in use.pages:
-                st.d2h_copy_(self.dk_host[use.layer, a - R : e - R], self.dk_cache[base + a - R : base + e - R])
-                st.d2h_copy_(self.dv_host[use.layer, a - R : e - R], self.dv_cache[base + a - R : base + e - R])
-                self.stats["d2h_bytes"] += 2 * self.dk_host[use.layer, a - R : e - R].numel() * self.dk_host.element_size()
-            self._wrote_back(s, use.layer)
+            self._write_back_pieces(s, use.layer, base, [(a - R, e - R) for a, e in use.pages])
             self._mark_written(use.layer, use.pages)
             if self.trace is not None:
                 self.trace.append(("writeback", use.layer, use.start, use.past))
