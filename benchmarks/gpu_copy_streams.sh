@@ -18,7 +18,7 @@ el "copy duplex"
 timeout 60 python3 benchmarks/bench_copy_duplex.py --gib 2 --out "$R" 2>&1 | grep -Ev "$F"
 for n in ${ORDER:-1 2}; do
   el "256K sparse, offload, ${n} copy stream(s)"
-  OOMB_OFFLOAD_COPY_STREAMS=$n timeout ${T_STEP:-110} python3 benchmarks/bench_sparse.py --model qwen2.5-7b --lengths ${LEN:-262144} \
+  OOMB_OFFLOAD_COPY_STREAMS=$n timeout ${T_STEP:-240} python3 benchmarks/bench_sparse.py --model qwen2.5-7b --lengths ${LEN:-262144} \
     --systems sparse --offload on --gpu-page-budget ${BUDGET:-4096} --warmup-len ${WARMUP:-65536} --out "$R" --tag _copystreams$n 2>&1 | grep -Ev "$F" | grep "^| sparse"
 done
 el done
