@@ -30,6 +30,7 @@ import os
 import random
 import shutil
 import signal
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -292,10 +293,17 @@ class GracefulStop:
 
     The training loop checks ``requested`` after each step, saves a checkpoint and exits 0.
     A second signal restores the default behaviour (so a second Ctrl-C interrupts at once).
+
+    Args:
+        signals: the signals to catch.
+        notice: printed to stderr on the first signal (``{name}`` becomes e.g. ``SIGINT``), so that a
+            user who sees nothing happen for a long step does not press Ctrl-C again and lose the
+            checkpoint the first one asked for; None: silent.
     """
 
-    def __init__(self, signals=(signal.SIGINT, signal.SIGTERM)):
+    def __init__(self, signals=(signal.SIGINT, signal.SIGTERM), notice: str | None = None):
         self.signals = signals
+        self.notice = notice
         self.requested: int | None = None
         self._previous = {}
 
@@ -304,6 +312,8 @@ class GracefulStop:
             signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
             raise KeyboardInterrupt
         self.requested = signum
+        if self.notice:
+            print(self.notice.format(name=signal.Signals(signum).name), file=sys.stderr, flush=True)
 
     def __enter__(self) -> "GracefulStop":
         for s in self.signals:

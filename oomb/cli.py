@@ -296,6 +296,33 @@ def _is_within(path: Path, root: Path) -> bool:
 _OOMB_OUTPUT_MARKERS = ("log.jsonl", "train_args.json", "checkpoints")
 
 
+def _looks_like_oomb_output(out: Path) -> bool:
+    """Whether ``out`` holds an earlier oomb run (what --overwrite may delete): a train_args.json that oomb
+    wrote, a checkpoints/ folder with a checkpoint in it, or a log.jsonl whose first line is an oomb step
+    record. A bare file of one of those names is not enough (a fresh-user review had --overwrite delete a
+    folder whose only oomb-looking file was someone's log.jsonl)."""
+    try:
+        if "oomb_version" in json.loads((out / "train_args.json").read_text()):
+            return True
+    except (OSError, ValueError, TypeError):
+        pass
+    ckpts = out / "checkpoints"
+    if ckpts.is_dir() and any((p / "meta.json").is_file() for p in ckpts.iterdir() if p.is_dir()):
+        return True
+    try:
+        with open(out / "log.jsonl") as f:
+            line = f.readline()
+    except OSError:
+        return False
+    if not line:  # a run stopped before its first step: only oomb's own names in the folder
+        return all(p.name in _OOMB_OUTPUT_MARKERS for p in out.iterdir())
+    try:
+        first = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(first, dict) and {"step", "loss"} <= first.keys()
+
+
 def _check_writable_dir_path(flag: str, given: str, path: Path) -> None:
     """``path`` (a directory to create or use) can be made: its nearest existing ancestor is a writable directory.
 
@@ -334,6 +361,15 @@ def _check_output_dir(args: argparse.Namespace) -> Path:
         return out
     if out.is_dir() and any(out.iterdir()):
         if not args.overwrite:
+            from .checkpoint import find_latest
+
+            latest = find_latest(out / "checkpoints") if (out / "checkpoints").is_dir() else None
+            if latest is not None and not (out / "train_args.json").exists():
+                raise UsageError(
+                    f"--output-dir {args.output_dir!r} holds an oomb run that stopped before its end "
+                    f"(last checkpoint {latest.name})",
+                    "pass --resume to continue it, --overwrite to discard it, or a new directory",
+                )
             raise UsageError(
                 f"--output-dir {args.output_dir!r} exists and is not empty",
                 "pass a new directory, or --overwrite to replace its contents",
@@ -350,10 +386,10 @@ def _check_output_dir(args: argparse.Namespace) -> Path:
                     "pass an output directory of its own",
                 )
         # Only an earlier oomb run is replaced: never the contents of some other folder (a source tree, ...).
-        if not any((out / name).exists() for name in _OOMB_OUTPUT_MARKERS):
+        if not _looks_like_oomb_output(out):
             raise UsageError(
                 f"--overwrite: --output-dir {str(out)!r} is not empty and does not look like an oomb output "
-                f"(no {', '.join(_OOMB_OUTPUT_MARKERS[:2])} or {_OOMB_OUTPUT_MARKERS[2]}/ in it)",
+                "(no train_args.json written by oomb, no checkpoint, no oomb log.jsonl in it)",
                 "remove its contents by hand if they are not needed, or pick another --output-dir",
             )
     return out
@@ -774,7 +810,11 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
     t_start = time.perf_counter()
     log = open(log_path, "a", encoding="utf-8") if main_rank else None
     try:
-        with GracefulStop() as stop, tqdm(total=args.steps, initial=start_step, desc="train", unit="step", disable=not show, file=sys.stderr) as bar:
+        notice = (
+            "oomb: {name} received: finishing this step, then saving a checkpoint and stopping "
+            "(send it again to stop at once WITHOUT saving)"
+        ) if main_rank else None
+        with GracefulStop(notice=notice) as stop, tqdm(total=args.steps, initial=start_step, desc="train", unit="step", disable=not show, file=sys.stderr) as bar:
             for step in range(start_step + 1, args.steps + 1):
                 lr = _lr_at(step, args, warmup)
                 for group in optimizer.param_groups:

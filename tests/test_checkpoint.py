@@ -141,3 +141,14 @@ def test_graceful_stop_turns_a_signal_into_a_flag():
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.requested == signal.SIGTERM
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_graceful_stop_says_what_the_first_signal_does(capsys):
+    """A second Ctrl-C aborts without saving; the first one says so (fresh-user review: a silent first
+    Ctrl-C during a long step invites the second)."""
+    with GracefulStop(notice="got {name}: saving after this step (again: stop without saving)") as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.requested == signal.SIGINT
+        assert "got SIGINT: saving after this step" in capsys.readouterr().err
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)

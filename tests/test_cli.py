@@ -117,7 +117,7 @@ def test_overwrite_replaces_a_previous_run(tmp_path, text_file):
     out = tmp_path / "run"
     out.mkdir()
     (out / "old.txt").write_text("old")
-    (out / "log.jsonl").write_text('{"step": 1}\n')  # an earlier run: --overwrite replaces only oomb outputs
+    (out / "log.jsonl").write_text('{"step": 1, "loss": 10.4}\n')  # an earlier run: --overwrite replaces only oomb outputs
     assert run_cli(["train", "--data", text_file, "--output-dir", out, "--overwrite", *FAST]) == 0
     assert not (out / "old.txt").exists() and (out / "model.safetensors").is_file()
     assert len((out / "log.jsonl").read_text().splitlines()) == 2
@@ -201,7 +201,7 @@ def test_every_bad_input_exits_2_with_one_line_and_touches_nothing(tmp_path, tex
     out = tmp_path / "previous-run"
     out.mkdir()
     (out / "model.safetensors").write_bytes(b"precious")
-    (out / "log.jsonl").write_text('{"step": 1}\n')
+    (out / "log.jsonl").write_text('{"step": 1, "loss": 10.4}\n')
     before = snapshot(out)
     for name, extra, fragment in _bad_inputs(tmp_path, text_file):
         status = run_cli(["train", "--output-dir", out, "--overwrite", *FAST, *extra])
@@ -224,10 +224,10 @@ def test_cuda_run_that_does_not_fit_is_refused_before_the_model_is_built(tmp_pat
     out = tmp_path / "previous-run"
     out.mkdir()
     (out / "keep.txt").write_text("keep")
-    (out / "log.jsonl").write_text('{"step": 1}\n')  # an earlier run's output, so --overwrite may replace it
+    (out / "log.jsonl").write_text('{"step": 1, "loss": 10.4}\n')  # an earlier run's output, so --overwrite may replace it
     status = run_cli(["train", "--data", text_file, "--model", "qwen2.5-7b", "--device", "cuda", "--output-dir", out, "--overwrite", *FAST])
     _check_refused(status, capsys, "GiB")
-    assert snapshot(out) == {"keep.txt": b"keep", "log.jsonl": b'{"step": 1}\n'}
+    assert snapshot(out) == {"keep.txt": b"keep", "log.jsonl": b'{"step": 1, "loss": 10.4}\n'}
 
 
 @pytest.mark.parametrize(
@@ -240,10 +240,10 @@ def test_bad_models_exit_2_and_touch_nothing(request, tmp_path, text_file, capsy
     out = tmp_path / "previous-run"
     out.mkdir()
     (out / "keep.txt").write_text("keep")
-    (out / "log.jsonl").write_text('{"step": 1}\n')  # an earlier run's output, so --overwrite may replace it
+    (out / "log.jsonl").write_text('{"step": 1, "loss": 10.4}\n')  # an earlier run's output, so --overwrite may replace it
     status = run_cli(["train", "--data", text_file, "--model", model_dir, "--output-dir", out, "--overwrite", *FAST])
     _check_refused(status, capsys, fragment)
-    assert snapshot(out) == {"keep.txt": b"keep", "log.jsonl": b'{"step": 1}\n'}
+    assert snapshot(out) == {"keep.txt": b"keep", "log.jsonl": b'{"step": 1, "loss": 10.4}\n'}
 
 
 def test_non_empty_output_dir_needs_overwrite(tmp_path, text_file, capsys):
@@ -284,7 +284,7 @@ def test_command_line_entry_point(tmp_path, text_file):
     out = tmp_path / "run"
     out.mkdir()
     (out / "keep.txt").write_text("keep")
-    (out / "train_args.json").write_text("{}")  # an earlier run, so --overwrite is allowed to get that far
+    (out / "train_args.json").write_text('{"oomb_version": "0.1.0"}')  # an earlier run, so --overwrite is allowed to get that far
     bad = subprocess.run(
         [sys.executable, "-m", "oomb", "train", "--data", text_file, "--output-dir", out, "--overwrite", "--seq-len", "100000"],
         capture_output=True,
@@ -294,7 +294,7 @@ def test_command_line_entry_point(tmp_path, text_file):
     assert bad.returncode == 2, bad.stderr
     assert bad.stderr.count("\n") == 1 and bad.stderr.startswith("oomb: error: the data has "), bad.stderr
     assert "pass --seq-len" in bad.stderr
-    assert snapshot(out) == {"keep.txt": b"keep", "train_args.json": b"{}"}
+    assert snapshot(out) == {"keep.txt": b"keep", "train_args.json": b'{"oomb_version": "0.1.0"}'}
 
 
 README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
@@ -396,7 +396,7 @@ def _previous_run(tmp_path):
     out = tmp_path / "previous-run"
     out.mkdir()
     (out / "model.safetensors").write_bytes(b"precious")
-    (out / "log.jsonl").write_text('{"step": 1}\n')
+    (out / "log.jsonl").write_text('{"step": 1, "loss": 10.4}\n')
     return out
 
 
@@ -421,8 +421,15 @@ def test_overwrite_refuses_a_folder_that_is_not_an_oomb_output(tmp_path, text_fi
     before = snapshot(src)
     _check_refused(run_cli(["train", "--data", text_file, "--output-dir", src, "--overwrite", *FAST]), capsys, "does not look like an oomb output")
     assert snapshot(src) == before
-    # an earlier run (only its checkpoints/ left) may still be replaced
+    # files that merely carry oomb's names do not make it an oomb output (a fresh-user review had a
+    # thesis deleted next to a log.jsonl of its own)
+    (src / "log.jsonl").write_text("{}\n")
     (src / "checkpoints").mkdir()
+    _check_refused(run_cli(["train", "--data", text_file, "--output-dir", src, "--overwrite", *FAST]), capsys, "does not look like an oomb output")
+    assert (src / "main.py").is_file()
+    # an earlier run (only a checkpoint of it left) may still be replaced
+    (src / "checkpoints" / "step-00000001").mkdir()
+    (src / "checkpoints" / "step-00000001" / "meta.json").write_text('{"step": 1}')
     assert run_cli(["train", "--data", text_file, "--output-dir", src, "--overwrite", *FAST, "--steps", "1"]) == 0
     assert not (src / "main.py").exists() and (src / "log.jsonl").is_file()
 

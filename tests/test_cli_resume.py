@@ -121,7 +121,7 @@ def test_resume_from_a_damaged_meta_json_exits_2_with_one_line(tmp_path, text_fi
     assert (out / "log.jsonl").read_bytes() == before
 
 
-def test_sigterm_saves_a_checkpoint_and_says_how_to_resume(tmp_path, text_file):
+def test_sigterm_saves_a_checkpoint_and_says_how_to_resume(tmp_path, text_file, capsys):
     out = tmp_path / "run"
     args = ["train", "--data", str(text_file), *FAST, "--steps", "100000", "--lr-schedule", "constant", "--output-dir", str(out)]
     proc = subprocess.Popen([sys.executable, "-m", "oomb", *args], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -136,6 +136,11 @@ def test_sigterm_saves_a_checkpoint_and_says_how_to_resume(tmp_path, text_file):
     step = losses(out)[-1][0]
     assert (out / "checkpoints" / f"step-{step:08d}" / "meta.json").is_file()
     assert line[0].endswith(_resume_command(args))
+    assert "SIGTERM received: finishing this step, then saving a checkpoint" in err  # said at once
+    # the same command again (no --resume) points at --resume instead of only at --overwrite
+    assert run_cli(args) == 2
+    refused = capsys.readouterr().err
+    assert "holds an oomb run that stopped before its end" in refused and "pass --resume to continue it" in refused
     # continue for one more step (--steps may change on resume)
     assert run_cli([*args[:-4], "--steps", step + 1, "--lr-schedule", "constant", "--output-dir", out, "--resume"]) == 0
     assert [s for s, _ in losses(out)] == list(range(1, step + 2))

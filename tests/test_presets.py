@@ -90,3 +90,25 @@ def test_local_directory_of_an_encoder_is_refused_before_loading_weights(tmp_pat
 def test_directory_without_config_is_an_unknown_model(tmp_path):
     with pytest.raises(UnknownModelError, match="config.json"):
         build_model(str(tmp_path))
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_local_directory_with_missing_or_truncated_weights_is_a_clear_error(tmp_path, damage):
+    """A fresh-user review found a raw OSError / SafetensorError traceback here; now one UnknownModelError
+    (which the CLI turns into exit status 2 and one line) naming the folder, the cause and the fix."""
+    cfg = Qwen2Config(vocab_size=500, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    Qwen2ForCausalLM(cfg).save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    if damage == "missing":
+        weights.unlink()
+    else:
+        weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(UnknownModelError, match=r"could not read the weights of the model folder .*re-save the model"):
+        build_model(str(tmp_path))
+
+
+def test_lora_adapter_folder_is_named_as_such(tmp_path):
+    (tmp_path / "adapter_config.json").write_text("{}")
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"")
+    with pytest.raises(UnknownModelError, match="holds a LoRA adapter .* merge it into its base model"):
+        build_model(str(tmp_path))

@@ -152,6 +152,12 @@ def load_config(name_or_path: str) -> PretrainedConfig:
         return preset_config(name_or_path)
     path = name_or_path
     if not os.path.isfile(os.path.join(path, "config.json")):
+        if os.path.isfile(os.path.join(path, "adapter_config.json")):
+            raise UnknownModelError(
+                f"{path!r} holds a LoRA adapter (adapter_config.json), not a full model; merge it into its base "
+                "model first (peft: PeftModel.from_pretrained(base, path).merge_and_unload().save_pretrained(out)) "
+                "and pass that folder"
+            )
         raise UnknownModelError(
             f"{path!r} is a directory without config.json; pass a Hugging Face model directory "
             f"(as written by save_pretrained) or one of the presets ({', '.join(PRESETS)})"
@@ -208,7 +214,18 @@ def build_model(
     config = load_config(name_or_path)
     check_config_supported(config)
     if _is_local_model_dir(name_or_path):
-        model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, local_files_only=True)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, local_files_only=True)
+        except Exception as exc:  # OSError (no weights file), SafetensorError (truncated), ...
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            hint = ""
+            if os.path.exists(os.path.join(name_or_path, "adapter_config.json")):
+                hint = " (it holds a LoRA adapter: merge it into its base model first, e.g. peft's merge_and_unload)"
+            raise UnknownModelError(
+                f"could not read the weights of the model folder {name_or_path!r}{hint}: {type(exc).__name__}: {reason}. "
+                "A model folder needs config.json and the weights save_pretrained writes (model.safetensors, or "
+                "sharded files with their index); re-save the model, or copy the file again if it was cut short"
+            ) from exc
         model.to(device)
     else:
         with device:
