@@ -115,7 +115,7 @@ def _build_parser() -> argparse.ArgumentParser:
     e.add_argument("--sparse-score", choices=["mean", "quest"], default="mean", help="with --sparse: page score (mean key, or Quest's min/max bound)")
     e.add_argument("--document-mask", action="store_true", help="attention and positions stay within each document (documents end at the tokenizer's EOS token); default: one causal stream across documents")
     e.add_argument("--checkpoint-layers", action="store_true", help="per-layer activation checkpointing inside each chunk's recompute")
-    from .planner import add_offload_arguments, add_plan_subcommand
+    from .planner_args import add_offload_arguments, add_plan_subcommand
 
     add_offload_arguments(e)
     e.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to train")

@@ -62,6 +62,8 @@ from typing import Any
 
 import torch
 
+from .planner_args import add_offload_arguments, add_plan_subcommand  # noqa: F401 (the CLI's arguments)
+
 __all__ = [
     "Machine",
     "MemoryPlan",
@@ -695,19 +697,6 @@ def choose_engine_tiering(engine: Any, seq_len: int) -> tuple[bool, int | None]:
 
 
 # ------------------------------------------------------------------------ CLI
-def add_offload_arguments(parser: Any) -> None:
-    """``--offload {auto,on,off}``, ``--gpu-page-budget PAGES`` and ``--offload-segment-pages PAGES`` (for
-    ``oomb train`` and ``oomb plan``)."""
-    parser.add_argument("--offload", choices=["auto", "on", "off"], default="auto",
-                        help="KV pages in pinned host memory with a GPU tier; auto: only when they do not all fit on the GPU")
-    parser.add_argument("--gpu-page-budget", type=int, default=None,
-                        help="with offload: GPU page-pool size in pages (page = page-size tokens of one layer's K, V, dK, dV), "
-                             "staging included; default: the largest that fits")
-    parser.add_argument("--offload-segment-pages", type=int, default=None,
-                        help="with offload: pages per staging segment (the attention reads the past one segment at a "
-                             "time, so GPU memory stays flat in the context length); default: 32768 tokens' worth")
-
-
 def plan_for_train_args(args: Any, dtype: torch.dtype, machine: Machine | None = None) -> MemoryPlan:
     """The plan of an ``oomb train`` run from its parsed arguments (model, seq_len, chunk_size, page_size,
     attention_backend, checkpoint_layers, lora_rank, offload, gpu_page_budget, offload_segment_pages, sparse),
@@ -720,32 +709,6 @@ def plan_for_train_args(args: Any, dtype: torch.dtype, machine: Machine | None =
         gpu_page_budget=getattr(args, "gpu_page_budget", None), machine=machine,
         offload_segment_pages="layer" if getattr(args, "sparse", False) else getattr(args, "offload_segment_pages", None),
     )
-
-
-def add_plan_subcommand(subparsers: Any, **parser_kwargs: Any) -> Any:
-    """Register ``oomb plan`` on an argparse subparsers object; the handler is :func:`run_plan`."""
-    p = subparsers.add_parser(
-        "plan",
-        help="predict GPU and host memory of a run and the largest context that fits",
-        description="Predict GPU and host memory of one training step before anything is allocated, choose the "
-                    "KV tiering (all pages on the GPU, or offload to pinned host memory) and report the largest "
-                    "context that fits this machine (or the one described by --gpu-gib/--host-gib).",
-        **parser_kwargs,
-    )
-    p.add_argument("--model", default="qwen2.5-7b", help="a preset name or a local Hugging Face model directory")
-    p.add_argument("--seq-len", type=int, default=131072, help="tokens per training sequence")
-    p.add_argument("--chunk-size", type=int, default=4096, help="tokens per chunk")
-    p.add_argument("--page-size", type=int, default=128, help="tokens per KV page")
-    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16", help="parameter dtype")
-    p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank on q/k/v/o (0: full fine-tune)")
-    p.add_argument("--no-optimizer", action="store_true", help="leave out AdamW states (memory of the step alone)")
-    p.add_argument("--checkpoint-layers", action="store_true", help="per-layer checkpointing inside each chunk")
-    p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto", help="attention implementation")
-    add_offload_arguments(p)
-    p.add_argument("--gpu-gib", type=float, default=None, help="plan for this much free GPU memory (GiB) instead of this machine's")
-    p.add_argument("--host-gib", type=float, default=None, help="plan for this much available host RAM (GiB) instead of this machine's")
-    p.set_defaults(func=run_plan)
-    return p
 
 
 def run_plan(args: Any) -> int:

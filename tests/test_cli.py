@@ -541,3 +541,20 @@ def test_plan_advice_names_flags(capsys):
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "--lora-rank, --checkpoint-layers or a smaller --chunk-size" in out
     assert "checkpoint_layers" not in out and "chunk_size" not in out
+
+
+def test_help_version_and_argument_errors_do_not_import_torch():
+    """Building the parser needs no torch/transformers (a fresh-user review timed `oomb --version` at 6-20 s)."""
+    code = (
+        "import sys, oomb.cli as c\n"
+        "for a in (['--help'], ['train', '--help'], ['plan', '--help'], ['eval', '--help'], ['grad-error', '--help'],"
+        " ['--version'], ['train', '--no-such-flag']):\n"
+        "    try:\n"
+        "        c.main(a)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "print('heavy:', sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=os.path.dirname(README))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip().splitlines()[-1] == "heavy: []", res.stdout[-500:]

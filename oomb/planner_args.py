@@ -1,0 +1,56 @@
+"""Command-line arguments of the memory planner (``oomb plan``, and the offload options of ``oomb train``).
+
+Kept apart from :mod:`oomb.planner`, which imports torch: building the ``oomb`` parser (``--help``,
+``--version``, argument errors) then needs no heavy import.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def add_offload_arguments(parser: Any) -> None:
+    """``--offload {auto,on,off}``, ``--gpu-page-budget PAGES`` and ``--offload-segment-pages PAGES`` (for
+    ``oomb train`` and ``oomb plan``)."""
+    parser.add_argument("--offload", choices=["auto", "on", "off"], default="auto",
+                        help="KV pages in pinned host memory with a GPU tier; auto: only when they do not all fit on the GPU")
+    parser.add_argument("--gpu-page-budget", type=int, default=None,
+                        help="with offload: GPU page-pool size in pages (page = page-size tokens of one layer's K, V, dK, dV), "
+                             "staging included; default: the largest that fits")
+    parser.add_argument("--offload-segment-pages", type=int, default=None,
+                        help="with offload: pages per staging segment (the attention reads the past one segment at a "
+                             "time, so GPU memory stays flat in the context length); default: 32768 tokens' worth")
+
+
+def add_plan_subcommand(subparsers: Any, **parser_kwargs: Any) -> Any:
+    """Register ``oomb plan`` on an argparse subparsers object; the handler is :func:`run_plan`."""
+    parser_kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+    p = subparsers.add_parser(
+        "plan",
+        help="predict GPU and host memory of a run and the largest context that fits",
+        description="Predict GPU and host memory of one training step before anything is allocated, choose the "
+                    "KV tiering (all pages on the GPU, or offload to pinned host memory) and report the largest "
+                    "context that fits this machine (or the one described by --gpu-gib/--host-gib).",
+        **parser_kwargs,
+    )
+    p.add_argument("--model", default="qwen2.5-7b", help="a preset name or a local Hugging Face model directory")
+    p.add_argument("--seq-len", type=int, default=131072, help="tokens per training sequence")
+    p.add_argument("--chunk-size", type=int, default=4096, help="tokens per chunk")
+    p.add_argument("--page-size", type=int, default=128, help="tokens per KV page")
+    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16", help="parameter dtype")
+    p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank on q/k/v/o (0: full fine-tune)")
+    p.add_argument("--no-optimizer", action="store_true", help="leave out AdamW states (memory of the step alone)")
+    p.add_argument("--checkpoint-layers", action="store_true", help="per-layer checkpointing inside each chunk")
+    p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto", help="attention implementation")
+    add_offload_arguments(p)
+    p.add_argument("--gpu-gib", type=float, default=None, help="plan for this much free GPU memory (GiB) instead of this machine's")
+    p.add_argument("--host-gib", type=float, default=None, help="plan for this much available host RAM (GiB) instead of this machine's")
+    p.set_defaults(func=_run_plan)
+    return p
+
+
+def _run_plan(args: Any) -> int:
+    from .planner import run_plan
+
+    return run_plan(args)
