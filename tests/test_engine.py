@@ -269,6 +269,69 @@ def test_bad_inputs():
         engine.step(torch.zeros(1, 10, dtype=torch.long), torch.zeros(1, 9, dtype=torch.long))
 
 
+def _tiny_engine():
+    model = tiny("qwen2", layers=1).double()
+    return model, Engine(model, OOMBConfig(chunk_size=8, page_size=4, attention_backend="torch"))
+
+
+@pytest.mark.parametrize("bad", [-1, -101, VOCAB, VOCAB + 50])
+def test_bad_label_values(bad):
+    # Fresh-user review: these reached cross_entropy as "IndexError: Target -1 is out of bounds"
+    # (a device-side assert on CUDA) instead of a ValueError naming the value and the fix.
+    _, engine = _tiny_engine()
+    ids = torch.arange(10).unsqueeze(0)
+    labels = ids.clone()
+    labels[0, 5] = bad
+    with pytest.raises(ValueError, match=rf"label {bad} is outside the model's vocabulary \[0, {VOCAB}\).*-100 \(the ignore index\)"):
+        engine.step(ids, labels)
+    with pytest.raises(ValueError, match=rf"label {bad} is outside"):
+        engine.evaluate(ids, labels)
+    with pytest.raises(ValueError, match=rf"label {bad} is outside"):
+        engine.step(ids, torch.full_like(ids, bad))
+
+
+def test_ignored_labels_and_valid_calls_still_work():
+    model, engine = _tiny_engine()
+    ids = torch.arange(12).unsqueeze(0)
+    labels = ids.clone()
+    labels[0, :6] = -100
+    labels[0, -1] = VOCAB - 1  # the top of the vocabulary is a valid target
+    out = engine.step(ids, labels)
+    assert out.num_valid_tokens == 6 and torch.isfinite(torch.tensor(out.loss))
+    assert torch.isfinite(torch.tensor(engine.evaluate(ids, labels)))
+    # Other integer dtypes are accepted like int64 (and give the same loss).
+    assert engine.evaluate(ids.int(), labels.int()) == pytest.approx(engine.evaluate(ids, labels))
+    assert engine.count_valid_tokens(ids, labels.to(torch.int16)) == 6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.bool])
+def test_non_integer_labels_and_ids(dtype):
+    # Float labels used to be truncated silently into token ids.
+    _, engine = _tiny_engine()
+    ids = torch.arange(10).unsqueeze(0)
+    with pytest.raises(ValueError, match=rf"labels must be integer token ids.*got {dtype}"):
+        engine.step(ids, ids.to(dtype))
+    with pytest.raises(ValueError, match=rf"labels must be integer token ids.*got {dtype}"):
+        engine.evaluate(ids, ids.to(dtype))
+    with pytest.raises(ValueError, match=rf"input_ids must be integer token ids.*got {dtype}"):
+        engine.step(ids.to(dtype))
+    with pytest.raises(TypeError, match="labels must be a torch.Tensor"):
+        engine.step(ids, ids[0].tolist())
+
+
+def test_frozen_model_step_refused_evaluate_fine():
+    # A fully frozen model failed deep in autograd ("element 0 of tensors does not require grad").
+    model, engine = _tiny_engine()
+    model.requires_grad_(False)
+    ids = torch.arange(10).unsqueeze(0)
+    with pytest.raises(ValueError, match=r"no trainable parameters.*unfreeze some or use evaluate\(\)"):
+        engine.step(ids)
+    assert torch.isfinite(torch.tensor(engine.evaluate(ids)))
+    model.lm_head.weight.requires_grad_(True)  # one trainable tensor is enough
+    engine.step(ids)
+    assert model.lm_head.weight.grad is not None
+
+
 @pytest.mark.parametrize(
     "kwargs,match",
     [

@@ -39,6 +39,10 @@ from .kv_store import PagedKVStore
 from .offload import OffloadedKVStore
 from .loss import IGNORE_INDEX, chunked_cross_entropy_sum
 
+# Integer dtypes accepted for input_ids and labels (both are copied to int64). Not bool, not floats:
+# a float tensor would be silently truncated to token ids.
+_TOKEN_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
 __all__ = ["Engine", "StepOutput"]
 
 
@@ -229,8 +233,10 @@ class Engine:
         T = input_ids.shape[0]
         if T < 2:
             raise ValueError(f"the sequence has {T} token(s); a training step needs at least 2 (one input, one target)")
-        if input_ids.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"input_ids must be int64 token ids, got {input_ids.dtype}")
+        if input_ids.dtype not in _TOKEN_DTYPES:
+            raise ValueError(
+                f"input_ids must be integer token ids (int64), got {input_ids.dtype}; pass tokenizer output or ids.long()"
+            )
         lo, hi = int(input_ids.min()), int(input_ids.max())
         if lo < 0 or hi >= self.vocab_size:
             raise ValueError(
@@ -240,10 +246,25 @@ class Engine:
         if labels is None:
             labels = input_ids
         else:
+            if not isinstance(labels, torch.Tensor):
+                raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
             if labels.dim() == 2 and labels.shape[0] == 1:
                 labels = labels[0]
             if labels.shape != input_ids.shape:
                 raise ValueError(f"labels shape {tuple(labels.shape)} must match input_ids shape {tuple(input_ids.shape)}")
+            if labels.dtype not in _TOKEN_DTYPES:
+                raise ValueError(
+                    f"labels must be integer token ids (int64; -100 = ignored), got {labels.dtype}; "
+                    "pass the target token ids, e.g. labels.long() if they hold whole numbers"
+                )
+            # One host sync: the smallest and largest label that is not the ignore index.
+            lo, hi = torch.stack(torch.aminmax(labels.masked_fill(labels == IGNORE_INDEX, 0))).tolist()
+            if lo < 0 or hi >= self.vocab_size:
+                raise ValueError(
+                    f"label {hi if hi >= self.vocab_size else lo} is outside the model's vocabulary [0, {self.vocab_size}) "
+                    f"and is not {IGNORE_INDEX} (the ignore index); mark ignored positions with {IGNORE_INDEX}, "
+                    "and use the tokenizer that matches the model"
+                )
         targets = torch.full_like(labels, IGNORE_INDEX, dtype=torch.int64)
         targets[:-1] = labels[1:]
         doc_start = None
@@ -378,9 +399,16 @@ class Engine:
             :class:`StepOutput`; ``loss`` is the mean over this sequence's valid tokens either way.
 
         Raises:
-            ValueError: batch size > 1, fewer than 2 tokens, token ids outside the vocabulary,
-                mismatched labels, malformed cu_seqlens, or no valid label in the whole sequence.
+            ValueError: batch size > 1, fewer than 2 tokens, non-integer or out-of-vocabulary token ids,
+                mismatched or non-integer labels, a label neither -100 nor in the vocabulary,
+                malformed cu_seqlens, no valid label in the whole sequence, or (step only) a model
+                with no trainable parameter.
         """
+        if not any(p.requires_grad for p in self.model.parameters()):
+            raise ValueError(
+                "the model has no trainable parameters (every parameter has requires_grad=False), so a training step "
+                "has nothing to compute gradients for; unfreeze some or use evaluate() for a forward only"
+            )
         input_ids, targets, doc_start, positions = self._prepare(input_ids, labels, cu_seqlens)
         T = input_ids.shape[0]
         n_valid = int((targets != IGNORE_INDEX).sum())
@@ -452,7 +480,7 @@ class Engine:
     ) -> float:
         """Mean token cross-entropy of one sequence, chunk by chunk, without gradients.
 
-        Same arguments and errors as :meth:`step`; memory is bounded like Stage 1's.
+        Same arguments and errors as :meth:`step` (a fully frozen model is fine here); memory is bounded like Stage 1's.
         """
         input_ids, targets, doc_start, positions = self._prepare(input_ids, labels, cu_seqlens)
         T = input_ids.shape[0]
