@@ -109,10 +109,10 @@ def _build_parser() -> argparse.ArgumentParser:
     e.add_argument("--page-size", type=int, default=128, help="tokens per KV page; --chunk-size must be a multiple of it")
     e.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto", help="attention over the paged KV cache: PyTorch reference, Triton kernels, or auto")
     e.add_argument("--sparse", action="store_true", help="page-level top-K sparse attention: each block of queries attends to --page-budget selected past pages plus the sink and local pages")
-    e.add_argument("--page-budget", type=int, default=64, help="with --sparse: past pages selected per query block and KV head")
-    e.add_argument("--sink-pages", type=int, default=1, help="with --sparse: first pages always attended")
-    e.add_argument("--local-pages", type=int, default=8, help="with --sparse: latest past pages always attended")
-    e.add_argument("--sparse-score", choices=["mean", "quest"], default="mean", help="with --sparse: page score (mean key, or Quest's min/max bound)")
+    e.add_argument("--page-budget", type=int, default=_SPARSE_DEFAULTS["page_budget"], help="with --sparse: past pages selected per query block and KV head")
+    e.add_argument("--sink-pages", type=int, default=_SPARSE_DEFAULTS["sink_pages"], help="with --sparse: first pages always attended")
+    e.add_argument("--local-pages", type=int, default=_SPARSE_DEFAULTS["local_pages"], help="with --sparse: latest past pages always attended")
+    e.add_argument("--sparse-score", choices=["mean", "quest"], default=_SPARSE_DEFAULTS["sparse_score"], help="with --sparse: page score (mean key, or Quest's min/max bound)")
     e.add_argument("--document-mask", action="store_true", help="attention and positions stay within each document (documents end at the tokenizer's EOS token); default: one causal stream across documents")
     e.add_argument("--checkpoint-layers", action="store_true", help="per-layer activation checkpointing inside each chunk's recompute")
     from .planner_args import add_offload_arguments, add_plan_subcommand
@@ -214,6 +214,30 @@ def _build_parser() -> argparse.ArgumentParser:
 _SEED_LIMIT = 2**32
 
 
+# Defaults of the sparse options of `oomb train` (set without --sparse, they would be ignored: refused).
+_SPARSE_DEFAULTS = {"page_budget": 64, "sink_pages": 1, "local_pages": 8, "sparse_score": "mean"}
+
+
+def _check_sparse_and_lora_flags(args: argparse.Namespace) -> None:
+    """Options that would be silently ignored, or a sparse setting that attends to no past (fresh-user review)."""
+    if not args.sparse:
+        given = [f"--{k.replace('_', '-')}" for k, d in _SPARSE_DEFAULTS.items() if getattr(args, k) != d]
+        if given:
+            raise UsageError(
+                f"{' and '.join(given)} {'sets' if len(given) == 1 else 'set'} sparse attention but --sparse is not given",
+                "add --sparse, or leave them out for dense attention",
+            )
+    elif args.page_budget + args.sink_pages + args.local_pages == 0:
+        raise UsageError(
+            "--sparse with --page-budget 0, --sink-pages 0 and --local-pages 0 attends to no past page "
+            "(every chunk would see only itself)",
+            "give at least one of them a positive number of pages",
+        )
+    if args.lora_alpha is not None and args.lora_rank == 0:
+        raise UsageError("--lora-alpha scales a LoRA adapter but --lora-rank is 0 (a full fine-tune)",
+                         "add --lora-rank R, or leave --lora-alpha out")
+
+
 def _check_seed(args: argparse.Namespace) -> None:
     if not 0 <= args.seed < _SEED_LIMIT:
         raise UsageError(f"--seed is {args.seed}", f"pass an integer from 0 to {_SEED_LIMIT - 1}")
@@ -265,6 +289,7 @@ def _check_sizes(args: argparse.Namespace) -> None:
             raise UsageError(f"{flag} is {value}", f"pass 0 or a positive number of pages for {flag}")
     if args.lora_alpha is not None and args.lora_alpha <= 0:
         raise UsageError(f"--lora-alpha is {args.lora_alpha}", "pass a positive number (default: 2 x --lora-rank)")
+    _check_sparse_and_lora_flags(args)
     if args.warmup_steps is not None and args.warmup_steps < 0:
         raise UsageError(f"--warmup-steps is {args.warmup_steps}", "pass 0 or a positive number of steps")
     if args.save_every < 0:
@@ -777,6 +802,9 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
     n_trainable = sum(p.numel() for p in params)
     n_total = sum(p.numel() for p in model.parameters())
     warmup = args.warmup_steps if args.warmup_steps is not None else args.steps // 10
+    if main_rank and args.warmup_steps is not None and args.warmup_steps >= args.steps:
+        print(f"oomb: note: --warmup-steps {args.warmup_steps} >= --steps {args.steps}: the learning rate never "
+              f"reaches --lr {args.lr:g}", file=sys.stderr)
     show = not args.no_progress and main_rank
     K, W = args.grad_accum, ctx.world_size
     stream = _SequenceStream(sequences)

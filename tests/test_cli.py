@@ -386,7 +386,7 @@ def test_sparse_run_equals_dense_while_the_past_fits_and_differs_when_it_does_no
     dense = loss()
     # 128 tokens = 4 pages of 32: a budget of 64 pages holds every past page.
     assert loss("--sparse") == pytest.approx(dense, rel=1e-6)
-    assert loss("--sparse", "--page-budget", "0", "--local-pages", "0", "--sink-pages", "0") != pytest.approx(dense, rel=1e-6)
+    assert loss("--sparse", "--page-budget", "0", "--local-pages", "0", "--sink-pages", "1") != pytest.approx(dense, rel=1e-6)
 
 
 # ---------------------------------------------------------------- fresh-user findings
@@ -558,3 +558,27 @@ def test_help_version_and_argument_errors_do_not_import_torch():
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=os.path.dirname(README))
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip().splitlines()[-1] == "heavy: []", res.stdout[-500:]
+
+
+@pytest.mark.parametrize("extra,fragment", [
+    (["--page-budget", "4"], "--page-budget sets sparse attention but --sparse is not given"),
+    (["--sink-pages", "0", "--sparse-score", "quest"], "--sink-pages and --sparse-score set sparse attention"),
+    (["--sparse", "--page-budget", "0", "--sink-pages", "0", "--local-pages", "0"], "attends to no past page"),
+    (["--lora-alpha", "16"], "--lora-alpha scales a LoRA adapter but --lora-rank is 0"),
+])
+def test_options_that_would_be_ignored_are_refused(tmp_path, text_file, capsys, extra, fragment):
+    """A fresh-user review found these accepted and silently ignored (or, for the all-zero sparse setting,
+    training without any past)."""
+    out = tmp_path / "run"
+    _check_refused(run_cli(["train", "--data", text_file, "--output-dir", out, *FAST, *extra]), capsys, fragment)
+    assert not out.exists()
+
+
+def test_sparse_with_only_sink_and_local_pages_is_allowed(tmp_path, text_file, capsys):
+    out = tmp_path / "run"
+    assert run_cli(["train", "--data", text_file, "--output-dir", out, *FAST, "--steps", "1", "--sparse", "--page-budget", "0"]) == 0
+
+
+def test_warmup_longer_than_the_run_is_noted(tmp_path, text_file, capsys):
+    assert run_cli(["train", "--data", text_file, "--output-dir", tmp_path / "run", *FAST, "--steps", "1", "--warmup-steps", "5"]) == 0
+    assert "--warmup-steps 5 >= --steps 1: the learning rate never reaches --lr" in capsys.readouterr().err
