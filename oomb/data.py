@@ -132,7 +132,8 @@ def load_tokenizer(path: str | os.PathLike | None = None):
 
     root = BUNDLED_TOKENIZER if path is None else Path(path)
     if not root.is_dir():
-        raise DataError(f"tokenizer folder {str(root)!r} does not exist", "pass --tokenizer a local folder with tokenizer.json (or omit it for the bundled tokenizer)")
+        what = "is a file, not a folder" if root.exists() else "does not exist"
+        raise DataError(f"tokenizer folder {str(root)!r} {what}", "pass --tokenizer a local folder with tokenizer.json (or omit it for the bundled tokenizer)")
     try:
         # An empty config: the class comes from the folder's tokenizer_config.json (or tokenizer.json), never
         # from a config.json beside it. A trained oomb output holds both, and transformers >= 5.2x swaps in the

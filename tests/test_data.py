@@ -155,3 +155,10 @@ def test_tokenizer_saved_beside_a_qwen2_config_loads_as_it_was_saved(tmp_path, t
     assert type(again).__name__ == type(tokenizer).__name__
     assert again.tokenize(text) == tokenizer.tokenize(text)
     assert again(text)["input_ids"] == tokenizer(text)["input_ids"]
+
+
+def test_a_tokenizer_path_that_is_a_file_is_named_as_such(tmp_path):
+    f = tmp_path / "tokenizer.txt"
+    f.write_text("not a folder")
+    with pytest.raises(DataError, match="is a file, not a folder"):
+        load_tokenizer(str(f))

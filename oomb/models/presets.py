@@ -180,8 +180,8 @@ def check_config_supported(config: PretrainedConfig) -> None:
     model_type = getattr(config, "model_type", None)
     if getattr(config, "is_encoder_decoder", False) or model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
-            f"model type {model_type!r} is not supported (oomb trains decoder-only causal LMs); "
-            f"use a model of type {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"model type {model_type!r} is not supported (oomb's engine plugs into the attention of the Qwen2/2.5, "
+            f"Llama 2/3, Mistral and Qwen3 implementations only); use a model of type {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     with torch.device("meta"):
         meta_model = AutoModelForCausalLM.from_config(config)
