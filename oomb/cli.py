@@ -816,6 +816,11 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
             f"log: {log_path}",
             file=sys.stderr,
         )
+        drawn = (args.steps - start_step) * K * W
+        if drawn > len(sequences):
+            print(f"oomb: note: {args.steps - start_step} steps x {K * W} sequences = {drawn} sequences from {len(sequences)}: "
+                  f"the data is repeated (~{drawn / len(sequences):.1f} passes); more data or fewer --steps avoids it",
+                  file=sys.stderr)
 
     def checkpoint(step: int) -> Path | None:
         if not main_rank:

@@ -582,3 +582,10 @@ def test_sparse_with_only_sink_and_local_pages_is_allowed(tmp_path, text_file, c
 def test_warmup_longer_than_the_run_is_noted(tmp_path, text_file, capsys):
     assert run_cli(["train", "--data", text_file, "--output-dir", tmp_path / "run", *FAST, "--steps", "1", "--warmup-steps", "5"]) == 0
     assert "--warmup-steps 5 >= --steps 1: the learning rate never reaches --lr" in capsys.readouterr().err
+
+
+def test_repeated_data_is_noted(tmp_path, text_file, capsys):
+    """More sequences drawn than the data holds: said once, with the number of passes (fresh-user review)."""
+    assert run_cli(["train", "--data", text_file, "--output-dir", tmp_path / "run", *FAST, "--steps", "40"]) == 0
+    err = capsys.readouterr().err
+    assert "the data is repeated" in err and "40 steps x 1 sequences = 40 sequences from" in err

@@ -449,14 +449,14 @@ class Engine:
         _sync(device)
         t0 = time.perf_counter()
         with torch.no_grad():
-            for c in tqdm(range(N - 1), desc="stage 1 (forward)", unit="chunk", disable=not progress, leave=False):
+            for c in tqdm(range(N - 1), desc="stage 1 (K/V; not the last chunk)", unit="chunk", disable=not progress, leave=False):
                 ctx = _ChunkContext(self, 1, c * C, C, False, _slice(doc_start, c * C, C))
                 self._run_chunk(input_ids, positions, ctx)
         _sync(device)
         t1 = time.perf_counter()
 
         total = torch.zeros((), dtype=torch.float64, device=device)
-        for c in tqdm(range(N - 1, -1, -1), desc="stage 2 (backward)", unit="chunk", disable=not progress, leave=False):
+        for c in tqdm(range(N - 1, -1, -1), desc="stage 2 (recompute + backward)", unit="chunk", disable=not progress, leave=False):
             s = c * C
             n = min(C, T - s)
             ctx = _ChunkContext(self, 2, s, n, c == N - 1, _slice(doc_start, s, n))
