@@ -195,7 +195,7 @@ def _build_parser() -> argparse.ArgumentParser:
     v.add_argument("--num-windows", type=int, default=None, help=f"windows to evaluate, from the start of the data; default: every whole window, at most {_EVAL_MAX_WINDOWS}")
     v.add_argument("--chunk-size", type=int, default=512, help="tokens per chunk")
     v.add_argument("--page-size", type=int, default=128, help="tokens per KV page; --chunk-size must be a multiple of it")
-    v.add_argument("--budgets", type=int, nargs="+", default=None, metavar="B", help="sparse page budgets to evaluate (pages per query block and KV head, each >= 1); default: dense only. The dense row is always included")
+    v.add_argument("--budgets", type=int, nargs="+", default=None, metavar="B", help="sparse page budgets to evaluate (pages per query block and KV head, each >= 0, besides the sink and local pages); default: dense only. The dense row is always included")
     v.add_argument("--sink-pages", type=int, default=1, help="with --budgets: first pages always attended")
     v.add_argument("--local-pages", type=int, default=8, help="with --budgets: latest past pages always attended")
     v.add_argument("--sparse-score", choices=["mean", "quest"], default="mean", help="with --budgets: page score (mean key, or Quest's min/max bound)")
@@ -1030,6 +1030,13 @@ def _load_model(args: argparse.Namespace, tokens, device, dtype, command: str):
     return model
 
 
+def _check_budgets_see_a_past(args: argparse.Namespace) -> None:
+    """A budget of 0 with --sink-pages 0 and --local-pages 0 attends to no past page at all (grad-error, eval)."""
+    if 0 in args.budgets and args.sink_pages + args.local_pages == 0:
+        raise UsageError("--budgets 0 with --sink-pages 0 and --local-pages 0 attends to no past page",
+                         "drop budget 0, or keep sink or local pages")
+
+
 def _note_dense_budgets(args: argparse.Namespace, budgets: Sequence[int], result: str) -> None:
     """Note on stderr the budgets that hold every past page of the last chunk (there sparse is dense)."""
     last_chunk_start = (args.seq_len - 1) // args.chunk_size * args.chunk_size
@@ -1052,6 +1059,7 @@ def _grad_error(args: argparse.Namespace) -> int:
     for b in args.budgets:
         if b < 0:
             raise UsageError(f"--budgets has {b}", "pass 0 or a positive number of pages for --budgets")
+    _check_budgets_see_a_past(args)
     _check_json_arg(args)
     from .config import OOMBConfig
     from .data import DataError, TokenSequences
@@ -1088,8 +1096,9 @@ def _eval(args: argparse.Namespace) -> int:
     _check_measure_sizes(args)
     args.budgets = args.budgets or []
     for b in args.budgets:
-        if b < 1:
-            raise UsageError(f"--budgets has {b}", "pass page budgets of 1 or more (the dense row is always included)")
+        if b < 0:
+            raise UsageError(f"--budgets has {b}", "pass 0 or a positive number of pages for --budgets (the dense row is always included)")
+    _check_budgets_see_a_past(args)
     if args.num_windows is not None and args.num_windows < 1:
         raise UsageError(f"--num-windows is {args.num_windows}", "pass 1 or more, or leave it out for every window")
     if args.attention_backend == "triton" and args.device != "cuda":

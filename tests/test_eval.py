@@ -148,7 +148,9 @@ def test_bad_eval_input_exits_2_with_one_line(tmp_path, text_file, tokens, capsy
     base = ["eval", "--data", text_file, *SMALL]
     _check_refused(run_cli(["eval", "--data", text_file, "--seq-len", n + 1]), capsys,
                    f"the data has {n:,} tokens, fewer than one window of --seq-len {n + 1}; pass --seq-len {n} or less")
-    _check_refused(run_cli([*base, "--budgets", "4", "0"]), capsys, "--budgets has 0")
+    # budget 0 means only the sink and local pages (as in train and grad-error); with neither, no past at all
+    _check_refused(run_cli([*base, "--budgets", "4", "0", "--sink-pages", "0", "--local-pages", "0"]), capsys,
+                   "--budgets 0 with --sink-pages 0 and --local-pages 0 attends to no past page")
     _check_refused(run_cli([*base, "--budgets", "-2"]), capsys, "--budgets has -2")
     _check_refused(run_cli([*base, "--num-windows", "0"]), capsys, "--num-windows is 0")
     _check_refused(run_cli([*base, "--num-windows", "999"]), capsys, f"pass --num-windows {n // S} or less")
