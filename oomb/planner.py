@@ -342,6 +342,7 @@ class MemoryPlan:
             f"  {'activations: saved':<40}{g(act['saved'])}",
             f"  {'activations: attention temporaries':<40}{g(act['attention_temp'])}",
             f"  {'activations: loss temporaries':<40}{g(act['loss_temp'])}",
+            *([f"  {'sparse: page summaries + selections':<40}{g(act['sparse_state'])}"] if "sparse_state" in act else []),
             f"  {'KV pages on GPU (' + ('all' if not t.offload else f'{t.resident_pages_per_layer} resident/layer') + ')':<40}"
             f"{g(self.gpu_pool - self.staging)}",
             f"  {self._staging_label():<40}{g(self.staging + self.own_buffers + self.write_buffers)}",
@@ -356,8 +357,8 @@ class MemoryPlan:
         if t.offload and self.traffic:
             h2d, d2h = self.traffic["h2d_bytes"], self.traffic["d2h_bytes"]
             rows.append(f"host<->GPU traffic per step: {h2d / GiB:,.1f} GiB in, {d2h / GiB:,.1f} GiB out "
-                        f"(~{(h2d + d2h) / _LINK_BYTES_PER_S:,.0f} s of copies at 55 GB/s on the one side stream, "
-                        "overlapped with compute)")
+                        f"(~{max(h2d, d2h) / _LINK_BYTES_PER_S:,.0f} s of copies at 55 GB/s each way, the two directions "
+                        "on their own streams, overlapped with compute)")
         rows += [
             f"largest context: {self.max_seq_len_gpu_only:,} tokens with every page on the GPU, "
             f"{self.max_seq_len_offload:,} with offload",
@@ -427,7 +428,7 @@ def _tier(L: int, n: int, pb: int, pool_budget: int, host_budget: int, offload: 
         return None, (f"the host tier needs {host / GiB:.2f} GiB of pinned memory but the budget is "
                       f"{host_budget / GiB:.2f} GiB; shorten the context, free host "
                       f"RAM, or keep more pages on the GPU ({R:,} of {n:,} per layer now) with less GPU memory for "
-                      "activations and weights: checkpoint_layers (--checkpoint-layers), LoRA or a smaller chunk")
+                      "activations and weights: checkpoint_layers, LoRA or a smaller chunk")
     return Tiering(R < n, used if R < n else None, R), None
 
 
@@ -450,6 +451,7 @@ def plan(
     machine: Machine | None = None,
     gpu_reserve_bytes: int | None = None,
     host_fraction: float = 0.75,
+    sparse: Any | None = None,
 ) -> MemoryPlan:
     """Predict GPU and host memory of training ``model`` on ``seq_len``-token sequences; nothing is allocated.
 
@@ -470,6 +472,11 @@ def plan(
         gpu_reserve_bytes: GPU bytes kept free for the CUDA allocator's fragmentation and library
             workspaces; default max(2 GiB, 3% of the GPU).
         host_fraction: share of available host RAM the pinned host tier may take.
+        sparse: None (dense), or an object with the sparse settings of :class:`oomb.OOMBConfig`
+            (``page_budget``, ``sink_pages``, ``local_pages``, ``sparse_score``, ``sparse_block_size``;
+            e.g. an ``OOMBConfig(sparse=True, ...)``): its page representatives and selections
+            (:func:`sparse_state_bytes`) and the engine's 4 GiB of extra headroom for sparse runs are
+            counted, and offload stages whole layers, as the engine does.
 
     Returns:
         :class:`MemoryPlan`; ``plan.fits`` / ``plan.check()`` say whether it fits.
@@ -482,6 +489,11 @@ def plan(
     machine = machine or Machine.detect()
     backend = "torch" if attention_backend == "torch" else "triton"
     reserve = gpu_reserve_bytes if gpu_reserve_bytes is not None else max(2 * GiB, int(0.03 * machine.gpu_total_bytes))
+    if sparse is not None:
+        # As choose_engine_tiering: 4 GiB more headroom (the 1M sparse step of 2026-11-30 ran out without it),
+        # and the sparse attention reads the past through one table, so offload stages whole layers.
+        reserve += 4 * GiB
+        offload_segment_pages = "layer"
     gpu_budget = max(machine.gpu_free_bytes - reserve, 0)
     host_budget = int(machine.host_available_bytes * host_fraction)
     L = shape.num_layers
@@ -497,6 +509,10 @@ def plan(
         parts = _base_gpu(shape, T, chunk_size, dtype, lora_rank, optimizer, checkpoint_layers, backend,
                           attention_block_size, loss_chunk_size)
         n_params, trainable, weights, grads, optim, act = parts
+        if sparse is not None:
+            act = dict(act, sparse_state=sparse_state_bytes(shape, T, _SparseView(sparse, page_size), dtype))
+            act["total"] += act["sparse_state"]
+            parts = (n_params, trainable, weights, grads, optim, act)
         return parts, weights + grads + optim + act["total"]
 
     def tier_for(T: int, off=offload, budget=gpu_page_budget):
@@ -620,6 +636,18 @@ def choose_tiering(model: Any, seq_len: int, **kwargs) -> Tiering:
     return plan(model, seq_len, **kwargs).check().tiering
 
 
+@dataclass(frozen=True)
+class _SparseView:
+    """The sparse settings of ``settings`` (an OOMBConfig or argparse namespace) with ``sparse`` set and the page size."""
+
+    settings: Any
+    page_size: int
+    sparse: bool = True
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.settings, name)
+
+
 def sparse_state_bytes(shape: "ModelShape", seq_len: int, config: Any, dtype: torch.dtype) -> int:
     """GPU bytes of the sparse state of one step (an upper bound): page representatives plus selections.
 
@@ -708,7 +736,19 @@ def plan_for_train_args(args: Any, dtype: torch.dtype, machine: Machine | None =
         offload={"auto": "auto", "on": True, "off": False}[getattr(args, "offload", "auto")],
         gpu_page_budget=getattr(args, "gpu_page_budget", None), machine=machine,
         offload_segment_pages="layer" if getattr(args, "sparse", False) else getattr(args, "offload_segment_pages", None),
+        sparse=_sparse_settings(args) if getattr(args, "sparse", False) else None,
     )
+
+
+def _sparse_settings(args: Any) -> Any:
+    """The sparse settings of parsed ``oomb train`` / ``oomb plan`` arguments, as plan() reads them."""
+    from types import SimpleNamespace
+
+    from .config import OOMBConfig
+
+    default = OOMBConfig()  # for settings a caller's namespace does not carry
+    names = ("page_budget", "sink_pages", "local_pages", "sparse_score", "sparse_block_size")
+    return SimpleNamespace(**{n: getattr(args, n, getattr(default, n)) for n in names})
 
 
 def run_plan(args: Any) -> int:
@@ -727,6 +767,7 @@ def run_plan(args: Any) -> int:
         attention_backend="torch" if args.attention_backend == "torch" else "triton",
         offload=offload, gpu_page_budget=args.gpu_page_budget, machine=machine,
         offload_segment_pages=args.offload_segment_pages,
+        sparse=_sparse_settings(args) if args.sparse else None,
     )
     print(p.table())
     return 0 if p.fits else 1

@@ -44,6 +44,12 @@ def add_plan_subcommand(subparsers: Any, **parser_kwargs: Any) -> Any:
     p.add_argument("--checkpoint-layers", action="store_true", help="per-layer checkpointing inside each chunk")
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto", help="attention implementation")
     add_offload_arguments(p)
+    p.add_argument("--sparse", action="store_true", help="page-level top-K sparse attention (counts its page summaries and "
+                   "selections, and offload stages whole layers, as oomb train does)")
+    p.add_argument("--page-budget", type=int, default=64, help="with --sparse: past pages selected per query block and KV head")
+    p.add_argument("--sink-pages", type=int, default=1, help="with --sparse: first pages always attended")
+    p.add_argument("--local-pages", type=int, default=8, help="with --sparse: latest past pages always attended")
+    p.add_argument("--sparse-score", choices=["mean", "quest"], default="mean", help="with --sparse: page score")
     p.add_argument("--gpu-gib", type=float, default=None, help="plan for this much free GPU memory (GiB) instead of this machine's")
     p.add_argument("--host-gib", type=float, default=None, help="plan for this much available host RAM (GiB) instead of this machine's")
     p.set_defaults(func=_run_plan)

@@ -192,3 +192,28 @@ def test_train_arguments_map_to_a_plan_and_engine_settings():
     args = parser.parse_args(["--offload", "off", "--checkpoint-layers"])
     with pytest.raises(MemoryPlanError, match="turn offload on"):
         plan_for_train_args(args, torch.bfloat16, machine=H200).check()
+
+
+def test_sparse_plan_counts_the_sparse_state_and_stages_whole_layers(capsys):
+    """`oomb plan --sparse` (a fresh-user review found the flag missing): the page summaries and selections the
+    engine keeps, the engine's extra 4 GiB of headroom for sparse runs, and whole-layer staging with offload."""
+    from oomb import OOMBConfig
+    from oomb.planner import sparse_state_bytes
+
+    kw = dict(machine=H200, optimizer=None, checkpoint_layers=True)
+    T = 1 << 20
+    dense = plan("qwen2.5-7b", T, **kw)
+    cfg = OOMBConfig(sparse=True, page_budget=64, chunk_size=4096, page_size=128)
+    sp = plan("qwen2.5-7b", T, sparse=cfg, **kw)
+    state = sparse_state_bytes(ModelShape.from_config(preset_config("qwen2.5-7b")), T, cfg, torch.bfloat16)
+    assert state > 0 and sp.activations["sparse_state"] == state
+    assert sp.activations["total"] == dense.activations["total"] + state
+    assert sp.gpu_budget == dense.gpu_budget - 4 * GiB
+    assert sp.tiering.offload and sp.segment_pages is None and dense.segment_pages is not None
+    assert "sparse: page summaries + selections" in sp.table()
+    parser = argparse.ArgumentParser()
+    add_plan_subcommand(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["plan", "--model", "qwen2.5-7b", "--seq-len", str(T), "--sparse", "--checkpoint-layers",
+                              "--no-optimizer", "--gpu-gib", "139.3", "--host-gib", "120"])
+    run_plan(args)
+    assert "sparse: page summaries + selections" in capsys.readouterr().out
