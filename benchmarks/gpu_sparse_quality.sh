@@ -18,7 +18,7 @@ F='warn|Warn|USDT'
 ls triton_cache.tgz.part-* >/dev/null 2>&1 && cat triton_cache.tgz.part-* | tar xz
 el "sparse steps"
 timeout ${T_SP:-200} python3 benchmarks/bench_sparse.py --model qwen2.5-7b --lengths 65536 262144 --systems sparse \
-  --offload off --warmup-len 8192 --out "$R" --tag ${TAG:-_2026-12-01} 2>&1 | grep -Ev "$F" | tail -8
+  --offload off --out "$R" --tag ${TAG:-_2026-12-01} 2>&1 | grep -Ev "$F" | tail -8
 el "train 8K"
 for b in oomb/resources/austen/*.txt; do [ "$(basename $b)" = emma.txt ] || cp "$b" $W/train/; done
 python3 - <<'PY'
