@@ -6,12 +6,7 @@
 #     the step is copy-heavy), with OOMB_OFFLOAD_COPY_STREAMS=1 (one stream, as before) and 2 (ORDER),
 #     each after a warm-up step of WARMUP tokens (default 64K: an 8K warm-up leaves kernels to compile).
 set -u
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD TRITON_CACHE_DIR=$PWD/.triton_cache TRITON_CACHE_AUTOTUNING=1
-OUT=${OUT:-benchmarks/results/tmp}
-R=${R:-/tmp/res}; mkdir -p "$R" "$OUT"
-t0=$(date +%s); el() { echo "[+$(( $(date +%s) - t0 ))s] $*"; }
-F='warn|Warn|USDT'
-ls triton_cache.tgz.part-* >/dev/null 2>&1 && cat triton_cache.tgz.part-* | tar xz
+. benchmarks/gpu_common.sh
 el "cuda offload tests (torch attention)"
 timeout ${T_TEST:-60} python3 -m pytest -q tests/test_offload.py -k "cuda and torch" -p no:cacheprovider 2>&1 | tail -3 | tee "$R/cuda_offload_tests.txt"
 el "copy duplex"

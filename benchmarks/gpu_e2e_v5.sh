@@ -8,15 +8,8 @@
 #     e.g. 262144, where HF is skipped). PARITY=0 skips step 2.
 # Everything under $OUT is packed into one tar (the device tool returns only a few files).
 set -u
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD TRITON_CACHE_DIR=$PWD/.triton_cache TRITON_CACHE_AUTOTUNING=1
-OUT=${OUT:-benchmarks/results/tmp}
-R=/tmp/res; mkdir -p "$R" "$OUT"
-t0=$(date +%s); el() { echo "[+$(( $(date +%s) - t0 ))s] $*"; }
-F='warn|Warn|USDT'
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c "import torch,transformers,triton;print('torch',torch.__version__,'transformers',transformers.__version__,'triton',triton.__version__)"
-} | tee "$R/env.txt"
-ls triton_cache.tgz.part-* >/dev/null 2>&1 && cat triton_cache.tgz.part-* | tar xz
+. benchmarks/gpu_common.sh
+gpu_env
 el "A/B forward"
 timeout ${T_AB:-90} python3 benchmarks/ab_forward.py --old ${OLD_FWD:-benchmarks/_old_fwd_4343a07.py} --out "$R" 2>&1 | grep -Ev "$F" | tail -4
 if [ "${PARITY:-1}" = 1 ]; then

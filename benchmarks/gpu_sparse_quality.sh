@@ -7,15 +7,9 @@
 #     budgets 4 / 16 / 64, float32 with the PyTorch reference attention (no fp32 kernel autotuning).
 # Everything under /tmp/res is packed into one tar in $OUT.
 set -u
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD TRITON_CACHE_DIR=$PWD/.triton_cache TRITON_CACHE_AUTOTUNING=1
-OUT=${OUT:-benchmarks/results/tmp}
-R=/tmp/res; W=/tmp/q; mkdir -p "$R" "$OUT" $W/train
-t0=$(date +%s); el() { echo "[+$(( $(date +%s) - t0 ))s] $*"; }
-F='warn|Warn|USDT'
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c "import torch,transformers,triton;print('torch',torch.__version__,'transformers',transformers.__version__,'triton',triton.__version__)"
-} | tee "$R/env.txt"
-ls triton_cache.tgz.part-* >/dev/null 2>&1 && cat triton_cache.tgz.part-* | tar xz
+. benchmarks/gpu_common.sh
+W=/tmp/q; mkdir -p $W/train
+gpu_env
 el "sparse steps"
 timeout ${T_SP:-200} python3 benchmarks/bench_sparse.py --model qwen2.5-7b --lengths 65536 262144 --systems sparse \
   --offload off --out "$R" --tag ${TAG:-_2026-12-01} 2>&1 | grep -Ev "$F" | tail -8
