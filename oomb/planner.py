@@ -490,6 +490,10 @@ def plan(
     backend = "torch" if attention_backend == "torch" else "triton"
     reserve = gpu_reserve_bytes if gpu_reserve_bytes is not None else max(2 * GiB, int(0.03 * machine.gpu_total_bytes))
     if sparse is not None:
+        from types import SimpleNamespace
+
+        # sparse_state_bytes reads the settings plus ``sparse`` and this plan's page size.
+        sparse_cfg = SimpleNamespace(**vars(_sparse_settings(sparse)), sparse=True, page_size=page_size)
         # As choose_engine_tiering: 4 GiB more headroom (the 1M sparse step of 2026-11-30 ran out without it),
         # and the sparse attention reads the past through one table, so offload stages whole layers.
         reserve += 4 * GiB
@@ -510,7 +514,7 @@ def plan(
                           attention_block_size, loss_chunk_size)
         n_params, trainable, weights, grads, optim, act = parts
         if sparse is not None:
-            act = dict(act, sparse_state=sparse_state_bytes(shape, T, _SparseView(sparse, page_size), dtype))
+            act = dict(act, sparse_state=sparse_state_bytes(shape, T, sparse_cfg, dtype))
             act["total"] += act["sparse_state"]
             parts = (n_params, trainable, weights, grads, optim, act)
         return parts, weights + grads + optim + act["total"]
@@ -636,18 +640,6 @@ def choose_tiering(model: Any, seq_len: int, **kwargs) -> Tiering:
     return plan(model, seq_len, **kwargs).check().tiering
 
 
-@dataclass(frozen=True)
-class _SparseView:
-    """The sparse settings of ``settings`` (an OOMBConfig or argparse namespace) with ``sparse`` set and the page size."""
-
-    settings: Any
-    page_size: int
-    sparse: bool = True
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.settings, name)
-
-
 def sparse_state_bytes(shape: "ModelShape", seq_len: int, config: Any, dtype: torch.dtype) -> int:
     """GPU bytes of the sparse state of one step (an upper bound): page representatives plus selections.
 
@@ -741,7 +733,8 @@ def plan_for_train_args(args: Any, dtype: torch.dtype, machine: Machine | None =
 
 
 def _sparse_settings(args: Any) -> Any:
-    """The sparse settings of parsed ``oomb train`` / ``oomb plan`` arguments, as plan() reads them."""
+    """The sparse settings of ``args`` (parsed ``oomb train`` / ``oomb plan`` arguments, or an OOMBConfig),
+    OOMBConfig's defaults for any it lacks, as a namespace."""
     from types import SimpleNamespace
 
     from .config import OOMBConfig
