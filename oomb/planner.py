@@ -352,7 +352,7 @@ class MemoryPlan:
             f"  {'KV pages in pinned memory':<40}{g(self.host_kv)}",
             f"  {'budget':<40}{g(self.host_budget)}",
             "",
-            f"tiering: {'offload, GPU pool ' + format(t.gpu_pages, ',') + ' pages' if t.offload else 'every page on the GPU'}",
+            f"tiering: {self._tiering_label()}",
         ]
         if t.offload and self.traffic:
             h2d, d2h = self.traffic["h2d_bytes"], self.traffic["d2h_bytes"]
@@ -366,6 +366,14 @@ class MemoryPlan:
         ]
         return "\n".join(rows)
 
+
+    def _tiering_label(self) -> str:
+        t = self.tiering
+        if not t.offload:
+            return "every page on the GPU"
+        if t.gpu_pages is None:  # no GPU pool fits (the reason is in problems)
+            return "offload, no GPU pool fits"
+        return f"offload, GPU pool {t.gpu_pages:,} pages"
 
     def _staging_label(self) -> str:
         if self.segment_pages is None:

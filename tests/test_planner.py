@@ -137,6 +137,12 @@ def test_impossible_runs_are_refused_clearly():
                          host_total_bytes=128 * GiB, gpu_name="H200")
     with pytest.raises(MemoryPlanError, match=r"keep more pages on the GPU \([\d,]+ of 8,192 per layer now\).*checkpoint_layers"):
         plan("qwen2.5-7b", 1 << 20, machine=small_host, optimizer=None).check()
+    # The refused plan still prints: with offload forced on and no pool that fits, table() crashed
+    # formatting the missing pool size (oomb plan --seq-len 1048576 --sparse --offload on, 2026-12-01).
+    for sparse in (None, {}):
+        refused = plan("qwen2.5-7b", 1 << 20, machine=small_host, offload=True, sparse=sparse)
+        assert not refused.fits and refused.tiering.gpu_pages is None
+        assert "offload, no GPU pool fits" in refused.table() and "DOES NOT FIT" in refused.table()
     with pytest.raises(MemoryPlanError, match="offload needs at least"):
         plan("qwen2.5-7b", 1 << 20, machine=H200, optimizer=None, checkpoint_layers=True, gpu_page_budget=100).check()
     no_gpu = Machine(gpu_free_bytes=0, gpu_total_bytes=0, host_available_bytes=64 * GiB, host_total_bytes=64 * GiB)
