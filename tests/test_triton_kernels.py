@@ -351,3 +351,27 @@ def test_dkdv_head_major_matches_reference(C, Hq, Hkv, D, past_len, S, transpose
         untouched = torch.ones(base.shape[0], dtype=torch.bool)
         untouched[btl] = False
         assert torch.equal(got[name].cpu()[untouched], base.cpu()[untouched])
+
+
+def test_forward_tma_path_matches_gather_path(monkeypatch):
+    """Full past tiles read through tensor descriptors (one page lookup, one box per tile) give the
+    same bits as the per-token gather, with a shuffled block table and a partial last page; a pool
+    that is not laid out densely, or OOMB_FWD_TMA=0, takes the gather path."""
+    S = max(c.kwargs["BLOCK_N"] for c in tpa._FWD_CONFIGS)  # 16 interpreted, 128 on a GPU
+    C, Hq, Hkv, D, past_len = 19, 8, 2, 64, 2 * S + 19
+    case = make_case(C, Hq, Hkv, D, past_len, S, seed=11)
+    args = (case["q"], case["k"], case["v"], case["k_cache"], case["v_cache"], case["block_table"], past_len)
+    assert tpa._use_tma(case["k_cache"], case["v_cache"], D, S)
+    out_tma, lse_tma = tpa.paged_attention_fwd(*args)
+    monkeypatch.setenv("OOMB_FWD_TMA", "0")
+    assert not tpa._use_tma(case["k_cache"], case["v_cache"], D, S)
+    out_gather, lse_gather = tpa.paged_attention_fwd(*args)
+    if DEVICE == "cpu":  # the interpreter runs the same products in the same order
+        assert torch.equal(out_tma, out_gather) and torch.equal(lse_tma, lse_gather)
+    else:
+        assert_close("out (tma vs gather)", out_tma, out_gather.double())
+        assert_close("lse (tma vs gather)", lse_tma, lse_gather.double())
+    monkeypatch.delenv("OOMB_FWD_TMA")
+    heads_outer = case["k_cache"].transpose(1, 2).contiguous().transpose(1, 2)  # [P, S, Hkv, D] view, heads outer
+    assert not tpa._use_tma(heads_outer, heads_outer, D, S)
+    assert not tpa._use_tma(case["k_cache"], case["v_cache"], D, S // 2)  # a page smaller than a tile

@@ -71,9 +71,10 @@ the reference run in fp16; bf16 out/dq/dk/dv 1.4x; bf16 past dK/dV 1.7e-3 relati
 reference-in-bf16 (whose products are TF32) but 0.58x SDPA flash's error on the same problem.
 
 Speed on an H200 (Qwen2.5-7B attention, bf16, 4096 queries, 32K / 128K past tokens): forward
-395 / 384 TFLOP/s (1.26x / 1.17x SDPA flash; benchmarks/NOTES.md "Kernels" runs v3 and v4);
-backward 334 / 341 (1.06x / 1.06x SDPA flash; "Kernels" run v5, in which the earlier
-row-interleaved dk/dv walk gave 262 / 267, 0.83x).
+420 / 436 TFLOP/s with the full past tiles read through tensor descriptors (TMA; 380 / 384 with
+the per-token gather in the same process, bitwise-equal outputs; 1.40x SDPA flash at 128K;
+benchmarks/NOTES.md, fourth 2026-12-01 session); backward 334 / 341 (1.06x / 1.06x SDPA flash;
+"Kernels" run v5, in which the earlier row-interleaved dk/dv walk gave 262 / 267, 0.83x).
 """
 
 from __future__ import annotations
@@ -177,6 +178,7 @@ def _paged_attn_fwd_kernel(
     past_start,  # first past token read (the part's start; 0 = the whole past)
     past_len,
     qk_scale,  # softmax_scale * log2(e)
+    n_rows, n_cols,  # USE_TMA: the pools seen as [n_rows, n_cols] = [P * S, Hkv * D]
     stride_q_c, stride_q_h, stride_q_d,
     stride_k_c, stride_k_h, stride_k_d,
     stride_v_c, stride_v_h, stride_v_d,
@@ -193,6 +195,7 @@ def _paged_attn_fwd_kernel(
     HAS_DOC: tl.constexpr,
     HAS_OWN: tl.constexpr,  # False: a past-only part (the chunk's own keys are left out)
     PART: tl.constexpr,  # past_start > 0 (see _past_from below)
+    USE_TMA: tl.constexpr,  # full past tiles through tensor descriptors (see _use_tma)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -241,15 +244,31 @@ def _paged_attn_fwd_kernel(
         past_end = past_len
 
     # (a) Past tokens through the block table: full tiles unmasked, then the tail tile.
-    for start in range(past_start, n_full, BLOCK_N):
-        tok = start + offs_n
-        tok_mask = tok < past_len
-        k = _load_rows(kc, _past_token_offsets(block_table_ptr, tok, tok_mask, stride_kc_p, stride_kc_t, PAGE_SIZE), tok_mask, offs_d, d_mask, stride_kc_d)
-        v = _load_rows(vc, _past_token_offsets(block_table_ptr, tok, tok_mask, stride_vc_p, stride_vc_t, PAGE_SIZE), tok_mask, offs_d, d_mask, stride_vc_d)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k, v, None, qk_scale, False, DOT_PREC)
+    if USE_TMA:
+        # A full tile lies inside one page (PAGE_SIZE % BLOCK_N == 0): one page lookup, then one
+        # [BLOCK_N, HEAD_DIM] box of the pool seen as [pages * PAGE_SIZE, Hkv * HEAD_DIM] rows.
+        k_desc = tl.make_tensor_descriptor(k_cache_ptr, shape=[n_rows, n_cols], strides=[n_cols, 1], block_shape=[BLOCK_N, BLOCK_D])
+        v_desc = tl.make_tensor_descriptor(v_cache_ptr, shape=[n_rows, n_cols], strides=[n_cols, 1], block_shape=[BLOCK_N, BLOCK_D])
+        col = (hkv * HEAD_DIM).to(tl.int32)
+        for start in range(past_start, n_full, BLOCK_N):
+            slot = tl.load(block_table_ptr + start // PAGE_SIZE)
+            row = slot * PAGE_SIZE + start % PAGE_SIZE
+            k = k_desc.load([row, col])
+            v = v_desc.load([row, col])
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k, v, None, qk_scale, False, DOT_PREC)
+    else:
+        for start in range(past_start, n_full, BLOCK_N):
+            tok = start + offs_n
+            tok_mask = tok < past_len
+            k = _load_rows(kc, _past_token_offsets(block_table_ptr, tok, tok_mask, stride_kc_p, stride_kc_t, PAGE_SIZE), tok_mask, offs_d, d_mask, stride_kc_d)
+            v = _load_rows(vc, _past_token_offsets(block_table_ptr, tok, tok_mask, stride_vc_p, stride_vc_t, PAGE_SIZE), tok_mask, offs_d, d_mask, stride_vc_d)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k, v, None, qk_scale, False, DOT_PREC)
     if n_full < past_end:
         tok = n_full + offs_n
         tok_mask = tok < past_len
@@ -718,6 +737,41 @@ def _cache_args(k_cache, v_cache, block_table, past_len, like):
     return like, like, dummy_bt, (0, 0, 0, 0), (0, 0, 0, 0)
 
 
+_TMA_SCRATCH_SET = False
+
+
+def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global scratch for the descriptors a kernel builds on the device (``triton.set_allocator``)."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _use_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int, page_size: int) -> bool:
+    """Whether the forward reads its full past tiles through tensor descriptors (TMA on Hopper).
+
+    Needs: pools laid out [P, S, Hkv, D] densely (so a page's rows of one head are a box of the
+    pool seen as [P * S, Hkv * D]), a power-of-two head dim (the box is HEAD_DIM wide), pages a
+    multiple of every autotuned BLOCK_N (a full tile never straddles two pages), 16-byte aligned
+    bases and fewer than 2**31 rows. ``OOMB_FWD_TMA=0`` turns it off (A/B runs). Packed documents
+    keep the gather path (their tiles are masked).
+    """
+    global _TMA_SCRATCH_SET
+    if os.environ.get("OOMB_FWD_TMA", "1") == "0":
+        return False
+    P, S, Hkv, D = k_cache.shape
+    dense = (S * Hkv * D, Hkv * D, D, 1)
+    block_n = max(c.kwargs["BLOCK_N"] for c in _FWD_CONFIGS)
+    ok = (
+        k_cache.stride() == dense and v_cache.stride() == dense and tuple(v_cache.shape) == (P, S, Hkv, D)
+        and head_dim == triton.next_power_of_2(head_dim) and head_dim >= 16 and page_size % block_n == 0
+        and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0 and P * S < 2**31
+        and (_INTERPRET or torch.cuda.get_device_capability(k_cache.device)[0] >= 9)
+    )
+    if ok and not _INTERPRET and not _TMA_SCRATCH_SET:
+        triton.set_allocator(_tma_scratch)
+        _TMA_SCRATCH_SET = True
+    return ok
+
+
 def paged_attention_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -779,6 +833,7 @@ def paged_attention_fwd(
         return out, lse
     G = Hq // Hkv
     kc, vc, bt, skc, svc = _cache_args(k_cache, v_cache, block_table, past_len, k)
+    use_tma = past_len > 0 and doc is None and _use_tma(kc, vc, D, page_size)
 
     def grid(meta):
         return (triton.cdiv(C * G, meta["BLOCK_M"]), Hkv)
@@ -795,7 +850,8 @@ def paged_attention_fwd(
         stride_lse_h=lse.stride(0), doc_ptr=doc if doc is not None else bt,
         G=G, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_D=max(16, triton.next_power_of_2(D)),
         UPCAST=_INTERPRET, DOT_PREC=_dot_precision(q.dtype), HAS_DOC=doc is not None, HAS_OWN=bool(include_own),
-        PART=past_start > 0,
+        PART=past_start > 0, USE_TMA=use_tma, n_rows=kc.shape[0] * kc.shape[1] if use_tma else 0,
+        n_cols=kc.shape[2] * kc.shape[3] if use_tma else 0,
     )
     return out, lse
 
