@@ -549,6 +549,21 @@ def _preset_names() -> list[str]:
     return preset_names()
 
 
+def _store_summary(store, seq_len: int, page_size: int, seconds: float) -> str:
+    """One line on the KV store ``oomb train`` allocated: where the pages live and what it cost."""
+    def size(b: int) -> str:
+        return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
+
+    host = getattr(store, "host_nbytes", 0)
+    dev = store.device.type
+    if not host:
+        return f"KV store: every page on the {dev.upper()} ({size(store.nbytes)})"
+    n = -(-seq_len // page_size)
+    return (f"KV store: offload, {store.resident_pages_per_layer:,} of {n:,} pages per layer resident, "
+            f"{size(store.nbytes)} {dev.upper()} pool + {size(host)} "
+            f"{'pinned ' if dev == 'cuda' else ''}host memory (allocated once, in {seconds:.1f} s)")
+
+
 def _fingerprint(args: argparse.Namespace, tokens, dtype, world_size: int) -> dict:
     """What a checkpoint's run and the resuming run must share (see --resume in --help)."""
     import hashlib
@@ -738,8 +753,9 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
     # Allocate the KV store for --seq-len now, so that a run that does not fit (GPU page budget, host
     # memory, GPU memory) is refused before the output directory is touched.
     reserve = getattr(engine, "reserve", None) or engine._ensure_store
+    t_reserve = time.perf_counter()
     try:
-        reserve(args.seq_len)
+        store = reserve(args.seq_len)
     except ValueError as exc:  # MemoryPlanError and page-budget errors
         raise _usage_from(exc, "see 'oomb plan --help' to size the run") from exc
     except torch.OutOfMemoryError as exc:
@@ -747,6 +763,8 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
             f"the KV store for --seq-len {args.seq_len} does not fit in GPU memory",
             "use a shorter --seq-len, --offload on, --checkpoint-layers or --lora-rank (see 'oomb plan')",
         ) from exc
+
+    t_reserve_s = time.perf_counter() - t_reserve
 
     params = [p for p in model.parameters() if p.requires_grad]
     fused = device.type == "cuda"
@@ -773,7 +791,8 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         if ctx.is_main:
             print(f"oomb: resuming from {path} (step {start_step})", file=sys.stderr)
     return dict(tokenizer=tokenizer, tokens=tokens, sequences=sequences, model=model, engine=engine, params=params,
-                optimizer=optimizer, fingerprint=fingerprint, start_step=start_step)
+                optimizer=optimizer, fingerprint=fingerprint, start_step=start_step,
+                store_summary=_store_summary(store, args.seq_len, args.page_size, t_reserve_s))
 
 
 def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> int:
@@ -816,6 +835,7 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
             f"log: {log_path}",
             file=sys.stderr,
         )
+        print(f"oomb: {run['store_summary']}", file=sys.stderr)
         drawn = (args.steps - start_step) * K * W
         if drawn > len(sequences):
             print(f"oomb: note: {args.steps - start_step} steps x {K * W} sequences = {drawn} sequences from {len(sequences)}: "

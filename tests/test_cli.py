@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -94,13 +95,18 @@ def test_lora_run_saves_only_an_adapter(tmp_path, text_file):
     assert any(v.abs().sum() > 0 for k, v in adapter.items() if "lora_B" in k)
 
 
-def test_offloaded_kv_store_gives_the_same_losses(tmp_path, text_file):
-    losses = {}
+def test_offloaded_kv_store_gives_the_same_losses(tmp_path, text_file, capsys):
+    losses, said = {}, {}
     for offload in ("off", "on"):
         out = tmp_path / offload
         assert run_cli(["train", "--data", text_file, "--output-dir", out, "--offload", offload, *FAST]) == 0
         losses[offload] = [json.loads(line)["loss"] for line in (out / "log.jsonl").read_text().splitlines()]
+        said[offload] = capsys.readouterr().err
     assert losses["on"] == losses["off"]
+    # The startup lines say where the KV pages live (a 1M-token run pins ~75 GiB of host memory once).
+    assert "oomb: KV store: every page on the CPU (" in said["off"]
+    assert re.search(r"oomb: KV store: offload, 0 of \d+ pages per layer resident, [\d.]+ MiB CPU pool \+ "
+                     r"[\d.]+ MiB host memory \(allocated once, in [\d.]+ s\)", said["on"]), said["on"]
 
 
 def test_plan_subcommand(capsys):
