@@ -362,15 +362,19 @@ def test_forward_tma_path_matches_gather_path(monkeypatch):
     case = make_case(C, Hq, Hkv, D, past_len, S, seed=11)
     args = (case["q"], case["k"], case["v"], case["k_cache"], case["v_cache"], case["block_table"], past_len)
     assert tpa._use_tma(case["k_cache"], case["v_cache"], D, S)
-    out_tma, lse_tma = tpa.paged_attention_fwd(*args)
-    monkeypatch.setenv("OOMB_FWD_TMA", "0")
-    assert not tpa._use_tma(case["k_cache"], case["v_cache"], D, S)
-    out_gather, lse_gather = tpa.paged_attention_fwd(*args)
-    if DEVICE == "cpu":  # the interpreter runs the same products in the same order
-        assert torch.equal(out_tma, out_gather) and torch.equal(lse_tma, lse_gather)
-    else:
-        assert_close("out (tma vs gather)", out_tma, out_gather.double())
-        assert_close("lse (tma vs gather)", lse_tma, lse_gather.double())
+    # Whole past; a part from a page boundary (TMA); a part from inside a page (its tiles straddle
+    # pages, so the launcher keeps the gather).
+    for past_start in (0, S, S + 3):
+        monkeypatch.delenv("OOMB_FWD_TMA", raising=False)
+        out_tma, lse_tma = tpa.paged_attention_fwd(*args, past_start=past_start)
+        monkeypatch.setenv("OOMB_FWD_TMA", "0")
+        assert not tpa._use_tma(case["k_cache"], case["v_cache"], D, S)
+        out_gather, lse_gather = tpa.paged_attention_fwd(*args, past_start=past_start)
+        if DEVICE == "cpu":  # the interpreter runs the same products in the same order
+            assert torch.equal(out_tma, out_gather) and torch.equal(lse_tma, lse_gather), past_start
+        else:
+            assert_close(f"out (tma vs gather, past_start {past_start})", out_tma, out_gather.double())
+            assert_close(f"lse (tma vs gather, past_start {past_start})", lse_tma, lse_gather.double())
     monkeypatch.delenv("OOMB_FWD_TMA")
     heads_outer = case["k_cache"].transpose(1, 2).contiguous().transpose(1, 2)  # [P, S, Hkv, D] view, heads outer
     assert not tpa._use_tma(heads_outer, heads_outer, D, S)

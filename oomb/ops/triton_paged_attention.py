@@ -751,8 +751,8 @@ def _use_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int, page_s
     Needs: pools laid out [P, S, Hkv, D] densely (so a page's rows of one head are a box of the
     pool seen as [P * S, Hkv * D]), a power-of-two head dim (the box is HEAD_DIM wide), pages a
     multiple of every autotuned BLOCK_N (a full tile never straddles two pages), 16-byte aligned
-    bases and fewer than 2**31 rows. ``OOMB_FWD_TMA=0`` turns it off (A/B runs). Packed documents
-    keep the gather path (their tiles are masked).
+    bases and fewer than 2**31 rows; the launcher adds a page-aligned ``past_start``. ``OOMB_FWD_TMA=0``
+    turns it off (A/B runs). Packed documents keep the gather path (their tiles are masked).
     """
     global _TMA_SCRATCH_SET
     if os.environ.get("OOMB_FWD_TMA", "1") == "0":
@@ -833,7 +833,8 @@ def paged_attention_fwd(
         return out, lse
     G = Hq // Hkv
     kc, vc, bt, skc, svc = _cache_args(k_cache, v_cache, block_table, past_len, k)
-    use_tma = past_len > 0 and doc is None and _use_tma(kc, vc, D, page_size)
+    # A part's tiles start at past_start: page-aligned tiles need it on a page boundary.
+    use_tma = past_len > 0 and doc is None and past_start % page_size == 0 and _use_tma(kc, vc, D, page_size)
 
     def grid(meta):
         return (triton.cdiv(C * G, meta["BLOCK_M"]), Hkv)
