@@ -379,3 +379,63 @@ def test_forward_tma_path_matches_gather_path(monkeypatch):
     heads_outer = case["k_cache"].transpose(1, 2).contiguous().transpose(1, 2)  # [P, S, Hkv, D] view, heads outer
     assert not tpa._use_tma(heads_outer, heads_outer, D, S)
     assert not tpa._use_tma(case["k_cache"], case["v_cache"], D, S // 2)  # a page smaller than a tile
+
+
+@pytest.mark.parametrize("transposed_q", [False, True])
+def test_backward_tma_paths_match_gather_paths(monkeypatch, transposed_q):
+    """The dq kernel's full past tiles through tensor descriptors (OOMB_BWD_TMA) and the dk/dv kernel's
+    q/dout row tiles through [Hq, C, D] descriptors (OOMB_DKDV_TMA; an odd C leaves a last row tile
+    the descriptor must zero-fill) give the same bits as the gathers, for the whole past, a part from a
+    page boundary and a part from inside a page (gather kept for the dq past tiles there), with
+    gradient pages that already hold sums."""
+    S = max(c.kwargs["BLOCK_N"] for c in tpa._DQ_CONFIGS)  # 16 interpreted, 128 on a GPU
+    C, Hq, Hkv, D, past_len = 19, 8, 2, 64, 2 * S + 19
+    case = make_case(C, Hq, Hkv, D, past_len, S, seed=12, transposed_q=transposed_q)
+    args = (case["q"], case["k"], case["v"], case["k_cache"], case["v_cache"], case["block_table"], past_len)
+    assert tpa._use_tma(case["k_cache"], case["v_cache"], D, S, tpa._DQ_CONFIGS, "OOMB_BWD_TMA")
+    assert tpa._qo_tma(case["q"], case["dout"], D)
+    gen = torch.Generator().manual_seed(2)
+    base_k = torch.randn(case["k_cache"].shape, generator=gen).to(DEVICE)
+    base_v = torch.randn(case["v_cache"].shape, generator=gen).to(DEVICE)
+    out, lse = tpa.paged_attention_fwd(*args)
+    for past_start in (0, S, S + 3):
+        got = {}
+        for flag in ("1", "0"):
+            monkeypatch.setenv("OOMB_BWD_TMA", flag)
+            monkeypatch.setenv("OOMB_DKDV_TMA", flag)
+            dkc, dvc = base_k.clone(), base_v.clone()
+            dq, dk, dv = tpa.paged_attention_bwd(case["dout"], *args[:3], out, lse, *args[3:], dkc, dvc, past_start=past_start)
+            got[flag] = dict(dq=dq, dk=dk, dv=dv, dk_cache=dkc, dv_cache=dvc)
+        assert not tpa._qo_tma(case["q"], case["dout"], D)
+        for name, tma in got["1"].items():
+            gather = got["0"][name]
+            if DEVICE == "cpu":  # the interpreter runs the same products in the same order
+                assert torch.equal(tma, gather), (name, past_start)
+            else:
+                assert_close(f"{name} (tma vs gather, past_start {past_start})", tma, gather.double())
+    monkeypatch.delenv("OOMB_DKDV_TMA")
+    strided = case["q"][:, :, ::2]  # innermost stride 2: no descriptor
+    assert not tpa._qo_tma(strided, strided, D // 2)
+
+
+def test_tma_allocator_is_set_in_every_thread():
+    """Triton keeps its allocator per thread (a ContextVar), and autograd runs the backward on its own
+    thread: a launch with descriptors must set it in the thread that launches (on the H200 a backward
+    failed with "no allocator was set" when only the main thread had it)."""
+    import threading
+
+    from triton.runtime import _allocation
+
+    case = make_case(3, 2, 1, 64, 16, 16, seed=0)
+    seen = {}
+
+    def worker():
+        seen["before"] = _allocation._allocator.get()
+        tpa._qo_tma(case["q"], case["dout"], 64)
+        seen["after"] = _allocation._allocator.get()
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert isinstance(seen["before"], _allocation.NullAllocator)
+    assert seen["after"] is tpa._tma_scratch

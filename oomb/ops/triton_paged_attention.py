@@ -341,7 +341,7 @@ def _dq_tile(dq, q, do, k, v, lse2, delta, s_mask, qk_scale, MASKED: tl.constexp
     return dq + tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
 
 
-@triton.autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY, cache_results=True)
+@triton.autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY + ["USE_TMA"], cache_results=True)
 @triton.jit
 def _paged_attn_bwd_dq_kernel(
     q_ptr,  # [C, Hq, D]
@@ -360,6 +360,7 @@ def _paged_attn_bwd_dq_kernel(
     past_len,
     qk_scale,  # softmax_scale * log2(e)
     softmax_scale,
+    n_rows, n_cols,  # USE_TMA: the pools seen as [n_rows, n_cols] = [P * S, Hkv * D]
     stride_q_c, stride_q_h, stride_q_d,
     stride_k_c, stride_k_h, stride_k_d,
     stride_v_c, stride_v_h, stride_v_d,
@@ -378,6 +379,7 @@ def _paged_attn_bwd_dq_kernel(
     HAS_DOC: tl.constexpr,
     HAS_OWN: tl.constexpr,  # False: a past-only part (the chunk's own keys are left out)
     PART: tl.constexpr,  # past_start > 0 (see _past_from below)
+    USE_TMA: tl.constexpr,  # full past tiles through tensor descriptors (see _use_tma)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -422,15 +424,30 @@ def _paged_attn_bwd_dq_kernel(
             dq = _dq_tile(dq, q, do, k, v, lse2, delta, s_mask, qk_scale, True, DOT_PREC)
         n_full = 0
         past_end = 0
-    for start in range(past_start, n_full, BLOCK_N):
-        tok = start + offs_n
-        tok_mask = tok < past_len
-        k = _load_rows(kc, _past_token_offsets(block_table_ptr, tok, tok_mask, stride_kc_p, stride_kc_t, PAGE_SIZE), tok_mask, offs_d, d_mask, stride_kc_d)
-        v = _load_rows(vc, _past_token_offsets(block_table_ptr, tok, tok_mask, stride_vc_p, stride_vc_t, PAGE_SIZE), tok_mask, offs_d, d_mask, stride_vc_d)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        dq = _dq_tile(dq, q, do, k, v, lse2, delta, None, qk_scale, False, DOT_PREC)
+    if USE_TMA:
+        # As in the forward: one page lookup and one box per full tile.
+        k_desc = tl.make_tensor_descriptor(k_cache_ptr, shape=[n_rows, n_cols], strides=[n_cols, 1], block_shape=[BLOCK_N, BLOCK_D])
+        v_desc = tl.make_tensor_descriptor(v_cache_ptr, shape=[n_rows, n_cols], strides=[n_cols, 1], block_shape=[BLOCK_N, BLOCK_D])
+        col = (hkv * HEAD_DIM).to(tl.int32)
+        for start in range(past_start, n_full, BLOCK_N):
+            slot = tl.load(block_table_ptr + start // PAGE_SIZE)
+            row = slot * PAGE_SIZE + start % PAGE_SIZE
+            k = k_desc.load([row, col])
+            v = v_desc.load([row, col])
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            dq = _dq_tile(dq, q, do, k, v, lse2, delta, None, qk_scale, False, DOT_PREC)
+    else:
+        for start in range(past_start, n_full, BLOCK_N):
+            tok = start + offs_n
+            tok_mask = tok < past_len
+            k = _load_rows(kc, _past_token_offsets(block_table_ptr, tok, tok_mask, stride_kc_p, stride_kc_t, PAGE_SIZE), tok_mask, offs_d, d_mask, stride_kc_d)
+            v = _load_rows(vc, _past_token_offsets(block_table_ptr, tok, tok_mask, stride_vc_p, stride_vc_t, PAGE_SIZE), tok_mask, offs_d, d_mask, stride_vc_d)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            dq = _dq_tile(dq, q, do, k, v, lse2, delta, None, qk_scale, False, DOT_PREC)
     if n_full < past_end:
         tok = n_full + offs_n
         tok_mask = tok < past_len
@@ -492,15 +509,22 @@ _DKDV5_CONFIGS = _configs([(64, 128, 8, 3), (64, 128, 8, 4), (64, 128, 8, 2)])
 
 
 @triton.jit
-def _dkdv5_tile(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_ptr, key_off, i0, C, j, offs_m, offs_d, d_mask,
-                qk_scale, stride_q_c, stride_q_d, stride_do_c, stride_do_d,
-                CAUSAL: tl.constexpr, HAS_DOC: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
-    """dk/dv [N, D] += contributions of queries [i0, i0 + BLOCK_M) of one head (pointers already at that head)."""
+def _dkdv5_tile(dk, dv, k, v, q_ptr, do_ptr, q_desc, do_desc, head, lse_ptr, delta_ptr, doc_ptr, key_off, i0, C, j, offs_m, offs_d,
+                d_mask, qk_scale, stride_q_c, stride_q_d, stride_do_c, stride_do_d,
+                CAUSAL: tl.constexpr, HAS_DOC: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+                QO_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """dk/dv [N, D] += contributions of queries [i0, i0 + BLOCK_M) of one head (pointers already at that head;
+    with QO_TMA q/dout come from the [Hq, C, D] descriptors at ``head`` instead)."""
     i = i0 + offs_m
     i_mask = i < C
-    # Rows past C read q = dout = lse = delta = 0 and so contribute exactly 0.
-    q = _load_rows(q_ptr, i.to(tl.int64) * stride_q_c, i_mask, offs_d, d_mask, stride_q_d)
-    do = _load_rows(do_ptr, i.to(tl.int64) * stride_do_c, i_mask, offs_d, d_mask, stride_do_d)
+    # Rows past C read q = dout = lse = delta = 0 and so contribute exactly 0 (the descriptors
+    # zero-fill rows outside [0, C) too).
+    if QO_TMA:
+        q = q_desc.load([head, i0, 0]).reshape([BLOCK_M, BLOCK_D])
+        do = do_desc.load([head, i0, 0]).reshape([BLOCK_M, BLOCK_D])
+    else:
+        q = _load_rows(q_ptr, i.to(tl.int64) * stride_q_c, i_mask, offs_d, d_mask, stride_q_d)
+        do = _load_rows(do_ptr, i.to(tl.int64) * stride_do_c, i_mask, offs_d, d_mask, stride_do_d)
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
@@ -521,24 +545,24 @@ def _dkdv5_tile(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_ptr, key_of
 
 
 @triton.jit
-def _dkdv5_loop(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, doc_ptr, key_off, i_lo, n_t, C, j, hkv, offs_m, offs_d, d_mask,
-                qk_scale, stride_q_c, stride_q_h, stride_q_d, stride_do_c, stride_do_h, stride_do_d, stride_lse_h, stride_delta_h,
-                G: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOC: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
-                BLOCK_M: tl.constexpr):
+def _dkdv5_loop(dk, dv, k, v, q_ptr, do_ptr, q_desc, do_desc, lse_ptr, delta_ptr, doc_ptr, key_off, i_lo, n_t, C, j, hkv, offs_m,
+                offs_d, d_mask, qk_scale, stride_q_c, stride_q_h, stride_q_d, stride_do_c, stride_do_h, stride_do_d, stride_lse_h,
+                stride_delta_h, G: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOC: tl.constexpr, UPCAST: tl.constexpr,
+                DOT_PREC: tl.constexpr, QO_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """Query tiles [i_lo + t * BLOCK_M) for t < n_t, of each of the G heads in turn: one flat loop (pipelines as one)."""
     for t in range(0, G * n_t):
         g = t // n_t
         i0 = i_lo + (t - g * n_t) * BLOCK_M
         head = hkv * G + g  # int64
-        dk, dv = _dkdv5_tile(dk, dv, k, v, q_ptr + head * stride_q_h, do_ptr + head * stride_do_h,
-                             lse_ptr + head * stride_lse_h, delta_ptr + head * stride_delta_h, doc_ptr, key_off, i0, C, j,
-                             offs_m, offs_d, d_mask, qk_scale, stride_q_c, stride_q_d, stride_do_c, stride_do_d,
-                             CAUSAL, HAS_DOC, UPCAST, DOT_PREC)
+        dk, dv = _dkdv5_tile(dk, dv, k, v, q_ptr + head * stride_q_h, do_ptr + head * stride_do_h, q_desc, do_desc,
+                             head.to(tl.int32), lse_ptr + head * stride_lse_h, delta_ptr + head * stride_delta_h, doc_ptr,
+                             key_off, i0, C, j, offs_m, offs_d, d_mask, qk_scale, stride_q_c, stride_q_d, stride_do_c,
+                             stride_do_d, CAUSAL, HAS_DOC, UPCAST, DOT_PREC, QO_TMA, BLOCK_M, BLOCK_D)
     return dk, dv
 
 
 # restore_value: autotuning runs the kernel once per config; the gradient pages must not keep those sums.
-@triton.autotune(configs=_DKDV5_CONFIGS, key=[k for k in _AUTOTUNE_KEY if k != "HAS_OWN"] + ["IS_PAST"], restore_value=["dk_ptr", "dv_ptr"], cache_results=True)
+@triton.autotune(configs=_DKDV5_CONFIGS, key=[k for k in _AUTOTUNE_KEY if k != "HAS_OWN"] + ["IS_PAST", "QO_TMA"], restore_value=["dk_ptr", "dv_ptr"], cache_results=True)
 @triton.jit
 def _paged_attn_bwd_dkdv5_kernel(
     q_ptr,  # [C, Hq, D]
@@ -557,6 +581,7 @@ def _paged_attn_bwd_dkdv5_kernel(
     key_off,  # absolute token of key 0: 0 (IS_PAST) or past_len
     qk_scale,  # softmax_scale * log2(e)
     softmax_scale,
+    Hq,
     stride_q_c, stride_q_h, stride_q_d,
     stride_k_p, stride_k_t, stride_k_h, stride_k_d,  # own k: stride_k_p unused, stride_k_t = token stride
     stride_v_p, stride_v_t, stride_v_h, stride_v_d,
@@ -571,6 +596,7 @@ def _paged_attn_bwd_dkdv5_kernel(
     BLOCK_D: tl.constexpr,
     IS_PAST: tl.constexpr,
     PART: tl.constexpr,  # key_start > 0
+    QO_TMA: tl.constexpr,  # q/dout row tiles through [Hq, C, D] tensor descriptors (see _qo_tma)
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
     HAS_DOC: tl.constexpr,
@@ -601,24 +627,32 @@ def _paged_attn_bwd_dkdv5_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
     n_tiles = tl.cdiv(C, BLOCK_M)
+    if QO_TMA:
+        q_desc = tl.make_tensor_descriptor(q_ptr, shape=[Hq, C, HEAD_DIM], strides=[stride_q_h, stride_q_c, 1],
+                                           block_shape=[1, BLOCK_M, BLOCK_D])
+        do_desc = tl.make_tensor_descriptor(dout_ptr, shape=[Hq, C, HEAD_DIM], strides=[stride_do_h, stride_do_c, 1],
+                                            block_shape=[1, BLOCK_M, BLOCK_D])
+    else:
+        q_desc = q_ptr
+        do_desc = dout_ptr
     if IS_PAST:
         # Every query of the chunk sees every past token (without packed documents): no causal mask.
-        dk, dv = _dkdv5_loop(dk, dv, k, v, q_ptr, dout_ptr, lse_ptr, delta_ptr, doc_ptr, key_off, 0, n_tiles, C, j, hkv,
+        dk, dv = _dkdv5_loop(dk, dv, k, v, q_ptr, dout_ptr, q_desc, do_desc, lse_ptr, delta_ptr, doc_ptr, key_off, 0, n_tiles, C, j, hkv,
                              offs_m, offs_d, d_mask, qk_scale, stride_q_c, stride_q_h, stride_q_d,
                              stride_do_c, stride_do_h, stride_do_d, stride_lse_h, stride_delta_h,
-                             G, False, HAS_DOC, UPCAST, DOT_PREC, BLOCK_M)
+                             G, False, HAS_DOC, UPCAST, DOT_PREC, QO_TMA, BLOCK_M, BLOCK_D)
     else:
         # Queries i >= j0 see this tile; query tiles starting at or after its last key need no mask.
         t_lo = j0 // BLOCK_M
         t_mid = tl.minimum(tl.cdiv(j0 + BLOCK_N - 1, BLOCK_M), n_tiles)
-        dk, dv = _dkdv5_loop(dk, dv, k, v, q_ptr, dout_ptr, lse_ptr, delta_ptr, doc_ptr, key_off, t_lo * BLOCK_M, t_mid - t_lo, C, j,
+        dk, dv = _dkdv5_loop(dk, dv, k, v, q_ptr, dout_ptr, q_desc, do_desc, lse_ptr, delta_ptr, doc_ptr, key_off, t_lo * BLOCK_M, t_mid - t_lo, C, j,
                              hkv, offs_m, offs_d, d_mask, qk_scale, stride_q_c, stride_q_h, stride_q_d,
                              stride_do_c, stride_do_h, stride_do_d, stride_lse_h, stride_delta_h,
-                             G, True, HAS_DOC, UPCAST, DOT_PREC, BLOCK_M)
-        dk, dv = _dkdv5_loop(dk, dv, k, v, q_ptr, dout_ptr, lse_ptr, delta_ptr, doc_ptr, key_off, t_mid * BLOCK_M, n_tiles - t_mid, C, j,
+                             G, True, HAS_DOC, UPCAST, DOT_PREC, QO_TMA, BLOCK_M, BLOCK_D)
+        dk, dv = _dkdv5_loop(dk, dv, k, v, q_ptr, dout_ptr, q_desc, do_desc, lse_ptr, delta_ptr, doc_ptr, key_off, t_mid * BLOCK_M, n_tiles - t_mid, C, j,
                              hkv, offs_m, offs_d, d_mask, qk_scale, stride_q_c, stride_q_h, stride_q_d,
                              stride_do_c, stride_do_h, stride_do_d, stride_lse_h, stride_delta_h,
-                             G, False, HAS_DOC, UPCAST, DOT_PREC, BLOCK_M)
+                             G, False, HAS_DOC, UPCAST, DOT_PREC, QO_TMA, BLOCK_M, BLOCK_D)
 
     dk = dk * softmax_scale
     if IS_PAST:
@@ -737,7 +771,6 @@ def _cache_args(k_cache, v_cache, block_table, past_len, like):
     return like, like, dummy_bt, (0, 0, 0, 0), (0, 0, 0, 0)
 
 
-_TMA_SCRATCH_SET = False
 
 
 def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
@@ -745,30 +778,77 @@ def _tma_scratch(size: int, alignment: int, stream) -> torch.Tensor:
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def _use_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int, page_size: int) -> bool:
-    """Whether the forward reads its full past tiles through tensor descriptors (TMA on Hopper).
+def _use_tma(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int, page_size: int,
+             configs: list | None = None, env: str = "OOMB_FWD_TMA", default: str = "1") -> bool:
+    """Whether a kernel reads its full past tiles through tensor descriptors (TMA on Hopper).
 
     Needs: pools laid out [P, S, Hkv, D] densely (so a page's rows of one head are a box of the
     pool seen as [P * S, Hkv * D]), a power-of-two head dim (the box is HEAD_DIM wide), pages a
-    multiple of every autotuned BLOCK_N (a full tile never straddles two pages), 16-byte aligned
-    bases and fewer than 2**31 rows; the launcher adds a page-aligned ``past_start``. ``OOMB_FWD_TMA=0``
-    turns it off (A/B runs). Packed documents keep the gather path (their tiles are masked).
+    multiple of every autotuned BLOCK_N of ``configs`` (the forward's by default; a full tile never
+    straddles two pages), 16-byte aligned bases and fewer than 2**31 rows; the launcher adds a
+    page-aligned ``past_start``. The environment variable ``env`` set to 0/1 turns it off/on
+    (A/B runs): ``OOMB_FWD_TMA`` for the forward (default on), ``OOMB_BWD_TMA`` for the dq kernel.
+    Packed documents keep the gather path (their tiles are masked).
     """
-    global _TMA_SCRATCH_SET
-    if os.environ.get("OOMB_FWD_TMA", "1") == "0":
+    if os.environ.get(env, default) == "0":
         return False
     P, S, Hkv, D = k_cache.shape
     dense = (S * Hkv * D, Hkv * D, D, 1)
-    block_n = max(c.kwargs["BLOCK_N"] for c in _FWD_CONFIGS)
+    block_n = max(c.kwargs["BLOCK_N"] for c in (configs or _FWD_CONFIGS))
     ok = (
         k_cache.stride() == dense and v_cache.stride() == dense and tuple(v_cache.shape) == (P, S, Hkv, D)
         and head_dim == triton.next_power_of_2(head_dim) and head_dim >= 16 and page_size % block_n == 0
         and k_cache.data_ptr() % 16 == 0 and v_cache.data_ptr() % 16 == 0 and P * S < 2**31
-        and (_INTERPRET or torch.cuda.get_device_capability(k_cache.device)[0] >= 9)
+        and _tma_capable(k_cache.device)
     )
-    if ok and not _INTERPRET and not _TMA_SCRATCH_SET:
-        triton.set_allocator(_tma_scratch)
-        _TMA_SCRATCH_SET = True
+    if ok:
+        _set_tma_allocator()
+    return ok
+
+
+def _tma_capable(device: torch.device) -> bool:
+    """Tensor descriptors: the interpreter, or a CUDA device of compute capability 9.0 (Hopper) or newer."""
+    return _INTERPRET or (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def _set_tma_allocator() -> None:
+    """Give this thread's context the scratch allocator that descriptors built on the device need.
+
+    Triton keeps the allocator in a ContextVar, i.e. per thread: setting it once on the main thread
+    is not enough, since autograd runs the backward on its own device thread (a backward with
+    descriptors failed there with "no allocator was set" on the H200). So it is checked on every
+    launch that uses descriptors, and set where this context has none (an allocator the caller set
+    is kept).
+    """
+    try:
+        from triton.runtime import _allocation
+
+        current = _allocation._allocator.get()
+        if not isinstance(current, _allocation.NullAllocator):
+            return
+    except (ImportError, AttributeError):  # another triton layout: set it unconditionally
+        pass
+    triton.set_allocator(_tma_scratch)
+
+
+def _qo_tma(q: torch.Tensor, dout: torch.Tensor, head_dim: int) -> bool:
+    """Whether the dk/dv kernel loads its q/dout row tiles through [Hq, C, D] tensor descriptors.
+
+    A row tile of the dk/dv kernel is BLOCK_M consecutive queries of one head, i.e. a box of q
+    seen as [Hq, C, D] with strides (stride_h, stride_c, 1), for both layouts the engine passes
+    ([C, Hq, D] contiguous and HF's transposed [Hq, C, D]). Needs a unit innermost stride, 16-byte
+    aligned outer strides and bases, and a power-of-two head dim (the box is HEAD_DIM wide); rows
+    past C are zero-filled by the descriptor as the masked gather fills them. ``OOMB_DKDV_TMA=0``
+    turns it off.
+    """
+    if os.environ.get("OOMB_DKDV_TMA", "1") == "0":
+        return False
+    ok = head_dim == triton.next_power_of_2(head_dim) and head_dim >= 16 and _tma_capable(q.device)
+    for t in (q, dout):
+        e = t.element_size()
+        ok = ok and t.stride(2) == 1 and (t.stride(0) * e) % 16 == 0 and (t.stride(1) * e) % 16 == 0 and t.data_ptr() % 16 == 0
+    if ok:
+        _set_tma_allocator()
     return ok
 
 
@@ -943,6 +1023,9 @@ def paged_attention_bwd(
         raise ValueError(f"delta must be contiguous float32 [Hq={Hq}, C={C}] on {q.device}; got {delta.dtype} {tuple(delta.shape)}")
     kc, vc, bt, skc, svc = _cache_args(k_cache, v_cache, block_table, past_len, k)
     doc_arg = doc if doc is not None else bt  # never read without HAS_DOC
+    use_tma = (past_len > 0 and doc is None and past_start % page_size == 0
+               and _use_tma(kc, vc, D, page_size, _DQ_CONFIGS, "OOMB_BWD_TMA"))
+    qo_tma = _qo_tma(q, dout, D)
 
     def grid_rows(meta):
         return (triton.cdiv(C * G, meta["BLOCK_M"]), Hkv)
@@ -959,7 +1042,8 @@ def paged_attention_bwd(
         stride_do_c=dout.stride(0), stride_do_h=dout.stride(1), stride_do_d=dout.stride(2),
         stride_dq_c=dq.stride(0), stride_dq_h=dq.stride(1), stride_dq_d=dq.stride(2),
         stride_lse_h=lse.stride(0), stride_delta_h=delta.stride(0), HAS_OWN=bool(include_own),
-        PART=past_start > 0,
+        PART=past_start > 0, USE_TMA=use_tma, n_rows=kc.shape[0] * kc.shape[1] if use_tma else 0,
+        n_cols=kc.shape[2] * kc.shape[3] if use_tma else 0,
         **common,
     )
 
@@ -983,7 +1067,7 @@ def paged_attention_bwd(
             stride_dv_p=sdv[0], stride_dv_t=sdv[1], stride_dv_h=sdv[2], stride_dv_d=sdv[3],
             stride_lse_h=lse.stride(0), stride_delta_h=delta.stride(0),
             IS_PAST=is_past,
-            PART=key_start > 0,
+            PART=key_start > 0, QO_TMA=qo_tma, Hq=Hq,
             **common,
         )
 
