@@ -319,13 +319,17 @@ def _is_within(path: Path, root: Path) -> bool:
 
 
 _OOMB_OUTPUT_MARKERS = ("log.jsonl", "train_args.json", "checkpoints")
+_OOMB_LOG_KEYS = frozenset({"step", "loss", "stage1_seconds", "stage2_seconds"})
+"""Keys of every log.jsonl record ``oomb train`` writes. A log line with only "step" and "loss" may be any
+tool's; the stage timings are oomb's own."""
 
 
 def _looks_like_oomb_output(out: Path) -> bool:
     """Whether ``out`` holds an earlier oomb run (what --overwrite may delete): a train_args.json that oomb
     wrote, a checkpoints/ folder with a checkpoint in it, or a log.jsonl whose first line is an oomb step
-    record. A bare file of one of those names is not enough (a fresh-user review had --overwrite delete a
-    folder whose only oomb-looking file was someone's log.jsonl)."""
+    record (it has oomb's stage timings, not only a step and a loss, which any training tool may log). A
+    bare file of one of those names is not enough (a fresh-user review had --overwrite delete a folder whose
+    only oomb-looking file was someone's log.jsonl)."""
     try:
         if "oomb_version" in json.loads((out / "train_args.json").read_text()):
             return True
@@ -345,7 +349,7 @@ def _looks_like_oomb_output(out: Path) -> bool:
         first = json.loads(line)
     except ValueError:
         return False
-    return isinstance(first, dict) and {"step", "loss"} <= first.keys()
+    return isinstance(first, dict) and _OOMB_LOG_KEYS <= first.keys()
 
 
 def _check_writable_dir_path(flag: str, given: str, path: Path) -> None:
@@ -414,7 +418,7 @@ def _check_output_dir(args: argparse.Namespace) -> Path:
         if not _looks_like_oomb_output(out):
             raise UsageError(
                 f"--overwrite: --output-dir {str(out)!r} is not empty and does not look like an oomb output "
-                "(no train_args.json written by oomb, no checkpoint, no oomb log.jsonl in it)",
+                "(no train_args.json written by oomb, no checkpoint, no log.jsonl of oomb train step records in it)",
                 "remove its contents by hand if they are not needed, or pick another --output-dir",
             )
     return out

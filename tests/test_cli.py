@@ -27,6 +27,13 @@ TEXT = (
 ) * 4
 
 
+# One log.jsonl line as `oomb train` writes it (an earlier run's output, which --overwrite may replace).
+OOMB_LOG_LINE = json.dumps({
+    "step": 1, "loss": 10.4, "tokens_per_s": 812.5, "peak_memory_bytes": None, "seconds": 0.1575, "lr": 0.0015,
+    "grad_norm": 2.71, "num_tokens": 128, "stage1_seconds": 0.0412, "stage2_seconds": 0.1021,
+}) + "\n"
+
+
 @pytest.fixture
 def text_file(tmp_path):
     f = tmp_path / "text.txt"
@@ -57,6 +64,7 @@ def test_train_end_to_end_writes_log_and_safetensors(tmp_path, text_file, capsys
         assert {"step", "loss", "tokens_per_s", "peak_memory_bytes", "seconds", "lr"} <= set(r)
         assert r["num_tokens"] == 128 and r["peak_memory_bytes"] is None and r["tokens_per_s"] > 0
         assert 5 < r["loss"] < 12
+        assert set(r) == set(json.loads(OOMB_LOG_LINE))  # the tests' stand-in for an earlier run is realistic
     names = set(os.listdir(out))
     assert {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json", "train_args.json", "log.jsonl"} <= names
     assert not [n for n in names if n.startswith(".oomb-save")]
@@ -123,7 +131,7 @@ def test_overwrite_replaces_a_previous_run(tmp_path, text_file):
     out = tmp_path / "run"
     out.mkdir()
     (out / "old.txt").write_text("old")
-    (out / "log.jsonl").write_text('{"step": 1, "loss": 10.4}\n')  # an earlier run: --overwrite replaces only oomb outputs
+    (out / "log.jsonl").write_text(OOMB_LOG_LINE)  # an earlier run: --overwrite replaces only oomb outputs
     assert run_cli(["train", "--data", text_file, "--output-dir", out, "--overwrite", *FAST]) == 0
     assert not (out / "old.txt").exists() and (out / "model.safetensors").is_file()
     assert len((out / "log.jsonl").read_text().splitlines()) == 2
@@ -207,7 +215,7 @@ def test_every_bad_input_exits_2_with_one_line_and_touches_nothing(tmp_path, tex
     out = tmp_path / "previous-run"
     out.mkdir()
     (out / "model.safetensors").write_bytes(b"precious")
-    (out / "log.jsonl").write_text('{"step": 1, "loss": 10.4}\n')
+    (out / "log.jsonl").write_text(OOMB_LOG_LINE)
     before = snapshot(out)
     for name, extra, fragment in _bad_inputs(tmp_path, text_file):
         status = run_cli(["train", "--output-dir", out, "--overwrite", *FAST, *extra])
@@ -230,10 +238,10 @@ def test_cuda_run_that_does_not_fit_is_refused_before_the_model_is_built(tmp_pat
     out = tmp_path / "previous-run"
     out.mkdir()
     (out / "keep.txt").write_text("keep")
-    (out / "log.jsonl").write_text('{"step": 1, "loss": 10.4}\n')  # an earlier run's output, so --overwrite may replace it
+    (out / "log.jsonl").write_text(OOMB_LOG_LINE)  # an earlier run's output, so --overwrite may replace it
     status = run_cli(["train", "--data", text_file, "--model", "qwen2.5-7b", "--device", "cuda", "--output-dir", out, "--overwrite", *FAST])
     _check_refused(status, capsys, "GiB")
-    assert snapshot(out) == {"keep.txt": b"keep", "log.jsonl": b'{"step": 1, "loss": 10.4}\n'}
+    assert snapshot(out) == {"keep.txt": b"keep", "log.jsonl": OOMB_LOG_LINE.encode()}
 
 
 @pytest.mark.parametrize(
@@ -246,10 +254,10 @@ def test_bad_models_exit_2_and_touch_nothing(request, tmp_path, text_file, capsy
     out = tmp_path / "previous-run"
     out.mkdir()
     (out / "keep.txt").write_text("keep")
-    (out / "log.jsonl").write_text('{"step": 1, "loss": 10.4}\n')  # an earlier run's output, so --overwrite may replace it
+    (out / "log.jsonl").write_text(OOMB_LOG_LINE)  # an earlier run's output, so --overwrite may replace it
     status = run_cli(["train", "--data", text_file, "--model", model_dir, "--output-dir", out, "--overwrite", *FAST])
     _check_refused(status, capsys, fragment)
-    assert snapshot(out) == {"keep.txt": b"keep", "log.jsonl": b'{"step": 1, "loss": 10.4}\n'}
+    assert snapshot(out) == {"keep.txt": b"keep", "log.jsonl": OOMB_LOG_LINE.encode()}
 
 
 def test_non_empty_output_dir_needs_overwrite(tmp_path, text_file, capsys):
@@ -402,7 +410,7 @@ def _previous_run(tmp_path):
     out = tmp_path / "previous-run"
     out.mkdir()
     (out / "model.safetensors").write_bytes(b"precious")
-    (out / "log.jsonl").write_text('{"step": 1, "loss": 10.4}\n')
+    (out / "log.jsonl").write_text(OOMB_LOG_LINE)
     return out
 
 
@@ -438,6 +446,23 @@ def test_overwrite_refuses_a_folder_that_is_not_an_oomb_output(tmp_path, text_fi
     (src / "checkpoints" / "step-00000001" / "meta.json").write_text('{"step": 1}')
     assert run_cli(["train", "--data", text_file, "--output-dir", src, "--overwrite", *FAST, "--steps", "1"]) == 0
     assert not (src / "main.py").exists() and (src / "log.jsonl").is_file()
+
+
+def test_overwrite_refuses_a_folder_whose_log_is_not_oomb_s(tmp_path, text_file, capsys):
+    """A log.jsonl with step and loss lines is what many tools write; only oomb's own records (with its stage
+    timings) let --overwrite delete the folder."""
+    other = tmp_path / "other-tool-run"
+    other.mkdir()
+    (other / "log.jsonl").write_text('{"step": 1, "loss": 2.31}\n{"step": 2, "loss": 2.28}\n')
+    (other / "weights.bin").write_bytes(b"someone else's model")
+    before = snapshot(other)
+    _check_refused(run_cli(["train", "--data", text_file, "--output-dir", other, "--overwrite", *FAST]), capsys,
+                   f"--overwrite: --output-dir {str(other.resolve())!r} is not empty and does not look like an oomb output")
+    assert snapshot(other) == before
+    # the same folder with a log that oomb train wrote is an earlier run: replaced
+    (other / "log.jsonl").write_text(OOMB_LOG_LINE)
+    assert run_cli(["train", "--data", text_file, "--output-dir", other, "--overwrite", *FAST, "--steps", "1"]) == 0
+    assert not (other / "weights.bin").exists()
 
 
 def test_a_bare_preset_name_means_the_preset_even_with_a_folder_of_that_name(tmp_path, text_file, capsys, monkeypatch):
