@@ -175,7 +175,7 @@ def _build_parser() -> argparse.ArgumentParser:
     q.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to run")
     q.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="parameter dtype; auto: bfloat16 on cuda, float32 on cpu")
     q.add_argument("--seed", type=int, default=0, help="seed of the random weights of a preset and of the data order")
-    q.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON to PATH")
+    q.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON to PATH (new, empty, or an earlier 'oomb grad-error' report: any other existing file is refused)")
 
     v = sub.add_parser(
         "eval",
@@ -204,7 +204,7 @@ def _build_parser() -> argparse.ArgumentParser:
     v.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to run")
     v.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="parameter dtype; auto: bfloat16 on cuda, float32 on cpu")
     v.add_argument("--seed", type=int, default=0, help="seed of the random weights of a preset")
-    v.add_argument("--json", default=None, metavar="PATH", help="also write the report (with the per-window losses) as JSON to PATH")
+    v.add_argument("--json", default=None, metavar="PATH", help="also write the report (with the per-window losses) as JSON to PATH (new, empty, or an earlier 'oomb eval' report: any other existing file is refused)")
     return parser
 
 
@@ -976,8 +976,28 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
     return 0
 
 
-def _check_json_arg(args: argparse.Namespace) -> None:
-    """--json PATH (grad-error, eval) can be written: not a folder, in an existing folder we may write to."""
+# Top-level keys of the --json reports (EvalReport.to_dict, GradErrorReport.to_dict): an existing file is
+# replaced only if it is an earlier report of the same command.
+_EVAL_REPORT_KEYS = frozenset({"seq_len", "num_windows", "window_starts", "page_size", "sink_pages", "local_pages",
+                               "sparse_score", "rows"})
+_GRAD_ERROR_REPORT_KEYS = frozenset({"seq_len", "budgets", "dense_loss", "sparse_loss", "rel_error_all", "rel_error"})
+
+
+def _is_report(path: Path, keys: frozenset) -> bool:
+    """Whether the file ``path`` is empty or a JSON object with every one of ``keys`` (an earlier report)."""
+    try:
+        text = path.read_text()
+        if not text.strip():
+            return True
+        data = json.loads(text)
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(data, dict) and keys <= data.keys()
+
+
+def _check_json_arg(args: argparse.Namespace, report_keys: frozenset, command: str) -> None:
+    """--json PATH (grad-error, eval) can be written: not a folder, in an existing folder we may write to, and
+    new, empty or an earlier ``oomb <command>`` report (recognised by ``report_keys``), never another file."""
     if args.json is None:
         return
     json_path = Path(args.json).expanduser().resolve()
@@ -987,6 +1007,11 @@ def _check_json_arg(args: argparse.Namespace) -> None:
         raise UsageError(f"--json {args.json!r}: its folder does not exist", "pass a path in an existing folder")
     if not os.access(json_path.parent, os.W_OK | os.X_OK) or (json_path.exists() and not os.access(json_path, os.W_OK)):
         raise UsageError(f"--json {args.json!r} cannot be written", "pass a path you can write to")
+    if json_path.exists() and not _is_report(json_path, report_keys):
+        raise UsageError(
+            f"--json {args.json!r} exists and is not an earlier 'oomb {command}' report, so writing would destroy it",
+            "pass a new file path, or delete that file first if it is not needed",
+        )
 
 
 def _write_json(given: str, data: dict) -> None:
@@ -1084,7 +1109,7 @@ def _grad_error(args: argparse.Namespace) -> int:
         if b < 0:
             raise UsageError(f"--budgets has {b}", "pass 0 or a positive number of pages for --budgets")
     _check_budgets_see_a_past(args)
-    _check_json_arg(args)
+    _check_json_arg(args, _GRAD_ERROR_REPORT_KEYS, "grad-error")
     from .config import OOMBConfig
     from .data import DataError, TokenSequences
     from .sparse_quality import sparse_grad_error
@@ -1128,7 +1153,7 @@ def _eval(args: argparse.Namespace) -> int:
     if args.attention_backend == "triton" and args.device != "cuda":
         raise UsageError("--attention-backend triton runs on the GPU only", "pass --device cuda, or --attention-backend torch (or auto) on the CPU")
     _check_offload_flags(args)
-    _check_json_arg(args)
+    _check_json_arg(args, _EVAL_REPORT_KEYS, "eval")
     budgets = list(dict.fromkeys(args.budgets))  # in the given order, each once
     import torch
 

@@ -510,6 +510,26 @@ def test_grad_error_json_folder_is_refused_before_measuring(tmp_path, text_file,
     monkeypatch.setattr(sq, "sparse_grad_error", no_run)
     _check_refused(run_cli(["grad-error", "--data", text_file, "--json", tmp_path]), capsys, "is a folder")
     assert os.listdir(tmp_path) == ["text.txt"]
+    # an existing file that is not an earlier grad-error report is not overwritten (here: the data itself)
+    _check_refused(run_cli(["grad-error", "--data", text_file, "--json", text_file]), capsys,
+                   f"--json {str(text_file)!r} exists and is not an earlier 'oomb grad-error' report")
+    assert text_file.read_text() == TEXT
+
+
+def test_grad_error_json_replaces_only_an_earlier_report(tmp_path, text_file, capsys):
+    from oomb.cli import _GRAD_ERROR_REPORT_KEYS
+
+    js = tmp_path / "report.json"
+    argv = ["grad-error", "--data", text_file, "--seq-len", "128", "--chunk-size", "64", "--page-size", "16",
+            "--budgets", "1", "--attention-backend", "torch", "--json", js]
+    assert run_cli(argv) == 0
+    assert _GRAD_ERROR_REPORT_KEYS <= json.loads(js.read_text()).keys()
+    assert run_cli(argv) == 0  # an earlier report: replaced
+    eval_report = tmp_path / "eval.json"
+    eval_report.write_text('{"seq_len": 128, "num_windows": 1, "rows": []}')  # another command's report: kept
+    capsys.readouterr()
+    _check_refused(run_cli([*argv[:-1], eval_report]), capsys, "is not an earlier 'oomb grad-error' report")
+    assert eval_report.read_text() == '{"seq_len": 128, "num_windows": 1, "rows": []}'
 
 
 def test_grad_error_notes_budgets_that_hold_the_whole_past(tmp_path, text_file, capsys):

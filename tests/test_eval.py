@@ -136,6 +136,28 @@ def test_windows_are_consecutive_deterministic_and_capped(tmp_path, text_file, t
     assert c["rows"][0]["window_losses"] == a["rows"][0]["window_losses"][:1]
 
 
+def test_json_replaces_only_an_earlier_eval_report(tmp_path, text_file, capsys):
+    """--json PATH overwrote any file; now only an earlier eval report (or an empty file) is replaced."""
+    from oomb.cli import _EVAL_REPORT_KEYS
+
+    argv = ["--data", text_file, *SMALL, "--num-windows", "1"]
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"my": "results"}\n')
+    _check_refused(run_cli(["eval", *argv, "--json", notes]), capsys,
+                   f"--json {str(notes)!r} exists and is not an earlier 'oomb eval' report")
+    assert notes.read_text() == '{"my": "results"}\n'
+    text = tmp_path / "text.json"
+    text.write_text("not json at all")
+    _check_refused(run_cli(["eval", *argv, "--json", text]), capsys, "is not an earlier 'oomb eval' report")
+    assert text.read_text() == "not json at all"
+    # an earlier report (and an empty file) may be replaced
+    first = run_eval(tmp_path, argv)
+    assert _EVAL_REPORT_KEYS <= first.keys()
+    assert run_eval(tmp_path, argv)["rows"][0]["window_losses"] == first["rows"][0]["window_losses"]
+    (tmp_path / "empty.json").write_text("")
+    assert run_eval(tmp_path, argv, "empty.json")["num_windows"] == 1
+
+
 def test_token_windows_refuses_too_little_data():
     with pytest.raises(ValueError, match="fewer than one window"):
         token_windows(np.arange(10), 11)
