@@ -20,6 +20,8 @@ import time
 from pathlib import Path
 from typing import NoReturn, Sequence
 
+from .planner_args import SPARSE_DEFAULTS as _SPARSE_DEFAULTS
+
 __all__ = ["main"]
 
 _LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -214,25 +216,34 @@ def _build_parser() -> argparse.ArgumentParser:
 _SEED_LIMIT = 2**32
 
 
-# Defaults of the sparse options of `oomb train` (set without --sparse, they would be ignored: refused).
-_SPARSE_DEFAULTS = {"page_budget": 64, "sink_pages": 1, "local_pages": 8, "sparse_score": "mean"}
+def _check_sparse_flags(args: argparse.Namespace, enabled: bool, enabler: str = "--sparse",
+                        names: Sequence[str] = tuple(_SPARSE_DEFAULTS)) -> None:
+    """The sparse options ``names`` (of ``page_budget``, ``sink_pages``, ``local_pages``, ``sparse_score``) of
+    train and plan (sparse attention ``enabled`` by --sparse) and eval (by --budgets, which has no --page-budget):
+    no negative page count; none set while sparse attention is off (it would be silently ignored); and, with it
+    on, not a setting that attends to no past page (fresh-user reviews)."""
+    for name in ("page_budget", "sink_pages", "local_pages"):
+        flag, value = f"--{name.replace('_', '-')}", getattr(args, name, 0)
+        if name in names and value < 0:
+            raise UsageError(f"{flag} is {value}", f"pass 0 or a positive number of pages for {flag}")
+    if not enabled:
+        given = [f"--{k.replace('_', '-')}" for k in names if getattr(args, k) != _SPARSE_DEFAULTS[k]]
+        if given:
+            raise UsageError(
+                f"{' and '.join(given)} {'sets' if len(given) == 1 else 'set'} sparse attention but {enabler} is not given",
+                f"add {enabler}, or leave them out for dense attention",
+            )
+    elif "page_budget" in names and args.page_budget + args.sink_pages + args.local_pages == 0:
+        raise UsageError(
+            f"{enabler} with --page-budget 0, --sink-pages 0 and --local-pages 0 attends to no past page "
+            "(every chunk would see only itself)",
+            "give at least one of them a positive number of pages",
+        )
 
 
 def _check_sparse_and_lora_flags(args: argparse.Namespace) -> None:
     """Options that would be silently ignored, or a sparse setting that attends to no past (fresh-user review)."""
-    if not args.sparse:
-        given = [f"--{k.replace('_', '-')}" for k, d in _SPARSE_DEFAULTS.items() if getattr(args, k) != d]
-        if given:
-            raise UsageError(
-                f"{' and '.join(given)} {'sets' if len(given) == 1 else 'set'} sparse attention but --sparse is not given",
-                "add --sparse, or leave them out for dense attention",
-            )
-    elif args.page_budget + args.sink_pages + args.local_pages == 0:
-        raise UsageError(
-            "--sparse with --page-budget 0, --sink-pages 0 and --local-pages 0 attends to no past page "
-            "(every chunk would see only itself)",
-            "give at least one of them a positive number of pages",
-        )
+    _check_sparse_flags(args, args.sparse)
     if args.lora_alpha is not None and args.lora_rank == 0:
         raise UsageError("--lora-alpha scales a LoRA adapter but --lora-rank is 0 (a full fine-tune)",
                          "add --lora-rank R, or leave --lora-alpha out")
@@ -284,9 +295,6 @@ def _check_sizes(args: argparse.Namespace) -> None:
     _check_offload_flags(args)
     if args.lora_rank < 0:
         raise UsageError(f"--lora-rank is {args.lora_rank}", "pass 0 for a full fine-tune or a positive LoRA rank")
-    for flag, value in (("--page-budget", args.page_budget), ("--sink-pages", args.sink_pages), ("--local-pages", args.local_pages)):
-        if value < 0:
-            raise UsageError(f"{flag} is {value}", f"pass 0 or a positive number of pages for {flag}")
     if args.lora_alpha is not None and args.lora_alpha <= 0:
         raise UsageError(f"--lora-alpha is {args.lora_alpha}", "pass a positive number (default: 2 x --lora-rank)")
     _check_sparse_and_lora_flags(args)
@@ -1223,6 +1231,7 @@ def _plan(args: argparse.Namespace) -> int:
         if value is not None and not (value > 0 and math.isfinite(value)):
             raise UsageError(f"{flag} is {value}", f"pass a positive number of GiB for {flag}, or leave it out to use this machine's")
     _check_offload_flags(args)
+    _check_sparse_flags(args, args.sparse)  # as oomb train: ignored sparse options, negative pages, no past at all
     import contextlib
     import io
 

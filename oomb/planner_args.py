@@ -9,6 +9,10 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+SPARSE_DEFAULTS = {"page_budget": 64, "sink_pages": 1, "local_pages": 8, "sparse_score": "mean"}
+"""Defaults of the sparse options of ``oomb train`` and ``oomb plan`` (``oomb eval``: all but the budget). The
+CLI refuses a value other than these while sparse attention is off: it would be ignored."""
+
 
 def add_offload_arguments(parser: Any) -> None:
     """``--offload {auto,on,off}``, ``--gpu-page-budget PAGES`` and ``--offload-segment-pages PAGES`` (for
@@ -46,10 +50,10 @@ def add_plan_subcommand(subparsers: Any, **parser_kwargs: Any) -> Any:
     add_offload_arguments(p)
     p.add_argument("--sparse", action="store_true", help="page-level top-K sparse attention (counts its page summaries and "
                    "selections, and offload stages whole layers, as oomb train does)")
-    p.add_argument("--page-budget", type=int, default=64, help="with --sparse: past pages selected per query block and KV head")
-    p.add_argument("--sink-pages", type=int, default=1, help="with --sparse: first pages always attended")
-    p.add_argument("--local-pages", type=int, default=8, help="with --sparse: latest past pages always attended")
-    p.add_argument("--sparse-score", choices=["mean", "quest"], default="mean", help="with --sparse: page score")
+    p.add_argument("--page-budget", type=int, default=SPARSE_DEFAULTS["page_budget"], help="with --sparse: past pages selected per query block and KV head")
+    p.add_argument("--sink-pages", type=int, default=SPARSE_DEFAULTS["sink_pages"], help="with --sparse: first pages always attended")
+    p.add_argument("--local-pages", type=int, default=SPARSE_DEFAULTS["local_pages"], help="with --sparse: latest past pages always attended")
+    p.add_argument("--sparse-score", choices=["mean", "quest"], default=SPARSE_DEFAULTS["sparse_score"], help="with --sparse: page score")
     p.add_argument("--gpu-gib", type=float, default=None, help="plan for this much free GPU memory (GiB) instead of this machine's")
     p.add_argument("--host-gib", type=float, default=None, help="plan for this much available host RAM (GiB) instead of this machine's")
     p.set_defaults(func=_run_plan)

@@ -572,6 +572,21 @@ def test_plan_refuses_bad_machines_and_offload_flags(capsys, extra, fragment):
     _check_refused(run_cli(["plan", "--model", "tiny", "--seq-len", "4096", "--chunk-size", "512", *extra]), capsys, fragment)
 
 
+@pytest.mark.parametrize("extra, fragment", [
+    (["--page-budget", "4"], "--page-budget sets sparse attention but --sparse is not given; add --sparse"),
+    (["--sink-pages", "0", "--sparse-score", "quest"], "--sink-pages and --sparse-score set sparse attention but --sparse is not given"),
+    (["--sparse", "--page-budget", "-1"], "--page-budget is -1"),
+    (["--sparse", "--local-pages", "-8"], "--local-pages is -8"),
+    (["--sparse", "--page-budget", "0", "--sink-pages", "0", "--local-pages", "0"], "attends to no past page"),
+])
+def test_plan_validates_sparse_options_as_train_does(tmp_path, text_file, capsys, extra, fragment):
+    """`oomb plan` printed a plan for sparse options it ignored (no --sparse), a negative budget and a setting
+    with no past page; it now refuses them with train's own messages."""
+    _check_refused(run_cli(["plan", "--model", "tiny", "--seq-len", "4096", "--chunk-size", "512", "--gpu-gib", "8", *extra]),
+                   capsys, fragment)
+    _check_refused(run_cli(["train", "--data", text_file, "--output-dir", tmp_path / "run", *FAST, *extra]), capsys, fragment)
+
+
 def test_cli_errors_name_flags_not_python_names(tmp_path, text_file, capsys):
     from oomb.cli import _flag_names
 
