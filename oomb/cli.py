@@ -198,9 +198,9 @@ def _build_parser() -> argparse.ArgumentParser:
     v.add_argument("--chunk-size", type=int, default=512, help="tokens per chunk")
     v.add_argument("--page-size", type=int, default=128, help="tokens per KV page; --chunk-size must be a multiple of it")
     v.add_argument("--budgets", type=int, nargs="+", default=None, metavar="B", help="sparse page budgets to evaluate (pages per query block and KV head, each >= 0, besides the sink and local pages); default: dense only. The dense row is always included")
-    v.add_argument("--sink-pages", type=int, default=1, help="with --budgets: first pages always attended")
-    v.add_argument("--local-pages", type=int, default=8, help="with --budgets: latest past pages always attended")
-    v.add_argument("--sparse-score", choices=["mean", "quest"], default="mean", help="with --budgets: page score (mean key, or Quest's min/max bound)")
+    v.add_argument("--sink-pages", type=int, default=_SPARSE_DEFAULTS["sink_pages"], help="with --budgets: first pages always attended")
+    v.add_argument("--local-pages", type=int, default=_SPARSE_DEFAULTS["local_pages"], help="with --budgets: latest past pages always attended")
+    v.add_argument("--sparse-score", choices=["mean", "quest"], default=_SPARSE_DEFAULTS["sparse_score"], help="with --budgets: page score (mean key, or Quest's min/max bound)")
     v.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto", help="attention over the paged KV cache: PyTorch reference, Triton kernels, or auto")
     add_offload_arguments(v)
     v.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to run")
@@ -217,11 +217,12 @@ _SEED_LIMIT = 2**32
 
 
 def _check_sparse_flags(args: argparse.Namespace, enabled: bool, enabler: str = "--sparse",
-                        names: Sequence[str] = tuple(_SPARSE_DEFAULTS)) -> None:
+                        names: Sequence[str] = tuple(_SPARSE_DEFAULTS), how: str | None = None) -> None:
     """The sparse options ``names`` (of ``page_budget``, ``sink_pages``, ``local_pages``, ``sparse_score``) of
     train and plan (sparse attention ``enabled`` by --sparse) and eval (by --budgets, which has no --page-budget):
     no negative page count; none set while sparse attention is off (it would be silently ignored); and, with it
-    on, not a setting that attends to no past page (fresh-user reviews)."""
+    on, not a setting that attends to no past page (fresh-user reviews). ``how``: the fix's way to turn
+    sparse attention on (default: add ``enabler``)."""
     for name in ("page_budget", "sink_pages", "local_pages"):
         flag, value = f"--{name.replace('_', '-')}", getattr(args, name, 0)
         if name in names and value < 0:
@@ -231,7 +232,7 @@ def _check_sparse_flags(args: argparse.Namespace, enabled: bool, enabler: str = 
         if given:
             raise UsageError(
                 f"{' and '.join(given)} {'sets' if len(given) == 1 else 'set'} sparse attention but {enabler} is not given",
-                f"add {enabler}, or leave them out for dense attention",
+                f"{how or 'add ' + enabler}, or leave them out for dense attention",
             )
     elif "page_budget" in names and args.page_budget + args.sink_pages + args.local_pages == 0:
         raise UsageError(
@@ -1152,6 +1153,8 @@ def _eval(args: argparse.Namespace) -> int:
     """``oomb eval``: mean loss on consecutive --seq-len windows, dense and per sparse page budget."""
     _check_measure_sizes(args)
     args.budgets = args.budgets or []
+    _check_sparse_flags(args, bool(args.budgets), "--budgets", ("sink_pages", "local_pages", "sparse_score"),
+                        how="add --budgets with the page budgets to evaluate (e.g. --budgets 16 64)")
     for b in args.budgets:
         if b < 0:
             raise UsageError(f"--budgets has {b}", "pass 0 or a positive number of pages for --budgets (the dense row is always included)")

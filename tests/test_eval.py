@@ -174,6 +174,11 @@ def test_bad_eval_input_exits_2_with_one_line(tmp_path, text_file, tokens, capsy
     _check_refused(run_cli([*base, "--budgets", "4", "0", "--sink-pages", "0", "--local-pages", "0"]), capsys,
                    "--budgets 0 with --sink-pages 0 and --local-pages 0 attends to no past page")
     _check_refused(run_cli([*base, "--budgets", "-2"]), capsys, "--budgets has -2")
+    # sparse options without --budgets would be ignored (the run is dense only)
+    _check_refused(run_cli([*base, "--local-pages", "2"]), capsys,
+                   "--local-pages sets sparse attention but --budgets is not given; add --budgets with the page budgets")
+    _check_refused(run_cli([*base, "--sink-pages", "0", "--sparse-score", "quest"]), capsys,
+                   "--sink-pages and --sparse-score set sparse attention but --budgets is not given")
     _check_refused(run_cli([*base, "--num-windows", "0"]), capsys, "--num-windows is 0")
     _check_refused(run_cli([*base, "--num-windows", "999"]), capsys, f"pass --num-windows {n // S} or less")
     _check_refused(run_cli(["eval", "--data", text_file, "--seq-len", "1"]), capsys, "--seq-len is 1")
