@@ -447,7 +447,10 @@ def _resolve_device_dtype(args: argparse.Namespace):
 _FLAG_NAMES = [
     ("use LoRA, checkpoint_layers or a smaller chunk_size", "use --lora-rank, --checkpoint-layers or a smaller --chunk-size"),
     ("use a smaller chunk, LoRA or checkpoint_layers", "use a smaller --chunk-size, --lora-rank or --checkpoint-layers"),
-    ("plan(..., machine=Machine(...))", "oomb plan --gpu-gib"),
+    ("plan for one with plan(..., machine=Machine(...))",
+     "plan for a GPU machine with --gpu-gib and --host-gib (its free GPU memory and available host RAM, in GiB)"),
+    ("plan(..., machine=Machine(...))", "oomb plan --gpu-gib and --host-gib"),
+    ("turn offload on (offload='auto' or True)", "turn offload on (--offload auto, or on)"),
 ]
 _PARAM_FLAGS = ("offload_segment_pages", "gpu_page_budget", "checkpoint_layers", "seq_len", "chunk_size", "page_size",
                 "page_budget", "sink_pages", "local_pages", "lora_rank", "rope_theta")

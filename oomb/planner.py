@@ -414,21 +414,30 @@ def _tier(L: int, n: int, pb: int, pool_budget: int, host_budget: int, offload: 
     if offload is False or (offload == "auto" and gpu_page_budget is None and all_pages * pb <= pool_budget):
         if all_pages * pb > pool_budget:
             return None, (f"the KV store needs {all_pages * pb / GiB:.2f} GiB on the GPU but only "
-                          f"{max(pool_budget, 0) / GiB:.2f} GiB is left; turn offload on (offload='auto' or True)")
+                          f"{max(pool_budget, 0) / GiB:.2f} GiB of GPU memory is left for it; "
+                          "turn offload on (offload='auto' or True)")
         return Tiering(False, None, n), None
     if gpu_page_budget is not None:
         pages = gpu_page_budget
         if pages * pb > pool_budget:
             return None, (f"gpu_page_budget {pages:,} pages = {pages * pb / GiB:.2f} GiB but only "
-                          f"{max(pool_budget, 0) / GiB:.2f} GiB is left for KV pages; lower it")
+                          f"{max(pool_budget, 0) / GiB:.2f} GiB of GPU memory is left for KV pages; "
+                          "lower gpu_page_budget, or leave it out to use the largest pool that fits")
     else:
         pages = min(max(pool_budget, 0) // pb, all_pages)
     need = min_gpu_pages(L, n, segment_pages)
     if pages < need:
         what = "two layers of staging" if segment_pages is None else "two staging segments"
-        return None, (f"offload needs at least {need:,} GPU pages ({need * pb / GiB:.2f} GiB: {what}) "
-                      f"but only {max(pool_budget, 0) / GiB:.2f} GiB is left; shorten the context, use a smaller chunk, "
-                      "LoRA or checkpoint_layers")
+        if gpu_page_budget is not None:  # the caller's budget is too small, not the GPU
+            return None, (f"gpu_page_budget {pages:,} pages is below the {need:,} pages offload needs for {n:,} pages "
+                          f"per layer ({what}); raise gpu_page_budget to {need:,} or more, or leave it out to use the "
+                          "largest pool that fits")
+        # The GPU is too small: what is left of it after the weights, states and activations cannot stage.
+        shorter = ", or shorten the context" if segment_pages is None else ""
+        return None, (f"offload needs at least {need:,} GPU pages ({need * pb / GiB:.2f} GiB: {what}) but only "
+                      f"{max(pool_budget, 0) / GiB:.2f} GiB of GPU memory is left for KV pages after the weights, "
+                      "gradients, optimizer states and activations; free GPU memory for them: "
+                      f"use LoRA, checkpoint_layers or a smaller chunk_size{shorter}, or use a GPU with more memory")
     R = resident_pages_for_budget(L, n, pages, segment_pages)
     used = L * R + 2 * _staging(n, R, segment_pages)
     host = L * (n - R) * pb
@@ -436,7 +445,7 @@ def _tier(L: int, n: int, pb: int, pool_budget: int, host_budget: int, offload: 
         return None, (f"the host tier needs {host / GiB:.2f} GiB of pinned memory but the budget is "
                       f"{host_budget / GiB:.2f} GiB; shorten the context, free host "
                       f"RAM, or keep more pages on the GPU ({R:,} of {n:,} per layer now) with less GPU memory for "
-                      "activations and weights: checkpoint_layers, LoRA or a smaller chunk")
+                      "activations and weights: use LoRA, checkpoint_layers or a smaller chunk_size")
     return Tiering(R < n, used if R < n else None, R), None
 
 
@@ -555,7 +564,7 @@ def plan(
         problems.append(why)
         tiering = Tiering(offload is True or gpu_page_budget is not None, gpu_page_budget, 0)
     if machine.gpu_total_bytes == 0:
-        problems = ["no CUDA GPU is visible: plan for one with --gpu-gib (or plan(..., machine=Machine(...)))"]
+        problems = ["no CUDA GPU is visible: plan for one with plan(..., machine=Machine(...))"]
     elif fixed > gpu_budget:
         problems.insert(0, f"weights, gradients, optimizer states and one chunk's activations need {fixed / GiB:.2f} GiB "
                            f"but {gpu_budget / GiB:.2f} GiB of GPU memory is free (after a {reserve / GiB:.1f} GiB reserve); "

@@ -609,6 +609,29 @@ def test_plan_advice_names_flags(capsys):
     assert "checkpoint_layers" not in out and "chunk_size" not in out
 
 
+def test_plan_messages_speak_to_cli_users(capsys, monkeypatch):
+    """What `oomb plan` prints when a run does not fit names flags, not Python (`offload='auto' or True`), blames
+    the right thing, and says how to plan without a GPU (--gpu-gib and --host-gib)."""
+    from oomb.planner import Machine
+
+    base = ["plan", "--model", "qwen2.5-7b", "--seq-len", "1048576", "--host-gib", "100"]
+    assert run_cli([*base, "--gpu-gib", "139", "--offload", "off"]) == 1
+    out = capsys.readouterr().out
+    assert "GiB of GPU memory is left for it; turn offload on (--offload auto, or on)" in out and "True" not in out
+    assert run_cli([*base, "--gpu-gib", "139", "--checkpoint-layers", "--offload", "on", "--gpu-page-budget", "100"]) == 1
+    out = capsys.readouterr().out
+    assert "--gpu-page-budget 100 pages is below the 512 pages offload needs" in out and "raise --gpu-page-budget to 512" in out
+    assert run_cli([*base, "--gpu-gib", "8"]) == 1
+    out = capsys.readouterr().out
+    assert "of GPU memory is left for KV pages" in out and "use --lora-rank, --checkpoint-layers or a smaller --chunk-size" in out
+    no_gpu = Machine(0, 0, 64 << 30, 64 << 30, "no GPU")
+    monkeypatch.setattr(Machine, "detect", classmethod(lambda cls, device=None: no_gpu))
+    assert run_cli(["plan", "--model", "tiny", "--seq-len", "4096", "--chunk-size", "512"]) == 1
+    out = capsys.readouterr().out
+    assert "no CUDA GPU is visible: plan for a GPU machine with --gpu-gib and --host-gib" in out
+    assert "Machine(" not in out and "plan(" not in out
+
+
 def test_help_version_and_argument_errors_do_not_import_torch():
     """Building the parser needs no torch/transformers (a fresh-user review timed `oomb --version` at 6-20 s)."""
     code = (

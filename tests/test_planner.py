@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 
 import pytest
 import torch
@@ -143,8 +144,22 @@ def test_impossible_runs_are_refused_clearly():
         refused = plan("qwen2.5-7b", 1 << 20, machine=small_host, offload=True, sparse=sparse)
         assert not refused.fits and refused.tiering.gpu_pages is None
         assert "offload, no GPU pool fits" in refused.table() and "DOES NOT FIT" in refused.table()
-    with pytest.raises(MemoryPlanError, match="offload needs at least"):
+    # A given GPU page budget below the minimum is the budget's fault, not the GPU's ...
+    with pytest.raises(MemoryPlanError, match=r"gpu_page_budget 100 pages is below the 512 pages offload needs .*"
+                                              r"raise gpu_page_budget to 512 or more") as exc:
         plan("qwen2.5-7b", 1 << 20, machine=H200, optimizer=None, checkpoint_layers=True, gpu_page_budget=100).check()
+    assert "GPU memory" not in str(exc.value)
+    # ... while a GPU whose memory left after the weights, states and activations cannot hold the minimum
+    # pool is the GPU's (it used to say only "0.01 GiB is left" and advise a shorter context)
+    base = plan("tiny", 1 << 16, chunk_size=512, machine=H200, offload=True)
+    fixed = base.gpu_peak - base.gpu_pool - base.write_buffers - base.own_buffers
+    tight = Machine(gpu_free_bytes=2 * GiB + fixed + 1024, gpu_total_bytes=8 * GiB, host_available_bytes=64 * GiB,
+                    host_total_bytes=64 * GiB)
+    p = plan("tiny", 1 << 16, chunk_size=512, machine=tight, offload=True)
+    assert len(p.problems) == 1, p.problems
+    assert re.match(r"offload needs at least [\d,]+ GPU pages .* but only 0\.00 GiB of GPU memory is left for KV pages "
+                    r"after the weights, gradients, optimizer states and activations; .*"
+                    r"use LoRA, checkpoint_layers or a smaller chunk_size, or use a GPU with more memory$", p.problems[0]), p.problems
     no_gpu = Machine(gpu_free_bytes=0, gpu_total_bytes=0, host_available_bytes=64 * GiB, host_total_bytes=64 * GiB)
     with pytest.raises(MemoryPlanError, match="no CUDA GPU is visible"):
         plan("tiny", 4096, machine=no_gpu).check()
