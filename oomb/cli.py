@@ -150,7 +150,7 @@ def _build_parser() -> argparse.ArgumentParser:
     w.add_argument("--log-every", type=int, default=1, help="print a loss line every N steps (log.jsonl gets every step)")
     w.add_argument("--no-progress", action="store_true", help="hide the progress bars")
 
-    add_plan_subcommand(sub)
+    add_plan_subcommand(sub, formatter_class=_HelpFormatter)
 
     q = sub.add_parser(
         "grad-error",

@@ -609,6 +609,16 @@ def test_plan_advice_names_flags(capsys):
     assert "checkpoint_layers" not in out and "chunk_size" not in out
 
 
+@pytest.mark.parametrize("command", ["train", "plan", "grad-error", "eval"])
+def test_every_subcommand_help_shows_defaults_the_same_way(capsys, command):
+    """`oomb plan --help` used argparse's plain defaults formatter: '(default: None)' and '(default: False)' on
+    flags and options without a meaningful default, unlike the other subcommands."""
+    assert run_cli([command, "--help"]) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert "(default: auto)" in text  # --attention-backend: a real default is still shown
+
+
 def test_plan_messages_speak_to_cli_users(capsys, monkeypatch):
     """What `oomb plan` prints when a run does not fit names flags, not Python (`offload='auto' or True`), blames
     the right thing, and says how to plan without a GPU (--gpu-gib and --host-gib)."""
