@@ -332,7 +332,7 @@ class MemoryPlan:
         rows = [
             f"oomb memory plan: {self.model}, {self.seq_len:,} tokens, chunk {self.chunk_size}, page {self.page_size}, "
             f"{str(self.dtype).replace('torch.', '')}",
-            f"  parameters {self.num_params / 1e9:.2f} B, trainable {self.trainable_params / 1e9:.3f} B; "
+            f"  parameters {_count(self.num_params)}, trainable {_count(self.trainable_params)}; "
             f"KV {self.page_bytes * self.shape.num_layers // self.page_size / 1024:.0f} KiB/token (K/V + dK/dV)",
             "",
             f"{'GPU':<42}{'GiB':>9}",
@@ -379,6 +379,11 @@ class MemoryPlan:
         if self.segment_pages is None:
             return "KV staging (2 layers) + write buffers"
         return f"KV staging (2 x {self.segment_pages * self.page_size // 1024}K tok) + buffers"
+
+
+def _count(n: int) -> str:
+    """A parameter count for the plan: billions from 1e9 up, else millions (a tiny model printed '0.00 B')."""
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
 
 
 def _page_bytes(shape: ModelShape, page_size: int, dtype: torch.dtype) -> int:

@@ -167,6 +167,19 @@ def test_impossible_runs_are_refused_clearly():
         plan("qwen2.5-7b", 4096, chunk_size=100, machine=H200)
 
 
+def test_table_prints_parameter_counts_in_millions_below_a_billion():
+    """The tiny preset's plan read 'parameters 0.00 B, trainable 0.005 B'."""
+    from oomb.planner import _count
+
+    assert [_count(n) for n in (0, 5_240_000, 999_994_999, 1_000_000_000, 7_615_616_512)] == [
+        "0.00 M", "5.24 M", "999.99 M", "1.00 B", "7.62 B"]
+    tiny = plan("tiny", 4096, chunk_size=512, machine=H200)
+    assert f"parameters {tiny.num_params / 1e6:.2f} M, trainable {tiny.trainable_params / 1e6:.2f} M;" in tiny.table()
+    lora = plan("qwen2.5-7b", 4096, lora_rank=8, machine=H200)
+    assert f"parameters {lora.num_params / 1e9:.2f} B, trainable {lora.trainable_params / 1e6:.2f} M;" in lora.table()
+    assert "0.00 B" not in tiny.table()
+
+
 def test_choose_tiering():
     kw = dict(machine=H200, optimizer=None, checkpoint_layers=True)
     assert choose_tiering("qwen2.5-7b", 131072, **kw).offload is False
