@@ -62,7 +62,7 @@ from typing import Any
 
 import torch
 
-from .planner_args import add_offload_arguments, add_plan_subcommand  # noqa: F401 (the CLI's arguments)
+from .planner_args import HOST_FRACTION, add_offload_arguments, add_plan_subcommand  # noqa: F401 (the CLI's arguments)
 
 __all__ = [
     "Machine",
@@ -299,6 +299,7 @@ class MemoryPlan:
     problems: list[str] = field(default_factory=list)
     segment_pages: int | None = None  # offload staging segment in pages (None: whole-layer staging)
     own_buffers: int = 0  # GPU bytes of the two own-gradient buffers (segmented staging)
+    host_fraction: float = HOST_FRACTION  # share of the available host RAM that is ``host_budget``
 
     @property
     def fits(self) -> bool:
@@ -350,7 +351,7 @@ class MemoryPlan:
             f"  {'budget (' + self.machine.gpu_name + ')':<40}{g(self.gpu_budget)}",
             f"{'host':<42}",
             f"  {'KV pages in pinned memory':<40}{g(self.host_kv)}",
-            f"  {'budget':<40}{g(self.host_budget)}",
+            f"  {f'budget ({self.host_fraction:.0%} of available RAM)':<40}{g(self.host_budget)}",
             "",
             f"tiering: {self._tiering_label()}",
         ]
@@ -472,7 +473,7 @@ def plan(
     offload_segment_pages: int | str | None = None,
     machine: Machine | None = None,
     gpu_reserve_bytes: int | None = None,
-    host_fraction: float = 0.75,
+    host_fraction: float = HOST_FRACTION,
     sparse: Any | None = None,
 ) -> MemoryPlan:
     """Predict GPU and host memory of training ``model`` on ``seq_len``-token sequences; nothing is allocated.
@@ -597,7 +598,7 @@ def plan(
         traffic=offload_traffic(shape, seq_len, chunk_size, page_size, tiering.resident_pages_per_layer, dtype,
                                 segment_pages=SP, checkpoint_layers=checkpoint_layers)
         if tiering.offload else {},
-        segment_pages=SP if tiering.offload else None, own_buffers=own_b,
+        segment_pages=SP if tiering.offload else None, own_buffers=own_b, host_fraction=host_fraction,
     )
 
 
@@ -721,7 +722,7 @@ def choose_engine_tiering(engine: Any, seq_len: int) -> tuple[bool, int | None]:
     pool_budget = free + cached - reserve - missing_grads - act
     L, n = shape.num_layers, -(-seq_len // cfg.page_size)
     pb = _page_bytes(shape, cfg.page_size, dtype)
-    host_budget = int(_host_memory()[0] * 0.75)
+    host_budget = int(_host_memory()[0] * HOST_FRACTION)
     from .engine.offload import resolve_segment_pages
 
     SP = resolve_segment_pages(engine._segment_pages(), cfg.page_size)

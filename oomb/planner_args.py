@@ -9,6 +9,9 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+HOST_FRACTION = 0.75
+"""Share of the available host RAM the pinned KV host tier may take (the planner's and the engine's budget)."""
+
 SPARSE_DEFAULTS = {"page_budget": 64, "sink_pages": 1, "local_pages": 8, "sparse_score": "mean"}
 """Defaults of the sparse options of ``oomb train`` and ``oomb plan`` (``oomb eval``: all but the budget). The
 CLI refuses a value other than these while sparse attention is off: it would be ignored."""
@@ -55,7 +58,8 @@ def add_plan_subcommand(subparsers: Any, **parser_kwargs: Any) -> Any:
     p.add_argument("--local-pages", type=int, default=SPARSE_DEFAULTS["local_pages"], help="with --sparse: latest past pages always attended")
     p.add_argument("--sparse-score", choices=["mean", "quest"], default=SPARSE_DEFAULTS["sparse_score"], help="with --sparse: page score")
     p.add_argument("--gpu-gib", type=float, default=None, help="plan for this much free GPU memory (GiB) instead of this machine's")
-    p.add_argument("--host-gib", type=float, default=None, help="plan for this much available host RAM (GiB) instead of this machine's")
+    p.add_argument("--host-gib", type=float, default=None, help=f"plan for this much available host RAM (GiB) instead of this machine's; the pinned KV host tier may take "
+                        f"{HOST_FRACTION * 100:.0f}%% of it")
     p.set_defaults(func=_run_plan)
     return p
 

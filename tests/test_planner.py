@@ -180,6 +180,15 @@ def test_table_prints_parameter_counts_in_millions_below_a_billion():
     assert "0.00 B" not in tiny.table()
 
 
+def test_table_says_the_host_budget_is_a_share_of_available_ram():
+    """The host 'budget' line gave a number only; it is 75% (host_fraction) of the available RAM."""
+    p = plan("qwen2.5-7b", 1 << 20, machine=H200, optimizer=None, checkpoint_layers=True)
+    line = next(l for l in p.table().splitlines() if l.strip().startswith("budget (75% of available RAM)"))
+    assert line.split()[-1] == f"{0.75 * 120:.2f}"
+    half = plan("qwen2.5-7b", 1 << 20, machine=H200, optimizer=None, checkpoint_layers=True, host_fraction=0.5)
+    assert "budget (50% of available RAM)" in half.table() and half.host_budget == 60 * GiB
+
+
 def test_choose_tiering():
     kw = dict(machine=H200, optimizer=None, checkpoint_layers=True)
     assert choose_tiering("qwen2.5-7b", 131072, **kw).offload is False
