@@ -439,3 +439,18 @@ def test_tma_allocator_is_set_in_every_thread():
     t.join()
     assert isinstance(seen["before"], _allocation.NullAllocator)
     assert seen["after"] is tpa._tma_scratch
+
+
+def test_fp32_inputs_get_their_own_small_tile(monkeypatch):
+    """On a GPU, autotuning sees only the fp32 tile for fp32 q and never sees it for bf16/fp16 q (the
+    bf16-sized tiles took LLVM minutes to compile in fp32); OOMB_TRITON_CONFIGS=first keeps one bf16
+    config (plus the fp32 tile)."""
+    gpu = [(128, 64, 4, 3), (64, 64, 4, 3)]
+    configs = tpa._gpu_configs(gpu)
+    assert len(configs) == 3
+    for dtype, want in ((torch.float32, [tpa._FP32_TILE[:2]]), (torch.bfloat16, [c[:2] for c in gpu]), (torch.float16, [c[:2] for c in gpu])):
+        kept = tpa._prune_by_dtype(configs, {"q_ptr": torch.empty(1, dtype=dtype)})
+        assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in kept] == want, dtype
+    monkeypatch.setenv("OOMB_TRITON_CONFIGS", "first")
+    first = tpa._gpu_configs(gpu)
+    assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in first] == [(128, 64), tpa._FP32_TILE[:2]]

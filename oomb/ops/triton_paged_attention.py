@@ -94,11 +94,45 @@ _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 256
 
 
+# fp32 inputs on a GPU get their own small tile: fp32 dots run without tensor cores, and the
+# bf16-sized tiles (e.g. dk/dv's 64 x 128 x 128 with two fp32 accumulators) took LLVM minutes to
+# compile per shape on the H200 (2026-12-01: the kernel test file, all fp32, did not get past its
+# second test in 400 s). Autotuning never measures them against the bf16/fp16 configs:
+# ``_prune_by_dtype`` keeps only them for fp32 q and drops them otherwise.
+_FP32_TILE = (32, 32, 4, 2)
+_FP32_ONLY: list[triton.Config] = []
+
+
+def _gpu_configs(gpu: list[tuple[int, int, int, int]]) -> list[triton.Config]:
+    """The GPU configs (BLOCK_M, BLOCK_N, num_warps, num_stages) of ``gpu`` plus the fp32-only tile."""
+    if os.environ.get("OOMB_TRITON_CONFIGS", "all") == "first":
+        gpu = gpu[:1]
+    fp32 = triton.Config({"BLOCK_M": _FP32_TILE[0], "BLOCK_N": _FP32_TILE[1]}, num_warps=_FP32_TILE[2], num_stages=_FP32_TILE[3])
+    _FP32_ONLY.append(fp32)
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in gpu] + [fp32]
+
+
 def _configs(gpu: list[tuple[int, int, int, int]]) -> list[triton.Config]:
-    """Autotune configs (BLOCK_M, BLOCK_N, num_warps, num_stages); one small config when interpreting."""
+    """Autotune configs (BLOCK_M, BLOCK_N, num_warps, num_stages); one small config when interpreting.
+
+    On a GPU: the ``gpu`` list plus an fp32-only tile (see ``_prune_by_dtype``).
+    ``OOMB_TRITON_CONFIGS=first`` (read at import) keeps only the first entry of ``gpu``: the
+    test files compile dozens of small shapes, and autotuning each over every config (seconds per
+    compile) did not fit a 300 s call. Benchmarks and training keep the full lists.
+    """
     if _INTERPRET:
         return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in gpu]
+    return _gpu_configs(gpu)
+
+
+def _prune_by_dtype(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """Autotuner ``early_config_prune``: the fp32-only tile for fp32 q, every other config otherwise."""
+    fp32 = getattr(named_args.get("q_ptr"), "dtype", None) == torch.float32
+    keep = [c for c in configs if any(c is f for f in _FP32_ONLY) == fp32]
+    return keep or list(configs)
+
+
+_PRUNE = {"early_config_prune": _prune_by_dtype}
 
 
 _FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3)])
@@ -162,7 +196,7 @@ def _fwd_tile(acc, m_i, l_i, q, k, v, s_mask, qk_scale, MASKED: tl.constexpr, DO
     return acc, m_new, l_i
 
 
-@triton.autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY, cache_results=True)
+@triton.autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=_PRUNE, cache_results=True)
 @triton.jit
 def _paged_attn_fwd_kernel(
     q_ptr,  # [C, Hq, D]
@@ -341,7 +375,7 @@ def _dq_tile(dq, q, do, k, v, lse2, delta, s_mask, qk_scale, MASKED: tl.constexp
     return dq + tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
 
 
-@triton.autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY + ["USE_TMA"], cache_results=True)
+@triton.autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY + ["USE_TMA"], prune_configs_by=_PRUNE, cache_results=True)
 @triton.jit
 def _paged_attn_bwd_dq_kernel(
     q_ptr,  # [C, Hq, D]
@@ -562,7 +596,7 @@ def _dkdv5_loop(dk, dv, k, v, q_ptr, do_ptr, q_desc, do_desc, lse_ptr, delta_ptr
 
 
 # restore_value: autotuning runs the kernel once per config; the gradient pages must not keep those sums.
-@triton.autotune(configs=_DKDV5_CONFIGS, key=[k for k in _AUTOTUNE_KEY if k != "HAS_OWN"] + ["IS_PAST", "QO_TMA"], restore_value=["dk_ptr", "dv_ptr"], cache_results=True)
+@triton.autotune(configs=_DKDV5_CONFIGS, key=[k for k in _AUTOTUNE_KEY if k != "HAS_OWN"] + ["IS_PAST", "QO_TMA"], restore_value=["dk_ptr", "dv_ptr"], prune_configs_by=_PRUNE, cache_results=True)
 @triton.jit
 def _paged_attn_bwd_dkdv5_kernel(
     q_ptr,  # [C, Hq, D]

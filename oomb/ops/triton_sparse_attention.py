@@ -44,6 +44,7 @@ from .sparse import PageSelection
 from .triton_paged_attention import (
     _INTERPRET,
     _LOG2E,
+    _PRUNE,
     _alloc,
     _check_doc,
     _check_inputs,
@@ -89,7 +90,7 @@ def _selected_tokens(sel_row_ptr, block_table_ptr, u, u_mask, past_len, PAGE_SIZ
     return tok, phys, t.to(tl.int64), u_mask & (tok < past_len)
 
 
-@triton.autotune(configs=_FWD_CONFIGS, key=_KEY, cache_results=True)
+@triton.autotune(configs=_FWD_CONFIGS, key=_KEY, prune_configs_by=_PRUNE, cache_results=True)
 @triton.jit
 def _sparse_attn_fwd_kernel(
     q_ptr,  # [C, Hq, D]
@@ -162,7 +163,7 @@ def _sparse_attn_fwd_kernel(
     tl.store(lse_ptr + head * stride_lse_h + i_q, lse, mask=r_mask)
 
 
-@triton.autotune(configs=_DQ_CONFIGS, key=_KEY, cache_results=True)
+@triton.autotune(configs=_DQ_CONFIGS, key=_KEY, prune_configs_by=_PRUNE, cache_results=True)
 @triton.jit
 def _sparse_attn_bwd_dq_kernel(
     q_ptr,  # [C, Hq, D]
@@ -239,7 +240,7 @@ def _sparse_attn_bwd_dq_kernel(
     tl.store(dq_ptr + dq_off[:, None] + offs_d[None, :] * stride_dq_d, dq, mask=r_mask[:, None] & d_mask[None, :])
 
 
-@triton.autotune(configs=_DKDV_CONFIGS, key=_KEY, restore_value=["dk_cache_ptr", "dv_cache_ptr"], cache_results=True)
+@triton.autotune(configs=_DKDV_CONFIGS, key=_KEY, restore_value=["dk_cache_ptr", "dv_cache_ptr"], prune_configs_by=_PRUNE, cache_results=True)
 @triton.jit
 def _sparse_attn_bwd_dkdv_kernel(
     q_ptr,  # [C, Hq, D]
