@@ -13,7 +13,7 @@ timeout ${T_E2E:-240} python3 benchmarks/bench_step.py --model qwen2.5-7b --leng
 fi
 if [ "${T_TEST:-300}" -gt 0 ]; then
   el "kernel + engine tests on the GPU"
-  OOMB_TRITON_CONFIGS=${TEST_CONFIGS:-first} timeout ${T_TEST:-300} python3 -m pytest -q -n ${WORKERS:-8} -p no:cacheprovider ${TESTS:-tests/test_triton_kernels.py tests/test_engine_triton.py} -rfE 2>&1 \
+  OOMB_TRITON_CONFIGS=${TEST_CONFIGS:-first} timeout -s INT -k 20 ${T_TEST:-300} python3 -m pytest -v --tb=short -n ${WORKERS:-8} -p no:cacheprovider ${TESTS:-tests/test_triton_kernels.py tests/test_engine_triton.py} -rfE 2>&1 \
     | tee "$R/gpu_tests.txt" | tail -15
 fi
 el "done"
