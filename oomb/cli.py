@@ -59,10 +59,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Show '(default: X)' only where there is a meaningful default."""
+    """Show '(default: X)' only where there is a meaningful default: not for None, nor for flags (store_true,
+    whose default False only means 'off'). A numeric 0 is shown (``0 in (None, False)`` is true in Python, which
+    hid --seed's, --lora-rank's and --save-every's defaults)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default in (None, False) or action.default is argparse.SUPPRESS:
+        if action.default is None or action.default is argparse.SUPPRESS or isinstance(action.default, bool) \
+                or action.nargs == 0:  # flags: store_true/store_false/store_const
             return action.help
         return super()._get_help_string(action)
 

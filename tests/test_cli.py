@@ -688,3 +688,33 @@ def test_repeated_data_is_noted(tmp_path, text_file, capsys):
     assert run_cli(["train", "--data", text_file, "--output-dir", tmp_path / "run", *FAST, "--steps", "40"]) == 0
     err = capsys.readouterr().err
     assert "the data is repeated" in err and "40 steps x 1 sequences = 40 sequences from" in err
+
+
+def _help_entries(text):
+    """{'--flag': its help text on one line} of an argparse --help output."""
+    entries, current = {}, None
+    for line in text.splitlines():
+        m = re.match(r"^  (--[a-z][a-z-]*)", line)
+        if m:
+            current = m.group(1)
+            entries[current] = line
+        elif current and line.startswith("    "):
+            entries[current] += " " + line.strip()
+        else:
+            current = None
+    return {k: " ".join(v.split()) for k, v in entries.items()}
+
+
+def test_help_shows_zero_defaults_of_numeric_options(capsys):
+    """_HelpFormatter hid '(default: 0)' because 0 == False: --seed, --lora-rank and --save-every looked as if
+    they had no default. Flags (store_true) and None defaults stay without one."""
+    assert run_cli(["train", "--help"]) == 0
+    entries = _help_entries(capsys.readouterr().out)
+    for flag in ("--seed", "--lora-rank", "--save-every"):
+        assert entries[flag].endswith("(default: 0)"), entries[flag]
+    assert entries["--weight-decay"].endswith("(default: 0.0)"), entries["--weight-decay"]
+    for flag in ("--sparse", "--overwrite", "--no-progress", "--warmup-steps", "--data"):
+        assert "(default:" not in entries[flag], entries[flag]
+    assert run_cli(["plan", "--help"]) == 0
+    entries = _help_entries(capsys.readouterr().out)
+    assert entries["--lora-rank"].endswith("(default: 0)") and "(default:" not in entries["--no-optimizer"]
