@@ -42,6 +42,7 @@ __all__ = [
     "CheckpointError",
     "GracefulStop",
     "find_latest",
+    "is_checkpoint_meta",
     "load_checkpoint",
     "rng_state",
     "save_checkpoint",
@@ -53,6 +54,8 @@ _META = "meta.json"
 _WEIGHTS = "trainable.safetensors"
 _STATE = "trainer_state.pt"
 _FORMAT = 1
+_META_KEYS = frozenset({"format", "step", "fingerprint", "files"})
+"""Keys of every meta.json :func:`save_checkpoint` writes."""
 
 
 class CheckpointError(ValueError):
@@ -178,6 +181,17 @@ def save_checkpoint(
 
 
 # ----------------------------------------------------------------------------- load
+def is_checkpoint_meta(path: str | Path) -> bool:
+    """Whether the file ``path`` is a meta.json that oomb wrote: a JSON object with every key
+    :func:`save_checkpoint` writes (format, step, fingerprint, files). Only its keys are looked at (no file
+    is verified); any other meta.json (many tools write one) is not oomb's."""
+    try:
+        meta = json.loads(Path(path).read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(meta, dict) and _META_KEYS <= meta.keys()
+
+
 def find_latest(root: str | Path) -> Path | None:
     """The newest complete checkpoint under ``root`` (through ``latest``, else by scanning), or None."""
     root = Path(root)

@@ -338,18 +338,22 @@ tool's; the stage timings are oomb's own."""
 
 def _looks_like_oomb_output(out: Path) -> bool:
     """Whether ``out`` holds an earlier oomb run (what --overwrite may delete): a train_args.json that oomb
-    wrote, a checkpoints/ folder with a checkpoint in it, or a log.jsonl whose first line is an oomb step
-    record (it has oomb's stage timings, not only a step and a loss, which any training tool may log). A
-    bare file of one of those names is not enough (a fresh-user review had --overwrite delete a folder whose
-    only oomb-looking file was someone's log.jsonl)."""
+    wrote, a checkpoints/ folder with a checkpoint in it whose meta.json has the keys oomb's checkpoints write
+    (format, step, fingerprint, files: any tool may write a meta.json), or a log.jsonl whose first line is an
+    oomb step record (it has oomb's stage timings, not only a step and a loss, which any training tool may
+    log). A bare file of one of those names is not enough (a fresh-user review had --overwrite delete a folder
+    whose only oomb-looking file was someone's log.jsonl)."""
     try:
         if "oomb_version" in json.loads((out / "train_args.json").read_text()):
             return True
     except (OSError, ValueError, TypeError):
         pass
     ckpts = out / "checkpoints"
-    if ckpts.is_dir() and any((p / "meta.json").is_file() for p in ckpts.iterdir() if p.is_dir()):
-        return True
+    if ckpts.is_dir():
+        from .checkpoint import is_checkpoint_meta
+
+        if any(p.is_dir() and is_checkpoint_meta(p / "meta.json") for p in ckpts.iterdir()):
+            return True
     try:
         with open(out / "log.jsonl") as f:
             line = f.readline()
@@ -430,7 +434,7 @@ def _check_output_dir(args: argparse.Namespace) -> Path:
         if not _looks_like_oomb_output(out):
             raise UsageError(
                 f"--overwrite: --output-dir {str(out)!r} is not empty and does not look like an oomb output "
-                "(no train_args.json written by oomb, no checkpoint, no log.jsonl of oomb train step records in it)",
+                "(no train_args.json written by oomb, no oomb checkpoint, no log.jsonl of oomb train step records in it)",
                 "remove its contents by hand if they are not needed, or pick another --output-dir",
             )
     return out

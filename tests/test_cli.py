@@ -33,6 +33,12 @@ OOMB_LOG_LINE = json.dumps({
     "grad_norm": 2.71, "num_tokens": 128, "stage1_seconds": 0.0412, "stage2_seconds": 0.1021,
 }) + "\n"
 
+# A checkpoint's meta.json as oomb's checkpoint code writes it (the keys are what --overwrite recognises).
+OOMB_META_JSON = json.dumps({
+    "files": {"trainable.safetensors": {"bytes": 8, "sha256": "0" * 64}, "trainer_state.pt": {"bytes": 8, "sha256": "0" * 64}},
+    "fingerprint": {"model": "tiny", "seq_len": 128}, "format": 1, "step": 1,
+})
+
 
 @pytest.fixture
 def text_file(tmp_path):
@@ -65,6 +71,8 @@ def test_train_end_to_end_writes_log_and_safetensors(tmp_path, text_file, capsys
         assert r["num_tokens"] == 128 and r["peak_memory_bytes"] is None and r["tokens_per_s"] > 0
         assert 5 < r["loss"] < 12
         assert set(r) == set(json.loads(OOMB_LOG_LINE))  # the tests' stand-in for an earlier run is realistic
+    meta = json.loads((out / "checkpoints" / "step-00000002" / "meta.json").read_text())
+    assert set(meta) == set(json.loads(OOMB_META_JSON))  # so is the stand-in for an earlier run's checkpoint
     names = set(os.listdir(out))
     assert {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json", "train_args.json", "log.jsonl"} <= names
     assert not [n for n in names if n.startswith(".oomb-save")]
@@ -441,9 +449,13 @@ def test_overwrite_refuses_a_folder_that_is_not_an_oomb_output(tmp_path, text_fi
     (src / "checkpoints").mkdir()
     _check_refused(run_cli(["train", "--data", text_file, "--output-dir", src, "--overwrite", *FAST]), capsys, "does not look like an oomb output")
     assert (src / "main.py").is_file()
-    # an earlier run (only a checkpoint of it left) may still be replaced
+    # nor does another tool's checkpoint folder with a meta.json of its own
     (src / "checkpoints" / "step-00000001").mkdir()
     (src / "checkpoints" / "step-00000001" / "meta.json").write_text('{"step": 1}')
+    _check_refused(run_cli(["train", "--data", text_file, "--output-dir", src, "--overwrite", *FAST]), capsys, "does not look like an oomb output")
+    assert (src / "main.py").is_file()
+    # an earlier run (only a checkpoint of it left) may still be replaced
+    (src / "checkpoints" / "step-00000001" / "meta.json").write_text(OOMB_META_JSON)
     assert run_cli(["train", "--data", text_file, "--output-dir", src, "--overwrite", *FAST, "--steps", "1"]) == 0
     assert not (src / "main.py").exists() and (src / "log.jsonl").is_file()
 
