@@ -405,8 +405,9 @@ def _base_gpu(shape, seq_len, chunk_size, dtype, lora_rank, optimizer, checkpoin
         weights = n_params * e
         grads = n_params * e
     optim = 8 * trainable if optimizer == "adamw" else 0
-    act = activation_bytes(shape, chunk_size, dtype, checkpoint_layers, attention_backend, attention_block_size,
-                           loss_chunk_size, max(seq_len - chunk_size, 0), lora_rank)
+    # A sequence shorter than the chunk is one chunk of seq_len tokens: activations for those only.
+    act = activation_bytes(shape, min(chunk_size, seq_len), dtype, checkpoint_layers, attention_backend,
+                           attention_block_size, loss_chunk_size, max(seq_len - chunk_size, 0), lora_rank)
     return n_params, trainable, weights, grads, optim, act
 
 
@@ -711,8 +712,8 @@ def choose_engine_tiering(engine: Any, seq_len: int) -> tuple[bool, int | None]:
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     missing_grads = sum(p.numel() * p.element_size() for p in engine.model.parameters() if p.requires_grad and p.grad is None)
     backend = "torch" if engine._backend == "torch" else "triton"
-    act = activation_bytes(shape, cfg.chunk_size, dtype, cfg.checkpoint_layers, backend, cfg.attention_block_size,
-                           cfg.loss_chunk_size, max(seq_len - cfg.chunk_size, 0))["total"]
+    act = activation_bytes(shape, min(cfg.chunk_size, seq_len), dtype, cfg.checkpoint_layers, backend,
+                           cfg.attention_block_size, cfg.loss_chunk_size, max(seq_len - cfg.chunk_size, 0))["total"]
     reserve = max(2 * GiB, int(0.03 * total))
     if cfg.sparse:
         # Page representatives and stored selections live on the GPU for the whole step, and the first

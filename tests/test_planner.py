@@ -260,3 +260,15 @@ def test_sparse_plan_counts_the_sparse_state_and_stages_whole_layers(capsys):
                               "--no-optimizer", "--gpu-gib", "139.3", "--host-gib", "120"])
     run_plan(args)
     assert "sparse: page summaries + selections" in capsys.readouterr().out
+
+
+def test_a_sequence_shorter_than_the_chunk_counts_its_own_tokens_only():
+    """The engine runs a sequence shorter than --chunk-size as one chunk of seq_len tokens: the plan counted the
+    activations of a whole chunk (4096 tokens for a 1024-token run)."""
+    short = plan("qwen2.5-7b", 1024, chunk_size=4096, machine=H200, optimizer=None)
+    exact = plan("qwen2.5-7b", 1024, chunk_size=1024, machine=H200, optimizer=None)
+    assert short.activations == exact.activations
+    assert short.activations == activation_bytes(short.shape, 1024, torch.bfloat16, attention_backend="triton",
+                                                 max_past=0)
+    assert short.gpu_peak < plan("qwen2.5-7b", 4096, chunk_size=4096, machine=H200, optimizer=None).gpu_peak
+
