@@ -751,6 +751,11 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
             set_rope(model, rope_theta=args.rope_theta, rope_scaling=args.rope_scaling_dict)
         except ValueError as exc:
             raise _usage_from(exc, "see --rope-theta and --rope-scaling in 'oomb train --help'") from exc
+    from .planner_args import context_length_warning
+
+    warning = context_length_warning(model.config, args.seq_len, args.model)  # after --rope-scaling, as oomb plan
+    if warning and ctx.is_main:
+        print(warning, file=sys.stderr)
 
     if args.lora_rank > 0:
         from peft import LoraConfig, get_peft_model

@@ -769,7 +769,16 @@ def _sparse_settings(args: Any) -> Any:
 
 
 def run_plan(args: Any) -> int:
-    """Print the plan for parsed ``oomb plan`` arguments. Returns 0 if the run fits, 1 if not."""
+    """Print the plan for parsed ``oomb plan`` arguments. Returns 0 if the run fits, 1 if not. A --seq-len
+    beyond the model's max_position_embeddings is warned about on stderr (as ``oomb train`` does)."""
+    import sys
+
+    from .models.presets import load_config
+    from .planner_args import context_length_warning
+
+    warning = context_length_warning(load_config(args.model), args.seq_len, args.model)
+    if warning:
+        print(warning, file=sys.stderr)
     machine = Machine.detect()
     if args.gpu_gib is not None or args.host_gib is not None:
         gpu = int(args.gpu_gib * GiB) if args.gpu_gib is not None else machine.gpu_free_bytes

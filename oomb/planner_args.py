@@ -17,6 +17,35 @@ SPARSE_DEFAULTS = {"page_budget": 64, "sink_pages": 1, "local_pages": 8, "sparse
 CLI refuses a value other than these while sparse attention is off: it would be ignored."""
 
 
+def position_limit(config: Any) -> int | None:
+    """The longest sequence a transformers ``config`` declares its positions for: ``max_position_embeddings``,
+    or ``original_max_position_embeddings x factor`` of a RoPE scaling (rope_parameters / rope_scaling) when
+    that is longer; None if the config gives none."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if not isinstance(limit, int) or isinstance(limit, bool) or limit <= 0:
+        return None
+    for attr in ("rope_parameters", "rope_scaling"):
+        params = getattr(config, attr, None)
+        if isinstance(params, dict) and params.get("rope_type", params.get("type", "default")) != "default":
+            factor, orig = params.get("factor"), params.get("original_max_position_embeddings", limit)
+            if isinstance(factor, (int, float)) and factor > 0 and isinstance(orig, (int, float)):
+                limit = max(limit, int(orig * factor))
+    return limit
+
+
+def context_length_warning(config: Any, seq_len: int, model: str) -> str | None:
+    """A warning (not an error: RoPE computes any position) when ``seq_len`` exceeds the positions model
+    ``model``'s ``config`` declares (:func:`position_limit`); None otherwise. One text for ``oomb plan`` and
+    ``oomb train``."""
+    limit = position_limit(config)
+    if limit is None or seq_len <= limit:
+        return None
+    return (f"oomb: warning: --seq-len {seq_len:,} exceeds the {limit:,} positions model {model!r} declares "
+            "(max_position_embeddings): positions beyond them were not trained, so the loss there may be poor; "
+            "extend RoPE with 'oomb train --rope-scaling' (e.g. type=yarn,factor=N,original_max_position_embeddings="
+            f"{limit}) or use a --seq-len of {limit:,} or less")
+
+
 def add_offload_arguments(parser: Any) -> None:
     """``--offload {auto,on,off}``, ``--gpu-page-budget PAGES`` and ``--offload-segment-pages PAGES`` (for
     ``oomb train`` and ``oomb plan``)."""

@@ -730,3 +730,18 @@ def test_help_shows_zero_defaults_of_numeric_options(capsys):
     assert run_cli(["plan", "--help"]) == 0
     entries = _help_entries(capsys.readouterr().out)
     assert entries["--lora-rank"].endswith("(default: 0)") and "(default:" not in entries["--no-optimizer"]
+
+
+def test_train_warns_when_seq_len_exceeds_the_model_s_positions(tmp_path, text_file, capsys):
+    """Positions beyond max_position_embeddings were never trained: a warning (the same text as `oomb plan`'s),
+    not a refusal; a --rope-scaling that covers --seq-len silences it."""
+    d = tmp_path / "short-model"
+    cfg = Qwen2Config(vocab_size=32000, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=64)
+    Qwen2ForCausalLM(cfg).save_pretrained(d)
+    assert run_cli(["train", "--data", text_file, "--model", d, "--output-dir", tmp_path / "a", *FAST, "--steps", "1"]) == 0
+    err = capsys.readouterr().err
+    assert f"oomb: warning: --seq-len 128 exceeds the 64 positions model {str(d)!r} declares" in err
+    assert run_cli(["train", "--data", text_file, "--model", d, "--output-dir", tmp_path / "b", *FAST, "--steps", "1",
+                    "--rope-scaling", "type=yarn,factor=2,original_max_position_embeddings=64"]) == 0
+    assert "warning" not in capsys.readouterr().err

@@ -272,3 +272,25 @@ def test_a_sequence_shorter_than_the_chunk_counts_its_own_tokens_only():
                                                  max_past=0)
     assert short.gpu_peak < plan("qwen2.5-7b", 4096, chunk_size=4096, machine=H200, optimizer=None).gpu_peak
 
+
+def test_plan_warns_when_the_length_exceeds_the_model_s_positions(tmp_path, capsys):
+    """`oomb plan` ignored max_position_embeddings; it warns (exit status unchanged) as `oomb train` does."""
+    from transformers import Qwen2Config
+
+    from oomb.cli import main
+    from oomb.planner_args import context_length_warning
+
+    d = tmp_path / "short-model"
+    Qwen2Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=2048).save_pretrained(d)
+    base = ["plan", "--model", str(d), "--chunk-size", "1024", "--gpu-gib", "80", "--host-gib", "64"]
+    assert main([*base, "--seq-len", "8192"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and "oomb: warning: --seq-len 8,192 exceeds the 2,048 positions" in captured.err
+    assert "predicted peak" in captured.out
+    assert main([*base, "--seq-len", "2048"]) == 0
+    assert capsys.readouterr().err == ""
+    # a RoPE scaling that covers the length (original x factor) is no reason to warn
+    cfg = Qwen2Config(max_position_embeddings=2048, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                                                     "original_max_position_embeddings": 2048})
+    assert context_length_warning(cfg, 8192, "m") is None and context_length_warning(cfg, 8193, "m") is not None
