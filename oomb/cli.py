@@ -1189,7 +1189,7 @@ def _eval(args: argparse.Namespace) -> int:
     device, dtype = _resolve_device_dtype(args)
     try:
         cfg = OOMBConfig(chunk_size=args.chunk_size, page_size=args.page_size, attention_backend=args.attention_backend,
-                         sink_pages=args.sink_pages, local_pages=args.local_pages, sparse_score=args.sparse_score,
+                         sparse=bool(budgets), sink_pages=args.sink_pages, local_pages=args.local_pages, sparse_score=args.sparse_score,
                          offload={"auto": "auto", "on": True, "off": False}[args.offload], gpu_page_budget=args.gpu_page_budget,
                          offload_segment_pages=args.offload_segment_pages)
     except ValueError as exc:

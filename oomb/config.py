@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from .planner_args import SPARSE_DEFAULTS
 
 __all__ = ["OOMBConfig"]
 
@@ -15,9 +17,10 @@ class OOMBConfig:
 
     Raises:
         ValueError: on a non-positive size, a chunk size that is not a multiple
-            of the page size, an unknown attention backend, a negative sparse page count
-            or an unknown sparse score. The message names
-            the field and the fix.
+            of the page size, an unknown attention backend, a negative sparse page count,
+            an unknown sparse score, or a sparse option (``page_budget``, ``sink_pages``,
+            ``local_pages``, ``sparse_score``) other than its default while ``sparse`` is False
+            (it would be ignored). The message names the field and the fix.
     """
 
     chunk_size: int = 4096
@@ -58,19 +61,19 @@ class OOMBConfig:
     KV head, to `page_budget` selected past pages plus `sink_pages` first and `local_pages` latest past pages and
     its own chunk. Selected in Stage 1, reused unchanged in Stage 2. Exactly dense while the past fits."""
 
-    page_budget: int = 64
+    page_budget: int = SPARSE_DEFAULTS["page_budget"]
     """With sparse: past pages chosen by score per (query block, KV head), beyond the sink and local pages."""
 
-    sink_pages: int = 1
+    sink_pages: int = SPARSE_DEFAULTS["sink_pages"]
     """With sparse: first pages of the sequence always attended (attention sink); 0 allowed."""
 
-    local_pages: int = 8
+    local_pages: int = SPARSE_DEFAULTS["local_pages"]
     """With sparse: latest past pages always attended (a local window before the chunk); 0 allowed."""
 
     sparse_block_size: int = 128
     """With sparse: queries per selection block (tokens); every block of a chunk makes its own selection."""
 
-    sparse_score: str = "mean"
+    sparse_score: str = SPARSE_DEFAULTS["sparse_score"]
     """With sparse: page score: 'mean' (q_sum · mean of the page's keys; MoBA/OOMB) or 'quest' (upper bound of
     q_sum · k from the page's element-wise key min/max; Quest)."""
 
@@ -112,6 +115,21 @@ class OOMBConfig:
             raise ValueError(f"sparse_block_size must be a positive integer number of queries, got {self.sparse_block_size!r}")
         if self.sparse_score not in ("mean", "quest"):
             raise ValueError(f"sparse_score must be 'mean' or 'quest', got {self.sparse_score!r}")
+        if not self.sparse:  # as the CLI's _check_sparse_flags: an option that would be silently ignored
+            given = {k: getattr(self, k) for k, v in SPARSE_DEFAULTS.items() if getattr(self, k) != v}
+            if given:
+                one = len(given) == 1
+                raise ValueError(
+                    f"{' and '.join(f'{k}={v!r}' for k, v in given.items())} {'sets' if one else 'set'} sparse "
+                    f"attention but sparse is False, so {'it' if one else 'they'} would be ignored; pass sparse=True, "
+                    f"or leave {'it' if one else 'them'} at the default "
+                    f"({', '.join(f'{k}={SPARSE_DEFAULTS[k]!r}' for k in given)}) for dense attention"
+                )
         if self.attention_block_size % self.page_size != 0:
             # Round up so reference blocks are whole pages.
             self.attention_block_size = -(-self.attention_block_size // self.page_size) * self.page_size
+
+    def dense(self) -> "OOMBConfig":
+        """This configuration with dense attention: ``sparse`` off and the sparse options at their defaults
+        (which ``sparse=False`` requires)."""
+        return replace(self, sparse=False, **SPARSE_DEFAULTS)

@@ -183,7 +183,8 @@ def evaluate_windows(
         windows: int64 ``[1, T]`` token windows (from :func:`token_windows`); moved to the model's device.
         config: engine settings; ``sparse`` and ``page_budget`` are overridden (dense first, then sparse with
             each budget); ``sink_pages``, ``local_pages``, ``sparse_block_size``, ``sparse_score`` and the
-            offload settings are used as given.
+            offload settings are used as given (an ``OOMBConfig(sparse=True, ...)`` when the sparse ones differ
+            from the defaults: OOMBConfig refuses them with sparse off).
         budgets: sparse page budgets (pages of ``config.page_size`` tokens, each >= 1); empty: dense only.
         window_starts: token offset of each window in the stream, for the report (default ``i * T``).
         progress: optional callable ``progress(row_name, window_index)`` called after each window.
@@ -209,7 +210,7 @@ def evaluate_windows(
     model.eval()
     try:
         for budget in [None, *budgets]:
-            cfg = dataclasses.replace(config, sparse=False) if budget is None else dataclasses.replace(config, sparse=True, page_budget=budget)
+            cfg = config.dense() if budget is None else dataclasses.replace(config, sparse=True, page_budget=budget)
             engine = Engine(model, cfg)
             row = EvalRow(mode="dense" if budget is None else "sparse", budget=budget)
             t0 = time.perf_counter()

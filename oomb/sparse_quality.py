@@ -115,7 +115,8 @@ def sparse_grad_error(
         input_ids: int64 [T] or [1, T] one sequence.
         config: engine settings; ``sparse`` and ``page_budget`` are overridden (dense once, then
             sparse with each budget); ``sink_pages``, ``local_pages``, ``sparse_block_size`` and
-            ``sparse_score`` are used as given.
+            ``sparse_score`` are used as given (an ``OOMBConfig(sparse=True, ...)`` when they differ from the
+            defaults: OOMBConfig refuses them with sparse off).
         budgets: page budgets to measure (pages of ``config.page_size`` tokens, each >= 0).
         labels, cu_seqlens: as in :meth:`oomb.Engine.step`.
         keep_on: where the dense gradients wait (float32) while the sparse steps run.
@@ -134,7 +135,7 @@ def sparse_grad_error(
     try:
         for _, p in params:
             p.grad = None
-        out = Engine(model, dataclasses.replace(config, sparse=False)).step(input_ids, labels, cu_seqlens=cu_seqlens)
+        out = Engine(model, config.dense()).step(input_ids, labels, cu_seqlens=cu_seqlens)
         report = GradErrorReport(seq_len=out.num_tokens, budgets=budgets, dense_loss=out.loss)
         dense = {}
         for n, p in params:

@@ -469,3 +469,21 @@ def test_count_valid_tokens_matches_step():
     cu = torch.tensor([0, 12, 20])  # the boundary drops one more target
     n = engine.count_valid_tokens(ids, labels, cu)
     assert n == engine.step(ids, labels, cu_seqlens=cu).num_valid_tokens == 19 - 4 - 1
+
+
+def test_sparse_options_without_sparse_are_refused_as_the_cli_does():
+    """OOMBConfig(page_budget=16) trained dense and silently ignored the budget; like `oomb train`'s
+    _check_sparse_flags it is refused unless sparse=True. The defaults (one table, shared with the CLI) pass."""
+    from oomb.planner_args import SPARSE_DEFAULTS
+
+    with pytest.raises(ValueError, match=r"page_budget=16 sets sparse attention but sparse is False.*pass sparse=True"):
+        OOMBConfig(page_budget=16)
+    with pytest.raises(ValueError, match=r"sink_pages=0 and sparse_score='quest' set sparse attention.*"
+                                         r"\(sink_pages=1, sparse_score='mean'\)"):
+        OOMBConfig(sink_pages=0, sparse_score="quest")
+    OOMBConfig(**SPARSE_DEFAULTS)  # the defaults, given explicitly, are not an error
+    cfg = OOMBConfig(sparse=True, page_budget=16, local_pages=2, sparse_score="quest")
+    assert {k: getattr(OOMBConfig(), k) for k in SPARSE_DEFAULTS} == SPARSE_DEFAULTS
+    dense = cfg.dense()
+    assert not dense.sparse and all(getattr(dense, k) == v for k, v in SPARSE_DEFAULTS.items())
+    assert dense.chunk_size == cfg.chunk_size

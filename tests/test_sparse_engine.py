@@ -173,7 +173,8 @@ def test_grad_error_report():
     ids = torch.randint(0, VOCAB, (1, 48))
     for p in model.parameters():
         p.grad = torch.ones_like(p)  # restored afterwards
-    cfg = OOMBConfig(chunk_size=8, page_size=4, attention_backend="torch", sink_pages=1, local_pages=1, sparse_block_size=4)
+    cfg = OOMBConfig(chunk_size=8, page_size=4, attention_backend="torch", sparse=True, sink_pages=1, local_pages=1,
+                     sparse_block_size=4)
     report = sparse_grad_error(model, ids, cfg, budgets=[0, 2, 12])
     assert all((p.grad == 1).all() for p in model.parameters())
     assert report.rel_error(12) == 0.0 and report.sparse_loss[12] == report.dense_loss  # 12 pages cover the past
