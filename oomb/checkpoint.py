@@ -44,6 +44,7 @@ __all__ = [
     "find_latest",
     "is_checkpoint_meta",
     "load_checkpoint",
+    "read_settings",
     "rng_state",
     "save_checkpoint",
     "set_rng_state",
@@ -125,6 +126,7 @@ def save_checkpoint(
     fingerprint: dict[str, Any],
     extra: dict[str, Any] | None = None,
     keep_last: int = 2,
+    settings: dict[str, Any] | None = None,
 ) -> Path:
     """Write a complete checkpoint of ``step`` under ``root`` atomically; return its folder.
 
@@ -137,6 +139,8 @@ def save_checkpoint(
         extra: anything else to restore (RNG states, data position); saved with torch.save.
         keep_last: complete checkpoints to keep (>= 1); older ones are deleted after the new
             one is in place.
+        settings: JSON-serialisable settings saved in meta.json for the caller to compare on resume
+            with its own rules (:func:`read_settings`); not part of the fingerprint.
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -158,6 +162,8 @@ def save_checkpoint(
             _fsync_file(tmp / name)
             files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
         meta = {"format": _FORMAT, "step": step, "fingerprint": fingerprint, "files": files}
+        if settings is not None:
+            meta["settings"] = settings
         with open(tmp / _META, "w") as f:
             json.dump(meta, f, indent=2, sort_keys=True)
             f.flush()
@@ -202,6 +208,18 @@ def find_latest(root: str | Path) -> Path | None:
             return candidate
     done = _complete_checkpoints(root)
     return done[-1] if done else None
+
+
+def read_settings(path: str | Path) -> dict[str, Any] | None:
+    """The ``settings`` :func:`save_checkpoint` saved in the checkpoint folder ``path``, or None (none saved,
+    e.g. by an older oomb, or a meta.json that cannot be read: :func:`load_checkpoint` names that). Cheap: no
+    file is verified."""
+    try:
+        meta = json.loads((Path(path) / _META).read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    settings = meta.get("settings") if isinstance(meta, dict) else None
+    return settings if isinstance(settings, dict) else None
 
 
 def _read_meta(path: Path) -> dict[str, Any]:

@@ -63,6 +63,12 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     whose default False only means 'off'). A numeric 0 is shown (``0 in (None, False)`` is true in Python, which
     hid --seed's, --lora-rank's and --save-every's defaults)."""
 
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        # argparse wraps at hyphens too, which cut flag names in two ('--chunk-' / 'size').
+        import textwrap
+
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
     def _get_help_string(self, action: argparse.Action) -> str | None:
         if action.default is None or action.default is argparse.SUPPRESS or isinstance(action.default, bool) \
                 or action.nargs == 0:  # flags: store_true/store_false/store_const
@@ -144,10 +150,12 @@ def _build_parser() -> argparse.ArgumentParser:
     w.add_argument(
         "--resume", nargs="?", const="latest", default=None, metavar="latest|PATH",
         help=(
-            "continue the run in --output-dir from its latest checkpoint or from the checkpoint folder PATH; "
+            "continue the run in --output-dir from its latest checkpoint or from the checkpoint folder PATH (a "
+            "checkpoint of another folder only into a new or empty --output-dir; that folder is left as it is); "
             "--model, --seq-len, --data, --tokenizer, --seed, --lora-rank/--lora-alpha, --grad-accum, --dtype, "
-            "--document-mask, --rope-theta/--rope-scaling and the number of ranks must be those of the run; "
-            "--steps, --lr and the schedule may change"
+            "--document-mask, --rope-theta/--rope-scaling, --weight-decay, --sparse and its options (with "
+            "--sparse also --chunk-size and --page-size) and the number of ranks must be those of the run; "
+            "--steps, --lr, the schedule and --max-grad-norm may change"
         ),
     )
     w.add_argument("--log-every", type=int, default=1, help="print a loss line every N steps (log.jsonl gets every step)")
@@ -403,6 +411,17 @@ def _check_output_dir(args: argparse.Namespace) -> Path:
                 f"--resume: --output-dir {args.output_dir!r} has no checkpoints folder",
                 "pass the --output-dir of the run to continue, or start without --resume",
             )
+        ckpt = Path(args.resume).expanduser().resolve() if args.resume != "latest" else None
+        if ckpt is not None and ckpt.is_dir() and ckpt.parent != (out / "checkpoints").resolve() \
+                and out.is_dir() and any(out.iterdir()):
+            # Continuing there would mix two runs: its log.jsonl rewritten, its checkpoints pruned, its model replaced.
+            raise UsageError(
+                f"--resume {args.resume!r} is not a checkpoint of --output-dir {args.output_dir!r} (it is in "
+                f"{str(ckpt.parent)!r}) and that --output-dir is not empty: continuing there would mix two runs' "
+                "logs, checkpoints and models",
+                "pass the --output-dir the checkpoint belongs to, or a new or empty --output-dir to continue it there "
+                "(the checkpoint's own folder is left as it is)",
+            )
         return out
     if out.is_dir() and any(out.iterdir()):
         if not args.overwrite:
@@ -608,6 +627,45 @@ def _fingerprint(args: argparse.Namespace, tokens, dtype, world_size: int) -> di
     }
 
 
+_RESUME_SETTINGS = ("sparse", "page_budget", "sink_pages", "local_pages", "sparse_score", "chunk_size", "page_size")
+"""Engine settings saved with every checkpoint (meta.json "settings") and compared on --resume: a different
+sparse attention changes the gradients (refused); a different chunk or page size changes them only with
+--sparse (the selection is per chunk and page), while dense attention is exact at any (a note)."""
+
+
+def _resume_settings(args: argparse.Namespace) -> dict:
+    return {k: getattr(args, k) for k in _RESUME_SETTINGS}
+
+
+def _setting_text(name: str, value) -> str:
+    if name == "sparse":
+        return "--sparse" if value else "no --sparse"
+    return f"--{name.replace('_', '-')} {value}"
+
+
+def _check_resume_settings(args: argparse.Namespace, saved: dict | None, path: Path) -> list[str]:
+    """Refuse a --resume whose checkpoint was trained with other engine settings that change the training
+    (``_RESUME_SETTINGS``); return notes on the harmless differences (and on a checkpoint that recorded none)."""
+    if saved is None:
+        return [f"--resume: {path} records no engine settings (an older oomb wrote it): check that --sparse, "
+                "its options, --chunk-size and --page-size are the run's, as they are not checked"]
+    now = _resume_settings(args)
+    sparse = bool(saved.get("sparse")) or args.sparse
+    differ = [k for k in _RESUME_SETTINGS if k in saved and saved[k] != now[k]]
+    refused = [k for k in differ if sparse or k not in ("chunk_size", "page_size")]
+    if refused:
+        was = ", ".join(_setting_text(k, saved[k]) for k in refused)
+        raise UsageError(
+            f"--resume: {path} was trained with {was} but this command has "
+            f"{', '.join(_setting_text(k, now[k]) for k in refused)}, which would silently change the training",
+            f"continue it with the checkpoint's settings ({was}), or start a new run without --resume in another "
+            "--output-dir",
+        )
+    return [f"--resume: {path} was trained with {', '.join(_setting_text(k, saved[k]) for k in differ)}; this run "
+            f"has {', '.join(_setting_text(k, now[k]) for k in differ)}: dense attention gives the same gradients at "
+            "any chunk and page size (up to rounding), so it continues"] if differ else []
+
+
 def _prepare_output(out: Path, overwrite: bool) -> None:
     if out.is_dir() and overwrite:
         for child in out.iterdir():
@@ -680,7 +738,7 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
     """Every check, the model, engine and optimizer, and the checkpoint to resume from: nothing written yet."""
     import torch
 
-    from .checkpoint import CheckpointError, find_latest, load_checkpoint, set_rng_state
+    from .checkpoint import CheckpointError, find_latest, load_checkpoint, read_settings, set_rng_state
     from .config import OOMBConfig
     from .data import BUNDLED_CORPUS, DataError, TokenSequences, load_documents, load_tokenizer, tokenize_documents
     from .models.presets import UnknownModelError, build_model, check_config_supported, load_config
@@ -806,20 +864,36 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         if path is None:
             raise UsageError(f"--resume latest: {ckpt_root} holds no complete checkpoint", "start without --resume (with --overwrite)")
         if not path.is_dir():
-            raise UsageError(f"--resume {args.resume}: {path} is not a checkpoint folder", f"pass 'latest' or a folder under {ckpt_root}")
+            raise UsageError(f"--resume {args.resume}: {path} is not a checkpoint folder",
+                             f"pass 'latest' or a checkpoint folder such as {ckpt_root / 'step-00000010'}")
+        notes = _check_resume_settings(args, read_settings(path), path)
         try:
             start_step, extra = load_checkpoint(path, model, optimizer, None, fingerprint)
         except CheckpointError as exc:
             problem, sep, fix = _one_line(exc).rpartition("; ")
             raise UsageError(problem, fix) if sep else UsageError(fix, "resume from another checkpoint") from exc
+        # AdamW's state carries the run's weight decay and would silently replace --weight-decay.
+        saved_wd = optimizer.param_groups[0].get("weight_decay")
+        if saved_wd is not None and saved_wd != args.weight_decay:
+            raise UsageError(
+                f"--resume: {path} was trained with --weight-decay {saved_wd:g} but this command has --weight-decay "
+                f"{args.weight_decay:g}, which would silently change the training",
+                f"continue it with --weight-decay {saved_wd:g}, or start a new run without --resume in another --output-dir",
+            )
+        if path.resolve().parent != (out / "checkpoints").resolve():
+            notes.append(f"--resume: {path} is a checkpoint of another folder ({path.resolve().parent}); the run "
+                         f"continues in {out}, whose log.jsonl starts at step {start_step + 1}, and that folder is "
+                         "left as it is")
         if "rng" in extra:
             set_rng_state(extra["rng"])
         if start_step > args.steps:
             raise UsageError(f"--resume: {path} is at step {start_step}, past --steps {args.steps}", f"pass --steps {start_step} or more")
         if ctx.is_main:
+            for note in notes:
+                print(f"oomb: note: {note}", file=sys.stderr)
             print(f"oomb: resuming from {path} (step {start_step})", file=sys.stderr)
     return dict(tokenizer=tokenizer, tokens=tokens, sequences=sequences, model=model, engine=engine, params=params,
-                optimizer=optimizer, fingerprint=fingerprint, start_step=start_step,
+                optimizer=optimizer, fingerprint=fingerprint, settings=_resume_settings(args), start_step=start_step,
                 store_summary=_store_summary(store, args.seq_len, args.page_size, t_reserve_s))
 
 
@@ -874,7 +948,8 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
         if not main_rank:
             return None
         extra = {"rng": rng_state(), "step": step, "sequences_per_step": K * W}
-        return save_checkpoint(ckpt_root, step, model, optimizer, None, run["fingerprint"], extra, keep_last=2)
+        return save_checkpoint(ckpt_root, step, model, optimizer, None, run["fingerprint"], extra, keep_last=2,
+                               settings=run["settings"])
 
     def check_all(ok: bool, step: int, error: "UsageError | None") -> None:
         if ctx.enabled:

@@ -37,6 +37,8 @@ OOMB_LOG_LINE = json.dumps({
 OOMB_META_JSON = json.dumps({
     "files": {"trainable.safetensors": {"bytes": 8, "sha256": "0" * 64}, "trainer_state.pt": {"bytes": 8, "sha256": "0" * 64}},
     "fingerprint": {"model": "tiny", "seq_len": 128}, "format": 1, "step": 1,
+    "settings": {"sparse": False, "page_budget": 64, "sink_pages": 1, "local_pages": 8, "sparse_score": "mean",
+                 "chunk_size": 64, "page_size": 32},
 })
 
 

@@ -293,3 +293,75 @@ def test_sigkill_while_writing_a_checkpoint_then_resume(tmp_path, text_file):
     assert any(p.name.startswith(".tmp-step-00000002") for p in ckpts.iterdir())
     assert run_cli([*argv, "--output-dir", killed, "--resume", "latest"]) == 0
     assert losses(killed) == losses(straight)
+
+
+def _files(path):
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_resume_refuses_engine_settings_that_change_the_training(tmp_path, text_file, capsys):
+    """--sparse and its options, and with --sparse the chunk and page sizes, were not in the checkpoint: a
+    sparse run resumed without --sparse (or with another budget) silently trained otherwise. Refused with both
+    values and the fix; the checkpoint is left as it was. A dense run's chunk size may change (a note)."""
+    out = tmp_path / "sparse-run"
+    argv = ["train", "--data", text_file, *FAST, "--steps", "2", "--output-dir", out, "--sparse", "--page-budget", "2"]
+    assert run_cli(argv) == 0
+    capsys.readouterr()
+    before = _files(out)
+    base = ["train", "--data", text_file, *FAST, "--steps", "3", "--output-dir", out, "--resume"]
+    for extra, said in (
+        ([], "was trained with --sparse, --page-budget 2 but this command has no --sparse, --page-budget 64"),
+        (["--sparse", "--page-budget", "1"], "was trained with --page-budget 2 but this command has --page-budget 1"),
+        (["--sparse", "--page-budget", "2", "--sparse-score", "quest"], "--sparse-score mean but this command has --sparse-score quest"),
+        (["--sparse", "--page-budget", "2", "--chunk-size", "16"], "--chunk-size 32 but this command has --chunk-size 16"),
+    ):
+        assert run_cli([*base, *extra]) == 2, extra
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and said in err and "continue it with the checkpoint's settings (" in err, err
+        assert _files(out) == before
+    assert run_cli([*base, "--sparse", "--page-budget", "2"]) == 0
+    capsys.readouterr()
+
+    dense = tmp_path / "dense-run"
+    dargv = ["train", "--data", text_file, *FAST, "--steps", "2", "--output-dir", dense]
+    assert run_cli(dargv) == 0
+    capsys.readouterr()
+    before = _files(dense)
+    # AdamW's saved weight decay silently replaced --weight-decay: refused
+    assert run_cli([*dargv, "--steps", "3", "--resume", "--weight-decay", "0.1"]) == 2
+    err = capsys.readouterr().err
+    assert "was trained with --weight-decay 0 but this command has --weight-decay 0.1" in err and "continue it with --weight-decay 0" in err
+    assert _files(dense) == before
+    # dense attention is exact at any chunk size: accepted with a note
+    assert run_cli([*dargv, "--steps", "3", "--resume", "--chunk-size", "16"]) == 0
+    err = capsys.readouterr().err
+    assert "oomb: note: --resume:" in err and "--chunk-size 32; this run has --chunk-size 16" in err
+    assert [s for s, _ in losses(dense)] == [1, 2, 3]
+
+
+def test_resume_from_another_folder_never_touches_either_run(tmp_path, text_file, capsys):
+    """--resume PATH of another run's folder into a non-empty --output-dir mixed the two runs (log rewritten,
+    checkpoints pruned, model replaced): refused. Into a new folder it continues there, with a note, and the
+    checkpoint's own folder is left as it was."""
+    a = tmp_path / "a"
+    argv = ["train", "--data", text_file, *FAST, "--output-dir"]
+    assert run_cli([*argv, a, "--steps", "2"]) == 0
+    capsys.readouterr()
+    before = _files(a)
+    ckpt = a / "checkpoints" / "step-00000002"
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "log.jsonl").write_text('{"step": 7, "loss": 1.0}\n')
+    (other / "notes.txt").write_text("mine")
+    other_before = _files(other)
+    assert run_cli([*argv, other, "--steps", "3", "--resume", ckpt]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"is not a checkpoint of --output-dir {str(other)!r}" in err
+    assert "pass the --output-dir the checkpoint belongs to, or a new or empty --output-dir" in err
+    assert _files(other) == other_before and _files(a) == before
+    new = tmp_path / "new"
+    assert run_cli([*argv, new, "--steps", "3", "--resume", ckpt]) == 0
+    err = capsys.readouterr().err
+    assert f"oomb: note: --resume: {ckpt} is a checkpoint of another folder" in err and "starts at step 3" in err
+    assert [s for s, _ in losses(new)] == [3] and (new / "model.safetensors").is_file()
+    assert _files(a) == before
