@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import NoReturn, Sequence
 
 from .planner_args import SPARSE_DEFAULTS as _SPARSE_DEFAULTS
+from .planner_args import add_sparse_arguments
 
 __all__ = ["main"]
 
@@ -120,10 +121,7 @@ def _build_parser() -> argparse.ArgumentParser:
     e.add_argument("--page-size", type=int, default=128, help="tokens per KV page; --chunk-size must be a multiple of it")
     e.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto", help="attention over the paged KV cache: PyTorch reference, Triton kernels, or auto")
     e.add_argument("--sparse", action="store_true", help="page-level top-K sparse attention: each block of queries attends to --page-budget selected past pages plus the sink and local pages")
-    e.add_argument("--page-budget", type=int, default=_SPARSE_DEFAULTS["page_budget"], help="with --sparse: past pages selected per query block and KV head")
-    e.add_argument("--sink-pages", type=int, default=_SPARSE_DEFAULTS["sink_pages"], help="with --sparse: first pages always attended")
-    e.add_argument("--local-pages", type=int, default=_SPARSE_DEFAULTS["local_pages"], help="with --sparse: latest past pages always attended")
-    e.add_argument("--sparse-score", choices=["mean", "quest"], default=_SPARSE_DEFAULTS["sparse_score"], help="with --sparse: page score (mean key, or Quest's min/max bound)")
+    add_sparse_arguments(e)
     e.add_argument("--document-mask", action="store_true", help="attention and positions stay within each document (documents end at the tokenizer's EOS token); default: one causal stream across documents")
     e.add_argument("--checkpoint-layers", action="store_true", help="per-layer activation checkpointing inside each chunk's recompute")
     from .planner_args import add_offload_arguments, add_plan_subcommand
@@ -180,9 +178,7 @@ def _build_parser() -> argparse.ArgumentParser:
     q.add_argument("--chunk-size", type=int, default=512, help="tokens per chunk")
     q.add_argument("--page-size", type=int, default=128, help="tokens per KV page; --chunk-size must be a multiple of it")
     q.add_argument("--budgets", type=int, nargs="+", default=[4, 16, 64], help="page budgets to measure")
-    q.add_argument("--sink-pages", type=int, default=1, help="first pages always attended")
-    q.add_argument("--local-pages", type=int, default=8, help="latest past pages always attended")
-    q.add_argument("--sparse-score", choices=["mean", "quest"], default="mean", help="page score (mean key, or Quest's min/max bound)")
+    add_sparse_arguments(q, when="sparse runs", budget=False)
     q.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto", help="attention over the paged KV cache: PyTorch reference, Triton kernels, or auto (triton on cuda); torch avoids compiling float32 kernels for a short float32 measurement")
     q.add_argument("--by", choices=["kind", "parameter"], default="kind", help="rows of the table: parameter kinds (q_proj, mlp, ...) or every parameter")
     q.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to run")
@@ -209,9 +205,7 @@ def _build_parser() -> argparse.ArgumentParser:
     v.add_argument("--chunk-size", type=int, default=512, help="tokens per chunk")
     v.add_argument("--page-size", type=int, default=128, help="tokens per KV page; --chunk-size must be a multiple of it")
     v.add_argument("--budgets", type=int, nargs="+", default=None, metavar="B", help="sparse page budgets to evaluate (pages per query block and KV head, each >= 0, besides the sink and local pages); default: dense only. The dense row is always included")
-    v.add_argument("--sink-pages", type=int, default=_SPARSE_DEFAULTS["sink_pages"], help="with --budgets: first pages always attended")
-    v.add_argument("--local-pages", type=int, default=_SPARSE_DEFAULTS["local_pages"], help="with --budgets: latest past pages always attended")
-    v.add_argument("--sparse-score", choices=["mean", "quest"], default=_SPARSE_DEFAULTS["sparse_score"], help="with --budgets: page score (mean key, or Quest's min/max bound)")
+    add_sparse_arguments(v, when="with --budgets", budget=False)
     v.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto", help="attention over the paged KV cache: PyTorch reference, Triton kernels, or auto")
     add_offload_arguments(v)
     v.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to run")

@@ -46,6 +46,20 @@ def context_length_warning(config: Any, seq_len: int, model: str) -> str | None:
             f"{limit}) or use a --seq-len of {limit:,} or less")
 
 
+def add_sparse_arguments(parser, when: str = "with --sparse", budget: bool = True) -> None:
+    """--page-budget (when ``budget``), --sink-pages, --local-pages and --sparse-score, defaults from
+    :data:`SPARSE_DEFAULTS`, for train, plan, eval and grad-error alike; ``when`` names the flag that turns
+    them on (its help prefix)."""
+    if budget:
+        parser.add_argument("--page-budget", type=int, default=SPARSE_DEFAULTS["page_budget"],
+                            help=f"{when}: past pages selected per query block and KV head")
+    parser.add_argument("--sink-pages", type=int, default=SPARSE_DEFAULTS["sink_pages"], help=f"{when}: first pages always attended")
+    parser.add_argument("--local-pages", type=int, default=SPARSE_DEFAULTS["local_pages"],
+                        help=f"{when}: latest past pages always attended")
+    parser.add_argument("--sparse-score", choices=["mean", "quest"], default=SPARSE_DEFAULTS["sparse_score"],
+                        help=f"{when}: page score (mean key, or Quest's min/max bound)")
+
+
 def add_offload_arguments(parser: Any) -> None:
     """``--offload {auto,on,off}``, ``--gpu-page-budget PAGES`` and ``--offload-segment-pages PAGES`` (for
     ``oomb train`` and ``oomb plan``)."""
@@ -82,10 +96,7 @@ def add_plan_subcommand(subparsers: Any, **parser_kwargs: Any) -> Any:
     add_offload_arguments(p)
     p.add_argument("--sparse", action="store_true", help="page-level top-K sparse attention (counts its page summaries and "
                    "selections, and offload stages whole layers, as oomb train does)")
-    p.add_argument("--page-budget", type=int, default=SPARSE_DEFAULTS["page_budget"], help="with --sparse: past pages selected per query block and KV head")
-    p.add_argument("--sink-pages", type=int, default=SPARSE_DEFAULTS["sink_pages"], help="with --sparse: first pages always attended")
-    p.add_argument("--local-pages", type=int, default=SPARSE_DEFAULTS["local_pages"], help="with --sparse: latest past pages always attended")
-    p.add_argument("--sparse-score", choices=["mean", "quest"], default=SPARSE_DEFAULTS["sparse_score"], help="with --sparse: page score")
+    add_sparse_arguments(p)
     p.add_argument("--gpu-gib", type=float, default=None, help="plan for this much free GPU memory (GiB) instead of this machine's")
     p.add_argument("--host-gib", type=float, default=None, help=f"plan for this much available host RAM (GiB) instead of this machine's; the pinned KV host tier may take "
                         f"{HOST_FRACTION * 100:.0f}%% of it")
