@@ -332,7 +332,6 @@ def _is_within(path: Path, root: Path) -> bool:
         return False
 
 
-_OOMB_OUTPUT_MARKERS = ("log.jsonl", "train_args.json", "checkpoints")
 _OOMB_LOG_KEYS = frozenset({"step", "loss", "stage1_seconds", "stage2_seconds"})
 """Keys of every log.jsonl record ``oomb train`` writes. A log line with only "step" and "loss" may be any
 tool's; the stage timings are oomb's own."""
@@ -361,8 +360,12 @@ def _looks_like_oomb_output(out: Path) -> bool:
             line = f.readline()
     except OSError:
         return False
-    if not line:  # a run stopped before its first step: only oomb's own names in the folder
-        return all(p.name in _OOMB_OUTPUT_MARKERS for p in out.iterdir())
+    if not line:
+        # A run stopped in its first step leaves an empty log.jsonl and nothing else. Deleting that (and an
+        # empty checkpoints/ folder) loses nothing; anything else next to an empty log could be anyone's (a
+        # fresh-user review had --overwrite delete files kept under checkpoints/ next to an empty log.jsonl).
+        return all((p.name == "log.jsonl" and p.is_file()) or (p.name == "checkpoints" and p.is_dir() and not any(p.iterdir()))
+                   for p in out.iterdir())
     try:
         first = json.loads(line)
     except ValueError:
@@ -1000,7 +1003,10 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
                 check_all(error is None, step, error)
                 loss = (global_sum(loss_sum, device) if ctx.enabled else loss_sum) / total_valid
                 if not math.isfinite(loss):
-                    raise _RunError(f"the loss became {loss} at step {step}; nothing was saved", "lower --lr")
+                    raise _RunError(
+                        f"the loss became {loss} at step {step}; the model was not saved (log.jsonl keeps the steps "
+                        "before it, and checkpoints/ any checkpoint written before it)",
+                        "lower --lr and run again with --overwrite, or --resume from a checkpoint with a lower --lr")
                 all_reduce_gradients(params)
                 max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))

@@ -747,3 +747,21 @@ def test_train_warns_when_seq_len_exceeds_the_model_s_positions(tmp_path, text_f
     assert run_cli(["train", "--data", text_file, "--model", d, "--output-dir", tmp_path / "b", *FAST, "--steps", "1",
                     "--rope-scaling", "type=yarn,factor=2,original_max_position_embeddings=64"]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_overwrite_with_an_empty_log_deletes_only_an_empty_run(tmp_path, text_file, capsys):
+    """An empty log.jsonl is what a run stopped in its first step leaves; --overwrite may replace that, but
+    not anything kept next to it, not even under checkpoints/ (a fresh-user review lost a file that way)."""
+    out = tmp_path / "run"
+    (out / "checkpoints" / "mydata").mkdir(parents=True)
+    (out / "log.jsonl").write_text("")
+    (out / "checkpoints" / "mydata" / "important.txt").write_text("precious")
+    before = snapshot(out)
+    _check_refused(run_cli(["train", "--data", text_file, "--output-dir", out, "--overwrite", *FAST]), capsys,
+                   "does not look like an oomb output")
+    assert snapshot(out) == before
+    # the empty log (and an empty checkpoints/) alone: an earlier run that wrote nothing yet, replaced
+    (out / "checkpoints" / "mydata" / "important.txt").unlink()
+    (out / "checkpoints" / "mydata").rmdir()
+    assert run_cli(["train", "--data", text_file, "--output-dir", out, "--overwrite", *FAST, "--steps", "1"]) == 0
+    assert len((out / "log.jsonl").read_text().splitlines()) == 1
