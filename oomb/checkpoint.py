@@ -137,8 +137,9 @@ def save_checkpoint(
         optimizer, scheduler: their ``state_dict()`` (either may be None).
         fingerprint: JSON-serialisable facts that must match on resume (model, seq_len, ...).
         extra: anything else to restore (RNG states, data position); saved with torch.save.
-        keep_last: complete checkpoints to keep (>= 1); older ones are deleted after the new
-            one is in place.
+        keep_last: complete checkpoints to keep (>= 1): the new one and the ``keep_last - 1`` newest of
+            earlier steps; older ones are deleted after the new one is in place. Checkpoints of later
+            steps (left by a run resumed from an earlier checkpoint) are kept until their step is saved again.
         settings: JSON-serialisable settings saved in meta.json for the caller to compare on resume
             with its own rules (:func:`read_settings`); not part of the fingerprint.
     """
@@ -181,7 +182,11 @@ def save_checkpoint(
     _fsync_file(pointer_tmp)
     os.replace(pointer_tmp, root / "latest")
     _fsync_dir(root)
-    for old in _complete_checkpoints(root)[: -max(1, keep_last)]:
+    # Prune only checkpoints of EARLIER steps: after a resume from an earlier checkpoint, later ones (of the
+    # abandoned steps) sort last, and pruning by position deleted the checkpoint just written while `latest`
+    # pointed at it. Later ones stay until the run writes their step again (replaced above).
+    earlier = [p for p in _complete_checkpoints(root) if p.name < final.name]
+    for old in earlier[: max(0, len(earlier) - (max(1, keep_last) - 1))]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 

@@ -152,3 +152,19 @@ def test_graceful_stop_says_what_the_first_signal_does(capsys):
         assert "got SIGINT: saving after this step" in capsys.readouterr().err
         with pytest.raises(KeyboardInterrupt):
             os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_saving_an_earlier_step_keeps_the_new_checkpoint(tmp_path):
+    """A run resumed from an earlier checkpoint saves steps below those already in the folder: the new
+    checkpoint must survive pruning and `latest` must point at it (pruning by position deleted it)."""
+    model = _model()
+    for step in (1, 2, 3, 4):
+        save_checkpoint(tmp_path, step, model, None, None, FP, keep_last=2)
+    save_checkpoint(tmp_path, 2, model, None, None, FP, keep_last=2)  # resumed from step 1, saving step 2 again
+    assert find_latest(tmp_path) == tmp_path / "step-00000002" and (tmp_path / "step-00000002" / "meta.json").is_file()
+    names = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
+    assert names == ["step-00000002", "step-00000003", "step-00000004"]  # later steps kept until saved again
+    save_checkpoint(tmp_path, 3, model, None, None, FP, keep_last=2)
+    names = sorted(p.name for p in tmp_path.iterdir() if p.is_dir())
+    assert names == ["step-00000002", "step-00000003", "step-00000004"]
+    assert find_latest(tmp_path) == tmp_path / "step-00000003"

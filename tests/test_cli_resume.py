@@ -63,7 +63,11 @@ def test_resume_reproduces_the_uninterrupted_losses_exactly(tmp_path, text_file,
     assert losses(b) == straight  # the log keeps steps 1..3 and gets 4..6 again, equal to the last digit
     wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    assert "resuming from" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "resuming from" in err
+    # the later checkpoint is named as what this run replaces, and replaced (not pruned) when step 6 is saved again
+    assert "step-00000003 is not the newest checkpoint here" in err and "step-00000006 stay until" in err
+    assert sorted(os.listdir(b / "checkpoints")) == ["latest", "step-00000003", "step-00000006"]
 
 
 def test_resume_refuses_other_settings_and_corrupt_checkpoints(tmp_path, text_file, capsys):
