@@ -543,14 +543,17 @@ def plan(
             parts = (n_params, trainable, weights, grads, optim, act)
         return parts, weights + grads + optim + act["total"]
 
-    def tier_for(T: int, off=offload, budget=gpu_page_budget):
+    def tier_for(T: int, off=offload, budget=gpu_page_budget, host=host_budget):
         _, fixed = fixed_for(T)
         n = -(-T // page_size)
         pool_budget = gpu_budget - fixed
-        t, why = _tier(L, n, pb, pool_budget, host_budget, off, budget, SP)
-        if t is not None and t.offload:
-            t2, why = _tier(L, n, pb, pool_budget - wbuf - own_max, host_budget, off, budget, SP)
-            t = t2
+        t, why = _tier(L, n, pb, pool_budget, host, off, budget, SP)
+        if (t is not None and t.offload) or (t is None and off is not False):
+            # The offload layout leaves room for the write and own-gradient buffers; a failure is told
+            # with that layout's numbers too (the ones the table shows).
+            t2, why2 = _tier(L, n, pb, pool_budget - wbuf - own_max, host, off, budget, SP)
+            if t is not None or t2 is None:
+                t, why = t2, why2
         return t, why
 
     def largest(off) -> int:
@@ -569,7 +572,11 @@ def plan(
     tiering, why = tier_for(seq_len)
     if tiering is None:
         problems.append(why)
-        tiering = Tiering(offload is True or gpu_page_budget is not None, gpu_page_budget, 0)
+        # Show the layout the verdict speaks of: where only the host tier is too small, the offload tiering
+        # the GPU side would use (its host pages then exceed the host budget in the table too).
+        attempt = tier_for(seq_len, host=float("inf"))[0] if offload is not False else None
+        tiering = attempt if attempt is not None and attempt.offload else Tiering(
+            offload is True or gpu_page_budget is not None, gpu_page_budget, 0)
     if machine.gpu_total_bytes == 0:
         problems = ["no CUDA GPU is visible: plan for one with plan(..., machine=Machine(...))"]
     elif fixed > gpu_budget:

@@ -138,12 +138,18 @@ def test_impossible_runs_are_refused_clearly():
                          host_total_bytes=128 * GiB, gpu_name="H200")
     with pytest.raises(MemoryPlanError, match=r"keep more pages on the GPU \([\d,]+ of 8,192 per layer now\).*checkpoint_layers"):
         plan("qwen2.5-7b", 1 << 20, machine=small_host, optimizer=None).check()
-    # The refused plan still prints: with offload forced on and no pool that fits, table() crashed
-    # formatting the missing pool size (oomb plan --seq-len 1048576 --sparse --offload on, 2026-12-01).
+    # A plan refused for its host tier shows the offload layout the verdict speaks of: the GPU pool and the
+    # host pages over the budget (the table showed "every page on the GPU" / "no GPU pool fits" next to a
+    # verdict about the host tier; a fresh-user review), with the verdict's resident pages.
     for sparse in (None, {}):
         refused = plan("qwen2.5-7b", 1 << 20, machine=small_host, offload=True, sparse=sparse)
-        assert not refused.fits and refused.tiering.gpu_pages is None
-        assert "offload, no GPU pool fits" in refused.table() and "DOES NOT FIT" in refused.table()
+        R = refused.tiering.resident_pages_per_layer
+        assert not refused.fits and refused.tiering.offload and refused.tiering.gpu_pages and refused.host_kv > refused.host_budget
+        table = refused.table()
+        assert f"offload, GPU pool {refused.tiering.gpu_pages:,} pages" in table and "DOES NOT FIT" in table
+        assert f"({R:,} of 8,192 per layer now)" in refused.problems[0]
+    auto = plan("qwen2.5-7b", 1 << 20, machine=small_host, optimizer=None)
+    assert auto.tiering.offload and "tiering: every page on the GPU" not in auto.table()
     # A given GPU page budget below the minimum is the budget's fault, not the GPU's ...
     with pytest.raises(MemoryPlanError, match=r"gpu_page_budget 100 pages is below the 512 pages offload needs .*"
                                               r"raise gpu_page_budget to 512 or more") as exc:
@@ -157,6 +163,8 @@ def test_impossible_runs_are_refused_clearly():
                     host_total_bytes=64 * GiB)
     p = plan("tiny", 1 << 16, chunk_size=512, machine=tight, offload=True)
     assert len(p.problems) == 1, p.problems
+    # ... and still prints (table() crashed formatting the missing pool size, 2026-12-01)
+    assert p.tiering.gpu_pages is None and "offload, no GPU pool fits" in p.table() and "DOES NOT FIT" in p.table()
     assert re.match(r"offload needs at least [\d,]+ GPU pages .* but only 0\.00 GiB of GPU memory is left for KV pages "
                     r"after the weights, gradients, optimizer states and activations; .*"
                     r"use LoRA, checkpoint_layers or a smaller chunk_size, or use a GPU with more memory$", p.problems[0]), p.problems
