@@ -111,7 +111,7 @@ def _build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default="tiny", help="a preset name (tiny, tiny-llama, tiny-mistral, tiny-qwen3, qwen2.5-0.5b, qwen2.5-7b; random weights) or a local Hugging Face model directory; a bare preset name always means the preset, so write a local folder of that name as a path (./tiny)")
     g.add_argument("--data", default=None, help="a text file, a .jsonl file (a \"text\" field per line) or a folder of .txt/.jsonl files; default: the bundled Austen corpus")
     g.add_argument("--tokenizer", default=None, help="a local Hugging Face tokenizer folder; default: the bundled 32K SentencePiece tokenizer")
-    g.add_argument("--seq-len", type=int, default=2048, help="tokens per training sequence (one sequence per step)")
+    g.add_argument("--seq-len", type=int, default=2048, help="tokens per training sequence (one sequence per micro-step: --grad-accum of them per step, per rank)")
     g.add_argument("--seed", type=int, default=0, help="seed of the random weights of a preset, the LoRA init and the data order")
     g.add_argument("--rope-theta", type=float, default=None, help="set the model's RoPE base frequency (saved in config.json)")
     g.add_argument("--rope-scaling", default=None, metavar="SPEC", help="Hugging Face RoPE scaling as key=value pairs, e.g. 'type=yarn,factor=4,original_max_position_embeddings=32768' (types: linear, dynamic, yarn, llama3, ...; saved in config.json)")

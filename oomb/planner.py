@@ -348,7 +348,7 @@ class MemoryPlan:
             f"{g(self.gpu_pool - self.staging)}",
             f"  {self._staging_label():<40}{g(self.staging + self.own_buffers + self.write_buffers)}",
             f"  {'predicted peak':<40}{g(self.gpu_peak)}",
-            f"  {'budget (' + self.machine.gpu_name + ')':<40}{g(self.gpu_budget)}",
+            f"  {'budget (' + self.machine.gpu_name + ', free less reserve)':<40}{g(self.gpu_budget)}",
             f"{'host':<42}",
             f"  {'KV pages in pinned memory':<40}{g(self.host_kv)}",
             f"  {f'budget ({self.host_fraction:.0%} of available RAM)':<40}{g(self.host_budget)}",
