@@ -215,15 +215,15 @@ def find_latest(root: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
-def read_settings(path: str | Path) -> dict[str, Any] | None:
-    """The ``settings`` :func:`save_checkpoint` saved in the checkpoint folder ``path``, or None (none saved,
-    e.g. by an older oomb, or a meta.json that cannot be read: :func:`load_checkpoint` names that). Cheap: no
-    file is verified."""
+def read_settings(path: str | Path, key: str = "settings") -> dict[str, Any] | None:
+    """The ``settings`` (or, with ``key="fingerprint"``, the fingerprint) :func:`save_checkpoint` saved in the
+    checkpoint folder ``path``, or None (none saved, e.g. by an older oomb, or a meta.json that cannot be read:
+    :func:`load_checkpoint` names that). Cheap: no file is verified."""
     try:
         meta = json.loads((Path(path) / _META).read_text())
     except (OSError, UnicodeDecodeError, ValueError):
         return None
-    settings = meta.get("settings") if isinstance(meta, dict) else None
+    settings = meta.get(key) if isinstance(meta, dict) else None
     return settings if isinstance(settings, dict) else None
 
 

@@ -624,6 +624,39 @@ def _fingerprint(args: argparse.Namespace, tokens, dtype, world_size: int) -> di
     }
 
 
+_FINGERPRINT_FLAGS = {
+    "model": "--model", "seq_len": "--seq-len", "tokenizer": "--tokenizer", "seed": "--seed", "lora_rank": "--lora-rank",
+    "lora_alpha": "--lora-alpha", "grad_accum": "--grad-accum", "dtype": "--dtype", "document_mask": "--document-mask",
+    "rope_theta": "--rope-theta", "rope_scaling": "--rope-scaling",
+}
+
+
+def _check_resume_fingerprint(saved: dict | None, now: dict, path: Path) -> None:
+    """Refuse a --resume whose checkpoint's run differs in a fingerprint fact, naming flags and both values
+    (load_checkpoint checks the same facts with their internal names; this says it the CLI's way)."""
+    if saved is None:
+        return  # unreadable meta.json: load_checkpoint names the file
+    differ = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+    if not differ:
+        return
+
+    def show(v):
+        return "(not given)" if v is None else ("on" if v is True else "off" if v is False else v)
+
+    parts = []
+    for k in differ:
+        if k == "data_sha256":
+            parts.append("the --data tokens differ")
+        elif k == "world_size":
+            parts.append(f"{saved.get(k)} ranks there, {now.get(k)} here")
+        else:
+            parts.append(f"{_FINGERPRINT_FLAGS.get(k, k)} {show(saved.get(k))} there, {show(now.get(k))} here")
+    raise UsageError(
+        f"--resume: {path} is a checkpoint of another run ({'; '.join(parts)})",
+        "resume with that run's settings, or start a new run without --resume in another --output-dir",
+    )
+
+
 _RESUME_SETTINGS = ("sparse", "page_budget", "sink_pages", "local_pages", "sparse_score", "chunk_size", "page_size")
 """Engine settings saved with every checkpoint (meta.json "settings") and compared on --resume: a different
 sparse attention changes the gradients (refused); a different chunk or page size changes them only with
@@ -863,6 +896,7 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         if not path.is_dir():
             raise UsageError(f"--resume {args.resume}: {path} is not a checkpoint folder",
                              f"pass 'latest' or a checkpoint folder such as {ckpt_root / 'step-00000010'}")
+        _check_resume_fingerprint(read_settings(path, "fingerprint"), fingerprint, path)
         notes = _check_resume_settings(args, read_settings(path), path)
         try:
             start_step, extra = load_checkpoint(path, model, optimizer, None, fingerprint)

@@ -82,10 +82,10 @@ def test_resume_refuses_other_settings_and_corrupt_checkpoints(tmp_path, text_fi
     # another sequence length / model: refused with the reason
     assert run_cli([*argv, "--resume", "--seq-len", "32"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "seq_len: checkpoint 64, now 32" in err
+    assert err.count("\n") == 1 and "is a checkpoint of another run (--seq-len 64 there, 32 here)" in err
     assert run_cli([*argv, "--resume", "--model", "tiny-llama"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "model: checkpoint 'tiny', now 'tiny-llama'" in err
+    assert err.count("\n") == 1 and "(--model tiny there, tiny-llama here)" in err
     # --resume in a directory without checkpoints
     assert run_cli(["train", "--data", text_file, *FAST, "--output-dir", tmp_path / "new", "--resume"]) == 2
     assert "no checkpoints" in capsys.readouterr().err
