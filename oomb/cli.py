@@ -143,7 +143,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     w = t.add_argument_group("output")
     w.add_argument("--output-dir", required=True, help="where log.jsonl and the trained model go; must be empty or new unless --overwrite")
-    w.add_argument("--overwrite", action="store_true", help="replace the contents of a non-empty --output-dir")
+    w.add_argument("--overwrite", action="store_true", help="replace an earlier oomb run in a non-empty --output-dir: what it wrote (log.jsonl, checkpoints/, the files its train_args.json lists) is deleted, anything else kept")
     w.add_argument("--save-every", type=int, default=0, help="write a checkpoint to <output-dir>/checkpoints every N steps (the last 2 are kept); 0: only at the end. A checkpoint is also written on SIGINT/SIGTERM")
     w.add_argument(
         "--resume", nargs="?", const="latest", default=None, metavar="latest|PATH",
@@ -696,13 +696,37 @@ def _check_resume_settings(args: argparse.Namespace, saved: dict | None, path: P
             "any chunk and page size (up to rounding), so it continues"] if differ else []
 
 
+def _oomb_outputs(out: Path) -> set[str] | None:
+    """Names of the entries of ``out`` that an earlier ``oomb train`` wrote (what --overwrite deletes): its
+    log.jsonl, checkpoints/ and save debris, and the files its train_args.json lists under "outputs". None
+    means every entry: a train_args.json of an oomb that did not list its outputs yet."""
+    names = {"log.jsonl", ".log.jsonl.tmp", "checkpoints"} | {p.name for p in out.glob(".oomb-save-*")}
+    try:
+        train_args = json.loads((out / "train_args.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return names
+    if not (isinstance(train_args, dict) and "oomb_version" in train_args):
+        return names
+    listed = train_args.get("outputs")
+    if not isinstance(listed, list):
+        return None
+    return names | {"train_args.json"} | {n for n in map(str, listed) if n == Path(n).name and n not in ("", ".", "..")}
+
+
 def _prepare_output(out: Path, overwrite: bool) -> None:
     if out.is_dir() and overwrite:
-        for child in out.iterdir():
-            if child.is_dir() and not child.is_symlink():
+        ours = _oomb_outputs(out)
+        kept = []
+        for child in sorted(out.iterdir()):
+            if ours is not None and child.name not in ours:
+                kept.append(child.name)
+            elif child.is_dir() and not child.is_symlink():
                 shutil.rmtree(child)
             else:
                 child.unlink()
+        if kept:
+            print(f"oomb: note: --overwrite replaced the earlier run's outputs in {out} and kept what it did not write: "
+                  f"{', '.join(kept)}", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
 
 
@@ -718,6 +742,8 @@ def _save(model, tokenizer, out: Path, lora: bool, train_args: dict) -> list[str
         else:
             model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
+        # The list of what this run wrote lets a later --overwrite delete exactly that (_oomb_outputs).
+        train_args = dict(train_args, outputs=sorted(os.listdir(tmp) + ["train_args.json"]))
         (tmp / "train_args.json").write_text(json.dumps(train_args, indent=2) + "\n")
         names = sorted(os.listdir(tmp))
         for name in names:

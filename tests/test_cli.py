@@ -137,14 +137,31 @@ def test_plan_subcommand(capsys):
     _check_refused(run_cli(["plan", "--seq-len", "0"]), capsys, "--seq-len is 0")
 
 
-def test_overwrite_replaces_a_previous_run(tmp_path, text_file):
+def test_overwrite_replaces_a_previous_run(tmp_path, text_file, capsys):
+    """--overwrite replaces what an earlier oomb run wrote and keeps what it did not (a fresh-user review lost an
+    eval report kept in a run folder); train_args.json lists the run's outputs for that."""
     out = tmp_path / "run"
     out.mkdir()
-    (out / "old.txt").write_text("old")
+    (out / "notes.txt").write_text("mine")
     (out / "log.jsonl").write_text(OOMB_LOG_LINE)  # an earlier run: --overwrite replaces only oomb outputs
     assert run_cli(["train", "--data", text_file, "--output-dir", out, "--overwrite", *FAST]) == 0
-    assert not (out / "old.txt").exists() and (out / "model.safetensors").is_file()
+    assert (out / "notes.txt").read_text() == "mine" and (out / "model.safetensors").is_file()
+    assert "kept what it did not write: notes.txt" in capsys.readouterr().err
     assert len((out / "log.jsonl").read_text().splitlines()) == 2
+    outputs = json.loads((out / "train_args.json").read_text())["outputs"]
+    assert {"model.safetensors", "config.json", "train_args.json"} <= set(outputs) and "notes.txt" not in outputs
+    # a finished run: its listed outputs are replaced, a report saved next to them stays
+    (out / "eval.json").write_text('{"mine": 1}')
+    (out / "model.safetensors").write_bytes(b"stale")
+    assert run_cli(["train", "--data", text_file, "--output-dir", out, "--overwrite", *FAST, "--lora-rank", "4"]) == 0
+    names = {p.name for p in out.iterdir()}
+    assert {"eval.json", "notes.txt", "adapter_model.safetensors"} <= names and "model.safetensors" not in names
+    # a run saved before outputs were listed: everything in it is replaced, as documented then
+    args = json.loads((out / "train_args.json").read_text())
+    del args["outputs"]
+    (out / "train_args.json").write_text(json.dumps(args))
+    assert run_cli(["train", "--data", text_file, "--output-dir", out, "--overwrite", *FAST]) == 0
+    assert not (out / "eval.json").exists() and not (out / "adapter_model.safetensors").exists()
 
 
 @pytest.fixture
@@ -459,7 +476,7 @@ def test_overwrite_refuses_a_folder_that_is_not_an_oomb_output(tmp_path, text_fi
     # an earlier run (only a checkpoint of it left) may still be replaced
     (src / "checkpoints" / "step-00000001" / "meta.json").write_text(OOMB_META_JSON)
     assert run_cli(["train", "--data", text_file, "--output-dir", src, "--overwrite", *FAST, "--steps", "1"]) == 0
-    assert not (src / "main.py").exists() and (src / "log.jsonl").is_file()
+    assert (src / "main.py").is_file() and (src / "log.jsonl").is_file()  # what oomb did not write stays
 
 
 def test_overwrite_refuses_a_folder_whose_log_is_not_oomb_s(tmp_path, text_file, capsys):
@@ -476,7 +493,7 @@ def test_overwrite_refuses_a_folder_whose_log_is_not_oomb_s(tmp_path, text_file,
     # the same folder with a log that oomb train wrote is an earlier run: replaced
     (other / "log.jsonl").write_text(OOMB_LOG_LINE)
     assert run_cli(["train", "--data", text_file, "--output-dir", other, "--overwrite", *FAST, "--steps", "1"]) == 0
-    assert not (other / "weights.bin").exists()
+    assert (other / "weights.bin").read_bytes() == b"someone else's model"  # not oomb's: kept
 
 
 def test_a_bare_preset_name_means_the_preset_even_with_a_folder_of_that_name(tmp_path, text_file, capsys, monkeypatch):
