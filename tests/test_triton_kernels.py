@@ -452,6 +452,17 @@ def test_fp32_inputs_get_their_own_small_tile(monkeypatch):
     for dtype, want in ((torch.float32, [tpa._FP32_TILE[:2]]), (torch.bfloat16, [c[:2] for c in gpu]), (torch.float16, [c[:2] for c in gpu])):
         kept = tpa._prune_by_dtype(configs, {"q_ptr": torch.empty(1, dtype=dtype)})
         assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in kept] == want, dtype
+    # As the launchers call it: every argument by keyword, which Triton's autotuner passes to the
+    # prune function in kwargs, not in named_args (looking only there kept every config for fp32).
+    from triton.runtime.autotuner import Autotuner
+
+    fn = tpa._paged_attn_bwd_dq_kernel.fn
+    for dtype, want in ((torch.float32, [tpa._FP32_TILE[:2]]), (torch.bfloat16, [c[:2] for c in gpu])):
+        tuner = Autotuner(fn, fn.arg_names, configs, key=[], reset_to_zero=None, restore_value=None,
+                          prune_configs_by=tpa._PRUNE)
+        tuner.nargs = dict(zip(fn.arg_names, ()))  # what Autotuner.run builds from no positional args
+        kept = tuner.prune_configs({"q_ptr": torch.empty(1, dtype=dtype), "C": 1})
+        assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in kept] == want, dtype
     monkeypatch.setenv("OOMB_TRITON_CONFIGS", "first")
     first = tpa._gpu_configs(gpu)
     assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in first] == [(128, 64), tpa._FP32_TILE[:2]]

@@ -126,8 +126,15 @@ def _configs(gpu: list[tuple[int, int, int, int]]) -> list[triton.Config]:
 
 
 def _prune_by_dtype(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """Autotuner ``early_config_prune``: the fp32-only tile for fp32 q, every other config otherwise."""
-    fp32 = getattr(named_args.get("q_ptr"), "dtype", None) == torch.float32
+    """Autotuner ``early_config_prune``: the fp32-only tile for fp32 q, every other config otherwise.
+
+    The launchers pass every argument by keyword, and Triton's autotuner hands positional arguments in
+    ``named_args`` and keyword arguments in ``kwargs``; q is looked up in both (reading only
+    ``named_args`` kept every config for fp32, and the bf16 128 x 128 dq tile then asked the H200 for
+    320 KiB of shared memory at head dim 80/96: 2026-12-01, sixth session).
+    """
+    q = named_args["q_ptr"] if "q_ptr" in named_args else kwargs.get("q_ptr")
+    fp32 = getattr(q, "dtype", None) == torch.float32
     keep = [c for c in configs if any(c is f for f in _FP32_ONLY) == fp32]
     return keep or list(configs)
 
