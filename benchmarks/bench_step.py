@@ -8,6 +8,9 @@ optimizer, gradients kept), tokens/s and peak GPU memory. Systems:
   i.e. the strongest plain-HF setup (DESIGN.md §1).
 * ``oomb-torch`` / ``oomb-triton``: :class:`oomb.Engine`, dense, with the
   PyTorch reference attention or the Triton kernels.
+* ``oomb-triton-save-gpu`` / ``oomb-triton-save-host``: the same with
+  ``save_attention`` (Stage 1's attention outputs kept on the GPU / in pinned
+  host memory, so the Stage-2 recompute skips its attention forward).
 
 A length that runs out of memory is recorded as OOM and the run goes on.
 Writes ``<out>/step_<model>_<date>.json`` and ``.md``.
@@ -80,7 +83,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="qwen2.5-7b")
     ap.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
-    ap.add_argument("--systems", nargs="+", default=["hf", "oomb-triton"], choices=["hf", "oomb-torch", "oomb-triton"])
+    ap.add_argument("--systems", nargs="+", default=["hf", "oomb-triton"], choices=["hf", "oomb-torch", "oomb-triton", "oomb-triton-save-gpu", "oomb-triton-save-host"])
     ap.add_argument("--chunk-size", type=int, default=4096)
     ap.add_argument("--page-size", type=int, default=128)
     ap.add_argument("--checkpoint-layers", action="store_true",
@@ -114,6 +117,7 @@ def main(argv=None):
                 page_size=args.page_size,
                 attention_backend=backend,
                 checkpoint_layers=args.checkpoint_layers,
+                save_attention=system.split("-save-")[1] if "-save-" in system else "off",
             ))
         out_holder = {}
 

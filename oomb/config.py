@@ -18,7 +18,7 @@ class OOMBConfig:
     Raises:
         ValueError: on a non-positive size, a chunk size that is not a multiple
             of the page size, an unknown attention backend, a negative sparse page count,
-            an unknown sparse score, or a sparse option (``page_budget``, ``sink_pages``,
+            an unknown sparse score, an unknown ``save_attention``, or a sparse option (``page_budget``, ``sink_pages``,
             ``local_pages``, ``sparse_score``) other than its default while ``sparse`` is False
             (it would be ignored). The message names the field and the fix.
     """
@@ -77,6 +77,13 @@ class OOMBConfig:
     """With sparse: page score: 'mean' (q_sum · mean of the page's keys; MoBA/OOMB) or 'quest' (upper bound of
     q_sum · k from the page's element-wise key min/max; Quest)."""
 
+    save_attention: str = "off"
+    """Keep Stage 1's attention outputs (out and lse of every chunk and layer) so the Stage-2 recompute skips its
+    attention forward (~22% of the attention FLOPs; the gradients are unchanged): 'off', 'gpu' (on the device:
+    Hq * D values + Hq float32 per token and layer, 7,280 bytes in bf16 for Qwen2.5-7B, 25.5 GiB at 128K
+    tokens) or 'host' (page-locked host memory, fetched a chunk ahead; two chunks' worth on the device). Not
+    used with an offloaded KV store (a warning says so). See :mod:`oomb.engine.saved_attention`."""
+
     def __post_init__(self) -> None:
         for name in ("chunk_size", "page_size", "loss_chunk_size", "attention_block_size"):
             value = getattr(self, name)
@@ -125,6 +132,8 @@ class OOMBConfig:
                     f"or leave {'it' if one else 'them'} at the default "
                     f"({', '.join(f'{k}={SPARSE_DEFAULTS[k]!r}' for k in given)}) for dense attention"
                 )
+        if self.save_attention not in ("off", "gpu", "host"):
+            raise ValueError(f"save_attention must be 'off', 'gpu' or 'host', got {self.save_attention!r}")
         if self.attention_block_size % self.page_size != 0:
             # Round up so reference blocks are whole pages.
             self.attention_block_size = -(-self.attention_block_size // self.page_size) * self.page_size

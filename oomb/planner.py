@@ -300,6 +300,9 @@ class MemoryPlan:
     segment_pages: int | None = None  # offload staging segment in pages (None: whole-layer staging)
     own_buffers: int = 0  # GPU bytes of the two own-gradient buffers (segmented staging)
     host_fraction: float = HOST_FRACTION  # share of the available host RAM that is ``host_budget``
+    save_attention: str = "off"  # as asked; "off" in the plan when offload makes the engine recompute instead
+    save_attention_note: str = ""  # why an asked save_attention is not in the plan
+    saved_attention_host: int = 0  # host bytes of save_attention="host"
 
     @property
     def fits(self) -> bool:
@@ -344,6 +347,8 @@ class MemoryPlan:
             f"  {'activations: attention temporaries':<40}{g(act['attention_temp'])}",
             f"  {'activations: loss temporaries':<40}{g(act['loss_temp'])}",
             *([f"  {'sparse: page summaries + selections':<40}{g(act['sparse_state'])}"] if "sparse_state" in act else []),
+            *([f"  {'attention outputs (save_attention=' + self.save_attention + ')':<40}{g(act['saved_attention'])}"]
+              if "saved_attention" in act else []),
             f"  {'KV pages on GPU (' + ('all' if not t.offload else f'{t.resident_pages_per_layer} resident/layer') + ')':<40}"
             f"{g(self.gpu_pool - self.staging)}",
             f"  {self._staging_label():<40}{g(self.staging + self.own_buffers + self.write_buffers)}",
@@ -351,10 +356,14 @@ class MemoryPlan:
             f"  {'budget (' + self.machine.gpu_name + ', free less reserve)':<40}{g(self.gpu_budget)}",
             f"{'host':<42}",
             f"  {'KV pages in pinned memory':<40}{g(self.host_kv)}",
+            *([f"  {'attention outputs (save_attention=host)':<40}{g(self.saved_attention_host)}"]
+              if self.saved_attention_host else []),
             f"  {f'budget ({self.host_fraction:.0%} of available RAM)':<40}{g(self.host_budget)}",
             "",
             f"tiering: {self._tiering_label()}",
         ]
+        if self.save_attention_note:
+            rows.append(self.save_attention_note)
         if t.offload and self.traffic:
             h2d, d2h = self.traffic["h2d_bytes"], self.traffic["d2h_bytes"]
             rows.append(f"host<->GPU traffic per step: {h2d / GiB:,.1f} GiB in, {d2h / GiB:,.1f} GiB out "
@@ -476,6 +485,7 @@ def plan(
     gpu_reserve_bytes: int | None = None,
     host_fraction: float = HOST_FRACTION,
     sparse: Any | None = None,
+    save_attention: str = "off",
 ) -> MemoryPlan:
     """Predict GPU and host memory of training ``model`` on ``seq_len``-token sequences; nothing is allocated.
 
@@ -501,6 +511,10 @@ def plan(
             e.g. an ``OOMBConfig(sparse=True, ...)``): its page representatives and selections
             (:func:`sparse_state_bytes`) and the engine's 4 GiB of extra headroom for sparse runs are
             counted, and offload stages whole layers, as the engine does.
+        save_attention: 'off', 'gpu' or 'host' (:class:`oomb.OOMBConfig`): the Stage-1 attention outputs
+            (:func:`oomb.engine.saved_attention.saved_attention_bytes`) on the GPU, or on the host plus two
+            chunks' worth on the GPU. The engine does not use them with offload, so a run that needs offload
+            is planned without them (``plan.save_attention`` is then 'off').
 
     Returns:
         :class:`MemoryPlan`; ``plan.fits`` / ``plan.check()`` say whether it fits.
@@ -533,20 +547,29 @@ def plan(
     gsize = 8 if dtype == torch.float64 else 4
     own_max = 0 if SP is None else 2 * 2 * chunk_size * shape.kv_dim * gsize  # two dK+dV buffers of one chunk
 
-    def fixed_for(T: int) -> tuple:
+    from .engine.saved_attention import saved_attention_bytes
+
+    def saved_for(T: int, save: str) -> dict[str, int]:
+        return saved_attention_bytes(L, shape.num_heads, shape.head_dim, T, chunk_size, _dtype_size(dtype), save)
+
+    def fixed_for(T: int, save: str = "off") -> tuple:
         parts = _base_gpu(shape, T, chunk_size, dtype, lora_rank, optimizer, checkpoint_layers, backend,
                           attention_block_size, loss_chunk_size)
         n_params, trainable, weights, grads, optim, act = parts
         if sparse is not None:
             act = dict(act, sparse_state=sparse_state_bytes(shape, T, sparse_cfg, dtype))
             act["total"] += act["sparse_state"]
-            parts = (n_params, trainable, weights, grads, optim, act)
+        if save != "off":
+            act = dict(act, saved_attention=saved_for(T, save)["gpu"])
+            act["total"] += act["saved_attention"]
+        parts = (n_params, trainable, weights, grads, optim, act)
         return parts, weights + grads + optim + act["total"]
 
-    def tier_for(T: int, off=offload, budget=gpu_page_budget, host=host_budget):
-        _, fixed = fixed_for(T)
+    def tier_for(T: int, off=offload, budget=gpu_page_budget, host=host_budget, save="off"):
+        _, fixed = fixed_for(T, save)
         n = -(-T // page_size)
         pool_budget = gpu_budget - fixed
+        host = host - saved_for(T, save)["host"]
         t, why = _tier(L, n, pb, pool_budget, host, off, budget, SP)
         if (t is not None and t.offload) or (t is None and off is not False):
             # The offload layout leaves room for the write and own-gradient buffers; a failure is told
@@ -566,10 +589,20 @@ def plan(
                 hi = mid - 1
         return (lo * page_size) // chunk_size * chunk_size
 
-    (n_params, trainable, weights, grads, optim, act), fixed = fixed_for(seq_len)
+    save, save_note = save_attention, ""
+    if save != "off":  # kept only where every page stays on the GPU (the engine recomputes with offload)
+        t_save = tier_for(seq_len, save=save)[0]
+        if t_save is None or t_save.offload:
+            sa = saved_for(seq_len, save)
+            save_note = (f"save_attention={save}: not kept ({sa['gpu'] / GiB:.2f} GiB on the GPU"
+                         + (f", {sa['host'] / GiB:.2f} GiB on the host" if sa["host"] else "")
+                         + " would not fit with every KV page on the GPU, and offloaded runs recompute); "
+                         "planned without it")
+            save = "off"
+    (n_params, trainable, weights, grads, optim, act), fixed = fixed_for(seq_len, save)
     n = -(-seq_len // page_size)
     problems: list[str] = []
-    tiering, why = tier_for(seq_len)
+    tiering, why = tier_for(seq_len, save=save)
     if tiering is None:
         problems.append(why)
         # Show the layout the verdict speaks of: where only the host tier is too small, the offload tiering
@@ -600,13 +633,15 @@ def plan(
         model=str(name), shape=shape, seq_len=seq_len, chunk_size=chunk_size, page_size=page_size, dtype=dtype,
         num_params=n_params, trainable_params=trainable, weights=weights, grads=grads, optimizer=optim,
         activations=act, page_bytes=pb, pages_per_layer=n, kv_total=L * n * pb, tiering=tiering,
-        gpu_pool=gpu_pool, write_buffers=wb, host_kv=host_kv, gpu_peak=gpu_peak, host_peak=host_kv,
+        gpu_pool=gpu_pool, write_buffers=wb, host_kv=host_kv, gpu_peak=gpu_peak,
+        host_peak=host_kv + saved_for(seq_len, save)["host"],
         gpu_budget=gpu_budget, host_budget=host_budget, machine=machine,
         max_seq_len_gpu_only=largest(False), max_seq_len_offload=largest(True), problems=problems,
         traffic=offload_traffic(shape, seq_len, chunk_size, page_size, tiering.resident_pages_per_layer, dtype,
                                 segment_pages=SP, checkpoint_layers=checkpoint_layers)
         if tiering.offload else {},
         segment_pages=SP if tiering.offload else None, own_buffers=own_b, host_fraction=host_fraction,
+        save_attention=save, saved_attention_host=saved_for(seq_len, save)["host"], save_attention_note=save_note,
     )
 
 
@@ -729,6 +764,15 @@ def choose_engine_tiering(engine: Any, seq_len: int) -> tuple[bool, int | None]:
         reserve += sparse_state_bytes(shape, seq_len, cfg, dtype) + 4 * GiB
     pool_budget = free + cached - reserve - missing_grads - act
     L, n = shape.num_layers, -(-seq_len // cfg.page_size)
+    if cfg.save_attention != "off" and cfg.offload != True:  # noqa: E712 ('auto' is truthy)
+        # Room for the kept attention outputs if every page then still fits on the GPU; otherwise the store
+        # offloads and the engine does not keep them (it says so), so they take nothing.
+        from .engine.saved_attention import saved_attention_bytes
+
+        sa = saved_attention_bytes(L, shape.num_heads, shape.head_dim, seq_len, cfg.chunk_size, _dtype_size(dtype),
+                                   cfg.save_attention)
+        if L * n * _page_bytes(shape, cfg.page_size, dtype) <= pool_budget - sa["gpu"]:
+            return False, None
     pb = _page_bytes(shape, cfg.page_size, dtype)
     host_budget = int(_host_memory()[0] * HOST_FRACTION)
     from .engine.offload import resolve_segment_pages
@@ -750,8 +794,8 @@ def choose_engine_tiering(engine: Any, seq_len: int) -> tuple[bool, int | None]:
 # ------------------------------------------------------------------------ CLI
 def plan_for_train_args(args: Any, dtype: torch.dtype, machine: Machine | None = None) -> MemoryPlan:
     """The plan of an ``oomb train`` run from its parsed arguments (model, seq_len, chunk_size, page_size,
-    attention_backend, checkpoint_layers, lora_rank, offload, gpu_page_budget, offload_segment_pages, sparse),
-    AdamW included. Sparse attention stages whole layers (as the engine does)."""
+    attention_backend, checkpoint_layers, lora_rank, offload, gpu_page_budget, offload_segment_pages, sparse,
+    save_attention), AdamW included. Sparse attention stages whole layers (as the engine does)."""
     return plan(
         args.model, args.seq_len, chunk_size=args.chunk_size, page_size=args.page_size, dtype=dtype,
         lora_rank=getattr(args, "lora_rank", 0), optimizer="adamw", checkpoint_layers=args.checkpoint_layers,
@@ -760,6 +804,7 @@ def plan_for_train_args(args: Any, dtype: torch.dtype, machine: Machine | None =
         gpu_page_budget=getattr(args, "gpu_page_budget", None), machine=machine,
         offload_segment_pages="layer" if getattr(args, "sparse", False) else getattr(args, "offload_segment_pages", None),
         sparse=_sparse_settings(args) if getattr(args, "sparse", False) else None,
+        save_attention=getattr(args, "save_attention", "off"),
     )
 
 
@@ -800,7 +845,7 @@ def run_plan(args: Any) -> int:
         attention_backend="torch" if args.attention_backend == "torch" else "triton",
         offload=offload, gpu_page_budget=args.gpu_page_budget, machine=machine,
         offload_segment_pages=args.offload_segment_pages,
-        sparse=_sparse_settings(args) if args.sparse else None,
+        sparse=_sparse_settings(args) if args.sparse else None, save_attention=args.save_attention,
     )
     print(p.table())
     return 0 if p.fits else 1

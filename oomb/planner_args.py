@@ -60,6 +60,14 @@ def add_sparse_arguments(parser, when: str = "with --sparse", budget: bool = Tru
                         help=f"{when}: page score (mean key, or Quest's min/max bound)")
 
 
+def add_save_attention_argument(parser: Any) -> None:
+    """``--save-attention {off,gpu,host}`` (``oomb train`` and ``oomb plan``; see ``OOMBConfig.save_attention``)."""
+    parser.add_argument("--save-attention", choices=["off", "gpu", "host"], default="off",
+                        help="keep Stage 1's attention outputs so the Stage-2 recompute skips its attention forward (same "
+                             "gradients, ~20%% less attention work; Hq x head-dim values per token and layer, 7,280 bytes "
+                             "for Qwen2.5-7B in bf16) on the GPU or in pinned host memory; not used with offload")
+
+
 def add_offload_arguments(parser: Any) -> None:
     """``--offload {auto,on,off}``, ``--gpu-page-budget PAGES`` and ``--offload-segment-pages PAGES`` (for
     ``oomb train`` and ``oomb plan``)."""
@@ -93,6 +101,7 @@ def add_plan_subcommand(subparsers: Any, **parser_kwargs: Any) -> Any:
     p.add_argument("--no-optimizer", action="store_true", help="leave out AdamW states (memory of the step alone)")
     p.add_argument("--checkpoint-layers", action="store_true", help="per-layer checkpointing inside each chunk")
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto", help="attention implementation")
+    add_save_attention_argument(p)
     add_offload_arguments(p)
     p.add_argument("--sparse", action="store_true", help="page-level top-K sparse attention (counts its page summaries and "
                    "selections, and offload stages whole layers, as oomb train does)")

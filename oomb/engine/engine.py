@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -34,9 +35,10 @@ from ..config import OOMBConfig
 from ..models.hf import UnsupportedModelError, check_model_supported, use_oomb_attention
 from ..ops.paged_attention import paged_attention, paged_attention_forward, resolve_backend
 from ..ops.sparse import SparseAttentionState, sparse_paged_attention, sparse_paged_attention_forward
-from ..planner import choose_engine_tiering
+from ..planner import ModelShape, activation_bytes, choose_engine_tiering
 from .kv_store import PagedKVStore
 from .offload import OffloadedKVStore
+from .saved_attention import SavedAttention, saved_attention_bytes
 from .loss import IGNORE_INDEX, chunked_cross_entropy_sum
 
 # Integer dtypes accepted for input_ids and labels (both are copied to int64). Not bool, not floats:
@@ -98,17 +100,24 @@ class _ChunkContext:
             store.write(layer, self.start, k, v)
             if sparse is not None:
                 sparse.write(layer, self.start, k)
+        saved = eng._saved
+        chunk = self.start // eng.config.chunk_size
+        # Stage 2 of a chunk Stage 1 ran: its attention outputs, if they were kept (save_attention).
+        prev = saved.load(chunk, layer) if saved is not None and self.stage == 2 and not self.is_last else None
+        bs = eng.config.attention_block_size
         if sparse is not None:
             # Made once (Stage 1, or the last chunk's first Stage-2 forward) and reused unchanged.
             sel = sparse.selection(layer, self.start, q, self.q_doc_start, record_pages=self.stage == 1)
             if self.stage == 1:
-                out, _ = sparse_paged_attention_forward(q, k, v, kv, sel, scaling, eng._backend, eng.config.attention_block_size)
+                out, lse = sparse_paged_attention_forward(q, k, v, kv, sel, scaling, eng._backend, bs)
             else:
-                out = sparse_paged_attention(q, k, v, kv, sel, scaling, eng._backend, eng.config.attention_block_size)
+                out = sparse_paged_attention(q, k, v, kv, sel, scaling, eng._backend, bs, saved=prev)
         elif self.stage == 1:
-            out, _ = paged_attention_forward(q, k, v, kv, scaling, eng._backend, eng.config.attention_block_size)
+            out, lse = paged_attention_forward(q, k, v, kv, scaling, eng._backend, bs)
         else:
-            out = paged_attention(q, k, v, kv, scaling, eng._backend, eng.config.attention_block_size)
+            out = paged_attention(q, k, v, kv, scaling, eng._backend, bs, saved=prev)
+        if saved is not None and self.stage == 1:
+            saved.save(chunk, layer, out, lse)
         store.after_attention_forward(layer, self.stage)
         return out.unsqueeze(0)
 
@@ -199,6 +208,8 @@ class Engine:
             base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self._store: PagedKVStore | None = None
         self._sparse: SparseAttentionState | None = None
+        self._saved: SavedAttention | None = None
+        self._saved_keep: SavedAttention | None = None  # the last step's buffers, reused by the next
         self._backend = "torch"
 
     # ------------------------------------------------------------------ helpers
@@ -357,6 +368,51 @@ class Engine:
             if track:
                 self._sparse.track_pages = True
 
+    def _ensure_saved(self, T: int, store: PagedKVStore) -> None:
+        """The Stage-1 attention outputs' keeper of this step (config.save_attention), else None.
+
+        Not with an offloaded store: its Stage-2 forward also stages the pages the backward reads, and
+        skipping it is not supported yet (a warning says so, once per engine).
+        """
+        where = self.config.save_attention
+        N = -(-T // self.config.chunk_size)
+        self._saved = None
+        if where == "off" or N < 2:
+            return
+        if isinstance(store, OffloadedKVStore):
+            if not getattr(self, "_warned_saved_offload", False):
+                warnings.warn(
+                    f"save_attention={where!r} is not used with an offloaded KV store (not supported yet); this step "
+                    "recomputes the attention forward in Stage 2. Use offload=False if the pages fit on the GPU, or "
+                    "save_attention='off' to silence this", stacklevel=3)
+                self._warned_saved_offload = True
+            return
+        keep = self._saved_keep
+        if self.device.type == "cuda" and (keep is None or keep.num_chunks != N or keep.where != where):
+            need = saved_attention_bytes(self.num_layers, self._base.config.num_attention_heads, self.head_dim, T,
+                                         self.config.chunk_size, self.dtype.itemsize, where)["gpu"]
+            self._saved_keep = None
+            free, total = torch.cuda.mem_get_info(self.device)
+            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+            # One chunk's activations and the allocator's reserve stay free (as choose_engine_tiering plans).
+            act = activation_bytes(ModelShape.from_config(self._base.config), min(self.config.chunk_size, T), self.dtype,
+                                   self.config.checkpoint_layers, self._backend, self.config.attention_block_size,
+                                   self.config.loss_chunk_size, max(T - self.config.chunk_size, 0))["total"]
+            spare = free - act - max(2 * 2**30, int(0.03 * total))
+            if need > spare:
+                warnings.warn(
+                    f"save_attention={where!r} needs {need / 2**30:.1f} GiB of GPU memory for {T:,} tokens but "
+                    f"{max(spare, 0) / 2**30:.1f} GiB is free after the KV store and one chunk's activations; this step "
+                    "recomputes the attention forward instead"
+                    + (" (save_attention='host' keeps them in host memory)" if where == "gpu" else ""), stacklevel=3)
+                return
+        if keep is not None and keep.where == where and keep.num_chunks == N:
+            self._saved = keep
+        else:
+            self._saved_keep = None  # free the old buffers first
+            self._saved = SavedAttention(where, self.num_layers, N, self.device)
+        self._saved.begin_step()
+
     @property
     def sparse_state(self) -> SparseAttentionState | None:
         """Page representatives and stored selections of the last step (config.sparse), else None."""
@@ -424,9 +480,14 @@ class Engine:
             torch.cuda.reset_peak_memory_stats(device)
         store = self._ensure_store(T)
         self._ensure_sparse(T)
+        self._ensure_saved(T, store)
 
-        with _rope_state_of_full_sequence(self._decoder, T, device, self.dtype):
-            t0, t1, t2, total = self._stages(input_ids, targets, doc_start, positions, denom, progress, store)
+        try:
+            with _rope_state_of_full_sequence(self._decoder, T, device, self.dtype):
+                t0, t1, t2, total = self._stages(input_ids, targets, doc_start, positions, denom, progress, store)
+        finally:
+            saved, self._saved = self._saved, None  # evaluate() and plain forwards never save
+            self._saved_keep = saved
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         return StepOutput(
             loss=float(total) / n_valid,
@@ -459,6 +520,9 @@ class Engine:
         for c in tqdm(range(N - 1, -1, -1), desc="stage 2 (recompute + backward)", unit="chunk", disable=not progress, leave=False):
             s = c * C
             n = min(C, T - s)
+            if self._saved is not None:  # host: this chunk's and the next one's saved outputs on their way
+                self._saved.prefetch(c)
+                self._saved.prefetch(c - 1)
             ctx = _ChunkContext(self, 2, s, n, c == N - 1, _slice(doc_start, s, n))
             hidden = self._run_chunk(input_ids, positions, ctx)
             loss_sum = chunked_cross_entropy_sum(hidden, self._lm_head, targets[s : s + n], self.config.loss_chunk_size)

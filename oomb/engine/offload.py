@@ -808,6 +808,32 @@ def _make_streams(device: torch.device):
     return _CudaStreams(device) if device.type == "cuda" else _SyncStreams()
 
 
+def host_empty(shape: tuple[int, ...], dtype: torch.dtype, pin: bool, pins: list[int]) -> torch.Tensor:
+    """Host tensor of ``shape``; page-locked when ``pin`` (a CUDA device will copy from/to it).
+
+    ``torch.empty(pin_memory=True)`` rounds every pinned block up to a power of two
+    (PyTorch's CachingHostAllocator), which would waste up to half of host RAM at the sizes
+    planned here, so the tensor is allocated pageable and registered with cudaHostRegister;
+    its address is appended to ``pins``, which the owner unregisters with
+    :func:`_unregister_host` when it is collected. Falls back to ``pin_memory=True`` (with a
+    warning) if registration fails.
+    """
+    t = torch.empty(shape, dtype=dtype)
+    if not pin or t.numel() == 0:
+        return t
+    nbytes = t.numel() * t.element_size()
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
+        code = int(getattr(err, "value", err))
+    except Exception as exc:  # pragma: no cover - depends on the CUDA build
+        err, code = exc, -1
+    if code == 0:
+        pins.append(t.data_ptr())
+        return t
+    warnings.warn(f"cudaHostRegister of {nbytes / 2**30:.1f} GiB failed ({err}); using pin_memory=True (rounded up to a power of two)")
+    return torch.empty(shape, dtype=dtype, pin_memory=True)
+
+
 def _unregister_host(ptrs: list[int], tensors: list[torch.Tensor]) -> None:
     cudart = torch.cuda.cudart()
     for ptr in ptrs:
@@ -979,28 +1005,8 @@ class OffloadedKVStore:
 
     # ------------------------------------------------------------------ memory
     def _host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """Host tensor; page-locked on CUDA.
-
-        ``torch.empty(pin_memory=True)`` rounds every pinned block up to a power of two
-        (PyTorch's CachingHostAllocator), which would waste up to half of host RAM at the sizes
-        planned here, so the tensor is allocated pageable and registered with cudaHostRegister
-        (unregistered when the store is collected). Falls back to ``pin_memory=True`` if
-        registration fails.
-        """
-        t = torch.empty(shape, dtype=dtype)
-        if not self._cuda or t.numel() == 0:
-            return t
-        nbytes = t.numel() * t.element_size()
-        try:
-            err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)
-            code = int(getattr(err, "value", err))
-        except Exception as exc:  # pragma: no cover - depends on the CUDA build
-            err, code = exc, -1
-        if code == 0:
-            self._host_pins.append(t.data_ptr())
-            return t
-        warnings.warn(f"cudaHostRegister of {nbytes / 2**30:.1f} GiB failed ({err}); using pin_memory=True (rounded up to a power of two)")
-        return torch.empty(shape, dtype=dtype, pin_memory=True)
+        """Host tensor; page-locked on CUDA (see :func:`host_empty`)."""
+        return host_empty(shape, dtype, self._cuda, self._host_pins)
 
     @staticmethod
     def pages_needed(num_layers: int, seq_len: int, page_size: int) -> int:

@@ -236,12 +236,15 @@ def _bwd_segmented(backend: str, dout, q, k, v, out, lse, kv: PagedKV, scale: fl
 
 class _PagedAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, kv: PagedKV, scale: float, backend: str, block_size: int):
-        fwd = _fwd if kv.segments is None else _fwd_segmented
-        out, lse = fwd(backend, q, k, v, kv, scale, block_size)
+    def forward(ctx, q, k, v, kv: PagedKV, scale: float, backend: str, block_size: int, saved: tuple | None = None):
+        if saved is not None:  # this forward's (out, lse) computed earlier on the same inputs (save_attention)
+            out, lse = saved
+        else:
+            fwd = _fwd if kv.segments is None else _fwd_segmented
+            out, lse = fwd(backend, q, k, v, kv, scale, block_size)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.kv, ctx.scale, ctx.backend, ctx.block_size = kv, scale, backend, block_size
-        return out
+        return out if saved is None else out.clone()
 
     @staticmethod
     def backward(ctx, dout):
@@ -261,7 +264,7 @@ class _PagedAttentionFunction(torch.autograd.Function):
             dv = dv + kv.dv_cache.index_select(0, idx).flatten(0, 1)[:n].to(dv.dtype)
         if kv.after_backward is not None:
             kv.after_backward()
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def paged_attention(
@@ -272,6 +275,7 @@ def paged_attention(
     softmax_scale: float,
     backend: str = "torch",
     block_size: int = 4096,
+    saved: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Differentiable attention of one chunk over paged past K/V plus its own K/V (causal).
 
@@ -281,11 +285,14 @@ def paged_attention(
         softmax_scale: multiplier of q·k.
         backend: 'torch' or 'triton' (already resolved, see :func:`resolve_backend`).
         block_size: past tokens per block of the torch reference.
+        saved: ``(out, lse)`` this same forward returned earlier for bitwise the same inputs (the engine's
+            ``save_attention``: Stage 1's outputs, reused by the Stage-2 recompute). The forward is then
+            skipped and the backward uses them; None computes them.
 
     Returns:
         out: [C, Hq, D] in q's dtype.
     """
-    return _PagedAttentionFunction.apply(q, k, v, kv, softmax_scale, backend, block_size)
+    return _PagedAttentionFunction.apply(q, k, v, kv, softmax_scale, backend, block_size, saved)
 
 
 def paged_attention_forward(q, k, v, kv: PagedKV, softmax_scale: float, backend: str = "torch", block_size: int = 4096):

@@ -480,11 +480,11 @@ def _sparse_bwd(backend, dout, q, k, v, out, lse, kv: PagedKV, sel: PageSelectio
 
 class _SparseAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, kv: PagedKV, sel: PageSelection, scale: float, backend: str):
-        out, lse = _sparse_fwd(backend, q, k, v, kv, sel, scale)
+    def forward(ctx, q, k, v, kv: PagedKV, sel: PageSelection, scale: float, backend: str, saved: tuple | None = None):
+        out, lse = saved if saved is not None else _sparse_fwd(backend, q, k, v, kv, sel, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.kv, ctx.sel, ctx.scale, ctx.backend = kv, sel, scale, backend
-        return out
+        return out if saved is None else out.clone()
 
     @staticmethod
     def backward(ctx, dout):
@@ -498,7 +498,7 @@ class _SparseAttentionFunction(torch.autograd.Function):
             dv = dv + kv.dv_cache.index_select(0, idx).flatten(0, 1)[:n].to(dv.dtype)
         if kv.after_backward is not None:
             kv.after_backward()
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def sparse_paged_attention(
@@ -510,20 +510,22 @@ def sparse_paged_attention(
     softmax_scale: float,
     backend: str = "torch",
     block_size: int = 4096,
+    saved: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Differentiable attention of one chunk over its selected past pages plus its own K/V (causal).
 
     Same contract as :func:`oomb.ops.paged_attention.paged_attention` (dK/dV of the selected
     past pages are added into ``kv.dk_cache``/``kv.dv_cache`` in backward); a dense selection
     runs the dense path of ``backend`` unchanged; otherwise 'triton' runs
-    :mod:`oomb.ops.triton_sparse_attention` and 'torch' the reference here.
+    :mod:`oomb.ops.triton_sparse_attention` and 'torch' the reference here. ``saved``: as in
+    :func:`~oomb.ops.paged_attention.paged_attention` (the forward's earlier ``(out, lse)``).
 
     Returns:
         out: [C, Hq, D] in q's dtype.
     """
     if sel.dense:
-        return paged_attention(q, k, v, kv, softmax_scale, backend, block_size)
-    return _SparseAttentionFunction.apply(q, k, v, kv, sel, softmax_scale, backend)
+        return paged_attention(q, k, v, kv, softmax_scale, backend, block_size, saved)
+    return _SparseAttentionFunction.apply(q, k, v, kv, sel, softmax_scale, backend, saved)
 
 
 def sparse_paged_attention_forward(q, k, v, kv: PagedKV, sel: PageSelection, softmax_scale: float, backend="torch", block_size=4096):

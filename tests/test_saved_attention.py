@@ -1,0 +1,196 @@
+"""save_attention: Stage 1's attention outputs reused by the Stage-2 recompute give bitwise the same
+step (loss and every gradient) as recomputing them, and the Stage-2 attention forward really is skipped."""
+
+import warnings
+
+import pytest
+import torch
+
+import oomb.ops.paged_attention as pa
+import oomb.ops.sparse as sp
+from oomb import Engine, OOMBConfig
+from oomb.engine.saved_attention import SavedAttention, saved_attention_bytes
+from test_engine import VOCAB, clone_model, tiny
+
+
+def _step(model, ids, cu=None, steps=1, **cfg):
+    cfg.setdefault("attention_backend", "torch")
+    engine = Engine(model, OOMBConfig(**cfg))
+    out = None
+    for i in range(steps):
+        model.zero_grad(set_to_none=True)
+        out = engine.step(ids[i] if steps > 1 else ids, cu_seqlens=cu)
+    return out, engine
+
+
+def _assert_same_step(a, model_a, b, model_b):
+    assert a.loss == b.loss, (a.loss, b.loss)
+    for (name, p), q in zip(model_a.named_parameters(), model_b.parameters()):
+        assert torch.equal(p.grad, q.grad), f"{name}: max diff {(p.grad - q.grad).abs().max().item():.3e}"
+
+
+def _count_forwards(monkeypatch):
+    """Count the attention forward kernels run (dense and sparse paths)."""
+    calls = {"dense": 0, "sparse": 0}
+    fwd, sfwd = pa._fwd, sp._sparse_fwd
+
+    def counted(*a, **k):
+        calls["dense"] += 1
+        return fwd(*a, **k)
+
+    def scounted(*a, **k):
+        calls["sparse"] += 1
+        return sfwd(*a, **k)
+
+    monkeypatch.setattr(pa, "_fwd", counted)
+    monkeypatch.setattr(sp, "_sparse_fwd", scounted)
+    return calls
+
+
+CASES = [
+    # id, family, heads, kv_heads, T, chunk, page, extra config, packed
+    pytest.param("qwen2", 4, 2, 45, 12, 4, {}, False, id="gqa2-partial-last-chunk"),
+    pytest.param("llama", 7, 1, 40, 8, 4, {"checkpoint_layers": True}, False, id="gqa7-checkpoint-layers"),
+    pytest.param("qwen3", 4, 4, 36, 12, 4, {}, True, id="packed-documents"),
+    pytest.param("qwen2", 4, 2, 52, 12, 4, dict(sparse=True, page_budget=1, sink_pages=1, local_pages=1,
+                                                sparse_block_size=4), False, id="sparse-small-budget"),
+]
+
+
+@pytest.mark.parametrize("where", ["gpu", "host"])
+@pytest.mark.parametrize("family,heads,kv_heads,T,chunk,page,extra,packed", CASES)
+def test_saved_outputs_give_bitwise_the_same_step(monkeypatch, where, family, heads, kv_heads, T, chunk, page, extra, packed):
+    torch.manual_seed(T)
+    model = tiny(family, heads, kv_heads).double()
+    twin = clone_model(model)
+    ids = torch.randint(0, VOCAB, (1, T))
+    cu = torch.tensor([0, 5, 17, 30, T]) if packed else None
+    cfg = dict(chunk_size=chunk, page_size=page, **extra)
+    ref, _ = _step(twin, ids, cu, **cfg)
+    calls = _count_forwards(monkeypatch)
+    out, engine = _step(model, ids, cu, save_attention=where, **cfg)
+    _assert_same_step(out, model, ref, twin)
+
+    # Forwards run: Stage 1 for chunks 0..N-2 and Stage 2 for the last chunk only (twice per layer with
+    # per-layer checkpointing, which reruns the layer in backward); a sparse step whose selections cover
+    # the past takes the dense path.
+    N, L = -(-T // chunk), model.config.num_hidden_layers
+    last = L * (2 if extra.get("checkpoint_layers") else 1)
+    assert calls["dense"] + calls["sparse"] == (N - 1) * L + last, calls
+    if extra.get("sparse"):
+        assert calls["sparse"] > 0
+
+
+def test_saved_outputs_reused_over_steps_and_a_new_length():
+    """Buffers kept from one step serve the next (same length), a new length gets new ones; each step
+    equals the recomputing engine's."""
+    torch.manual_seed(3)
+    model = tiny("qwen2", 4, 2).double()
+    twin = clone_model(model)
+    e_save = Engine(model, OOMBConfig(chunk_size=8, page_size=4, attention_backend="torch", save_attention="host"))
+    e_ref = Engine(twin, OOMBConfig(chunk_size=8, page_size=4, attention_backend="torch"))
+    kept = []
+    for T in (40, 40, 24):
+        ids = torch.randint(0, VOCAB, (1, T))
+        model.zero_grad(set_to_none=True)
+        twin.zero_grad(set_to_none=True)
+        _assert_same_step(e_save.step(ids), model, e_ref.step(ids), twin)
+        kept.append(e_save._saved_keep)
+    assert kept[0] is kept[1] and kept[2] is not kept[1]
+    assert kept[2].nbytes["host"] == saved_attention_bytes(2, 4, 8, 24, 8, 8, "host")["host"]
+    # evaluate() after a step neither saves nor reads saved outputs
+    assert e_save._saved is None
+    e_save.evaluate(torch.randint(0, VOCAB, (1, 24)))
+
+
+def test_single_chunk_and_offloaded_store_recompute(monkeypatch):
+    torch.manual_seed(4)
+    model = tiny("llama", 4, 2).double()
+    twin = clone_model(model)
+    ids = torch.randint(0, VOCAB, (1, 40))
+    ref, _ = _step(twin, ids, chunk_size=8, page_size=4)
+    with pytest.warns(UserWarning, match="not used with an offloaded KV store"):
+        out, engine = _step(model, ids, chunk_size=8, page_size=4, offload=True, save_attention="gpu")
+    assert engine._saved_keep is None
+    _assert_same_step(out, model, ref, twin)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out, engine = _step(model, ids[:, :8], chunk_size=8, page_size=4, save_attention="gpu")  # one chunk: nothing to save
+    assert engine._saved_keep is None
+
+
+def test_bad_setting_and_missing_chunk_raise():
+    with pytest.raises(ValueError, match="save_attention must be 'off', 'gpu' or 'host'"):
+        OOMBConfig(save_attention="cpu")
+    saved = SavedAttention("gpu", 2, 3, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="no saved attention output for chunk 0"):
+        saved.load(0, 0)
+    out, lse = torch.randn(4, 2, 8), torch.randn(2, 4)
+    saved.save(1, 1, out, lse)
+    with pytest.raises(RuntimeError, match="chunk 2"):
+        saved.load(2, 0)
+    o, l = saved.load(1, 1)
+    assert torch.equal(o, out) and torch.equal(l, lse) and o.stride() == out.stride()
+    # the transposed layout HF's attention hands over is kept as it is
+    out_t = torch.randn(2, 4, 8).transpose(0, 1)
+    saved2 = SavedAttention("host", 1, 2, torch.device("cpu"))
+    saved2.save(0, 0, out_t, lse)
+    o, _ = saved2.load(0, 0)
+    assert torch.equal(o, out_t) and o.stride() == out_t.stride()
+    with pytest.raises(ValueError, match="dense"):
+        SavedAttention("gpu", 1, 2, torch.device("cpu")).save(0, 0, torch.randn(4, 2, 16)[..., ::2], lse)
+
+
+def test_saved_attention_bytes():
+    # Qwen2.5-7B shape in bf16: 28 heads x (128 x 2 + 4) bytes = 7,280 per token and layer
+    b = saved_attention_bytes(28, 28, 128, 131072, 4096, 2, "gpu")
+    assert b == {"gpu": 31 * 4096 * 28 * 7280, "host": 0}
+    h = saved_attention_bytes(28, 28, 128, 131072, 4096, 2, "host")
+    assert h == {"gpu": 2 * 4096 * 28 * 7280, "host": b["gpu"]}
+    assert saved_attention_bytes(28, 28, 128, 4096, 4096, 2, "gpu") == {"gpu": 0, "host": 0}
+    assert saved_attention_bytes(28, 28, 128, 131072, 4096, 2, "off") == {"gpu": 0, "host": 0}
+
+
+def test_plan_counts_saved_outputs_and_drops_them_with_offload():
+    from oomb.planner import GiB, Machine, plan
+
+    m = Machine(139 * GiB, 141 * GiB, 120 * GiB, 128 * GiB, "given")
+    T = 131072
+    base = plan("qwen2.5-7b", T, optimizer=None, machine=m)
+    want = {w: saved_attention_bytes(28, 28, 128, T, 4096, 2, w) for w in ("gpu", "host")}
+    for where in ("gpu", "host"):
+        p = plan("qwen2.5-7b", T, optimizer=None, machine=m, save_attention=where)
+        assert p.fits and p.save_attention == where and not p.tiering.offload
+        assert p.gpu_peak - base.gpu_peak == want[where]["gpu"]
+        assert p.host_peak - base.host_peak == want[where]["host"]
+        assert f"attention outputs (save_attention={where})" in p.table()
+    # With AdamW states the outputs no longer fit beside every page: planned without them, and said so
+    p = plan("qwen2.5-7b", T, machine=m, save_attention="gpu")
+    assert p.save_attention == "off" and "save_attention=gpu: not kept" in p.table()
+    assert p.gpu_peak == plan("qwen2.5-7b", T, machine=m).gpu_peak
+
+
+def test_cli_save_attention_flag(tmp_path):
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "oomb", "plan", "--seq-len", "65536", "--gpu-gib", "139", "--host-gib", "120",
+                          "--no-optimizer", "--save-attention", "host"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "attention outputs (save_attention=host)" in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "oomb", "train", "--save-attention", "cpu"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--save-attention" in bad.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels in bf16 and the host copy streams need CUDA")
+@pytest.mark.parametrize("where", ["gpu", "host"])
+def test_saved_outputs_bitwise_on_cuda_with_triton(where):
+    torch.manual_seed(7)
+    model = tiny("qwen2", 4, 2, head_dim=64).to("cuda", torch.bfloat16)
+    twin = clone_model(model).to("cuda")
+    ids = torch.randint(0, VOCAB, (1, 1000), device="cuda")
+    cfg = dict(chunk_size=256, page_size=64, attention_backend="triton")
+    ref, _ = _step(twin, ids, **cfg)
+    out, engine = _step(model, ids, save_attention=where, **cfg)
+    assert engine._saved_keep is not None
+    _assert_same_step(out, model, ref, twin)
