@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # One device call (one H200), issue 3: the dense step with save_attention (Stage 1's attention outputs kept,
 # so the Stage-2 recompute skips its attention forward) next to the recomputing engine and HF, in one run.
-# PART=e2e (default): SYSTEMS at LENGTHS (T_E2E s). PART=tests: the CUDA tests of save_attention and the
+# PART (one or more, in order): e2e (default): SYSTEMS at LENGTHS (T_E2E s). PART=tests: the CUDA tests of save_attention and the
 # kernel test file with one config per kernel (T_TEST s). PART=long: SYSTEMS at 256K (HF skipped).
 # Carry the Triton cache of the previous call (triton_cache.tgz.part-*).
 set -u
 . benchmarks/gpu_common.sh
 gpu_env
-case "${PART:-e2e}" in
+for part in ${PART:-e2e}; do
+case "$part" in
 e2e)
   el "e2e"
   timeout ${T_E2E:-420} python3 benchmarks/bench_step.py --model qwen2.5-7b --lengths ${LENGTHS:-32768 65536 131072} \
@@ -23,6 +24,7 @@ long)
     --hf-max-len 131072 --systems ${SYSTEMS:-oomb-triton-save-host oomb-triton} --warmup-len 8192 \
     --out "$R" --tag ${TAG:-_save_attention_256k} 2>&1 | grep -Ev "$F" | tail -8 ;;
 esac
+done
 el "done"
 [ "$R" = "$OUT" ] || tar czf "$OUT/results.tgz" -C "$R" .
 tar czf /tmp/tc.tgz .triton_cache 2>/dev/null && split -b 15m /tmp/tc.tgz "$OUT/triton_cache.tgz.part-"

@@ -137,17 +137,21 @@ class SavedAttention:
     def save(self, chunk: int, layer: int, out: torch.Tensor, lse: torch.Tensor) -> None:
         """Keep Stage 1's ``out`` [C, Hq, D] and ``lse`` [Hq, C] of (chunk, layer); chunk < num_chunks - 1."""
         self._allocate(out, lse)
-        o_dst, l_dst = self._views(self._out[chunk, layer], self._lse[chunk, layer])
+        # The buffers hold each tensor's memory as it is (the layout of _key), so the host copies are plain
+        # contiguous byte copies: a copy between a strided device view and a strided host view (HF hands the
+        # attention [Hq, C, D] memory seen as [C, Hq, D]) goes through a temporary and a host-side strided copy,
+        # synchronous, which made 'host' 15% slower than not saving at all on the H200 (2026-12-01).
+        o_src, l_src = _memory_order(out), _memory_order(lse)
         if self._stream is None:
-            o_dst.copy_(out)
-            l_dst.copy_(lse)
+            self._out[chunk, layer].copy_(o_src)
+            self._lse[chunk, layer].copy_(l_src)
             return
         # Host copy on the side stream once the compute stream has produced out/lse; the caching
         # allocator must not hand their memory to another tensor before the copy has read it.
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
-            o_dst.copy_(out, non_blocking=True)
-            l_dst.copy_(lse, non_blocking=True)
+            self._out[chunk, layer].copy_(o_src, non_blocking=True)
+            self._lse[chunk, layer].copy_(l_src, non_blocking=True)
         out.record_stream(self._stream)
         lse.record_stream(self._stream)
 
@@ -198,6 +202,11 @@ class SavedAttention:
         """A new step starts: the staging slots hold nothing of it."""
         self._staged = [None, None]
         self._events = [None, None]
+
+
+def _memory_order(t: torch.Tensor) -> torch.Tensor:
+    """A dense tensor's elements as a flat contiguous view, in memory order (what ``_view`` turns back)."""
+    return torch.as_strided(t, (t.numel(),), (1,))
 
 
 def _dense(t: torch.Tensor) -> bool:
