@@ -21,7 +21,7 @@ tests)
 long)
   el "256K"
   timeout ${T_E2E:-420} python3 benchmarks/bench_step.py --model qwen2.5-7b --lengths ${LENGTHS:-262144} \
-    --hf-max-len 131072 --systems ${SYSTEMS:-oomb-triton-save-host oomb-triton} --warmup-len 8192 \
+    --hf-max-len 131072 --systems ${SYSTEMS:-oomb-triton-save-host oomb-triton} --warmup-len 8192 --oomb-steps ${OOMB_STEPS:-1} \
     --out "$R" --tag ${TAG:-_save_attention_256k} 2>&1 | grep -Ev "$F" | tail -8 ;;
 esac
 done
