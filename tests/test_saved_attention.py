@@ -157,6 +157,8 @@ def test_plan_counts_saved_outputs_and_drops_them_with_offload():
     m = Machine(139 * GiB, 141 * GiB, 120 * GiB, 128 * GiB, "given")
     T = 131072
     base = plan("qwen2.5-7b", T, optimizer=None, machine=m)
+    assert "tip: --save-attention host" in base.table()  # room for them: the plan says so
+    assert "tip:" not in plan("qwen2.5-7b", 4096, optimizer=None, machine=m).table()  # one chunk: nothing to keep
     want = {w: saved_attention_bytes(28, 28, 128, T, 4096, 2, w) for w in ("gpu", "host")}
     for where in ("gpu", "host"):
         p = plan("qwen2.5-7b", T, optimizer=None, machine=m, save_attention=where)
@@ -194,3 +196,29 @@ def test_saved_outputs_bitwise_on_cuda_with_triton(where):
     out, engine = _step(model, ids, save_attention=where, **cfg)
     assert engine._saved_keep is not None
     _assert_same_step(out, model, ref, twin)
+
+
+def test_cli_train_with_saved_outputs_logs_the_same_losses_and_weights(tmp_path):
+    """`oomb train --save-attention gpu|host` on the CPU: the same losses and weights as without (2 steps of AdamW)."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from oomb.cli import main
+
+    text = tmp_path / "text.txt"
+    text.write_text("It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+                    "must be in want of a wife.\n" * 40)
+    runs = {}
+    for where in ("off", "gpu", "host"):
+        out = tmp_path / where
+        args = ["train", "--data", str(text), "--output-dir", str(out), "--seq-len", "192", "--chunk-size", "64",
+                "--page-size", "32", "--steps", "2", "--no-progress", "--save-attention", where]
+        assert main(args) == 0
+        losses = [json.loads(line)["loss"] for line in open(out / "log.jsonl") if '"loss"' in line]
+        runs[where] = (losses, load_file(out / "model.safetensors"))
+    assert len(runs["off"][0]) == 2
+    for where in ("gpu", "host"):
+        assert runs[where][0] == runs["off"][0], where
+        for k, v in runs["off"][1].items():
+            assert torch.equal(runs[where][1][k], v), (where, k)
