@@ -80,9 +80,11 @@ class OOMBConfig:
     save_attention: str = "off"
     """Keep Stage 1's attention outputs (out and lse of every chunk and layer) so the Stage-2 recompute skips its
     attention forward (~22% of the attention FLOPs; the gradients are unchanged): 'off', 'gpu' (on the device:
-    Hq * D values + Hq float32 per token and layer, 7,280 bytes in bf16 for Qwen2.5-7B, 25.5 GiB at 128K
-    tokens) or 'host' (page-locked host memory, fetched a chunk ahead; two chunks' worth on the device). Not
-    used with an offloaded KV store (a warning says so). See :mod:`oomb.engine.saved_attention`."""
+    Hq * D values + Hq float32 per token and layer, 7,280 bytes in bf16 for Qwen2.5-7B, 24.1 GiB at 128K
+    tokens) or 'host' (page-locked host memory, fetched a chunk ahead; two chunks' worth on the device). With
+    offload (dense: segmented staging) the Stage-2 forwards then stage no past either. Not used where offload
+    stages whole layers (sparse attention), nor where they do not fit in free GPU / host memory (a warning says
+    so; the step recomputes). See :mod:`oomb.engine.saved_attention`."""
 
     def __post_init__(self) -> None:
         for name in ("chunk_size", "page_size", "loss_chunk_size", "attention_block_size"):

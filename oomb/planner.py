@@ -348,7 +348,7 @@ class MemoryPlan:
             f"  {'activations: loss temporaries':<40}{g(act['loss_temp'])}",
             *([f"  {'sparse: page summaries + selections':<40}{g(act['sparse_state'])}"] if "sparse_state" in act else []),
             *([f"  {'attention outputs (save_attention=' + self.save_attention + ')':<40}{g(act['saved_attention'])}"]
-              if "saved_attention" in act else []),
+              if act.get("saved_attention") else []),
             f"  {'KV pages on GPU (' + ('all' if not t.offload else f'{t.resident_pages_per_layer} resident/layer') + ')':<40}"
             f"{g(self.gpu_pool - self.staging)}",
             f"  {self._staging_label():<40}{g(self.staging + self.own_buffers + self.write_buffers)}",
@@ -513,8 +513,9 @@ def plan(
             counted, and offload stages whole layers, as the engine does.
         save_attention: 'off', 'gpu' or 'host' (:class:`oomb.OOMBConfig`): the Stage-1 attention outputs
             (:func:`oomb.engine.saved_attention.saved_attention_bytes`) on the GPU, or on the host plus two
-            chunks' worth on the GPU. The engine does not use them with offload, so a run that needs offload
-            is planned without them (``plan.save_attention`` is then 'off').
+            chunks' worth on the GPU. Where they do not fit (GPU or host budget), or offload would stage
+            whole layers (sparse attention, where the engine does not use them), the run is planned without
+            them (``plan.save_attention`` is then 'off' and the table says why).
 
     Returns:
         :class:`MemoryPlan`; ``plan.fits`` / ``plan.check()`` say whether it fits.
@@ -569,7 +570,11 @@ def plan(
         _, fixed = fixed_for(T, save)
         n = -(-T // page_size)
         pool_budget = gpu_budget - fixed
-        host = host - saved_for(T, save)["host"]
+        saved_host = saved_for(T, save)["host"]
+        if saved_host > host:  # the no-offload tiering never looks at the host budget
+            return None, (f"save_attention=host needs {saved_host / GiB:.2f} GiB of host memory but the host budget is "
+                          f"{host / GiB:.2f} GiB")
+        host = host - saved_host
         t, why = _tier(L, n, pb, pool_budget, host, off, budget, SP)
         if (t is not None and t.offload) or (t is None and off is not False):
             # The offload layout leaves room for the write and own-gradient buffers; a failure is told
@@ -597,15 +602,21 @@ def plan(
             save_note = (f"tip: --save-attention host skips the Stage-2 attention forward (the same gradients; 14% less "
                          f"time at 128K on an H200) for {sa['host'] / GiB:.2f} GiB of pinned host memory and "
                          f"{sa['gpu'] / GiB:.2f} GiB more on the GPU")
-    elif save != "off":  # kept only where every page stays on the GPU (the engine recomputes with offload)
-        t_save = tier_for(seq_len, save=save)[0]
-        if t_save is None or t_save.offload:
+    elif save != "off" and seq_len > chunk_size:  # kept where they fit (the engine recomputes otherwise)
+        t_save, why_save = tier_for(seq_len, save=save)
+        whole_layers = t_save is not None and t_save.offload and SP is None  # sparse offload: not supported
+        if (t_save is None or whole_layers) and tier_for(seq_len)[0] is not None:
             sa = saved_for(seq_len, save)
-            save_note = (f"save_attention={save}: not kept ({sa['gpu'] / GiB:.2f} GiB on the GPU"
-                         + (f", {sa['host'] / GiB:.2f} GiB on the host" if sa["host"] else "")
-                         + " would not fit with every KV page on the GPU, and offloaded runs recompute); "
-                         "planned without it")
+            if whole_layers:
+                reason = "offload stages whole layers with sparse attention, where they are not used yet"
+            elif why_save.startswith("save_attention=host"):
+                reason = why_save
+            else:
+                reason = f"with their {sa['gpu'] / GiB:.2f} GiB on the GPU: {why_save}"
+            save_note = f"save_attention={save}: not kept ({reason}); planned without it, as the engine runs it"
             save = "off"
+    elif save != "off":
+        save = "off"  # one chunk: nothing to keep
     (n_params, trainable, weights, grads, optim, act), fixed = fixed_for(seq_len, save)
     n = -(-seq_len // page_size)
     problems: list[str] = []
@@ -645,7 +656,8 @@ def plan(
         gpu_budget=gpu_budget, host_budget=host_budget, machine=machine,
         max_seq_len_gpu_only=largest(False), max_seq_len_offload=largest(True), problems=problems,
         traffic=offload_traffic(shape, seq_len, chunk_size, page_size, tiering.resident_pages_per_layer, dtype,
-                                segment_pages=SP, checkpoint_layers=checkpoint_layers)
+                                segment_pages=SP, checkpoint_layers=checkpoint_layers,
+                                saved_attention=save != "off" and SP is not None)
         if tiering.offload else {},
         segment_pages=SP if tiering.offload else None, own_buffers=own_b, host_fraction=host_fraction,
         save_attention=save, saved_attention_host=saved_for(seq_len, save)["host"], save_attention_note=save_note,
@@ -655,6 +667,7 @@ def plan(
 def offload_traffic(
     shape: ModelShape, seq_len: int, chunk_size: int, page_size: int, resident_pages_per_layer: int,
     dtype: torch.dtype = torch.bfloat16, segment_pages: int | None = None, checkpoint_layers: bool = False,
+    saved_attention: bool = False,
 ) -> dict[str, int]:
     """Bytes one training step copies host->device and device->host with offload (the schedule of
     :mod:`oomb.engine.offload`).
@@ -663,7 +676,8 @@ def offload_traffic(
     store's own schedule (:func:`oomb.engine.offload.segment_traffic`) over the step's calls (it
     depends on ``checkpoint_layers``), plus the Stage-1 writes of new pages beyond R. Roughly:
     every segment use stages its K/V (the backward reuses the last two segments the forward
-    left in the buffers), every backward its dK/dV, and writes them back.
+    left in the buffers), every backward its dK/dV, and writes them back. ``saved_attention``
+    (segmented only): the Stage-2 forwards of chunks 0..N-2 read no past (``save_attention``).
 
     Whole-layer staging (``segment_pages`` None; the same with or without per-layer checkpointing),
     per layer and chunk c (P = c*C/S past pages, n = C/S own pages, R resident):
@@ -688,7 +702,8 @@ def offload_traffic(
         for c in range(N - 1):  # Stage-1 writes of the new pages beyond R
             P = c * n
             d2h += L * max(P + n - max(P, R), 0) * kvb
-        h2d_s, d2h_s = segment_traffic(L, seq_len, C, S, R, segment_pages, checkpoint_layers, kvb, gb)
+        h2d_s, d2h_s = segment_traffic(L, seq_len, C, S, R, segment_pages, checkpoint_layers, kvb, gb,
+                                       saved_attention=saved_attention)
         return {"h2d_bytes": h2d_s, "d2h_bytes": d2h + d2h_s}
     for c in range(N):
         P = c * n
@@ -771,26 +786,34 @@ def choose_engine_tiering(engine: Any, seq_len: int) -> tuple[bool, int | None]:
         reserve += sparse_state_bytes(shape, seq_len, cfg, dtype) + 4 * GiB
     pool_budget = free + cached - reserve - missing_grads - act
     L, n = shape.num_layers, -(-seq_len // cfg.page_size)
-    if cfg.save_attention != "off" and cfg.offload != True:  # noqa: E712 ('auto' is truthy)
-        # Room for the kept attention outputs if every page then still fits on the GPU; otherwise the store
-        # offloads and the engine does not keep them (it says so), so they take nothing.
-        from .engine.saved_attention import saved_attention_bytes
-
-        sa = saved_attention_bytes(L, shape.num_heads, shape.head_dim, seq_len, cfg.chunk_size, _dtype_size(dtype),
-                                   cfg.save_attention)
-        if L * n * _page_bytes(shape, cfg.page_size, dtype) <= pool_budget - sa["gpu"]:
-            return False, None
     pb = _page_bytes(shape, cfg.page_size, dtype)
     host_budget = int(_host_memory()[0] * HOST_FRACTION)
     from .engine.offload import resolve_segment_pages
 
     SP = resolve_segment_pages(engine._segment_pages(), cfg.page_size)
-    t, why = _tier(L, n, pb, pool_budget, host_budget, cfg.offload, None, SP)
-    if t is not None and t.offload:
-        wbuf = 4 * cfg.chunk_size * shape.kv_dim * _dtype_size(dtype)
-        if SP is not None:  # the own-gradient buffers
-            wbuf += 4 * cfg.chunk_size * shape.kv_dim * (8 if dtype == torch.float64 else 4)
-        t, why = _tier(L, n, pb, pool_budget - wbuf, host_budget, cfg.offload, None, SP)
+
+    def tier(pool: int, host: int):
+        t, why = _tier(L, n, pb, pool, host, cfg.offload, None, SP)
+        if t is not None and t.offload:
+            wbuf = 4 * cfg.chunk_size * shape.kv_dim * _dtype_size(dtype)
+            if SP is not None:  # the own-gradient buffers
+                wbuf += 4 * cfg.chunk_size * shape.kv_dim * (8 if dtype == torch.float64 else 4)
+            t, why = _tier(L, n, pb, pool - wbuf, host, cfg.offload, None, SP)
+        return t, why
+
+    t = None
+    if cfg.save_attention != "off":
+        # Room for the kept attention outputs (save_attention): first with them; where they do not fit, or the
+        # store would stage whole layers (sparse attention: the engine does not keep them then), without them.
+        from .engine.saved_attention import saved_attention_bytes
+
+        sa = saved_attention_bytes(L, shape.num_heads, shape.head_dim, seq_len, cfg.chunk_size, _dtype_size(dtype),
+                                   cfg.save_attention)
+        t, _ = tier(pool_budget - sa["gpu"], host_budget - sa["host"])
+        if t is not None and t.offload and SP is None:
+            t = None
+    if t is None:
+        t, why = tier(pool_budget, host_budget)
     if t is None:
         raise MemoryPlanError(f"{seq_len:,} tokens do not fit: {why}")
     if cfg.offload is True and not t.offload:

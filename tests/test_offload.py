@@ -452,12 +452,15 @@ SEGMENT_CASES = [
 ]
 
 
+@pytest.mark.parametrize("save", ["off", "host"])
 @pytest.mark.parametrize("family,heads,kv_heads,layers,T,chunk,page,sp,budget,ckpt", SEGMENT_CASES)
 def test_segmented_offload_trains_like_all_on_device(family, heads, kv_heads, layers, T, chunk, page, sp, budget, ckpt,
-                                                     monkeypatch):
+                                                     save, monkeypatch):
     """Offload with the past staged in segments (lazy side stream: copies run as late as the events allow)
     gives the losses and every gradient of the all-on-device run: bitwise with one segment, else fp64 to 1e-12.
-    The planner predicts the copied bytes exactly; every staging is issued ahead of its use."""
+    The planner predicts the copied bytes exactly; every staging is issued ahead of its use. With save_attention
+    the Stage-2 forwards read no past (fewer bytes staged, still none on demand) and the step is bitwise the
+    offloaded step without it; with several segments per call it stages fewer bytes."""
     streams = _lazy(monkeypatch)
     torch.manual_seed(0)
     m_ref = tiny(family, heads, kv_heads, layers=layers).double()
@@ -465,7 +468,19 @@ def test_segmented_offload_trains_like_all_on_device(family, heads, kv_heads, la
     ids = torch.randint(0, VOCAB, (1, T))
     common = dict(chunk_size=chunk, page_size=page, checkpoint_layers=ckpt)
     out_ref, _ = _step(m_ref, ids, offload=False, **common)
-    out_off, e_off = _step(m_off, ids, offload=True, gpu_page_budget=budget, offload_segment_pages=sp, **common)
+    if save != "off":
+        m_nosave = clone_model(m_ref)
+        out_nosave, e_nosave = _step(m_nosave, ids, offload=True, gpu_page_budget=budget, offload_segment_pages=sp, **common)
+    out_off, e_off = _step(m_off, ids, offload=True, gpu_page_budget=budget, offload_segment_pages=sp,
+                           save_attention=save, **common)
+    if save != "off":
+        assert e_off._saved_keep is not None
+        _assert_same_training(m_nosave, m_off, out_nosave, out_off)
+        st = e_off.kv_store
+        if (T - 1) // chunk * chunk // page - st.resident_pages_per_layer > sp:
+            # Several segments per call: the Stage-2 forwards' staging is gone. (With one segment a recomputing
+            # forward reuses the previous chunk's buffers, which the saved order, backwards only, cannot.)
+            assert st.stats["h2d_bytes"] < e_nosave.kv_store.stats["h2d_bytes"]
     store = e_off.kv_store
     R, n = store.resident_pages_per_layer, store.max_pages_per_layer
     assert store.segmented and store.staging_pages == min(sp, n - R) and streams[0].max_queued >= 2
@@ -475,7 +490,7 @@ def test_segmented_offload_trains_like_all_on_device(family, heads, kv_heads, la
     else:
         _assert_close_training(m_ref, m_off, out_ref, out_off)
     pred = offload_traffic(ModelShape.from_config(m_off.config), T, chunk, page, R, torch.float64,
-                           segment_pages=sp, checkpoint_layers=ckpt)
+                           segment_pages=sp, checkpoint_layers=ckpt, saved_attention=save != "off")
     assert (store.stats["h2d_bytes"], store.stats["d2h_bytes"]) == (pred["h2d_bytes"], pred["d2h_bytes"])
     assert store.stats["on_demand"] == 0, store.stats
     assert store.num_free_pages == store.num_pages

@@ -103,20 +103,36 @@ def test_saved_outputs_reused_over_steps_and_a_new_length():
     e_save.evaluate(torch.randint(0, VOCAB, (1, 24)))
 
 
-def test_single_chunk_and_offloaded_store_recompute(monkeypatch):
+def test_single_chunk_and_sparse_offloaded_store_recompute(monkeypatch):
+    """Where nothing is kept: sparse attention under offload (whole-layer staging; a warning) and one chunk."""
     torch.manual_seed(4)
     model = tiny("llama", 4, 2).double()
     twin = clone_model(model)
     ids = torch.randint(0, VOCAB, (1, 40))
-    ref, _ = _step(twin, ids, chunk_size=8, page_size=4)
-    with pytest.warns(UserWarning, match="not used with an offloaded KV store"):
-        out, engine = _step(model, ids, chunk_size=8, page_size=4, offload=True, save_attention="gpu")
+    cfg = dict(chunk_size=8, page_size=4, sparse=True, page_budget=1, sparse_block_size=4)
+    ref, _ = _step(twin, ids, **cfg)
+    with pytest.warns(UserWarning, match="stages whole layers"):
+        out, engine = _step(model, ids, offload=True, save_attention="gpu", **cfg)
     assert engine._saved_keep is None
     _assert_same_step(out, model, ref, twin)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         out, engine = _step(model, ids[:, :8], chunk_size=8, page_size=4, save_attention="gpu")  # one chunk: nothing to save
     assert engine._saved_keep is None
+
+
+def test_host_memory_shortage_recomputes_with_a_warning(monkeypatch):
+    """On CUDA the engine checks the free host RAM for 'host' before pinning it (simulated here)."""
+    import oomb.engine.engine as eng_mod
+
+    model = tiny("qwen2").double()
+    engine = Engine(model, OOMBConfig(chunk_size=8, page_size=4, attention_backend="torch", save_attention="host"))
+    monkeypatch.setattr(type(engine), "device", property(lambda self: torch.device("cuda")))
+    monkeypatch.setattr(eng_mod, "_host_memory", lambda: (1000, 2000))
+    store = type("S", (), {})()
+    with pytest.warns(UserWarning, match="save_attention='host' needs .* GiB of host memory"):
+        engine._ensure_saved(40, store)
+    assert engine._saved is None
 
 
 def test_bad_setting_and_missing_chunk_raise():
@@ -170,6 +186,20 @@ def test_plan_counts_saved_outputs_and_drops_them_with_offload():
     p = plan("qwen2.5-7b", T, machine=m, save_attention="gpu")
     assert p.save_attention == "off" and "save_attention=gpu: not kept" in p.table()
     assert p.gpu_peak == plan("qwen2.5-7b", T, machine=m).gpu_peak
+    # Too little host memory for 'host': not kept, and the host budget is named
+    small = Machine(139 * GiB, 141 * GiB, 20 * GiB, 24 * GiB, "given")
+    p = plan("qwen2.5-7b", T, optimizer=None, machine=small, save_attention="host")
+    assert p.fits and p.save_attention == "off" and p.host_peak == 0
+    assert "needs 24.11 GiB of host memory but the host budget is 15.00 GiB" in p.table()
+    # Dense offload keeps them (its Stage-2 forwards then stage nothing: less traffic); sparse offload does not
+    T = 262144
+    off = plan("qwen2.5-7b", T, machine=m, offload=True)
+    kept = plan("qwen2.5-7b", T, machine=m, offload=True, save_attention="host")
+    assert kept.tiering.offload and kept.save_attention == "host"
+    assert kept.traffic["h2d_bytes"] < off.traffic["h2d_bytes"]
+    sparse = OOMBConfig(sparse=True)
+    p = plan("qwen2.5-7b", T, machine=m, offload=True, save_attention="host", sparse=sparse)
+    assert p.save_attention == "off" and "stages whole layers" in p.table()
 
 
 def test_cli_save_attention_flag(tmp_path):

@@ -35,7 +35,7 @@ from ..config import OOMBConfig
 from ..models.hf import UnsupportedModelError, check_model_supported, use_oomb_attention
 from ..ops.paged_attention import paged_attention, paged_attention_forward, resolve_backend
 from ..ops.sparse import SparseAttentionState, sparse_paged_attention, sparse_paged_attention_forward
-from ..planner import ModelShape, activation_bytes, choose_engine_tiering
+from ..planner import HOST_FRACTION, ModelShape, _host_memory, activation_bytes, choose_engine_tiering
 from .kv_store import PagedKVStore
 from .offload import OffloadedKVStore
 from .saved_attention import SavedAttention, saved_attention_bytes
@@ -371,27 +371,37 @@ class Engine:
     def _ensure_saved(self, T: int, store: PagedKVStore) -> None:
         """The Stage-1 attention outputs' keeper of this step (config.save_attention), else None.
 
-        Not with an offloaded store: its Stage-2 forward also stages the pages the backward reads, and
-        skipping it is not supported yet (a warning says so, once per engine).
+        Not with an offloaded store that stages whole layers (sparse attention): it stages in the view, for the
+        forward and again for the backward, and skipping the forward is not supported there yet (a warning says
+        so, once per engine). Segmented offload (dense) is supported: its Stage-2 forwards then read no past.
         """
         where = self.config.save_attention
         N = -(-T // self.config.chunk_size)
         self._saved = None
         if where == "off" or N < 2:
             return
-        if isinstance(store, OffloadedKVStore):
+        if isinstance(store, OffloadedKVStore) and not store.supports_saved_attention:
             if not getattr(self, "_warned_saved_offload", False):
                 warnings.warn(
-                    f"save_attention={where!r} is not used with an offloaded KV store (not supported yet); this step "
-                    "recomputes the attention forward in Stage 2. Use offload=False if the pages fit on the GPU, or "
-                    "save_attention='off' to silence this", stacklevel=3)
+                    f"save_attention={where!r} is not used with an offloaded KV store that stages whole layers (sparse "
+                    "attention; not supported yet): this step recomputes the attention forward in Stage 2. Turn offload "
+                    "off (--offload off) if the pages fit on the GPU, or save_attention off (--save-attention off) to "
+                    "silence this", stacklevel=3)
                 self._warned_saved_offload = True
             return
         keep = self._saved_keep
         if self.device.type == "cuda" and (keep is None or keep.num_chunks != N or keep.where != where):
-            need = saved_attention_bytes(self.num_layers, self._base.config.num_attention_heads, self.head_dim, T,
-                                         self.config.chunk_size, self.dtype.itemsize, where)["gpu"]
+            sizes = saved_attention_bytes(self.num_layers, self._base.config.num_attention_heads, self.head_dim, T,
+                                          self.config.chunk_size, self.dtype.itemsize, where)
+            need = sizes["gpu"]
             self._saved_keep = None
+            host_free = int(_host_memory()[0] * HOST_FRACTION)
+            if sizes["host"] > host_free:
+                warnings.warn(
+                    f"save_attention='host' needs {sizes['host'] / 2**30:.1f} GiB of host memory for {T:,} tokens but "
+                    f"{host_free / 2**30:.1f} GiB is available ({HOST_FRACTION:.0%} of the free RAM); this step "
+                    "recomputes the attention forward instead", stacklevel=3)
+                return
             free, total = torch.cuda.mem_get_info(self.device)
             free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
             # One chunk's activations and the allocator's reserve stay free (as choose_engine_tiering plans).
@@ -481,6 +491,8 @@ class Engine:
         store = self._ensure_store(T)
         self._ensure_sparse(T)
         self._ensure_saved(T, store)
+        if isinstance(store, OffloadedKVStore) and store.supports_saved_attention:
+            store.set_saved_attention(self._saved is not None)  # its prefetch follows the forwards that read the past
 
         try:
             with _rope_state_of_full_sequence(self._decoder, T, device, self.dtype):

@@ -349,7 +349,9 @@ class _SegmentSchedule:
 
     Prefetch: the step's calls are predicted (Stage 1 chunks 0..N-2, then per chunk from the
     last: forward of layers 0..L-1, then per layer from the top: [forward again with per-layer
-    checkpointing,] backward), each call's segments in order, a backward's in reverse. When a
+    checkpointing,] backward), each call's segments in order, a backward's in reverse. With
+    ``saved_attention`` the Stage-2 forwards of chunks 0..N-2 read no past (the engine's
+    ``save_attention`` reuses Stage 1's outputs), so only their backwards are predicted. When a
     segment is acquired, the next predicted segment use that needs host pages is staged into
     the other buffer (or, for the backward right after a forward of the same segment, its
     dK/dV are added to the buffer the forward reads: an "upgrade"). A buffer holding K/V of
@@ -366,6 +368,7 @@ class _SegmentSchedule:
         self.hooks = hooks
         self.L, self.S, self.C, self.R, self.SP = num_layers, page_size, chunk_size, resident, segment_pages
         self.checkpoint_layers = checkpoint_layers
+        self.saved_attention = False  # Stage 2 runs no attention forward for chunks 0..N-2 (save_attention)
         self.reset(None)
 
     # geometry
@@ -434,10 +437,11 @@ class _SegmentSchedule:
             for layer in range(L):
                 yield from fwd(layer, c * C)
         for c in range(N - 1, -1, -1):
-            for layer in range(L):
+            recompute = not (self.saved_attention and c < N - 1)  # its forwards read the past
+            for layer in range(L if recompute else 0):
                 yield from fwd(layer, c * C)
             for layer in range(L - 1, -1, -1):
-                if self.checkpoint_layers:
+                if self.checkpoint_layers and recompute:
                     yield from fwd(layer, c * C)
                 yield from bwd(layer, c * C)
 
@@ -622,9 +626,11 @@ class _CountingHooks:
 def segment_traffic(
     num_layers: int, seq_len: int, chunk_size: int, page_size: int, resident_pages_per_layer: int,
     segment_pages: int, checkpoint_layers: bool, kv_page_bytes: int, grad_page_bytes: int, simulate: bool | None = None,
+    saved_attention: bool = False,
 ) -> tuple[int, int]:
     """(host->device, device->host) bytes of the segment staging of one step (Stage-1 writes excluded).
-    ``*_page_bytes``: one page of one layer, K+V and dK+dV.
+    ``*_page_bytes``: one page of one layer, K+V and dK+dV. ``saved_attention``: the engine keeps Stage 1's
+    attention outputs, so the Stage-2 forwards of chunks 0..N-2 read no past (always simulated).
 
     ``simulate`` True runs :class:`_SegmentSchedule` over the step's predicted calls (exact by
     construction; time grows with (T / chunk) x (T / segment)); False uses the closed form below,
@@ -647,7 +653,7 @@ def segment_traffic(
     """
     L, C, S, R, SP = num_layers, chunk_size, page_size, resident_pages_per_layer, segment_pages
     if simulate is None:
-        simulate = L < 3
+        simulate = L < 3 or saved_attention
     if not simulate:
         N = -(-seq_len // C)
         n = C // S
@@ -677,6 +683,7 @@ def segment_traffic(
     hooks = _CountingHooks(kv_page_bytes, grad_page_bytes)
     sched = _SegmentSchedule(hooks, num_layers, page_size, chunk_size, resident_pages_per_layer, segment_pages,
                              checkpoint_layers)
+    sched.saved_attention = saved_attention
     sched.reset(seq_len)
     L, C, S = num_layers, chunk_size, page_size
     N = -(-seq_len // C)
@@ -693,10 +700,11 @@ def segment_traffic(
     for c in range(N - 1, -1, -1):
         s = c * C
         own = 0 if c == N - 1 else C // S
-        for layer in range(L):
+        recompute = not (saved_attention and c < N - 1)
+        for layer in range(L if recompute else 0):
             fwd(layer, s)
         for layer in range(L - 1, -1, -1):
-            if checkpoint_layers:
+            if checkpoint_layers and recompute:
                 fwd(layer, s)
             sched.begin_backward(layer, s, own)
             for i in reversed(range(len(sched.page_bounds(s // S)))):
@@ -1067,6 +1075,25 @@ class OffloadedKVStore:
             self._sched.reset(None)
         if self.trace is not None:
             self.trace.clear()
+
+    @property
+    def supports_saved_attention(self) -> bool:
+        """Whether a step may skip the Stage-2 attention forwards (``save_attention``): with segmented
+        staging the attention acquires each segment itself; whole-layer staging stages in the view."""
+        return self.segmented
+
+    def set_saved_attention(self, on: bool) -> None:
+        """Tell the segment schedule whether this step's Stage-2 forwards of chunks 0..N-2 read the past
+        (call after :meth:`begin_step`, before the step's first attention).
+
+        Raises:
+            RuntimeError: ``on`` with whole-layer staging (:attr:`supports_saved_attention` False).
+        """
+        if on and not self.segmented:
+            raise RuntimeError("save_attention needs segmented staging (whole-layer staging stages in attention_view)")
+        if self._sched is not None and self._sched.saved_attention != on:
+            self._sched.saved_attention = on
+            self._sched.reset(self._seq_len)
 
     def begin_step(self, seq_len: int) -> None:
         """Tell the store the step's length (bounds the prefetch of a next chunk)."""

@@ -13,7 +13,7 @@ This is the trade selective activation checkpointing makes in full-sequence trai
 (torchtitan's "selective AC" keeps the outputs of the SDPA op and recomputes the rest):
 memory for the attention's compute. Per token and layer it costs ``Hq * D`` values in the
 model dtype plus ``Hq`` float32 log-sum-exps: 7,280 bytes for the Qwen2.5-7B shape in bf16,
-3.5x the token's K/V; 25.5 GiB at 128K tokens over 28 layers.
+3.5x the token's K/V; 24.1 GiB at 128K tokens over 28 layers (every chunk but the last).
 
 Where they are kept:
 
