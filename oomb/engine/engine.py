@@ -210,6 +210,7 @@ class Engine:
         self._sparse: SparseAttentionState | None = None
         self._saved: SavedAttention | None = None
         self._saved_keep: SavedAttention | None = None  # the last step's buffers, reused by the next
+        self._warned_saved_offload = False
         self._backend = "torch"
 
     # ------------------------------------------------------------------ helpers
@@ -381,7 +382,7 @@ class Engine:
         if where == "off" or N < 2:
             return
         if isinstance(store, OffloadedKVStore) and not store.supports_saved_attention:
-            if not getattr(self, "_warned_saved_offload", False):
+            if not self._warned_saved_offload:
                 warnings.warn(
                     f"save_attention={where!r} is not used with an offloaded KV store that stages whole layers (sparse "
                     "attention; not supported yet): this step recomputes the attention forward in Stage 2. Turn offload "
@@ -390,38 +391,39 @@ class Engine:
                 self._warned_saved_offload = True
             return
         keep = self._saved_keep
-        if self.device.type == "cuda" and (keep is None or keep.num_chunks != N or keep.where != where):
-            sizes = saved_attention_bytes(self.num_layers, self._base.config.num_attention_heads, self.head_dim, T,
-                                          self.config.chunk_size, self.dtype.itemsize, where)
-            need = sizes["gpu"]
-            self._saved_keep = None
-            host_free = int(_host_memory()[0] * HOST_FRACTION)
-            if sizes["host"] > host_free:
-                warnings.warn(
-                    f"save_attention='host' needs {sizes['host'] / 2**30:.1f} GiB of host memory for {T:,} tokens but "
-                    f"{host_free / 2**30:.1f} GiB is available ({HOST_FRACTION:.0%} of the free RAM); this step "
-                    "recomputes the attention forward instead", stacklevel=3)
+        if keep is not None and (keep.num_chunks != N or keep.where != where):
+            keep = self._saved_keep = None  # free the old buffers before checking for new ones
+        if keep is None and self.device.type == "cuda":
+            problem = self._saved_memory_problem(where, T)
+            if problem is not None:
+                warnings.warn(f"{problem}; this step recomputes the attention forward instead", stacklevel=3)
                 return
-            free, total = torch.cuda.mem_get_info(self.device)
-            free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-            # One chunk's activations and the allocator's reserve stay free (as choose_engine_tiering plans).
-            act = activation_bytes(ModelShape.from_config(self._base.config), min(self.config.chunk_size, T), self.dtype,
-                                   self.config.checkpoint_layers, self._backend, self.config.attention_block_size,
-                                   self.config.loss_chunk_size, max(T - self.config.chunk_size, 0))["total"]
-            spare = free - act - max(2 * 2**30, int(0.03 * total))
-            if need > spare:
-                warnings.warn(
-                    f"save_attention={where!r} needs {need / 2**30:.1f} GiB of GPU memory for {T:,} tokens but "
-                    f"{max(spare, 0) / 2**30:.1f} GiB is free after the KV store and one chunk's activations; this step "
-                    "recomputes the attention forward instead"
-                    + (" (save_attention='host' keeps them in host memory)" if where == "gpu" else ""), stacklevel=3)
-                return
-        if keep is not None and keep.where == where and keep.num_chunks == N:
-            self._saved = keep
-        else:
-            self._saved_keep = None  # free the old buffers first
-            self._saved = SavedAttention(where, self.num_layers, N, self.device)
+        self._saved = keep if keep is not None else SavedAttention(where, self.num_layers, N, self.device)
         self._saved.begin_step()
+
+    def _saved_memory_problem(self, where: str, T: int) -> str | None:
+        """Why save_attention=``where`` does not fit now (CUDA; the KV store allocated), or None.
+
+        Host: its bytes against 75% of the free RAM. GPU: its bytes against the free memory (allocator cache
+        included) less one chunk's activations and the allocator's reserve, as :func:`choose_engine_tiering` plans.
+        """
+        sizes = saved_attention_bytes(self.num_layers, self._base.config.num_attention_heads, self.head_dim, T,
+                                      self.config.chunk_size, self.dtype.itemsize, where)
+        host_free = int(_host_memory()[0] * HOST_FRACTION)
+        if sizes["host"] > host_free:
+            return (f"save_attention='host' needs {sizes['host'] / 2**30:.1f} GiB of host memory for {T:,} tokens but "
+                    f"{host_free / 2**30:.1f} GiB is available ({HOST_FRACTION:.0%} of the free RAM)")
+        free, total = torch.cuda.mem_get_info(self.device)
+        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        act = activation_bytes(ModelShape.from_config(self._base.config), min(self.config.chunk_size, T), self.dtype,
+                               self.config.checkpoint_layers, self._backend, self.config.attention_block_size,
+                               self.config.loss_chunk_size, max(T - self.config.chunk_size, 0))["total"]
+        spare = free - act - max(2 * 2**30, int(0.03 * total))
+        if sizes["gpu"] > spare:
+            return (f"save_attention={where!r} needs {sizes['gpu'] / 2**30:.1f} GiB of GPU memory for {T:,} tokens but "
+                    f"{max(spare, 0) / 2**30:.1f} GiB is free after the KV store and one chunk's activations"
+                    + (" (save_attention='host' keeps them in host memory)" if where == "gpu" else ""))
+        return None
 
     @property
     def sparse_state(self) -> SparseAttentionState | None:
