@@ -3,6 +3,7 @@
 # so the Stage-2 recompute skips its attention forward) next to the recomputing engine and HF, in one run.
 # PART (one or more, in order): e2e (default): SYSTEMS at LENGTHS (T_E2E s). PART=tests: the CUDA tests of save_attention and the
 # kernel test file with one config per kernel (T_TEST s). PART=long: SYSTEMS at 256K (HF skipped).
+# PART=profile: SYSTEMS timed at LENGTHS, then one step each under torch.profiler at PROFILE_LEN.
 # Carry the Triton cache of the previous call (triton_cache.tgz.part-*).
 set -u
 . benchmarks/gpu_common.sh
@@ -23,6 +24,11 @@ long)
   timeout ${T_E2E:-420} python3 benchmarks/bench_step.py --model qwen2.5-7b --lengths ${LENGTHS:-262144} \
     --hf-max-len 131072 --systems ${SYSTEMS:-oomb-triton-save-host oomb-triton} --warmup-len 8192 --oomb-steps ${OOMB_STEPS:-1} \
     --out "$R" --tag ${TAG:-_save_attention_256k} 2>&1 | grep -Ev "$F" | tail -8 ;;
+profile)
+  el "profile"
+  timeout ${T_E2E:-420} python3 benchmarks/bench_step.py --model qwen2.5-7b --lengths ${LENGTHS:-32768} \
+    --systems ${SYSTEMS:-hf oomb-triton-save-gpu} --warmup-len 8192 --oomb-steps ${OOMB_STEPS:-2} \
+    --profile ${PROFILE_LEN:-32768} --out "$R" --tag ${TAG:-_profile} 2>&1 | grep -Ev "$F" | tail -8 ;;
 esac
 done
 el "done"
