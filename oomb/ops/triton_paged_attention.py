@@ -559,10 +559,11 @@ _DKDV5_CONFIGS = _configs([(64, 128, 8, 3), (64, 128, 8, 4), (64, 128, 8, 2)])
 
 
 @triton.jit
-def _dkdv5_tile(dk, dv, k, v, q_ptr, do_ptr, q_desc, do_desc, head, lse_ptr, delta_ptr, doc_ptr, dqa_ptr, key_off, i0, C, j,
-                offs_m, offs_d, d_mask, qk_scale, stride_q_c, stride_q_d, stride_do_c, stride_do_d, stride_dqa_c,
+def _dkdv5_tile(dk, dv, k, v, q_ptr, do_ptr, q_desc, do_desc, head, lse_ptr, delta_ptr, doc_ptr, dqa_ptr, dqa_desc, key_off, i0, C,
+                j, offs_m, offs_d, d_mask, qk_scale, stride_q_c, stride_q_d, stride_do_c, stride_do_d, stride_dqa_c,
                 CAUSAL: tl.constexpr, HAS_DOC: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
-                QO_TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+                QO_TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr, DQA_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_D: tl.constexpr):
     """dk/dv [N, D] += contributions of queries [i0, i0 + BLOCK_M) of one head (pointers already at that head;
     with QO_TMA q/dout come from the [Hq, C, D] descriptors at ``head`` instead). With DQ_ATOMIC also
     ``atomic_add``s this key tile's unscaled dq rows, ds @ k [BLOCK_M, D], into the fp32 accumulator at
@@ -595,17 +596,21 @@ def _dkdv5_tile(dk, dv, k, v, q_ptr, do_ptr, q_desc, do_desc, head, lse_ptr, del
     dk += tl.dot(ds_t, q, input_precision=DOT_PREC)
     if DQ_ATOMIC:
         dq_part = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PREC)  # [M, D]
-        tl.atomic_add(dqa_ptr + i[:, None].to(tl.int64) * stride_dqa_c + offs_d[None, :], dq_part,
-                      mask=i_mask[:, None] & d_mask[None, :], sem="relaxed")
+        if DQA_TMA:  # one bulk reduce-add of the tile (cp.reduce.async.bulk.tensor); rows past C are clipped
+            dqa_desc.atomic_add([head, i0, 0], dq_part.reshape([1, BLOCK_M, BLOCK_D]))
+        else:
+            tl.atomic_add(dqa_ptr + i[:, None].to(tl.int64) * stride_dqa_c + offs_d[None, :], dq_part,
+                          mask=i_mask[:, None] & d_mask[None, :], sem="relaxed")
     return dk, dv
 
 
 @triton.jit
-def _dkdv5_loop(dk, dv, k, v, q_ptr, do_ptr, q_desc, do_desc, lse_ptr, delta_ptr, doc_ptr, dqa_ptr, key_off, i_lo, n_t, C, j, hkv,
-                offs_m, offs_d, d_mask, qk_scale, stride_q_c, stride_q_h, stride_q_d, stride_do_c, stride_do_h, stride_do_d,
-                stride_lse_h, stride_delta_h, stride_dqa_c, stride_dqa_h, rot, G: tl.constexpr, CAUSAL: tl.constexpr,
-                HAS_DOC: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, QO_TMA: tl.constexpr,
-                DQ_ATOMIC: tl.constexpr, WS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+def _dkdv5_loop(dk, dv, k, v, q_ptr, do_ptr, q_desc, do_desc, lse_ptr, delta_ptr, doc_ptr, dqa_ptr, dqa_desc, key_off, i_lo, n_t, C,
+                j, hkv, offs_m, offs_d, d_mask, qk_scale, stride_q_c, stride_q_h, stride_q_d, stride_do_c, stride_do_h,
+                stride_do_d, stride_lse_h, stride_delta_h, stride_dqa_c, stride_dqa_h, rot, G: tl.constexpr,
+                CAUSAL: tl.constexpr, HAS_DOC: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
+                QO_TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr, DQA_TMA: tl.constexpr, WS: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """Query tiles [i_lo + t * BLOCK_M) for t < n_t, of each of the G heads in turn: one flat loop (pipelines as one).
 
     With DQ_ATOMIC the walk starts at tile ``rot`` and wraps around (the caller passes its key tile's index), so
@@ -621,9 +626,9 @@ def _dkdv5_loop(dk, dv, k, v, q_ptr, do_ptr, q_desc, do_desc, lse_ptr, delta_ptr
         head = hkv * G + g  # int64
         dk, dv = _dkdv5_tile(dk, dv, k, v, q_ptr + head * stride_q_h, do_ptr + head * stride_do_h, q_desc, do_desc,
                              head.to(tl.int32), lse_ptr + head * stride_lse_h, delta_ptr + head * stride_delta_h, doc_ptr,
-                             dqa_ptr + head * stride_dqa_h, key_off, i0, C, j, offs_m, offs_d, d_mask, qk_scale, stride_q_c,
-                             stride_q_d, stride_do_c, stride_do_d, stride_dqa_c, CAUSAL, HAS_DOC, UPCAST, DOT_PREC, QO_TMA,
-                             DQ_ATOMIC, BLOCK_M, BLOCK_D)
+                             dqa_ptr + head * stride_dqa_h, dqa_desc, key_off, i0, C, j, offs_m, offs_d, d_mask, qk_scale,
+                             stride_q_c, stride_q_d, stride_do_c, stride_do_d, stride_dqa_c, CAUSAL, HAS_DOC, UPCAST, DOT_PREC,
+                             QO_TMA, DQ_ATOMIC, DQA_TMA, BLOCK_M, BLOCK_D)
     return dk, dv
 
 
@@ -671,6 +676,7 @@ def _paged_attn_bwd_dkdv5_kernel(
     HAS_DOC: tl.constexpr,
     DQ_ATOMIC: tl.constexpr,  # also add the past tiles' dq contributions into dqa_ptr (see _dq_atomic)
     WS: tl.constexpr,  # warp-specialised row loop (see _warp_specialize)
+    DQA_TMA: tl.constexpr,  # DQ_ATOMIC through a tensor descriptor's bulk reduce-add (dqa_ptr is [Hq, C, D] dense)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -706,24 +712,29 @@ def _paged_attn_bwd_dkdv5_kernel(
     else:
         q_desc = q_ptr
         do_desc = dout_ptr
+    if DQA_TMA:
+        dqa_desc = tl.make_tensor_descriptor(dqa_ptr, shape=[Hq, C, HEAD_DIM], strides=[stride_dqa_h, stride_dqa_c, 1],
+                                             block_shape=[1, BLOCK_M, BLOCK_D])
+    else:
+        dqa_desc = dqa_ptr
     if IS_PAST:
         # Every query of the chunk sees every past token (without packed documents): no causal mask.
-        dk, dv = _dkdv5_loop(dk, dv, k, v, q_ptr, dout_ptr, q_desc, do_desc, lse_ptr, delta_ptr, doc_ptr, dqa_ptr, key_off, 0, n_tiles, C,
+        dk, dv = _dkdv5_loop(dk, dv, k, v, q_ptr, dout_ptr, q_desc, do_desc, lse_ptr, delta_ptr, doc_ptr, dqa_ptr, dqa_desc, key_off, 0, n_tiles, C,
                              j, hkv, offs_m, offs_d, d_mask, qk_scale, stride_q_c, stride_q_h, stride_q_d,
                              stride_do_c, stride_do_h, stride_do_d, stride_lse_h, stride_delta_h, stride_dqa_c, stride_dqa_h,
-                             pid_n, G, False, HAS_DOC, UPCAST, DOT_PREC, QO_TMA, DQ_ATOMIC, WS, BLOCK_M, BLOCK_D)
+                             pid_n, G, False, HAS_DOC, UPCAST, DOT_PREC, QO_TMA, DQ_ATOMIC, DQA_TMA, WS, BLOCK_M, BLOCK_D)
     else:
         # Queries i >= j0 see this tile; query tiles starting at or after its last key need no mask.
         t_lo = j0 // BLOCK_M
         t_mid = tl.minimum(tl.cdiv(j0 + BLOCK_N - 1, BLOCK_M), n_tiles)
-        dk, dv = _dkdv5_loop(dk, dv, k, v, q_ptr, dout_ptr, q_desc, do_desc, lse_ptr, delta_ptr, doc_ptr, dqa_ptr, key_off, t_lo * BLOCK_M, t_mid - t_lo,
+        dk, dv = _dkdv5_loop(dk, dv, k, v, q_ptr, dout_ptr, q_desc, do_desc, lse_ptr, delta_ptr, doc_ptr, dqa_ptr, dqa_desc, key_off, t_lo * BLOCK_M, t_mid - t_lo,
                              C, j, hkv, offs_m, offs_d, d_mask, qk_scale, stride_q_c, stride_q_h, stride_q_d,
                              stride_do_c, stride_do_h, stride_do_d, stride_lse_h, stride_delta_h, stride_dqa_c, stride_dqa_h,
-                             0, G, True, HAS_DOC, UPCAST, DOT_PREC, QO_TMA, False, WS, BLOCK_M, BLOCK_D)
-        dk, dv = _dkdv5_loop(dk, dv, k, v, q_ptr, dout_ptr, q_desc, do_desc, lse_ptr, delta_ptr, doc_ptr, dqa_ptr, key_off, t_mid * BLOCK_M, n_tiles - t_mid,
+                             0, G, True, HAS_DOC, UPCAST, DOT_PREC, QO_TMA, False, False, WS, BLOCK_M, BLOCK_D)
+        dk, dv = _dkdv5_loop(dk, dv, k, v, q_ptr, dout_ptr, q_desc, do_desc, lse_ptr, delta_ptr, doc_ptr, dqa_ptr, dqa_desc, key_off, t_mid * BLOCK_M, n_tiles - t_mid,
                              C, j, hkv, offs_m, offs_d, d_mask, qk_scale, stride_q_c, stride_q_h, stride_q_d,
                              stride_do_c, stride_do_h, stride_do_d, stride_lse_h, stride_delta_h, stride_dqa_c, stride_dqa_h,
-                             0, G, False, HAS_DOC, UPCAST, DOT_PREC, QO_TMA, False, WS, BLOCK_M, BLOCK_D)
+                             0, G, False, HAS_DOC, UPCAST, DOT_PREC, QO_TMA, False, False, WS, BLOCK_M, BLOCK_D)
 
     dk = dk * softmax_scale
     if IS_PAST:
@@ -1143,6 +1154,7 @@ def paged_attention_bwd(
             stride_dv_p=sdv[0], stride_dv_t=sdv[1], stride_dv_h=sdv[2], stride_dv_d=sdv[3],
             stride_lse_h=lse.stride(0), stride_delta_h=delta.stride(0), stride_dqa_c=sdqa[0], stride_dqa_h=sdqa[1],
             IS_PAST=is_past, PART=key_start > 0, QO_TMA=qo_tma, Hq=Hq, DQ_ATOMIC=atomic and is_past, WS=ws and qo_tma,
+            DQA_TMA=atomic and is_past and qo_tma and not _INTERPRET and os.environ.get("OOMB_DQA_TMA", "1") == "1",
             **common,
         )
 
