@@ -50,11 +50,6 @@ def poison_outputs(monkeypatch):
     monkeypatch.setattr(tpa, "_alloc", lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device))
 
 
-def _dq_reproducible() -> bool:
-    """dq is bitwise reproducible unless the atomic dq path runs on a GPU (the interpreter runs programs in order)."""
-    return DEVICE != "cuda" or not tpa._dq_atomic()
-
-
 def make_case(C, Hq, Hkv, D, past_len, S, seed, extra_pages=2, transposed_q=False, dtype=torch.float32):
     gen = torch.Generator().manual_seed(seed)
     n_pages = -(-past_len // S)
@@ -175,11 +170,10 @@ def test_backward_accumulates_in_place_and_is_deterministic():
         untouched = torch.ones(base.shape[0], dtype=torch.bool)
         untouched[bt] = False
         assert torch.equal(got[name].cpu()[untouched], base.cpu()[untouched])
-    # Same inputs, same bits (dq too unless it is summed with atomics on a GPU).
+    # Same inputs, same bits (no atomics anywhere).
     got2, _ = run_both(case, past_len, dk_init=(base_k, base_v))
     for name in ("dq", "dk", "dv", "dk_cache", "dv_cache"):
-        if name != "dq" or _dq_reproducible():
-            assert torch.equal(got[name], got2[name]), f"{name} differs between two identical runs"
+        assert torch.equal(got[name], got2[name]), f"{name} differs between two identical runs"
 
 
 def test_softmax_scale_and_bf16_path():
@@ -333,8 +327,7 @@ def test_dkdv_head_major_matches_reference(C, Hq, Hkv, D, past_len, S, transpose
         runs.append(dict(dq=dq, dk=dk, dv=dv, dk_cache=dkc, dv_cache=dvc))
     got = runs[0]
     for name in got:
-        if name != "dq" or _dq_reproducible():
-            assert torch.equal(got[name], runs[1][name]), f"{name} differs between two identical runs"
+        assert torch.equal(got[name], runs[1][name]), f"{name} differs between two identical runs"
 
     d = {n: t.double().cpu() for n, t in case.items() if n != "block_table"}
     bt = case["block_table"].cpu()
@@ -473,46 +466,3 @@ def test_fp32_inputs_get_their_own_small_tile(monkeypatch):
     monkeypatch.setenv("OOMB_TRITON_CONFIGS", "first")
     first = tpa._gpu_configs(gpu)
     assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in first] == [(128, 64), tpa._FP32_TILE[:2]]
-
-
-# ------------------------------------------------------------------ atomic dq (OOMB_DQ_ATOMIC=1)
-def _spy_dq_atomic(monkeypatch):
-    """Record every decision of tpa._dq_atomic (so a test sees that the atomic path really ran)."""
-    seen = []
-    real = tpa._dq_atomic
-
-    def spy():
-        seen.append(real())
-        return seen[-1]
-
-    monkeypatch.setattr(tpa, "_dq_atomic", spy)
-    return seen
-
-
-@pytest.mark.parametrize("C,Hq,Hkv,D,past_len,S,transposed_q", [c for c in CASES if c.values[4] > 0][:5])
-def test_atomic_dq_matches_reference(monkeypatch, C, Hq, Hkv, D, past_len, S, transposed_q):
-    """With OOMB_DQ_ATOMIC=1 the past dk/dv launch adds the past tiles' dq with atomics and the dq kernel walks
-    the own chunk only, starting from those sums: every output still matches the float64 reference."""
-    monkeypatch.setenv("OOMB_DQ_ATOMIC", "1")
-    seen = _spy_dq_atomic(monkeypatch)
-    test_kernels_match_reference(C, Hq, Hkv, D, past_len, S, transposed_q)
-    assert seen and all(seen), "the atomic path was not taken"
-
-
-def test_atomic_dq_parts_and_documents(monkeypatch):
-    """The atomic path for a past-only part (dq is the scaled accumulator), packed documents and a part that
-    starts inside a page; and torch.use_deterministic_algorithms(True) turns it off."""
-    monkeypatch.setenv("OOMB_DQ_ATOMIC", "1")
-    seen = _spy_dq_atomic(monkeypatch)
-    test_past_only_part_kernels_match_reference()
-    test_dkdv_head_major_matches_reference(20, 8, 2, 96, 45, 32, False, [0, 30, 52], 0)
-    test_dkdv_head_major_matches_reference(17, 3, 3, 64, 70, 16, True, None, 19)
-    assert seen and all(seen)
-    seen.clear()
-    prev = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        test_kernels_match_reference(7, 4, 1, 64, 37, 16, False)
-    finally:
-        torch.use_deterministic_algorithms(prev)
-    assert seen and not any(seen), "deterministic mode must keep the separate dq pass"

@@ -49,10 +49,11 @@ G = Hq // Hkv, D head dim, P pages in the pool, S = page_size tokens per page):
   the backward is bitwise reproducible run to run, and it needs no zeroed scratch buffer
   and no fp32 atomics traffic (the pages are fp32 and touched once per token per call).
   The price: dq is a separate pass that recomputes the scores (7 matrix products per tile
-  pair in total instead of 5). Measured on an H200 (benchmarks/NOTES.md, "Kernels" v2), the
-  FlashAttention-2 alternative -- the dk/dv kernel also ``atomic_add``s ds @ k into an fp32
-  dq accumulator, 5 products -- was only 1-3% faster at 32K-128K past tokens (the vectorised
-  fp32 atomics cost about what the dq pass does), so determinism is kept. A ``block_table``
+  pair in total instead of 5). Measured on an H200 (benchmarks/NOTES.md, "Kernels" v2 and the
+  seventh 2026-12-01 session), the FlashAttention-2 alternative -- the dk/dv kernel also adds
+  ds @ k into an fp32 dq accumulator, 5 products -- is not faster: 1-3% with the first kernels;
+  with the current ones the backward drops from 383 to 306 TFLOP/s (128K past) with
+  ``tl.atomic_add`` and to 347 with a tensor descriptor's bulk reduce-add, so determinism is kept. A ``block_table``
   must not list a page twice (two programs would then race on the same rows); the engine's
   allocator never does.
 
@@ -203,7 +204,7 @@ def _fwd_tile(acc, m_i, l_i, q, k, v, s_mask, qk_scale, MASKED: tl.constexpr, DO
     return acc, m_new, l_i
 
 
-@triton.autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY + ["WS"], prune_configs_by=_PRUNE, cache_results=True)
+@triton.autotune(configs=_FWD_CONFIGS, key=_AUTOTUNE_KEY, prune_configs_by=_PRUNE, cache_results=True)
 @triton.jit
 def _paged_attn_fwd_kernel(
     q_ptr,  # [C, Hq, D]
@@ -237,7 +238,6 @@ def _paged_attn_fwd_kernel(
     HAS_OWN: tl.constexpr,  # False: a past-only part (the chunk's own keys are left out)
     PART: tl.constexpr,  # past_start > 0 (see _past_from below)
     USE_TMA: tl.constexpr,  # full past tiles through tensor descriptors (see _use_tma)
-    WS: tl.constexpr,  # warp-specialised past loop (see _warp_specialize)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -292,7 +292,7 @@ def _paged_attn_fwd_kernel(
         k_desc = tl.make_tensor_descriptor(k_cache_ptr, shape=[n_rows, n_cols], strides=[n_cols, 1], block_shape=[BLOCK_N, BLOCK_D])
         v_desc = tl.make_tensor_descriptor(v_cache_ptr, shape=[n_rows, n_cols], strides=[n_cols, 1], block_shape=[BLOCK_N, BLOCK_D])
         col = (hkv * HEAD_DIM).to(tl.int32)
-        for start in tl.range(past_start, n_full, BLOCK_N, warp_specialize=WS):
+        for start in range(past_start, n_full, BLOCK_N):
             slot = tl.load(block_table_ptr + start // PAGE_SIZE)
             row = slot * PAGE_SIZE + start % PAGE_SIZE
             k = k_desc.load([row, col])
@@ -383,7 +383,7 @@ def _dq_tile(dq, q, do, k, v, lse2, delta, s_mask, qk_scale, MASKED: tl.constexp
     return dq + tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
 
 
-@triton.autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY + ["USE_TMA", "DQ_IN", "WS"], prune_configs_by=_PRUNE, cache_results=True)
+@triton.autotune(configs=_DQ_CONFIGS, key=_AUTOTUNE_KEY + ["USE_TMA"], prune_configs_by=_PRUNE, cache_results=True)
 @triton.jit
 def _paged_attn_bwd_dq_kernel(
     q_ptr,  # [C, Hq, D]
@@ -397,7 +397,6 @@ def _paged_attn_bwd_dq_kernel(
     delta_ptr,  # fp32 [Hq, C]
     dq_ptr,  # [C, Hq, D]
     doc_ptr,  # int32 [C] (HAS_DOC only)
-    dqa_ptr,  # fp32 unscaled dq of the past, rows of (query, head) (DQ_IN only): the start of each row's sum
     C,
     past_start,
     past_len,
@@ -413,7 +412,6 @@ def _paged_attn_bwd_dq_kernel(
     stride_dq_c, stride_dq_h, stride_dq_d,
     stride_lse_h,
     stride_delta_h,
-    stride_dqa_c, stride_dqa_h,
     G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -424,8 +422,6 @@ def _paged_attn_bwd_dq_kernel(
     HAS_OWN: tl.constexpr,  # False: a past-only part (the chunk's own keys are left out)
     PART: tl.constexpr,  # past_start > 0 (see _past_from below)
     USE_TMA: tl.constexpr,  # full past tiles through tensor descriptors (see _use_tma)
-    DQ_IN: tl.constexpr,  # start from dqa_ptr's rows (the past's share, added by the dk/dv kernel) instead of 0
-    WS: tl.constexpr,  # warp-specialised past loop (see _warp_specialize)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -447,11 +443,7 @@ def _paged_attn_bwd_dq_kernel(
         do = do.to(tl.float32)
     lse2 = tl.load(lse_ptr + head * stride_lse_h + i_q, mask=r_mask, other=0.0) * 1.4426950408889634
     delta = tl.load(delta_ptr + head * stride_delta_h + i_q, mask=r_mask, other=0.0)
-    if DQ_IN:
-        dqa_off = i_q.to(tl.int64) * stride_dqa_c + head * stride_dqa_h
-        dq = tl.load(dqa_ptr + dqa_off[:, None] + offs_d[None, :], mask=r_mask[:, None] & d_mask[None, :], other=0.0)
-    else:
-        dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     kc = k_cache_ptr + hkv * stride_kc_h
     vc = v_cache_ptr + hkv * stride_vc_h
@@ -479,7 +471,7 @@ def _paged_attn_bwd_dq_kernel(
         k_desc = tl.make_tensor_descriptor(k_cache_ptr, shape=[n_rows, n_cols], strides=[n_cols, 1], block_shape=[BLOCK_N, BLOCK_D])
         v_desc = tl.make_tensor_descriptor(v_cache_ptr, shape=[n_rows, n_cols], strides=[n_cols, 1], block_shape=[BLOCK_N, BLOCK_D])
         col = (hkv * HEAD_DIM).to(tl.int32)
-        for start in tl.range(past_start, n_full, BLOCK_N, warp_specialize=WS):
+        for start in range(past_start, n_full, BLOCK_N):
             slot = tl.load(block_table_ptr + start // PAGE_SIZE)
             row = slot * PAGE_SIZE + start % PAGE_SIZE
             k = k_desc.load([row, col])
@@ -559,15 +551,12 @@ _DKDV5_CONFIGS = _configs([(64, 128, 8, 3), (64, 128, 8, 4), (64, 128, 8, 2)])
 
 
 @triton.jit
-def _dkdv5_tile(dk, dv, k, v, q_ptr, do_ptr, q_desc, do_desc, head, lse_ptr, delta_ptr, doc_ptr, dqa_ptr, dqa_desc, key_off, i0, C,
-                j, offs_m, offs_d, d_mask, qk_scale, stride_q_c, stride_q_d, stride_do_c, stride_do_d, stride_dqa_c,
+def _dkdv5_tile(dk, dv, k, v, q_ptr, do_ptr, q_desc, do_desc, head, lse_ptr, delta_ptr, doc_ptr, key_off, i0, C, j, offs_m, offs_d,
+                d_mask, qk_scale, stride_q_c, stride_q_d, stride_do_c, stride_do_d,
                 CAUSAL: tl.constexpr, HAS_DOC: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
-                QO_TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr, DQA_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_D: tl.constexpr):
+                QO_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     """dk/dv [N, D] += contributions of queries [i0, i0 + BLOCK_M) of one head (pointers already at that head;
-    with QO_TMA q/dout come from the [Hq, C, D] descriptors at ``head`` instead). With DQ_ATOMIC also
-    ``atomic_add``s this key tile's unscaled dq rows, ds @ k [BLOCK_M, D], into the fp32 accumulator at
-    ``dqa_ptr`` (already at that head; rows ``stride_dqa_c`` apart)."""
+    with QO_TMA q/dout come from the [Hq, C, D] descriptors at ``head`` instead)."""
     i = i0 + offs_m
     i_mask = i < C
     # Rows past C read q = dout = lse = delta = 0 and so contribute exactly 0 (the descriptors
@@ -592,49 +581,30 @@ def _dkdv5_tile(dk, dv, k, v, q_ptr, do_ptr, q_desc, do_desc, head, lse_ptr, del
         p_t = tl.where((key_off + j)[:, None] >= doc[None, :], p_t, 0.0)
     dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PREC)
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-    ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
-    dk += tl.dot(ds_t, q, input_precision=DOT_PREC)
-    if DQ_ATOMIC:
-        dq_part = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PREC)  # [M, D]
-        if DQA_TMA:  # one bulk reduce-add of the tile (cp.reduce.async.bulk.tensor); rows past C are clipped
-            dqa_desc.atomic_add([head, i0, 0], dq_part.reshape([1, BLOCK_M, BLOCK_D]))
-        else:
-            tl.atomic_add(dqa_ptr + i[:, None].to(tl.int64) * stride_dqa_c + offs_d[None, :], dq_part,
-                          mask=i_mask[:, None] & d_mask[None, :], sem="relaxed")
+    ds_t = p_t * (dp_t - delta[None, :])
+    dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PREC)
     return dk, dv
 
 
 @triton.jit
-def _dkdv5_loop(dk, dv, k, v, q_ptr, do_ptr, q_desc, do_desc, lse_ptr, delta_ptr, doc_ptr, dqa_ptr, dqa_desc, key_off, i_lo, n_t, C,
-                j, hkv, offs_m, offs_d, d_mask, qk_scale, stride_q_c, stride_q_h, stride_q_d, stride_do_c, stride_do_h,
-                stride_do_d, stride_lse_h, stride_delta_h, stride_dqa_c, stride_dqa_h, rot, G: tl.constexpr,
-                CAUSAL: tl.constexpr, HAS_DOC: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
-                QO_TMA: tl.constexpr, DQ_ATOMIC: tl.constexpr, DQA_TMA: tl.constexpr, WS: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Query tiles [i_lo + t * BLOCK_M) for t < n_t, of each of the G heads in turn: one flat loop (pipelines as one).
-
-    With DQ_ATOMIC the walk starts at tile ``rot`` and wraps around (the caller passes its key tile's index), so
-    programs running side by side add into different dq rows rather than all into the same ones."""
-    total = G * n_t
-    for tt in tl.range(0, total, warp_specialize=WS):
-        if DQ_ATOMIC:
-            t = (tt + rot) % total
-        else:
-            t = tt
+def _dkdv5_loop(dk, dv, k, v, q_ptr, do_ptr, q_desc, do_desc, lse_ptr, delta_ptr, doc_ptr, key_off, i_lo, n_t, C, j, hkv, offs_m,
+                offs_d, d_mask, qk_scale, stride_q_c, stride_q_h, stride_q_d, stride_do_c, stride_do_h, stride_do_d, stride_lse_h,
+                stride_delta_h, G: tl.constexpr, CAUSAL: tl.constexpr, HAS_DOC: tl.constexpr, UPCAST: tl.constexpr,
+                DOT_PREC: tl.constexpr, QO_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Query tiles [i_lo + t * BLOCK_M) for t < n_t, of each of the G heads in turn: one flat loop (pipelines as one)."""
+    for t in range(0, G * n_t):
         g = t // n_t
         i0 = i_lo + (t - g * n_t) * BLOCK_M
         head = hkv * G + g  # int64
         dk, dv = _dkdv5_tile(dk, dv, k, v, q_ptr + head * stride_q_h, do_ptr + head * stride_do_h, q_desc, do_desc,
                              head.to(tl.int32), lse_ptr + head * stride_lse_h, delta_ptr + head * stride_delta_h, doc_ptr,
-                             dqa_ptr + head * stride_dqa_h, dqa_desc, key_off, i0, C, j, offs_m, offs_d, d_mask, qk_scale,
-                             stride_q_c, stride_q_d, stride_do_c, stride_do_d, stride_dqa_c, CAUSAL, HAS_DOC, UPCAST, DOT_PREC,
-                             QO_TMA, DQ_ATOMIC, DQA_TMA, BLOCK_M, BLOCK_D)
+                             key_off, i0, C, j, offs_m, offs_d, d_mask, qk_scale, stride_q_c, stride_q_d, stride_do_c,
+                             stride_do_d, CAUSAL, HAS_DOC, UPCAST, DOT_PREC, QO_TMA, BLOCK_M, BLOCK_D)
     return dk, dv
 
 
 # restore_value: autotuning runs the kernel once per config; the gradient pages must not keep those sums.
-@triton.autotune(configs=_DKDV5_CONFIGS, key=[k for k in _AUTOTUNE_KEY if k != "HAS_OWN"] + ["IS_PAST", "QO_TMA", "DQ_ATOMIC", "WS"],
-                 restore_value=["dk_ptr", "dv_ptr", "dqa_ptr"], prune_configs_by=_PRUNE, cache_results=True)
+@triton.autotune(configs=_DKDV5_CONFIGS, key=[k for k in _AUTOTUNE_KEY if k != "HAS_OWN"] + ["IS_PAST", "QO_TMA"], restore_value=["dk_ptr", "dv_ptr"], prune_configs_by=_PRUNE, cache_results=True)
 @triton.jit
 def _paged_attn_bwd_dkdv5_kernel(
     q_ptr,  # [C, Hq, D]
@@ -647,7 +617,6 @@ def _paged_attn_bwd_dkdv5_kernel(
     dk_ptr,  # IS_PAST: fp32 dk_cache [P, S, Hkv, D] (read-add-write); else dk [C, Hkv, D] (write)
     dv_ptr,  # same layout as dk_ptr
     doc_ptr,  # int32 [C] (HAS_DOC only)
-    dqa_ptr,  # fp32 dq accumulator, rows of (query, head) (DQ_ATOMIC only): unscaled ds @ k is atomically added
     C,
     key_start,  # first key of this launch: past_start (IS_PAST) or 0
     n_keys,  # end of the keys: past_len (IS_PAST) or C
@@ -663,7 +632,6 @@ def _paged_attn_bwd_dkdv5_kernel(
     stride_dv_p, stride_dv_t, stride_dv_h, stride_dv_d,
     stride_lse_h,
     stride_delta_h,
-    stride_dqa_c, stride_dqa_h,
     G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
@@ -674,9 +642,6 @@ def _paged_attn_bwd_dkdv5_kernel(
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
     HAS_DOC: tl.constexpr,
-    DQ_ATOMIC: tl.constexpr,  # also add the past tiles' dq contributions into dqa_ptr (see _dq_atomic)
-    WS: tl.constexpr,  # warp-specialised row loop (see _warp_specialize)
-    DQA_TMA: tl.constexpr,  # DQ_ATOMIC through a tensor descriptor's bulk reduce-add (dqa_ptr is [Hq, C, D] dense)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -712,29 +677,24 @@ def _paged_attn_bwd_dkdv5_kernel(
     else:
         q_desc = q_ptr
         do_desc = dout_ptr
-    if DQA_TMA:
-        dqa_desc = tl.make_tensor_descriptor(dqa_ptr, shape=[Hq, C, HEAD_DIM], strides=[stride_dqa_h, stride_dqa_c, 1],
-                                             block_shape=[1, BLOCK_M, BLOCK_D])
-    else:
-        dqa_desc = dqa_ptr
     if IS_PAST:
         # Every query of the chunk sees every past token (without packed documents): no causal mask.
-        dk, dv = _dkdv5_loop(dk, dv, k, v, q_ptr, dout_ptr, q_desc, do_desc, lse_ptr, delta_ptr, doc_ptr, dqa_ptr, dqa_desc, key_off, 0, n_tiles, C,
-                             j, hkv, offs_m, offs_d, d_mask, qk_scale, stride_q_c, stride_q_h, stride_q_d,
-                             stride_do_c, stride_do_h, stride_do_d, stride_lse_h, stride_delta_h, stride_dqa_c, stride_dqa_h,
-                             pid_n, G, False, HAS_DOC, UPCAST, DOT_PREC, QO_TMA, DQ_ATOMIC, DQA_TMA, WS, BLOCK_M, BLOCK_D)
+        dk, dv = _dkdv5_loop(dk, dv, k, v, q_ptr, dout_ptr, q_desc, do_desc, lse_ptr, delta_ptr, doc_ptr, key_off, 0, n_tiles, C, j, hkv,
+                             offs_m, offs_d, d_mask, qk_scale, stride_q_c, stride_q_h, stride_q_d,
+                             stride_do_c, stride_do_h, stride_do_d, stride_lse_h, stride_delta_h,
+                             G, False, HAS_DOC, UPCAST, DOT_PREC, QO_TMA, BLOCK_M, BLOCK_D)
     else:
         # Queries i >= j0 see this tile; query tiles starting at or after its last key need no mask.
         t_lo = j0 // BLOCK_M
         t_mid = tl.minimum(tl.cdiv(j0 + BLOCK_N - 1, BLOCK_M), n_tiles)
-        dk, dv = _dkdv5_loop(dk, dv, k, v, q_ptr, dout_ptr, q_desc, do_desc, lse_ptr, delta_ptr, doc_ptr, dqa_ptr, dqa_desc, key_off, t_lo * BLOCK_M, t_mid - t_lo,
-                             C, j, hkv, offs_m, offs_d, d_mask, qk_scale, stride_q_c, stride_q_h, stride_q_d,
-                             stride_do_c, stride_do_h, stride_do_d, stride_lse_h, stride_delta_h, stride_dqa_c, stride_dqa_h,
-                             0, G, True, HAS_DOC, UPCAST, DOT_PREC, QO_TMA, False, False, WS, BLOCK_M, BLOCK_D)
-        dk, dv = _dkdv5_loop(dk, dv, k, v, q_ptr, dout_ptr, q_desc, do_desc, lse_ptr, delta_ptr, doc_ptr, dqa_ptr, dqa_desc, key_off, t_mid * BLOCK_M, n_tiles - t_mid,
-                             C, j, hkv, offs_m, offs_d, d_mask, qk_scale, stride_q_c, stride_q_h, stride_q_d,
-                             stride_do_c, stride_do_h, stride_do_d, stride_lse_h, stride_delta_h, stride_dqa_c, stride_dqa_h,
-                             0, G, False, HAS_DOC, UPCAST, DOT_PREC, QO_TMA, False, False, WS, BLOCK_M, BLOCK_D)
+        dk, dv = _dkdv5_loop(dk, dv, k, v, q_ptr, dout_ptr, q_desc, do_desc, lse_ptr, delta_ptr, doc_ptr, key_off, t_lo * BLOCK_M, t_mid - t_lo, C, j,
+                             hkv, offs_m, offs_d, d_mask, qk_scale, stride_q_c, stride_q_h, stride_q_d,
+                             stride_do_c, stride_do_h, stride_do_d, stride_lse_h, stride_delta_h,
+                             G, True, HAS_DOC, UPCAST, DOT_PREC, QO_TMA, BLOCK_M, BLOCK_D)
+        dk, dv = _dkdv5_loop(dk, dv, k, v, q_ptr, dout_ptr, q_desc, do_desc, lse_ptr, delta_ptr, doc_ptr, key_off, t_mid * BLOCK_M, n_tiles - t_mid, C, j,
+                             hkv, offs_m, offs_d, d_mask, qk_scale, stride_q_c, stride_q_h, stride_q_d,
+                             stride_do_c, stride_do_h, stride_do_d, stride_lse_h, stride_delta_h,
+                             G, False, HAS_DOC, UPCAST, DOT_PREC, QO_TMA, BLOCK_M, BLOCK_D)
 
     dk = dk * softmax_scale
     if IS_PAST:
@@ -913,20 +873,6 @@ def _set_tma_allocator() -> None:
     triton.set_allocator(_tma_scratch)
 
 
-def _warp_specialize() -> bool:
-    """Whether the descriptor-fed loops (forward and dq past tiles, the dk/dv row walk) are compiled with
-    Triton's automatic warp specialisation (``tl.range(..., warp_specialize=True)``): ``OOMB_WS=1``; off by
-    default and under the interpreter."""
-    return os.environ.get("OOMB_WS", "0") == "1" and not _INTERPRET
-
-
-def _dq_atomic() -> bool:
-    """Whether the backward adds the past tiles' dq inside the dk/dv kernel with fp32 atomics (5 matrix
-    products per tile pair instead of 7; dq's last bits then depend on scheduling). ``OOMB_DQ_ATOMIC=1`` turns
-    it on; never while ``torch.use_deterministic_algorithms(True)`` is in effect."""
-    return os.environ.get("OOMB_DQ_ATOMIC", "0") == "1" and not torch.are_deterministic_algorithms_enabled()
-
-
 def _qo_tma(q: torch.Tensor, dout: torch.Tensor, head_dim: int) -> bool:
     """Whether the dk/dv kernel loads its q/dout row tiles through [Hq, C, D] tensor descriptors.
 
@@ -1028,7 +974,7 @@ def paged_attention_fwd(
         G=G, HEAD_DIM=D, PAGE_SIZE=page_size, BLOCK_D=max(16, triton.next_power_of_2(D)),
         UPCAST=_INTERPRET, DOT_PREC=_dot_precision(q.dtype), HAS_DOC=doc is not None, HAS_OWN=bool(include_own),
         PART=past_start > 0, USE_TMA=use_tma, n_rows=kc.shape[0] * kc.shape[1] if use_tma else 0,
-        n_cols=kc.shape[2] * kc.shape[3] if use_tma else 0, WS=use_tma and _warp_specialize(),
+        n_cols=kc.shape[2] * kc.shape[3] if use_tma else 0,
     )
     return out, lse
 
@@ -1122,17 +1068,26 @@ def paged_attention_bwd(
     use_tma = (past_len > 0 and doc is None and past_start % page_size == 0
                and _use_tma(kc, vc, D, page_size, _DQ_CONFIGS, "OOMB_BWD_TMA"))
     qo_tma = _qo_tma(q, dout, D)
-    ws = _warp_specialize()
-    # Atomic dq: the past dk/dv launch also adds its tiles' unscaled ds @ k into dq_acc ([Hq, C, D] fp32, so one
-    # row tile of the dk/dv walk is one contiguous block); the dq kernel then only walks the own chunk, starting
-    # from those sums (or, for a past-only part, dq is dq_acc scaled).
-    atomic = past_len > past_start and _dq_atomic()
-    dq_acc = torch.zeros((Hq, C, D), dtype=torch.float32, device=q.device) if atomic else None
-    sdqa = (D, C * D) if atomic else (0, 0)
-    dqa_arg = dq_acc if atomic else bt
 
     def grid_rows(meta):
         return (triton.cdiv(C * G, meta["BLOCK_M"]), Hkv)
+
+    _paged_attn_bwd_dq_kernel[grid_rows](
+        q_ptr=q, k_ptr=k, v_ptr=v, k_cache_ptr=kc, v_cache_ptr=vc, block_table_ptr=bt,
+        dout_ptr=dout, lse_ptr=lse, delta_ptr=delta, dq_ptr=dq, doc_ptr=doc_arg,
+        C=C, past_start=past_start, past_len=past_len, qk_scale=scale * _LOG2E, softmax_scale=scale,
+        stride_q_c=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
+        stride_k_c=k.stride(0), stride_k_h=k.stride(1), stride_k_d=k.stride(2),
+        stride_v_c=v.stride(0), stride_v_h=v.stride(1), stride_v_d=v.stride(2),
+        stride_kc_p=skc[0], stride_kc_t=skc[1], stride_kc_h=skc[2], stride_kc_d=skc[3],
+        stride_vc_p=svc[0], stride_vc_t=svc[1], stride_vc_h=svc[2], stride_vc_d=svc[3],
+        stride_do_c=dout.stride(0), stride_do_h=dout.stride(1), stride_do_d=dout.stride(2),
+        stride_dq_c=dq.stride(0), stride_dq_h=dq.stride(1), stride_dq_d=dq.stride(2),
+        stride_lse_h=lse.stride(0), stride_delta_h=delta.stride(0), HAS_OWN=bool(include_own),
+        PART=past_start > 0, USE_TMA=use_tma, n_rows=kc.shape[0] * kc.shape[1] if use_tma else 0,
+        n_cols=kc.shape[2] * kc.shape[3] if use_tma else 0,
+        **common,
+    )
 
     def launch_dkdv(is_past, kk, vv, dkk, dvv, key_start, n_keys, key_off):
         def grid_keys(meta):
@@ -1144,7 +1099,7 @@ def paged_attention_bwd(
         sdv = dvv.stride() if is_past else (0, *dvv.stride())
         _paged_attn_bwd_dkdv5_kernel[grid_keys](
             q_ptr=q, k_ptr=kk, v_ptr=vv, block_table_ptr=bt, dout_ptr=dout, lse_ptr=lse, delta_ptr=delta,
-            dk_ptr=dkk, dv_ptr=dvv, doc_ptr=doc_arg, dqa_ptr=dqa_arg,
+            dk_ptr=dkk, dv_ptr=dvv, doc_ptr=doc_arg,
             C=C, key_start=key_start, n_keys=n_keys, key_off=key_off, qk_scale=scale * _LOG2E, softmax_scale=scale,
             stride_q_c=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
             stride_k_p=sk[0], stride_k_t=sk[1], stride_k_h=sk[2], stride_k_d=sk[3],
@@ -1152,40 +1107,13 @@ def paged_attention_bwd(
             stride_do_c=dout.stride(0), stride_do_h=dout.stride(1), stride_do_d=dout.stride(2),
             stride_dk_p=sdk[0], stride_dk_t=sdk[1], stride_dk_h=sdk[2], stride_dk_d=sdk[3],
             stride_dv_p=sdv[0], stride_dv_t=sdv[1], stride_dv_h=sdv[2], stride_dv_d=sdv[3],
-            stride_lse_h=lse.stride(0), stride_delta_h=delta.stride(0), stride_dqa_c=sdqa[0], stride_dqa_h=sdqa[1],
-            IS_PAST=is_past, PART=key_start > 0, QO_TMA=qo_tma, Hq=Hq, DQ_ATOMIC=atomic and is_past, WS=ws and qo_tma,
-            DQA_TMA=atomic and is_past and qo_tma and not _INTERPRET and os.environ.get("OOMB_DQA_TMA", "1") == "1",
+            stride_lse_h=lse.stride(0), stride_delta_h=delta.stride(0),
+            IS_PAST=is_past,
+            PART=key_start > 0, QO_TMA=qo_tma, Hq=Hq,
             **common,
         )
 
-    if atomic:
-        launch_dkdv(True, k_cache, v_cache, dk_cache, dv_cache, past_start, past_len, 0)
-        if not include_own:
-            dq.copy_((dq_acc * scale).transpose(0, 1))
-            return dq, dk, dv
-        # The dq kernel below then sees no past tiles (its past range is empty) and starts from dq_acc.
-        dq_past_start, use_tma = past_len, False
-    else:
-        dq_past_start = past_start
-
-    _paged_attn_bwd_dq_kernel[grid_rows](
-        q_ptr=q, k_ptr=k, v_ptr=v, k_cache_ptr=kc, v_cache_ptr=vc, block_table_ptr=bt,
-        dout_ptr=dout, lse_ptr=lse, delta_ptr=delta, dq_ptr=dq, doc_ptr=doc_arg, dqa_ptr=dqa_arg,
-        C=C, past_start=dq_past_start, past_len=past_len, qk_scale=scale * _LOG2E, softmax_scale=scale,
-        stride_q_c=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
-        stride_k_c=k.stride(0), stride_k_h=k.stride(1), stride_k_d=k.stride(2),
-        stride_v_c=v.stride(0), stride_v_h=v.stride(1), stride_v_d=v.stride(2),
-        stride_kc_p=skc[0], stride_kc_t=skc[1], stride_kc_h=skc[2], stride_kc_d=skc[3],
-        stride_vc_p=svc[0], stride_vc_t=svc[1], stride_vc_h=svc[2], stride_vc_d=svc[3],
-        stride_do_c=dout.stride(0), stride_do_h=dout.stride(1), stride_do_d=dout.stride(2),
-        stride_dq_c=dq.stride(0), stride_dq_h=dq.stride(1), stride_dq_d=dq.stride(2),
-        stride_lse_h=lse.stride(0), stride_delta_h=delta.stride(0), stride_dqa_c=sdqa[0], stride_dqa_h=sdqa[1],
-        HAS_OWN=bool(include_own), PART=dq_past_start > 0, USE_TMA=use_tma, n_rows=kc.shape[0] * kc.shape[1] if use_tma else 0,
-        n_cols=kc.shape[2] * kc.shape[3] if use_tma else 0, DQ_IN=atomic, WS=ws and use_tma,
-        **common,
-    )
-
-    if past_len > past_start and not atomic:
+    if past_len > past_start:
         launch_dkdv(True, k_cache, v_cache, dk_cache, dv_cache, past_start, past_len, 0)
     if include_own:
         launch_dkdv(False, k, v, dk, dv, 0, C, past_len)
