@@ -51,7 +51,8 @@ def tiny(family: str, heads: int = 4, kv_heads: int = 2, head_dim: int = 8, laye
 def clone_model(model):
     twin = type(model)(model.config.__class__.from_dict(model.config.to_dict()))
     twin.load_state_dict(model.state_dict())
-    return twin.to(next(model.parameters()).dtype)
+    p = next(model.parameters())
+    return twin.to(device=p.device, dtype=p.dtype)
 
 
 def reference_step(model, input_ids, labels):

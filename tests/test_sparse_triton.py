@@ -130,9 +130,9 @@ def test_engine_step_triton_equals_torch_sparse():
     from tests.test_engine import VOCAB, clone_model, tiny
 
     torch.manual_seed(0)
-    model = tiny("qwen2", 4, 2, head_dim=16).float()
+    model = tiny("qwen2", 4, 2, head_dim=16).float().to(DEVICE)  # the GPU when there is one, else the interpreter
     twin = clone_model(model)
-    ids = torch.randint(0, VOCAB, (1, 44))
+    ids = torch.randint(0, VOCAB, (1, 44)).to(DEVICE)
     cfg = dict(chunk_size=16, page_size=4, sparse=True, page_budget=2, sink_pages=1, local_pages=0, sparse_block_size=8)
     ref = Engine(model, OOMBConfig(attention_backend="torch", **cfg)).step(ids)
     engine = Engine(twin, OOMBConfig(attention_backend="triton", **cfg))
