@@ -124,9 +124,10 @@ def _build_parser() -> argparse.ArgumentParser:
     add_sparse_arguments(e)
     e.add_argument("--document-mask", action="store_true", help="attention and positions stay within each document (documents end at the tokenizer's EOS token); default: one causal stream across documents")
     e.add_argument("--checkpoint-layers", action="store_true", help="per-layer activation checkpointing inside each chunk's recompute")
-    from .planner_args import add_offload_arguments, add_plan_subcommand, add_save_attention_argument
+    from .planner_args import add_grad_accum_dtype_argument, add_offload_arguments, add_plan_subcommand, add_save_attention_argument
 
     add_save_attention_argument(e)
+    add_grad_accum_dtype_argument(e)
     add_offload_arguments(e)
     e.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to train")
     e.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="parameter dtype; auto: bfloat16 on cuda, float32 on cpu")
@@ -845,6 +846,7 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
             local_pages=args.local_pages,
             sparse_score=args.sparse_score,
             save_attention=args.save_attention,
+            grad_accum_dtype=args.grad_accum_dtype,
             **engine_kwargs,
         )
     except ValueError as exc:

@@ -18,7 +18,7 @@ class OOMBConfig:
     Raises:
         ValueError: on a non-positive size, a chunk size that is not a multiple
             of the page size, an unknown attention backend, a negative sparse page count,
-            an unknown sparse score, an unknown ``save_attention``, or a sparse option (``page_budget``, ``sink_pages``,
+            an unknown sparse score, an unknown ``save_attention`` or ``grad_accum_dtype``, or a sparse option (``page_budget``, ``sink_pages``,
             ``local_pages``, ``sparse_score``) other than its default while ``sparse`` is False
             (it would be ignored). The message names the field and the fix.
     """
@@ -86,6 +86,13 @@ class OOMBConfig:
     stages whole layers (sparse attention), nor where they do not fit in free GPU / host memory (a warning says
     so; the step recomputes). See :mod:`oomb.engine.saved_attention`."""
 
+    grad_accum_dtype: str = "param"
+    """Dtype in which each chunk's parameter gradients are summed during a step: 'param' (autograd adds them
+    into ``.grad`` in the parameter dtype, one rounding per chunk) or 'float32' (bf16/fp16 parameters: a float32
+    sum rounded into ``.grad`` once per step, as full-sequence training rounds once; 4 bytes per such parameter
+    during the step instead of 2). Measured on a tiny bf16 model: with 128 chunks the worst gradient error was
+    2.90x the full-sequence bf16 error with 'param' (see :mod:`oomb.engine.grad_accum`)."""
+
     def __post_init__(self) -> None:
         for name in ("chunk_size", "page_size", "loss_chunk_size", "attention_block_size"):
             value = getattr(self, name)
@@ -136,6 +143,8 @@ class OOMBConfig:
                 )
         if self.save_attention not in ("off", "gpu", "host"):
             raise ValueError(f"save_attention must be 'off', 'gpu' or 'host', got {self.save_attention!r}")
+        if self.grad_accum_dtype not in ("param", "float32"):
+            raise ValueError(f"grad_accum_dtype must be 'param' or 'float32', got {self.grad_accum_dtype!r}")
         if self.attention_block_size % self.page_size != 0:
             # Round up so reference blocks are whole pages.
             self.attention_block_size = -(-self.attention_block_size // self.page_size) * self.page_size

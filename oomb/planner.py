@@ -302,6 +302,7 @@ class MemoryPlan:
     host_fraction: float = HOST_FRACTION  # share of the available host RAM that is ``host_budget``
     save_attention: str = "off"  # as asked; "off" in the plan when offload makes the engine recompute instead
     save_attention_note: str = ""  # why an asked save_attention is not in the plan, or a tip to use it
+    grad_accum_dtype: str = "param"  # 'float32': grads counts the step's float32 gradient sums
     saved_attention_host: int = 0  # host bytes of save_attention="host"
 
     @property
@@ -341,7 +342,7 @@ class MemoryPlan:
             "",
             f"{'GPU':<42}{'GiB':>9}",
             f"  {'weights':<40}{g(self.weights)}",
-            f"  {'gradients':<40}{g(self.grads)}",
+            f"  {'gradients' + (' (float32 sums)' if self.grad_accum_dtype == 'float32' else ''):<40}{g(self.grads)}",
             f"  {'optimizer states':<40}{g(self.optimizer)}",
             f"  {'activations: saved':<40}{g(act['saved'])}",
             f"  {'activations: attention temporaries':<40}{g(act['attention_temp'])}",
@@ -402,7 +403,7 @@ def _page_bytes(shape: ModelShape, page_size: int, dtype: torch.dtype) -> int:
 
 
 def _base_gpu(shape, seq_len, chunk_size, dtype, lora_rank, optimizer, checkpoint_layers, attention_backend,
-              attention_block_size, loss_chunk_size):
+              attention_block_size, loss_chunk_size, grad_accum_dtype="param"):
     n_params = shape.num_params()
     e = _dtype_size(dtype)
     if lora_rank:
@@ -412,7 +413,8 @@ def _base_gpu(shape, seq_len, chunk_size, dtype, lora_rank, optimizer, checkpoin
     else:
         trainable = n_params
         weights = n_params * e
-        grads = n_params * e
+        # grad_accum_dtype='float32': bf16/fp16 gradients are summed in float32 during the step (4 B each).
+        grads = n_params * (4 if grad_accum_dtype == "float32" and e < 4 else e)
     optim = 8 * trainable if optimizer == "adamw" else 0
     # A sequence shorter than the chunk is one chunk of seq_len tokens: activations for those only.
     act = activation_bytes(shape, min(chunk_size, seq_len), dtype, checkpoint_layers, attention_backend,
@@ -486,6 +488,7 @@ def plan(
     host_fraction: float = HOST_FRACTION,
     sparse: Any | None = None,
     save_attention: str = "off",
+    grad_accum_dtype: str = "param",
 ) -> MemoryPlan:
     """Predict GPU and host memory of training ``model`` on ``seq_len``-token sequences; nothing is allocated.
 
@@ -516,6 +519,8 @@ def plan(
             chunks' worth on the GPU. Where they do not fit (GPU or host budget), or offload would stage
             whole layers (sparse attention, where the engine does not use them), the run is planned without
             them (``plan.save_attention`` is then 'off' and the table says why).
+        grad_accum_dtype: 'param' or 'float32' (:class:`oomb.OOMBConfig`): with 'float32' a full fine-tune's
+            bf16/fp16 gradients are counted as the float32 sums the step keeps (4 bytes per parameter).
 
     Returns:
         :class:`MemoryPlan`; ``plan.fits`` / ``plan.check()`` say whether it fits.
@@ -555,7 +560,7 @@ def plan(
 
     def fixed_for(T: int, save: str = "off") -> tuple:
         parts = _base_gpu(shape, T, chunk_size, dtype, lora_rank, optimizer, checkpoint_layers, backend,
-                          attention_block_size, loss_chunk_size)
+                          attention_block_size, loss_chunk_size, grad_accum_dtype)
         n_params, trainable, weights, grads, optim, act = parts
         if sparse is not None:
             act = dict(act, sparse_state=sparse_state_bytes(shape, T, sparse_cfg, dtype))
@@ -661,6 +666,7 @@ def plan(
         if tiering.offload else {},
         segment_pages=SP if tiering.offload else None, own_buffers=own_b, host_fraction=host_fraction,
         save_attention=save, saved_attention_host=saved_for(seq_len, save)["host"], save_attention_note=save_note,
+        grad_accum_dtype=grad_accum_dtype,
     )
 
 
@@ -775,6 +781,12 @@ def choose_engine_tiering(engine: Any, seq_len: int) -> tuple[bool, int | None]:
     free, total = torch.cuda.mem_get_info(device)
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
     missing_grads = sum(p.numel() * p.element_size() for p in engine.model.parameters() if p.requires_grad and p.grad is None)
+    if cfg.grad_accum_dtype == "float32":  # the step's float32 gradient sums (see oomb.engine.grad_accum)
+        from .engine.grad_accum import extra_grad_bytes
+
+        missing_grads = sum(p.numel() * p.element_size() for p in engine.model.parameters()
+                            if p.requires_grad and p.grad is None and p.dtype not in (torch.bfloat16, torch.float16))
+        missing_grads += extra_grad_bytes(engine.model.parameters())
     backend = "torch" if engine._backend == "torch" else "triton"
     act = activation_bytes(shape, min(cfg.chunk_size, seq_len), dtype, cfg.checkpoint_layers, backend,
                            cfg.attention_block_size, cfg.loss_chunk_size, max(seq_len - cfg.chunk_size, 0))["total"]
@@ -825,7 +837,7 @@ def choose_engine_tiering(engine: Any, seq_len: int) -> tuple[bool, int | None]:
 def plan_for_train_args(args: Any, dtype: torch.dtype, machine: Machine | None = None) -> MemoryPlan:
     """The plan of an ``oomb train`` run from its parsed arguments (model, seq_len, chunk_size, page_size,
     attention_backend, checkpoint_layers, lora_rank, offload, gpu_page_budget, offload_segment_pages, sparse,
-    save_attention), AdamW included. Sparse attention stages whole layers (as the engine does)."""
+    save_attention, grad_accum_dtype), AdamW included. Sparse attention stages whole layers (as the engine does)."""
     return plan(
         args.model, args.seq_len, chunk_size=args.chunk_size, page_size=args.page_size, dtype=dtype,
         lora_rank=getattr(args, "lora_rank", 0), optimizer="adamw", checkpoint_layers=args.checkpoint_layers,
@@ -835,6 +847,7 @@ def plan_for_train_args(args: Any, dtype: torch.dtype, machine: Machine | None =
         offload_segment_pages="layer" if getattr(args, "sparse", False) else getattr(args, "offload_segment_pages", None),
         sparse=_sparse_settings(args) if getattr(args, "sparse", False) else None,
         save_attention=getattr(args, "save_attention", "off"),
+        grad_accum_dtype=getattr(args, "grad_accum_dtype", "param"),
     )
 
 
@@ -876,6 +889,7 @@ def run_plan(args: Any) -> int:
         offload=offload, gpu_page_budget=args.gpu_page_budget, machine=machine,
         offload_segment_pages=args.offload_segment_pages,
         sparse=_sparse_settings(args) if args.sparse else None, save_attention=args.save_attention,
+        grad_accum_dtype=args.grad_accum_dtype,
     )
     print(p.table())
     return 0 if p.fits else 1

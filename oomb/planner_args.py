@@ -69,6 +69,15 @@ def add_save_attention_argument(parser: Any) -> None:
                              "forwards stage no past either; not used with --sparse under offload")
 
 
+def add_grad_accum_dtype_argument(parser: Any) -> None:
+    """``--grad-accum-dtype {param,float32}`` (``oomb train`` and ``oomb plan``; see ``OOMBConfig.grad_accum_dtype``)."""
+    parser.add_argument("--grad-accum-dtype", choices=["param", "float32"], default="param",
+                        help="dtype in which each chunk's parameter gradients are summed during a step: param (bf16 "
+                             "parameters round the sum once per chunk) or float32 (rounded once per step, as "
+                             "full-sequence training does; 4 instead of 2 bytes per bf16 trainable parameter during "
+                             "the step)")
+
+
 def add_offload_arguments(parser: Any) -> None:
     """``--offload {auto,on,off}``, ``--gpu-page-budget PAGES`` and ``--offload-segment-pages PAGES`` (for
     ``oomb train`` and ``oomb plan``)."""
@@ -103,6 +112,7 @@ def add_plan_subcommand(subparsers: Any, **parser_kwargs: Any) -> Any:
     p.add_argument("--checkpoint-layers", action="store_true", help="per-layer checkpointing inside each chunk")
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto", help="attention implementation")
     add_save_attention_argument(p)
+    add_grad_accum_dtype_argument(p)
     add_offload_arguments(p)
     p.add_argument("--sparse", action="store_true", help="page-level top-K sparse attention (counts its page summaries and "
                    "selections, and offload stages whole layers, as oomb train does)")

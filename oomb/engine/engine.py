@@ -37,6 +37,7 @@ from ..ops.paged_attention import paged_attention, paged_attention_forward, reso
 from ..ops.sparse import SparseAttentionState, sparse_paged_attention, sparse_paged_attention_forward
 from ..planner import HOST_FRACTION, ModelShape, _host_memory, activation_bytes, choose_engine_tiering
 from .kv_store import PagedKVStore
+from .grad_accum import Float32GradAccumulator
 from .offload import OffloadedKVStore
 from .saved_attention import SavedAttention, saved_attention_bytes
 from .loss import IGNORE_INDEX, chunked_cross_entropy_sum
@@ -531,6 +532,19 @@ class Engine:
         t1 = time.perf_counter()
 
         total = torch.zeros((), dtype=torch.float64, device=device)
+        accumulate = (Float32GradAccumulator(self.model.parameters()) if self.config.grad_accum_dtype == "float32"
+                      else contextlib.nullcontext())
+        with accumulate:
+            self._stage2(input_ids, targets, doc_start, positions, denom, progress, store, total)
+        _sync(device)
+        t2 = time.perf_counter()
+        return t0, t1, t2, total
+
+    def _stage2(self, input_ids, targets, doc_start, positions, denom, progress, store, total) -> None:
+        """Stage 2: chunks N-1 .. 0 recomputed with autograd and back-propagated; their loss sums added to ``total``."""
+        T = input_ids.shape[0]
+        C = self.config.chunk_size
+        N = -(-T // C)
         for c in tqdm(range(N - 1, -1, -1), desc="stage 2 (recompute + backward)", unit="chunk", disable=not progress, leave=False):
             s = c * C
             n = min(C, T - s)
@@ -548,9 +562,6 @@ class Engine:
                     store.release_from(layer, s)
             if self._sparse is not None:
                 self._sparse.release(s)
-        _sync(device)
-        t2 = time.perf_counter()
-        return t0, t1, t2, total
 
     @torch.no_grad()
     def evaluate(
