@@ -45,6 +45,9 @@ def main(argv=None):
     ap.add_argument("--page-size", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--backends", nargs="+", default=["torch", "triton"])
+    ap.add_argument("--grad-accum-dtypes", nargs="+", default=["param"], choices=["param", "float32"],
+                    help="OOMBConfig.grad_accum_dtype values to check (each with every backend); many chunks "
+                         "(e.g. --seq-len 262144 --chunk-size 4096) show the per-chunk bf16 rounding of 'param'")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
@@ -66,9 +69,12 @@ def main(argv=None):
 
     report = dict(seq_len=args.seq_len, chunk_size=args.chunk_size, loss_ref32=loss32, loss_hf_bf16=loss16, backends={})
     ok = True
-    for backend in args.backends:
+    runs = [(b, g) for b in args.backends for g in args.grad_accum_dtypes]
+    for backend, accum in runs:
+        key = backend if args.grad_accum_dtypes == ["param"] else f"{backend}/{accum}"
         m16.zero_grad(set_to_none=True)
-        engine = Engine(m16, OOMBConfig(chunk_size=args.chunk_size, page_size=args.page_size, attention_backend=backend))
+        engine = Engine(m16, OOMBConfig(chunk_size=args.chunk_size, page_size=args.page_size, attention_backend=backend,
+                                        grad_accum_dtype=accum))
         out = engine.step(ids)
         worst = (-1.0, None, 0.0, 0.0)  # (ratio, name, err oomb, err hf)
         for n, p in m16.named_parameters():
@@ -80,9 +86,9 @@ def main(argv=None):
         # The loss is one scalar: its bf16 error can be near zero by chance, so allow 1e-3 absolute slack.
         le_o, le_h = abs(out.loss - loss32) / loss32, abs(loss16 - loss32) / loss32
         ok &= le_o <= 2 * le_h + 1e-3
-        report["backends"][backend] = dict(loss=out.loss, loss_err=le_o, hf_loss_err=le_h, worst_param=worst[1],
+        report["backends"][key] = dict(loss=out.loss, loss_err=le_o, hf_loss_err=le_h, worst_param=worst[1],
                                            worst_grad_err=worst[2], hf_grad_err_same_param=worst[3], seconds=out.seconds)
-        print(json.dumps({backend: report["backends"][backend]}), flush=True)
+        print(json.dumps({key: report["backends"][key]}), flush=True)
         del engine
     report["pass"] = ok
     os.makedirs(args.out, exist_ok=True)
