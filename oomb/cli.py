@@ -270,6 +270,9 @@ def _check_offload_flags(args: argparse.Namespace) -> None:
         raise UsageError("--gpu-page-budget sizes the GPU tier of offload but --offload is off", "pass --offload on (or auto), or leave --gpu-page-budget out")
     if args.offload_segment_pages is not None and args.offload_segment_pages <= 0:
         raise UsageError(f"--offload-segment-pages is {args.offload_segment_pages}", "pass a positive number of pages, or leave it out")
+    if args.offload_segment_pages is not None and args.offload == "off":
+        raise UsageError("--offload-segment-pages sizes the staging of offload but --offload is off",
+                         "pass --offload on (or auto), or leave --offload-segment-pages out")
 
 
 def _check_sizes(args: argparse.Namespace) -> None:
@@ -819,6 +822,11 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
     except (UnknownModelError, UnsupportedModelError) as exc:
         raise _usage_from(exc, "use a Qwen2/2.5, Llama 2/3, Mistral or Qwen3 causal LM (see 'oomb train --help')") from exc
     _check_vocab(int(tokens.max()), int(model_config.vocab_size), args.model)
+    if device.type != "cuda" and args.offload == "auto":
+        for flag, value in (("--gpu-page-budget", args.gpu_page_budget), ("--offload-segment-pages", args.offload_segment_pages)):
+            if value is not None:
+                raise UsageError(f"{flag} sizes offload, which --offload auto never uses on the CPU",
+                                 f"pass --offload on to run the offloaded store on the CPU, or leave {flag} out")
     engine_kwargs = {"offload": {"auto": "auto", "on": True, "off": False}[args.offload], "gpu_page_budget": args.gpu_page_budget,
                      "offload_segment_pages": args.offload_segment_pages}
     if device.type == "cuda":
@@ -1011,10 +1019,10 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
                   f"the data is repeated (~{drawn / len(sequences):.1f} passes); more data or fewer --steps avoids it",
                   file=sys.stderr)
 
-    def checkpoint(step: int) -> Path | None:
+    def checkpoint(step: int, rng: dict | None = None) -> Path | None:
         if not main_rank:
             return None
-        extra = {"rng": rng_state(), "step": step, "sequences_per_step": K * W}
+        extra = {"rng": rng if rng is not None else rng_state(), "step": step, "sequences_per_step": K * W}
         return save_checkpoint(ckpt_root, step, model, optimizer, None, run["fingerprint"], extra, keep_last=2,
                                settings=run["settings"])
 
@@ -1034,8 +1042,8 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
     log = open(log_path, "a", encoding="utf-8") if main_rank else None
     try:
         notice = (
-            "oomb: {name} received: finishing this step, then saving a checkpoint and stopping "
-            "(send it again to stop at once WITHOUT saving)"
+            "oomb: {name} received: finishing this step (with --grad-accum: this sequence), then saving a "
+            "checkpoint and stopping (send it again to stop at once WITHOUT saving)"
         ) if main_rank else None
         with GracefulStop(notice=notice) as stop, tqdm(total=args.steps, initial=start_step, desc="train", unit="step", disable=not show, file=sys.stderr) as bar:
             for step in range(start_step + 1, args.steps + 1):
@@ -1058,8 +1066,13 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
                 total_valid = int(round(global_sum(local_valid, device))) if ctx.enabled else local_valid
                 loss_sum = 0.0
                 results = []
+                step_rng = rng_state() if K > 1 and not ctx.enabled else None  # the state a mid-step stop saves
+                interrupted = False
                 try:
-                    for input_ids, cu, _ in micro:
+                    for i, (input_ids, cu, _) in enumerate(micro):
+                        if i > 0 and step_rng is not None and stop.requested is not None:
+                            interrupted = True  # a signal during a long accumulation: stop at this sequence boundary
+                            break
                         r = engine.step(input_ids, progress=show, cu_seqlens=cu, loss_normalizer=total_valid if (K > 1 or W > 1) else None)
                         results.append(r)
                         loss_sum += r.loss * r.num_valid_tokens
@@ -1071,6 +1084,23 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
                         "use a smaller --chunk-size, --checkpoint-layers, --lora-rank or --offload on (see 'oomb plan')",
                     )
                 check_all(error is None, step, error)
+                if interrupted:
+                    # The step's gradients so far are dropped; the model and optimizer are those after step - 1,
+                    # which a resume re-runs from its first sequence.
+                    optimizer.zero_grad(set_to_none=True)
+                    done = step - 1
+                    path = checkpoint(done, step_rng) if done > saved_at else (find_latest(ckpt_root) if done > 0 else None)
+                    import signal as _signal
+
+                    name = _signal.Signals(stop.requested).name
+                    dropped = f"its {len(results)} of {K} sequences done were dropped"
+                    if path is None:
+                        print(f"oomb: stopped by {name} during step {step} ({dropped}); no step had completed, so nothing "
+                              "was saved; to start again, run the same command with --overwrite", file=sys.stderr)
+                    else:
+                        print(f"oomb: stopped by {name} during step {step} ({dropped}); checkpoint {path} (after step "
+                              f"{done}); to continue, run {_resume_command(args._argv)}", file=sys.stderr)
+                    return 0
                 loss = (global_sum(loss_sum, device) if ctx.enabled else loss_sum) / total_valid
                 if not math.isfinite(loss):
                     raise _RunError(

@@ -369,3 +369,37 @@ def test_resume_from_another_folder_never_touches_either_run(tmp_path, text_file
     assert f"oomb: note: --resume: {ckpt} is a checkpoint of another folder" in err and "starts at step 3" in err
     assert [s for s, _ in losses(new)] == [3] and (new / "model.safetensors").is_file()
     assert _files(a) == before
+
+
+def test_a_signal_during_grad_accum_stops_at_the_sequence_boundary(tmp_path, text_file, capsys, monkeypatch):
+    """SIGINT in the middle of a --grad-accum step stops before the step's next sequence (not after all of them),
+    saves the checkpoint of the step before, and --resume re-runs the interrupted step: the same losses as an
+    uninterrupted run."""
+    from oomb import Engine
+
+    argv = ["train", "--data", text_file, *FAST, "--steps", "3", "--grad-accum", "3", "--warmup-steps", "1"]
+    straight = tmp_path / "straight"
+    assert run_cli([*argv, "--output-dir", straight]) == 0
+    capsys.readouterr()
+
+    real_step = Engine.step
+    calls = []
+
+    def step_then_signal(self, *a, **k):
+        calls.append(1)
+        out = real_step(self, *a, **k)
+        if len(calls) == 5:  # step 2, its second of three sequences
+            os.kill(os.getpid(), signal.SIGINT)
+        return out
+
+    monkeypatch.setattr(Engine, "step", step_then_signal)
+    run = tmp_path / "run"
+    assert run_cli([*argv, "--output-dir", run]) == 0
+    err = capsys.readouterr().err
+    assert len(calls) == 5, "the third sequence of step 2 must not run"
+    assert "stopped by SIGINT during step 2 (its 2 of 3 sequences done were dropped)" in err
+    assert "step-00000001" in err and "--resume" in err
+    assert [s for s, _ in losses(run)] == [1]
+    monkeypatch.setattr(Engine, "step", real_step)
+    assert run_cli([*argv, "--output-dir", run, "--resume", "latest"]) == 0
+    assert losses(run) == losses(straight)

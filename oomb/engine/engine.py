@@ -234,6 +234,7 @@ class Engine:
         """Validate inputs -> (input_ids [T], targets [T], doc_start [T] or None, position_ids [T])."""
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"input_ids must be a torch.Tensor, got {type(input_ids).__name__}")
+        ids_given = tuple(input_ids.shape)
         if input_ids.dim() == 2:
             if input_ids.shape[0] != 1:
                 raise ValueError(
@@ -261,10 +262,11 @@ class Engine:
         else:
             if not isinstance(labels, torch.Tensor):
                 raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
+            given = tuple(labels.shape)
             if labels.dim() == 2 and labels.shape[0] == 1:
                 labels = labels[0]
             if labels.shape != input_ids.shape:
-                raise ValueError(f"labels shape {tuple(labels.shape)} must match input_ids shape {tuple(input_ids.shape)}")
+                raise ValueError(f"labels shape {given} must match input_ids shape {ids_given} (one label per token)")
             if labels.dtype not in _TOKEN_DTYPES:
                 raise ValueError(
                     f"labels must be integer token ids (int64; -100 = ignored), got {labels.dtype}; "

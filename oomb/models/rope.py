@@ -25,6 +25,11 @@ _REQUIRED = {
     "yarn": ("factor",),
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
 }
+# A complete spec per type, for error messages (Llama 3.1's own values for llama3).
+_EXAMPLES = {
+    "llama3": "type=llama3,factor=8,low_freq_factor=1,high_freq_factor=4,original_max_position_embeddings=8192",
+    "yarn": "type=yarn,factor=4,original_max_position_embeddings=32768",
+}
 # Types that stretch the context by ``factor``: transformers only warns on factor < 1 (it would shrink it).
 _STRETCH = ("linear", "dynamic", "yarn", "llama3")
 
@@ -102,7 +107,8 @@ def set_rope(model: torch.nn.Module, rope_theta: float | None = None, rope_scali
             raise ValueError(f"rope type {rope_type!r} is not supported; use one of {', '.join(ROPE_TYPES)}")
         missing = [k for k in _REQUIRED.get(rope_type, ()) if k not in scaling and k not in params]
         if missing:
-            raise ValueError(f"rope type {rope_type!r} needs {', '.join(missing)}; e.g. 'type={rope_type},factor=4'")
+            example = _EXAMPLES.get(rope_type, f"type={rope_type},factor=4")
+            raise ValueError(f"rope type {rope_type!r} needs {', '.join(missing)}; e.g. '{example}'")
         if "factor" in scaling:
             _check_factor(rope_type, scaling["factor"])
         if rope_type == "default":
