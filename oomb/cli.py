@@ -262,6 +262,34 @@ def _check_seed(args: argparse.Namespace) -> None:
         raise UsageError(f"--seed is {args.seed}", f"pass an integer from 0 to {_SEED_LIMIT - 1}")
 
 
+def _check_cpu_memory(args: argparse.Namespace, model_config: object, dtype: "torch.dtype") -> None:
+    """Refuse a CPU run whose weights, gradients and AdamW states alone exceed the available RAM (a lower
+    bound: activations and the KV store come on top), before any weight is allocated."""
+    import torch
+
+    from .planner import ModelShape, _host_memory
+
+    shape = ModelShape.from_config(model_config)
+    e = torch.tensor([], dtype=dtype).element_size()
+    n = shape.num_params()
+
+    def need(rank: int) -> int:  # as oomb plan counts them: AdamW 8 bytes per trainable parameter
+        if rank:
+            return n * e + shape.lora_params(rank) * (4 + 4 + 8)  # peft keeps the adapters in float32
+        return n * (2 * e + 8)
+
+    available = _host_memory()[0]
+    if need(args.lora_rank) <= available:
+        return
+    lora = not args.lora_rank and need(8) <= available
+    raise UsageError(
+        f"--model {args.model} ({n / 1e9:.2f}B parameters) needs at least {need(args.lora_rank) / 2**30:.1f} GiB of memory "
+        f"on the CPU for its weights, {'adapter ' if args.lora_rank else ''}gradients and AdamW states, but "
+        f"{available / 2**30:.1f} GiB is available",
+        (f"use --lora-rank 8 (~{need(8) / 2**30:.1f} GiB), " if lora else "use ") + "a smaller --model (e.g. tiny), or --device cuda",
+    )
+
+
 def _check_offload_flags(args: argparse.Namespace) -> None:
     """--gpu-page-budget and --offload-segment-pages (train and plan)."""
     if args.gpu_page_budget is not None and args.gpu_page_budget <= 0:
@@ -822,6 +850,8 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
     except (UnknownModelError, UnsupportedModelError) as exc:
         raise _usage_from(exc, "use a Qwen2/2.5, Llama 2/3, Mistral or Qwen3 causal LM (see 'oomb train --help')") from exc
     _check_vocab(int(tokens.max()), int(model_config.vocab_size), args.model)
+    if device.type != "cuda":
+        _check_cpu_memory(args, model_config, dtype)
     if device.type != "cuda" and args.offload == "auto":
         for flag, value in (("--gpu-page-budget", args.gpu_page_budget), ("--offload-segment-pages", args.offload_segment_pages)):
             if value is not None:

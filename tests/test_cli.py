@@ -788,3 +788,20 @@ def test_overwrite_with_an_empty_log_deletes_only_an_empty_run(tmp_path, text_fi
     (out / "checkpoints" / "mydata").rmdir()
     assert run_cli(["train", "--data", text_file, "--output-dir", out, "--overwrite", *FAST, "--steps", "1"]) == 0
     assert len((out / "log.jsonl").read_text().splitlines()) == 1
+
+
+@pytest.mark.parametrize("available_mib, fragment", [
+    (40, "use --lora-rank 8 ("),  # the adapters would fit
+    (10, "; use a smaller --model (e.g. tiny), or --device cuda"),
+])
+def test_a_cpu_run_larger_than_the_ram_is_refused_before_anything_is_built(tmp_path, text_file, capsys, monkeypatch,
+                                                                          available_mib, fragment):
+    """The weights, gradients and AdamW states alone exceed the available RAM: one line naming the sizes and a fix,
+    before the model is built or the output folder made (a 7B model on a 23 GB machine swapped or died with a
+    traceback)."""
+    import oomb.planner
+
+    monkeypatch.setattr(oomb.planner, "_host_memory", lambda: (available_mib * 2**20, 64 * 2**30))
+    out = tmp_path / "run"
+    _check_refused(run_cli(["train", "--data", text_file, "--output-dir", out, *FAST]), capsys, fragment)
+    assert not out.exists()
