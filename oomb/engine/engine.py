@@ -206,7 +206,11 @@ class Engine:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.vocab_size = base.get_input_embeddings().num_embeddings
         if self.config.checkpoint_layers:
-            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            # transformers >= 5.2x renamed it (the old name warns and will go in v6).
+            if hasattr(base, "activation_checkpointing_enable"):
+                base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self._store: PagedKVStore | None = None
         self._sparse: SparseAttentionState | None = None
         self._saved: SavedAttention | None = None
