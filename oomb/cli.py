@@ -962,8 +962,10 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         if path is None:
             raise UsageError(f"--resume latest: {ckpt_root} holds no complete checkpoint", "start without --resume (with --overwrite)")
         if not path.is_dir():
+            latest = find_latest(ckpt_root) if ckpt_root.is_dir() else None
             raise UsageError(f"--resume {args.resume}: {path} is not a checkpoint folder",
-                             f"pass 'latest' or a checkpoint folder such as {ckpt_root / 'step-00000010'}")
+                             "pass 'latest' or a checkpoint folder" + (f" such as {latest}" if latest is not None else
+                                                                       f" (step-NNNNNNNN under {ckpt_root})"))
         _check_resume_fingerprint(read_settings(path, "fingerprint"), fingerprint, path)
         notes = _check_resume_settings(args, read_settings(path), path)
         try:

@@ -370,9 +370,12 @@ class MemoryPlan:
             rows.append(f"host<->GPU traffic per step: {h2d / GiB:,.1f} GiB in, {d2h / GiB:,.1f} GiB out "
                         f"(~{max(h2d, d2h) / _LINK_BYTES_PER_S:,.0f} s of copies at 55 GB/s each way, the two directions "
                         "on their own streams, overlapped with compute)")
+        def most(t: int) -> str:  # the search stops at 2**26 pages per layer
+            return f"{t:,}" + (" or more (the search limit)" if t >= ((1 << 26) * self.page_size) // self.chunk_size * self.chunk_size else "")
+
         rows += [
-            f"largest context: {self.max_seq_len_gpu_only:,} tokens with every page on the GPU, "
-            f"{self.max_seq_len_offload:,} with offload",
+            f"largest context: {most(self.max_seq_len_gpu_only)} tokens with every page on the GPU, "
+            f"{most(self.max_seq_len_offload)} with offload",
             "fits" if self.fits else "DOES NOT FIT: " + "; ".join(self.problems),
         ]
         return "\n".join(rows)
