@@ -469,14 +469,14 @@ def _check_output_dir(args: argparse.Namespace) -> Path:
                 "pass a new directory, or --overwrite to replace its contents",
             )
         # --overwrite deletes the directory's contents: refuse where that would delete inputs or the work tree.
-        protected = [Path.cwd().resolve(), Path.home().resolve()]
-        for p in (args.data, args.tokenizer, args.model):
+        protected = [(Path.cwd().resolve(), "the working directory"), (Path.home().resolve(), "your home directory")]
+        for flag, p in (("--data", args.data), ("--tokenizer", args.tokenizer), ("--model", args.model)):
             if p is not None and os.path.exists(p):
-                protected.append(Path(p).resolve())
-        for p in protected:
+                protected.append((Path(p).resolve(), f"the {flag} input"))
+        for p, what in protected:
             if _is_within(p, out):
                 raise UsageError(
-                    f"--output-dir {args.output_dir!r} contains {str(p)!r}, which --overwrite would delete",
+                    f"--output-dir {args.output_dir!r} contains {str(p)!r} ({what}), which --overwrite would delete",
                     "pass an output directory of its own",
                 )
         # Only an earlier oomb run is replaced: never the contents of some other folder (a source tree, ...).
