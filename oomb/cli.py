@@ -1040,7 +1040,7 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
         ranks = f"; {W} ranks" if W > 1 else ""
         print(
             f"oomb: {args.model} ({n_total / 1e6:.1f}M parameters, {n_trainable / 1e6:.2f}M trainable, {str(dtype).replace('torch.', '')}, {device}); "
-            f"{len(tokens):,} tokens -> {len(sequences)} sequences of {args.seq_len}; {K * W} per step{ranks}; chunk {args.chunk_size}, page {args.page_size}; "
+            f"{len(tokens):,} tokens -> {len(sequences)} sequences of {args.seq_len}; {K * W} per step{ranks}; chunk {args.chunk_size}{' (> --seq-len: one chunk per sequence)' if args.chunk_size > args.seq_len else ''}, page {args.page_size}; "
             f"log: {log_path}",
             file=sys.stderr,
         )
