@@ -12,8 +12,9 @@ Stage 2, c = N-1 .. 0:
     by the valid tokens of the WHOLE sequence) and call backward. The attention
     backward adds dK/dV of the past pages into the gradient pages and returns,
     for the chunk's own K/V, its own contribution plus what later chunks stored
-    there. Parameter gradients accumulate across chunks; then chunk c's pages
-    go back to the free list.
+    there. Parameter gradients accumulate across chunks (in ``.grad``, or in
+    float32 sums rounded once per step with ``config.grad_accum_dtype='float32'``,
+    :mod:`oomb.engine.grad_accum`); then chunk c's pages go back to the free list.
 
 In dense mode this gives full-sequence gradients up to rounding. With ``config.sparse``
 (DESIGN.md §2.4, :mod:`oomb.ops.sparse`) each chunk's Stage-1 write also summarises its pages,
