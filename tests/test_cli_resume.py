@@ -140,7 +140,7 @@ def test_sigterm_saves_a_checkpoint_and_says_how_to_resume(tmp_path, text_file, 
     step = losses(out)[-1][0]
     assert (out / "checkpoints" / f"step-{step:08d}" / "meta.json").is_file()
     assert line[0].endswith(_resume_command(args))
-    assert "SIGTERM received: finishing this step, then saving a checkpoint" in err  # said at once
+    assert "SIGTERM received: finishing this step (with --grad-accum: this sequence), then saving a checkpoint" in err  # said at once
     # the same command again (no --resume) points at --resume instead of only at --overwrite
     assert run_cli(args) == 2
     refused = capsys.readouterr().err
