@@ -118,3 +118,14 @@ def test_config_and_planner():
     lora_a = plan("qwen2.5-7b", 32768, machine=machine, lora_rank=8)
     lora_b = plan("qwen2.5-7b", 32768, machine=machine, lora_rank=8, grad_accum_dtype="float32")
     assert lora_a.grads == lora_b.grads  # peft's adapters are float32 already
+
+
+def test_extra_grad_bytes_counts_the_float32_sums():
+    """4 bytes per element of a bf16/fp16 trainable parameter, less the gradient it already holds; nothing for
+    float32 or frozen ones (what the engine's offload budget reserves)."""
+    a = torch.nn.Parameter(torch.zeros(10, dtype=torch.bfloat16))
+    b = torch.nn.Parameter(torch.zeros(6, dtype=torch.float16))
+    b.grad = torch.zeros_like(b)
+    c = torch.nn.Parameter(torch.zeros(5))
+    d = torch.nn.Parameter(torch.zeros(7, dtype=torch.bfloat16), requires_grad=False)
+    assert extra_grad_bytes([a, b, c, d, a]) == 4 * 10 + (4 * 6 - 2 * 6)
