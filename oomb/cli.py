@@ -1073,8 +1073,9 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
     t_start = time.perf_counter()
     log = open(log_path, "a", encoding="utf-8") if main_rank else None
     try:
+        what = "this step (with --grad-accum: this sequence)" if K > 1 and not ctx.enabled else "this step"
         notice = (
-            "oomb: {name} received: finishing this step (with --grad-accum: this sequence), then saving a "
+            f"oomb: {{name}} received: finishing {what}, then saving a "
             "checkpoint and stopping (send it again to stop at once WITHOUT saving)"
         ) if main_rank else None
         with GracefulStop(notice=notice) as stop, tqdm(total=args.steps, initial=start_step, desc="train", unit="step", disable=not show, file=sys.stderr) as bar:

@@ -140,7 +140,7 @@ def test_sigterm_saves_a_checkpoint_and_says_how_to_resume(tmp_path, text_file, 
     step = losses(out)[-1][0]
     assert (out / "checkpoints" / f"step-{step:08d}" / "meta.json").is_file()
     assert line[0].endswith(_resume_command(args))
-    assert "SIGTERM received: finishing this step (with --grad-accum: this sequence), then saving a checkpoint" in err  # said at once
+    assert "SIGTERM received: finishing this step, then saving a checkpoint" in err  # said at once
     # the same command again (no --resume) points at --resume instead of only at --overwrite
     assert run_cli(args) == 2
     refused = capsys.readouterr().err
@@ -397,6 +397,7 @@ def test_a_signal_during_grad_accum_stops_at_the_sequence_boundary(tmp_path, tex
     assert run_cli([*argv, "--output-dir", run]) == 0
     err = capsys.readouterr().err
     assert len(calls) == 5, "the third sequence of step 2 must not run"
+    assert "SIGINT received: finishing this step (with --grad-accum: this sequence), then saving" in err
     assert "stopped by SIGINT during step 2 (its 2 of 3 sequences done were dropped)" in err
     assert "step-00000001" in err and "--resume" in err
     assert [s for s, _ in losses(run)] == [1]
