@@ -265,18 +265,16 @@ def _check_seed(args: argparse.Namespace) -> None:
 def _check_cpu_memory(args: argparse.Namespace, model_config: object, dtype: "torch.dtype") -> None:
     """Refuse a CPU run whose weights, gradients and AdamW states alone exceed the available RAM (a lower
     bound: activations and the KV store come on top), before any weight is allocated."""
-    import torch
-
-    from .planner import ModelShape, _host_memory
+    from .planner import ModelShape, _base_gpu, _host_memory
 
     shape = ModelShape.from_config(model_config)
-    e = torch.tensor([], dtype=dtype).element_size()
     n = shape.num_params()
 
-    def need(rank: int) -> int:  # as oomb plan counts them: AdamW 8 bytes per trainable parameter
-        if rank:
-            return n * e + shape.lora_params(rank) * (4 + 4 + 8)  # peft keeps the adapters in float32
-        return n * (2 * e + 8)
+    def need(rank: int) -> int:  # as oomb plan counts them
+        _, _, weights, grads, optim, _ = _base_gpu(
+            shape, min(args.chunk_size, args.seq_len), args.chunk_size, dtype, rank, "adamw", args.checkpoint_layers,
+            "torch", 4096, 1024, args.grad_accum_dtype)
+        return weights + grads + optim
 
     available = _host_memory()[0]
     if need(args.lora_rank) <= available:

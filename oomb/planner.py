@@ -783,13 +783,14 @@ def choose_engine_tiering(engine: Any, seq_len: int) -> tuple[bool, int | None]:
     dtype = engine.dtype
     free, total = torch.cuda.mem_get_info(device)
     cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-    missing_grads = sum(p.numel() * p.element_size() for p in engine.model.parameters() if p.requires_grad and p.grad is None)
-    if cfg.grad_accum_dtype == "float32":  # the step's float32 gradient sums (see oomb.engine.grad_accum)
-        from .engine.grad_accum import extra_grad_bytes
+    from .engine.grad_accum import LOW_PRECISION, extra_grad_bytes
 
-        missing_grads = sum(p.numel() * p.element_size() for p in engine.model.parameters()
-                            if p.requires_grad and p.grad is None and p.dtype not in (torch.bfloat16, torch.float16))
-        missing_grads += extra_grad_bytes(engine.model.parameters())
+    float32_sums = cfg.grad_accum_dtype == "float32"  # the step's float32 gradient sums (oomb.engine.grad_accum)
+    params = list(engine.model.parameters())
+    missing_grads = sum(p.numel() * p.element_size() for p in params
+                        if p.requires_grad and p.grad is None and not (float32_sums and p.dtype in LOW_PRECISION))
+    if float32_sums:
+        missing_grads += extra_grad_bytes(params)
     backend = "torch" if engine._backend == "torch" else "triton"
     act = activation_bytes(shape, min(cfg.chunk_size, seq_len), dtype, cfg.checkpoint_layers, backend,
                            cfg.attention_block_size, cfg.loss_chunk_size, max(seq_len - cfg.chunk_size, 0))["total"]

@@ -22,15 +22,15 @@ from typing import Iterable
 
 import torch
 
-__all__ = ["Float32GradAccumulator", "extra_grad_bytes"]
+__all__ = ["LOW_PRECISION", "Float32GradAccumulator", "extra_grad_bytes"]
 
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
+LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def _accumulated(params: Iterable[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
     seen, out = set(), []
     for p in params:
-        if p.requires_grad and p.dtype in _LOW_PRECISION and id(p) not in seen:
+        if p.requires_grad and p.dtype in LOW_PRECISION and id(p) not in seen:
             seen.add(id(p))
             out.append(p)
     return out
