@@ -1,0 +1,161 @@
+"""Chunk attention through PyTorch's fused SDPA kernels, for a past stored contiguously.
+
+Same contract as :mod:`oomb.ops.attention_ref` for the calls it serves: one chunk of ``C``
+queries over ``past_len`` earlier tokens plus its own ``C`` tokens, causal inside the chunk;
+the backward adds the past dK/dV into float32 gradient storage in place and returns the own
+chunk's dk/dv. It serves only a past that lies in memory as one ``[past_len, Hkv, D]`` view
+(a :class:`~oomb.engine.kv_store.PagedKVStore` layer whose pages are consecutive), with no
+packed-document mask; the engine sends every other call to the paged Triton kernels.
+
+Why: on an H200 the cuDNN fused attention behind ``torch.nn.functional.scaled_dot_product_attention``
+runs ~586 TFLOP/s forward and ~478 backward on the Qwen2.5-7B shape, where our Triton
+kernels reach ~445 / ~385 (benchmarks/NOTES.md). Where the layout allows it, the chunk-recurrent
+step then runs its attention at the speed of the full-sequence baseline's.
+
+Algorithm: the attention is split into two calls over disjoint keys -- the chunk's queries
+over the whole past (no mask) and over its own keys (causal, square) -- merged with the
+log-sum-exp rule (as FlashAttention's split-KV decoding and ring attention do)::
+
+    lse = logaddexp(lse_past, lse_own)
+    out = exp(lse_past - lse) * out_past + exp(lse_own - lse) * out_own      (in float32)
+
+The backward runs both calls' backward kernels with the FINAL ``out`` and ``lse``: a
+FlashAttention backward recomputes ``P = exp(scale * q k^T - lse)`` and uses
+``delta = rowsum(dout * out)``, which with the merged values are exactly each part's share of
+the full softmax (Dao 2023, §3.2), so dq = dq_past + dq_own and the past's dk/dv come out
+exact. Each part's outputs are rounded to the input dtype once before the merge (cuDNN has no
+float32 output), one rounding more than a single fused kernel.
+
+Primitives: on CUDA ``torch.ops.aten._scaled_dot_product_cudnn_attention`` and its backward
+(grouped-query attention passed as is: the K/V keep their Hkv heads); on CPU
+``_scaled_dot_product_flash_attention_for_cpu`` and its backward (K/V expanded to Hq heads and
+dk/dv summed back), which lets the CPU tests check the split, the merge and the backward
+with the final out/lse.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+__all__ = ["sdpa_available", "sdpa_attention_fwd", "sdpa_attention_bwd"]
+
+_DTYPES_CUDA = (torch.float16, torch.bfloat16)
+_HEAD_DIMS_CUDA = (64, 80, 96, 128)  # what cuDNN's fused SDPA runs on Hopper for training (d <= 128, d % 8 == 0)
+
+
+@lru_cache(maxsize=None)
+def _cudnn_ok(index: int) -> bool:
+    if not torch.backends.cudnn.is_available() or not hasattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention"):
+        return False
+    major, _ = torch.cuda.get_device_capability(index)
+    return major >= 9 and (torch.backends.cudnn.version() or 0) >= 90000
+
+
+def sdpa_available(q: torch.Tensor) -> bool:
+    """Whether :func:`sdpa_attention_fwd`/``_bwd`` run for queries like ``q`` ([C, Hq, D]).
+
+    CUDA: cuDNN >= 9 on a Hopper-or-newer GPU, bf16/fp16, head dim 64/80/96/128. CPU: always
+    (PyTorch's CPU flash kernel; float32/float64 too).
+    """
+    if q.device.type == "cpu":
+        return True
+    if q.device.type != "cuda" or q.dtype not in _DTYPES_CUDA or q.shape[-1] not in _HEAD_DIMS_CUDA:
+        return False
+    return _cudnn_ok(q.device.index if q.device.index is not None else torch.cuda.current_device())
+
+
+def _bhsd(x: torch.Tensor) -> torch.Tensor:
+    """[T, H, D] -> [1, H, T, D] (a view; the primitives take these strides)."""
+    return x.unsqueeze(0).transpose(1, 2)
+
+
+def _expand(x: torch.Tensor, group: int) -> torch.Tensor:
+    return x if group == 1 else x.repeat_interleave(group, dim=1)
+
+
+def _part_fwd(q4, k4, v4, causal: bool, scale: float):
+    """One SDPA call -> (out [1, Hq, L, D] in q's dtype, lse [Hq, L] float32/float64)."""
+    Hq, L = q4.shape[1], q4.shape[2]
+    if q4.device.type == "cuda":
+        res = torch.ops.aten._scaled_dot_product_cudnn_attention(q4, k4, v4, None, True, 0.0, causal, False, scale=scale)
+        return res[0], res[1].reshape(Hq, L)
+    g = Hq // k4.shape[1]
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q4, _expand(k4, g), _expand(v4, g), 0.0, causal, scale=scale)
+    return out, lse.reshape(Hq, L)
+
+
+def _part_bwd(do4, q4, k4, v4, o4, lse, causal: bool, scale: float):
+    """Backward of one SDPA call with the given (final) out and lse -> (dq, dk, dv) shaped like q4, k4, v4."""
+    Hq, L, S = q4.shape[1], q4.shape[2], k4.shape[2]
+    if q4.device.type == "cuda":
+        # philox seed/offset (no dropout), attn_bias, cum_seq_q/k (not nested): undefined tensors
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            do4, q4, k4, v4, o4, lse.reshape(1, Hq, L, 1), None, None, None, None, None, L, S, 0.0, causal,
+            scale=scale)
+    g = Hq // k4.shape[1]
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        do4, q4, _expand(k4, g), _expand(v4, g), o4, lse.reshape(1, Hq, L), 0.0, causal, scale=scale)
+    if g > 1:
+        dk = dk.unflatten(1, (-1, g)).sum(2)
+        dv = dv.unflatten(1, (-1, g)).sum(2)
+    return dq, dk, dv
+
+
+def sdpa_attention_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_k: torch.Tensor | None, past_v: torch.Tensor | None,
+    softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward of one chunk over a contiguous past plus its own keys (causal).
+
+    Args:
+        q: [C, Hq, D]; k, v: [C, Hkv, D] the chunk's own (Hq a multiple of Hkv).
+        past_k, past_v: [past_len, Hkv, D] in q's dtype (any strides with a unit last stride), or
+            None for no past.
+        softmax_scale: multiplier of q·k.
+
+    Returns:
+        out [C, Hq, D] in q's dtype, lse [Hq, C] float32 (float64 for float64 inputs), natural log.
+    """
+    q4 = _bhsd(q)
+    out_own, lse_own = _part_fwd(q4, _bhsd(k), _bhsd(v), True, softmax_scale)
+    if past_k is None or past_k.shape[0] == 0:
+        return out_own[0].transpose(0, 1), lse_own
+    out_past, lse_past = _part_fwd(q4, _bhsd(past_k), _bhsd(past_v), False, softmax_scale)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse_own, lse_past = lse_own.to(acc), lse_past.to(acc)
+    lse = torch.logaddexp(lse_past, lse_own)  # every row sees its own first key: finite
+    out = (out_past[0].to(acc) * torch.exp(lse_past - lse)[..., None]
+           + out_own[0].to(acc) * torch.exp(lse_own - lse)[..., None])
+    return out.transpose(0, 1).to(q.dtype), lse
+
+
+def sdpa_attention_bwd(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    past_k: torch.Tensor | None, past_v: torch.Tensor | None, past_dk: torch.Tensor | None,
+    past_dv: torch.Tensor | None, softmax_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of :func:`sdpa_attention_fwd`; adds the past's dK/dV into ``past_dk``/``past_dv`` in place.
+
+    Args:
+        dout, out: [C, Hq, D]; q, k, v, past_k, past_v as in :func:`sdpa_attention_fwd`.
+        lse: [Hq, C] from the forward.
+        past_dk, past_dv: [past_len, Hkv, D] float32/float64 views of the gradient storage, or None
+            for no past.
+
+    Returns:
+        dq [C, Hq, D], dk, dv [C, Hkv, D] in q's dtype (the own chunk's; nothing stored added).
+    """
+    q4, o4, do4 = _bhsd(q), _bhsd(out), _bhsd(dout)
+    dq, dk, dv = _part_bwd(do4, q4, _bhsd(k), _bhsd(v), o4, lse, True, softmax_scale)
+    dq, dk, dv = dq[0].transpose(0, 1), dk[0].transpose(0, 1), dv[0].transpose(0, 1)
+    if past_k is None or past_k.shape[0] == 0:
+        return dq, dk, dv
+    dq_p, dk_p, dv_p = _part_bwd(do4, q4, _bhsd(past_k), _bhsd(past_v), o4, lse, False, softmax_scale)
+    past_dk.add_(dk_p[0].transpose(0, 1))
+    past_dv.add_(dv_p[0].transpose(0, 1))
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dq = (dq.to(acc) + dq_p[0].transpose(0, 1).to(acc)).to(q.dtype)
+    return dq, dk, dv
