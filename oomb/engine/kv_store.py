@@ -11,6 +11,14 @@ chunks would lose precision (DESIGN.md §2.2).
 Pages are taken from a free list when a chunk's K/V are written (Stage 1) and
 returned as soon as Stage 2 has passed that chunk; the pool itself is allocated
 once and reused by later steps of the same or a smaller size.
+
+Each layer owns one region of ``max_pages_per_layer`` consecutive pages
+(``[l * M, (l + 1) * M)``) and hands them out in ascending order, so a layer's
+past is normally ONE contiguous ``[past_len, Hkv, D]`` run of the pool: the
+views :meth:`PagedKVStore.attention_view` then also passes (``PagedKV.past_k``
+...) let the fused SDPA path (:mod:`oomb.ops.sdpa_attention`) read it without a
+block table. Where the pages are not in order (tests shuffle the free lists),
+the views are None and the block-table kernels serve the call.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ class PagedKVStore:
         k_cache, v_cache: [P, S, Hkv, D] in ``dtype``.
         dk_cache, dv_cache: [P, S, Hkv, D] in ``grad_dtype``.
         block_table: int32 [num_layers, max_pages_per_layer] page ids per layer (-1 = none).
+        max_pages_per_layer: pages in each layer's region (``num_pages // num_layers``).
     """
 
     def __init__(
@@ -72,7 +81,8 @@ class PagedKVStore:
             (num_layers, self.max_pages_per_layer), -1, dtype=torch.int32, device=self.device
         )
         self._host_table = [[] for _ in range(num_layers)]
-        self._free: list[int] = []
+        self._free: list[list[int]] = [[] for _ in range(num_layers)]
+        self._run = [0] * num_layers  # per layer: how many first pages are consecutive ascending pool pages
         self.reset()
 
     # ------------------------------------------------------------------ sizing
@@ -99,35 +109,41 @@ class PagedKVStore:
     # ------------------------------------------------------------- lifecycle
     def reset(self) -> None:
         """Return every page to the free list and forget all block tables."""
-        # Pages handed out in ascending order is what a fresh pool does; the order does not matter
-        # for correctness (tests shuffle it).
-        self._free = list(range(self.num_pages - 1, -1, -1))
+        # Each layer's region handed out in ascending order (a stack: the end is popped first). The
+        # order matters for speed only (contiguous past views); tests shuffle it.
+        M = self.max_pages_per_layer
+        self._free = [list(range((layer + 1) * M - 1, layer * M - 1, -1)) for layer in range(self.num_layers)]
         self._host_table = [[] for _ in range(self.num_layers)]
+        self._run = [0] * self.num_layers
         self.block_table.fill_(-1)
 
     def shuffle_free_list(self, generator: torch.Generator | None = None) -> None:
         """Randomise which pool pages are handed out next (tests: block tables must not be assumed sorted)."""
-        perm = torch.randperm(len(self._free), generator=generator).tolist()
-        self._free = [self._free[i] for i in perm]
+        for free in self._free:
+            perm = torch.randperm(len(free), generator=generator).tolist()
+            free[:] = [free[i] for i in perm]
 
     @property
     def num_free_pages(self) -> int:
-        return len(self._free)
+        return sum(len(free) for free in self._free)
 
     def num_layer_pages(self, layer: int) -> int:
         return len(self._host_table[layer])
 
     def _allocate(self, layer: int, n: int) -> list[int]:
-        if n > len(self._free):
-            raise RuntimeError(f"KV page pool exhausted: need {n} pages, {len(self._free)} free of {self.num_pages}")
-        if len(self._host_table[layer]) + n > self.max_pages_per_layer:
+        free = self._free[layer]
+        if len(self._host_table[layer]) + n > self.max_pages_per_layer or n > len(free):
             raise RuntimeError(
                 f"layer {layer} would hold {len(self._host_table[layer]) + n} pages, more than the "
                 f"{self.max_pages_per_layer} this pool was sized for"
             )
-        pages = [self._free.pop() for _ in range(n)]
-        start = len(self._host_table[layer])
-        self._host_table[layer].extend(pages)
+        pages = [free.pop() for _ in range(n)]
+        table = self._host_table[layer]
+        start = len(table)
+        for page in pages:
+            if self._run[layer] == len(table) and (not table or page == table[-1] + 1):
+                self._run[layer] += 1
+            table.append(page)
         self.block_table[layer, start : start + n] = torch.tensor(pages, dtype=torch.int32, device="cpu").to(self.device)
         return pages
 
@@ -176,10 +192,17 @@ class PagedKVStore:
         S = self.page_size
         n_past = start // S
         past = self.layer_block_table(layer, n_past)
+        views = {}
+        if 0 < n_past <= self._run[layer]:  # the past is one run of consecutive pages: contiguous views
+            p0 = self._host_table[layer][0]
+            pools = ("k", self.k_cache), ("v", self.v_cache)
+            if stage == 2:
+                pools += ("dk", self.dk_cache), ("dv", self.dv_cache)
+            views = {f"past_{n}": pool[p0 : p0 + n_past].flatten(0, 1) for n, pool in pools}
         if stage == 1:
-            return PagedKV(self.k_cache, self.v_cache, past, start, q_doc_start=q_doc_start)
+            return PagedKV(self.k_cache, self.v_cache, past, start, q_doc_start=q_doc_start, **views)
         own = None if is_last else self.layer_block_table(layer, n_past + -(-length // S))[n_past:]
-        return PagedKV(self.k_cache, self.v_cache, past, start, self.dk_cache, self.dv_cache, own, q_doc_start)
+        return PagedKV(self.k_cache, self.v_cache, past, start, self.dk_cache, self.dv_cache, own, q_doc_start, **views)
 
     def after_attention_forward(self, layer: int, stage: int) -> None:
         """Called after each attention forward (hook for stores that stage pages; no-op here)."""
@@ -204,7 +227,8 @@ class PagedKVStore:
         if start % S:
             raise ValueError(f"release_from: start {start} is not page-aligned (page_size {S})")
         keep = start // S
+        self._run[layer] = min(self._run[layer], keep)
         pages = self._host_table[layer][keep:]
         del self._host_table[layer][keep:]
         self.block_table[layer, keep : keep + len(pages)] = -1
-        self._free.extend(reversed(pages))
+        self._free[layer].extend(reversed(pages))
