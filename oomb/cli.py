@@ -27,6 +27,9 @@ __all__ = ["main"]
 
 _LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 _EVAL_MAX_WINDOWS = 16
+_BACKEND_HELP = ("attention over the paged KV cache: torch (PyTorch reference), triton (the paged Triton kernels), "
+                 "sdpa (cuDNN fused attention where a layer's past lies contiguously on the GPU, the paged kernels "
+                 "elsewhere; not bitwise reproducible), or auto (sdpa on cuda, torch on cpu)")
 """``oomb eval`` without --num-windows: every whole window of the data, at most this many."""
 
 
@@ -119,7 +122,7 @@ def _build_parser() -> argparse.ArgumentParser:
     e = t.add_argument_group("engine")
     e.add_argument("--chunk-size", type=int, default=512, help="tokens per chunk; activation memory scales with this, not with --seq-len")
     e.add_argument("--page-size", type=int, default=128, help="tokens per KV page; --chunk-size must be a multiple of it")
-    e.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto", help="attention over the paged KV cache: PyTorch reference, Triton kernels, or auto")
+    e.add_argument("--attention-backend", choices=["auto", "torch", "triton", "sdpa"], default="auto", help=_BACKEND_HELP)
     e.add_argument("--sparse", action="store_true", help="page-level top-K sparse attention: each block of queries attends to --page-budget selected past pages plus the sink and local pages")
     add_sparse_arguments(e)
     e.add_argument("--document-mask", action="store_true", help="attention and positions stay within each document (documents end at the tokenizer's EOS token); default: one causal stream across documents")
@@ -181,7 +184,7 @@ def _build_parser() -> argparse.ArgumentParser:
     q.add_argument("--page-size", type=int, default=128, help="tokens per KV page; --chunk-size must be a multiple of it")
     q.add_argument("--budgets", type=int, nargs="+", default=[4, 16, 64], help="page budgets to measure")
     add_sparse_arguments(q, when="sparse runs", budget=False)
-    q.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto", help="attention over the paged KV cache: PyTorch reference, Triton kernels, or auto (triton on cuda); torch avoids compiling float32 kernels for a short float32 measurement")
+    q.add_argument("--attention-backend", choices=["auto", "torch", "triton", "sdpa"], default="auto", help=_BACKEND_HELP + "; torch avoids compiling float32 kernels for a short float32 measurement")
     q.add_argument("--by", choices=["kind", "parameter"], default="kind", help="rows of the table: parameter kinds (q_proj, mlp, ...) or every parameter")
     q.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to run")
     q.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="parameter dtype; auto: bfloat16 on cuda, float32 on cpu")
@@ -208,7 +211,7 @@ def _build_parser() -> argparse.ArgumentParser:
     v.add_argument("--page-size", type=int, default=128, help="tokens per KV page; --chunk-size must be a multiple of it")
     v.add_argument("--budgets", type=int, nargs="+", default=None, metavar="B", help="sparse page budgets to evaluate (pages per query block and KV head, each >= 0, besides the sink and local pages); default: dense only. The dense row is always included")
     add_sparse_arguments(v, when="with --budgets", budget=False)
-    v.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto", help="attention over the paged KV cache: PyTorch reference, Triton kernels, or auto")
+    v.add_argument("--attention-backend", choices=["auto", "torch", "triton", "sdpa"], default="auto", help=_BACKEND_HELP)
     add_offload_arguments(v)
     v.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to run")
     v.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="parameter dtype; auto: bfloat16 on cuda, float32 on cpu")

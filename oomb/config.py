@@ -8,7 +8,7 @@ from .planner_args import SPARSE_DEFAULTS
 
 __all__ = ["OOMBConfig"]
 
-_BACKENDS = ("auto", "torch", "triton")
+_BACKENDS = ("auto", "torch", "triton", "sdpa")
 
 
 @dataclass
@@ -30,7 +30,10 @@ class OOMBConfig:
     """Tokens per KV page (one layer, all KV heads). `chunk_size` must be a multiple of it."""
 
     attention_backend: str = "auto"
-    """'torch' (PyTorch reference), 'triton' (kernels) or 'auto' (triton on CUDA when importable, else torch)."""
+    """'torch' (PyTorch reference), 'triton' (the paged Triton kernels for every call), 'sdpa' (PyTorch's fused
+    cuDNN attention for calls whose past lies contiguously in the GPU page pool, the paged kernels for the rest:
+    offloaded, sparse and packed-document calls; not bitwise reproducible run to run) or 'auto' ('sdpa' on CUDA,
+    'torch' on the CPU). See oomb.ops.paged_attention."""
 
     checkpoint_layers: bool = False
     """Per-layer activation checkpointing inside each chunk's Stage-2 recompute."""

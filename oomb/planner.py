@@ -209,6 +209,10 @@ def activation_bytes(
         attn = 3 * shape.num_heads * C * width * acc + 6 * C * q * acc
     else:
         attn = 2 * C * q * acc
+        if attention_backend == "sdpa":
+            # cuDNN returns the past's dK/dV in the model dtype before they are added into the float32 pages
+            # (oomb.ops.sdpa_attention), and each part's out/dq in the model dtype before the merge.
+            attn += 2 * (max_past or 0) * kv * e + 2 * C * q * e
     loss = min(loss_chunk_size, C) * shape.vocab_size * (2 * e + 8)
     other = C * h * (a + 2 * e)  # final norm and the hidden state's gradient
     total = saved + max(attn, loss) + other
@@ -502,8 +506,8 @@ def plan(
         dtype: parameter/activation dtype.
         lora_rank: LoRA rank on q/k/v/o (0: full fine-tune).
         optimizer: 'adamw' (two fp32 states per trainable parameter, 8 B) or None (no states).
-        checkpoint_layers, attention_backend ('torch' or 'triton'), attention_block_size, loss_chunk_size:
-            as in :class:`oomb.OOMBConfig` ('auto' backend counts as triton).
+        checkpoint_layers, attention_backend ('torch', 'triton' or 'sdpa'), attention_block_size, loss_chunk_size:
+            as in :class:`oomb.OOMBConfig` ('auto' counts as 'sdpa', what it is on CUDA).
         offload: True, False or 'auto' (offload only when every page does not fit on the GPU).
         gpu_page_budget: GPU pool in pages with offload (None: the largest that fits).
         offload_segment_pages: offload staging segment in pages; None/'auto': 32K tokens' worth,
@@ -534,7 +538,7 @@ def plan(
     if seq_len < 2 or chunk_size <= 0 or page_size <= 0 or chunk_size % page_size:
         raise ValueError(f"need seq_len >= 2 and chunk_size a positive multiple of page_size; got {seq_len}, {chunk_size}, {page_size}")
     machine = machine or Machine.detect()
-    backend = "torch" if attention_backend == "torch" else "triton"
+    backend = {"auto": "sdpa"}.get(attention_backend, attention_backend)
     reserve = gpu_reserve_bytes if gpu_reserve_bytes is not None else max(2 * GiB, int(0.03 * machine.gpu_total_bytes))
     if sparse is not None:
         from types import SimpleNamespace
@@ -791,7 +795,7 @@ def choose_engine_tiering(engine: Any, seq_len: int) -> tuple[bool, int | None]:
                         if p.requires_grad and p.grad is None and not (float32_sums and p.dtype in LOW_PRECISION))
     if float32_sums:
         missing_grads += extra_grad_bytes(params)
-    backend = "torch" if engine._backend == "torch" else "triton"
+    backend = engine._backend
     act = activation_bytes(shape, min(cfg.chunk_size, seq_len), dtype, cfg.checkpoint_layers, backend,
                            cfg.attention_block_size, cfg.loss_chunk_size, max(seq_len - cfg.chunk_size, 0))["total"]
     reserve = max(2 * GiB, int(0.03 * total))
@@ -845,7 +849,7 @@ def plan_for_train_args(args: Any, dtype: torch.dtype, machine: Machine | None =
     return plan(
         args.model, args.seq_len, chunk_size=args.chunk_size, page_size=args.page_size, dtype=dtype,
         lora_rank=getattr(args, "lora_rank", 0), optimizer="adamw", checkpoint_layers=args.checkpoint_layers,
-        attention_backend="torch" if args.attention_backend == "torch" else "triton",
+        attention_backend=args.attention_backend,
         offload={"auto": "auto", "on": True, "off": False}[getattr(args, "offload", "auto")],
         gpu_page_budget=getattr(args, "gpu_page_budget", None), machine=machine,
         offload_segment_pages="layer" if getattr(args, "sparse", False) else getattr(args, "offload_segment_pages", None),
@@ -889,7 +893,7 @@ def run_plan(args: Any) -> int:
         args.model, args.seq_len, chunk_size=args.chunk_size, page_size=args.page_size, dtype=args.dtype,
         lora_rank=args.lora_rank, optimizer=None if args.no_optimizer else "adamw",
         checkpoint_layers=args.checkpoint_layers,
-        attention_backend="torch" if args.attention_backend == "torch" else "triton",
+        attention_backend=args.attention_backend,
         offload=offload, gpu_page_budget=args.gpu_page_budget, machine=machine,
         offload_segment_pages=args.offload_segment_pages,
         sparse=_sparse_settings(args) if args.sparse else None, save_attention=args.save_attention,

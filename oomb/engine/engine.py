@@ -34,7 +34,7 @@ from tqdm.auto import tqdm
 
 from ..config import OOMBConfig
 from ..models.hf import UnsupportedModelError, check_model_supported, use_oomb_attention
-from ..ops.paged_attention import paged_attention, paged_attention_forward, resolve_backend
+from ..ops.paged_attention import paged_attention, paged_attention_forward, paged_backend, resolve_backend
 from ..ops.sparse import SparseAttentionState, sparse_paged_attention, sparse_paged_attention_forward
 from ..planner import HOST_FRACTION, ModelShape, _host_memory, activation_bytes, choose_engine_tiering
 from .kv_store import PagedKVStore
@@ -110,10 +110,11 @@ class _ChunkContext:
         if sparse is not None:
             # Made once (Stage 1, or the last chunk's first Stage-2 forward) and reused unchanged.
             sel = sparse.selection(layer, self.start, q, self.q_doc_start, record_pages=self.stage == 1)
+            backend = paged_backend(eng._backend, q.device)  # selected pages: read through the block table
             if self.stage == 1:
-                out, lse = sparse_paged_attention_forward(q, k, v, kv, sel, scaling, eng._backend, bs)
+                out, lse = sparse_paged_attention_forward(q, k, v, kv, sel, scaling, backend, bs)
             else:
-                out = sparse_paged_attention(q, k, v, kv, sel, scaling, eng._backend, bs, saved=prev)
+                out = sparse_paged_attention(q, k, v, kv, sel, scaling, backend, bs, saved=prev)
         elif self.stage == 1:
             out, lse = paged_attention_forward(q, k, v, kv, scaling, eng._backend, bs)
         else:

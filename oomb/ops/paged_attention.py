@@ -10,8 +10,14 @@ pages plus the chunk's own K/V; its backward
 * adds the past pages' dK/dV into the gradient pages in place, outside autograd
   (the past K/V are constants here and are never saved as activations).
 
-Backends: ``"torch"`` (the reference in :mod:`oomb.ops.attention_ref`) and
-``"triton"`` (:mod:`oomb.ops.triton_paged_attention`), which share one contract.
+Backends, which share one contract: ``"torch"`` (the reference in
+:mod:`oomb.ops.attention_ref`), ``"triton"`` (the paged kernels,
+:mod:`oomb.ops.triton_paged_attention`), and ``"sdpa"``: PyTorch's fused cuDNN
+attention (:mod:`oomb.ops.sdpa_attention`; on the CPU its flash kernel) for every call
+whose past lies contiguously in the pool (``PagedKV.past_k`` set) and has no
+packed-document mask, the paged kernels (Triton on CUDA, else the reference) for the
+rest -- and for all calls while ``torch.use_deterministic_algorithms(True)`` is on, since
+cuDNN's attention backward is not deterministic.
 
 **Segmented past.** A store that cannot show a layer's whole past through one block
 table (:class:`oomb.engine.offload.OffloadedKVStore` stages it into a few fixed
@@ -40,7 +46,7 @@ import torch
 
 from .attention_ref import paged_attention_bwd_ref, paged_attention_fwd_ref
 
-__all__ = ["PagedKV", "PastSegments", "paged_attention", "paged_attention_forward", "resolve_backend"]
+__all__ = ["PagedKV", "PastSegments", "paged_attention", "paged_attention_forward", "paged_backend", "resolve_backend"]
 
 
 class PastSegments(Protocol):
@@ -89,6 +95,9 @@ class PagedKV:
         segments: None (the whole past through ``block_table``), or the past in segments
             (:class:`PastSegments`); then k_cache, v_cache, block_table, dk_cache, dv_cache and
             own_block_table are unused (None) and ``segments.own_grad`` gives the own stored gradient.
+        past_k, past_v: [past_len, Hkv, D] views of the same past K/V where it lies contiguously in
+            the pool (the ``'sdpa'`` backend reads these), else None.
+        past_dk, past_dv: [past_len, Hkv, D] views of the past's gradient pages (Stage 2), else None.
     """
 
     k_cache: torch.Tensor | None
@@ -101,6 +110,10 @@ class PagedKV:
     q_doc_start: torch.Tensor | None = None
     after_backward: Callable[[], None] | None = None
     segments: PastSegments | None = None
+    past_k: torch.Tensor | None = None
+    past_v: torch.Tensor | None = None
+    past_dk: torch.Tensor | None = None
+    past_dv: torch.Tensor | None = None
 
 
 @lru_cache(maxsize=None)
@@ -113,19 +126,40 @@ def _triton_available() -> bool:
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
-    """'auto' -> 'triton' on CUDA when the kernels import, else 'torch'.
+    """'auto' -> 'sdpa' on CUDA (cuDNN where a call allows it, else the Triton kernels if they
+    import, else the reference), 'torch' on the CPU. Other names are returned as they are.
 
     Raises:
         ValueError: for 'triton' when triton or the kernels cannot be imported.
     """
     if backend == "auto":
-        return "triton" if device.type == "cuda" and _triton_available() else "torch"
+        return "sdpa" if device.type == "cuda" else "torch"
     if backend == "triton" and not _triton_available():
         raise ValueError(
             "attention_backend='triton' needs the Triton kernels (pip install 'oomb[triton]'); "
             "use attention_backend='torch' for the PyTorch path"
         )
     return backend
+
+
+def paged_backend(backend: str, device: torch.device) -> str:
+    """The block-table backend behind ``backend``: 'sdpa' -> 'triton' on CUDA when the kernels import,
+    else 'torch'; 'torch' and 'triton' unchanged. (Calls and ops that need a block table: sparse
+    attention, a segmented or scattered past, packed documents.)"""
+    if backend != "sdpa":
+        return backend
+    return "triton" if device.type == "cuda" and _triton_available() else "torch"
+
+
+def _sdpa_serves(q: torch.Tensor, kv: PagedKV, grad: bool) -> bool:
+    """Whether the 'sdpa' backend runs this unsegmented call through :mod:`oomb.ops.sdpa_attention`."""
+    from .sdpa_attention import sdpa_available
+
+    if kv.q_doc_start is not None or (q.is_cuda and torch.are_deterministic_algorithms_enabled()):
+        return False
+    if kv.past_len and (kv.past_k is None or (grad and kv.past_dk is None)):
+        return False
+    return sdpa_available(q)
 
 
 def _doc_kwargs(kv: PagedKV) -> dict:
@@ -146,6 +180,12 @@ def _part_kwargs(part: tuple | None, dtype_name: str) -> dict:
 
 
 def _fwd(backend: str, q, k, v, kv: PagedKV, scale: float, block_size: int, part: tuple | None = None):
+    if backend == "sdpa":
+        if part is None and _sdpa_serves(q, kv, False):
+            from .sdpa_attention import sdpa_attention_fwd
+
+            return sdpa_attention_fwd(q, k, v, kv.past_k, kv.past_v, scale)
+        backend = paged_backend(backend, q.device)
     kw = _part_kwargs(part, "out_dtype")
     if backend == "triton":
         from .triton_paged_attention import paged_attention_fwd
@@ -160,6 +200,12 @@ def _fwd(backend: str, q, k, v, kv: PagedKV, scale: float, block_size: int, part
 
 def _bwd(backend: str, dout, q, k, v, out, lse, kv: PagedKV, scale: float, block_size: int, part: tuple | None = None,
          delta: torch.Tensor | None = None):
+    if backend == "sdpa":
+        if part is None and _sdpa_serves(q, kv, True):
+            from .sdpa_attention import sdpa_attention_bwd
+
+            return sdpa_attention_bwd(dout, q, k, v, out, lse, kv.past_k, kv.past_v, kv.past_dk, kv.past_dv, scale)
+        backend = paged_backend(backend, q.device)
     args = (dout, q, k, v, out, lse, kv.k_cache, kv.v_cache, kv.block_table, kv.past_len, kv.dk_cache, kv.dv_cache)
     kw = _part_kwargs(part, "dq_dtype")
     if backend == "triton":
@@ -183,6 +229,7 @@ def _segment_view(kv: PagedKV, index: int, grad: bool) -> PagedKV:
 
 def _fwd_segmented(backend: str, q, k, v, kv: PagedKV, scale: float, block_size: int):
     """Forward over the segments of ``kv.segments`` merged by log-sum-exp -> (out in q's dtype, lse [Hq, C])."""
+    backend = paged_backend(backend, q.device)  # segments are read through block tables
     bounds = list(kv.segments.bounds)
     if not bounds:  # no past: the own chunk alone
         return _fwd(backend, q, k, v, PagedKV(None, None, None, 0, q_doc_start=kv.q_doc_start), scale, block_size)
@@ -209,6 +256,7 @@ def _fwd_segmented(backend: str, q, k, v, kv: PagedKV, scale: float, block_size:
 
 def _bwd_segmented(backend: str, dout, q, k, v, out, lse, kv: PagedKV, scale: float, block_size: int):
     """Backward over the segments in reverse -> (dq, dk, dv) of the own chunk (dK/dV of the past added in place)."""
+    backend = paged_backend(backend, q.device)
     seg = kv.segments
     bounds = list(seg.bounds)
     seg.begin_backward()
@@ -283,7 +331,7 @@ def paged_attention(
         q: [C, Hq, D]; k, v: [C, Hkv, D] (the chunk's own, with autograd history).
         kv: the paged state (see :class:`PagedKV`); its gradient pools are written in backward.
         softmax_scale: multiplier of q·k.
-        backend: 'torch' or 'triton' (already resolved, see :func:`resolve_backend`).
+        backend: 'torch', 'triton' or 'sdpa' (already resolved, see :func:`resolve_backend`).
         block_size: past tokens per block of the torch reference.
         saved: ``(out, lse)`` this same forward returned earlier for bitwise the same inputs (the engine's
             ``save_attention``: Stage 1's outputs, reused by the Stage-2 recompute). The forward is then
