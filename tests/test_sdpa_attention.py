@@ -1,0 +1,225 @@
+"""The 'sdpa' attention backend: split-and-merge over PyTorch's fused SDPA kernels (oomb.ops.sdpa_attention).
+
+On the CPU the primitives are PyTorch's CPU flash kernel and its backward; the split into past and own keys,
+the log-sum-exp merge, the backward with the final out/lse, the in-place past dK/dV and the engine's choice
+of calls are what these tests check (fp64 tight, fp32 close). The cuDNN primitives are checked on the GPU by
+benchmarks/bench_sdpa_attention.py and the CUDA test at the end.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import oomb.ops.sdpa_attention as sa
+from oomb import Engine, OOMBConfig
+from oomb.engine.kv_store import PagedKVStore
+from oomb.ops.attention_ref import paged_attention_bwd_ref, paged_attention_fwd_ref
+from oomb.ops.paged_attention import paged_backend, resolve_backend
+
+from test_engine import VOCAB, clone_model, max_rel_grad_error, packed_parity, run_parity, tiny
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _inputs(C, Hq, Hkv, D, past_len, dtype, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    rn = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64).to(device=device, dtype=dtype)  # noqa: E731
+    return dict(q=rn(C, Hq, D), k=rn(C, Hkv, D), v=rn(C, Hkv, D), dout=rn(C, Hq, D),
+                past_k=rn(past_len, Hkv, D), past_v=rn(past_len, Hkv, D),
+                base_dk=rn(past_len, Hkv, D).to(torch.float64 if dtype == torch.float64 else torch.float32),
+                base_dv=rn(past_len, Hkv, D).to(torch.float64 if dtype == torch.float64 else torch.float32))
+
+
+def _reference(x, scale):
+    """The PyTorch reference with the past as pages of one token each (so any past_len is one page table)."""
+    C, Hkv, D = x["k"].shape
+    P = x["past_k"].shape[0]
+    kc, vc = x["past_k"].reshape(P, 1, Hkv, D), x["past_v"].reshape(P, 1, Hkv, D)
+    bt = torch.arange(P, dtype=torch.int32)
+    out, lse = paged_attention_fwd_ref(x["q"], x["k"], x["v"], kc, vc, bt, P, scale)
+    dkc, dvc = x["base_dk"].clone().reshape(P, 1, Hkv, D), x["base_dv"].clone().reshape(P, 1, Hkv, D)
+    dq, dk, dv = paged_attention_bwd_ref(x["dout"], x["q"], x["k"], x["v"], out, lse, kc, vc, bt, P, dkc, dvc, scale)
+    return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, past_dk=dkc.reshape(P, Hkv, D), past_dv=dvc.reshape(P, Hkv, D))
+
+
+def _sdpa(x, scale):
+    P = x["past_k"].shape[0]
+    has_past = P > 0
+    out, lse = sa.sdpa_attention_fwd(x["q"], x["k"], x["v"], x["past_k"] if has_past else None,
+                                     x["past_v"] if has_past else None, scale)
+    pdk, pdv = x["base_dk"].clone(), x["base_dv"].clone()
+    dq, dk, dv = sa.sdpa_attention_bwd(x["dout"], x["q"], x["k"], x["v"], out, lse, x["past_k"] if has_past else None,
+                                       x["past_v"] if has_past else None, pdk if has_past else None,
+                                       pdv if has_past else None, scale)
+    return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, past_dk=pdk, past_dv=pdv)
+
+
+SHAPES = [
+    # C, Hq, Hkv, D, past_len
+    (8, 4, 2, 16, 24),
+    (13, 7, 1, 16, 37),  # GQA 7:1, odd sizes
+    (9, 4, 4, 8, 0),  # no past
+    (1, 6, 2, 8, 5),  # one query
+    (16, 8, 2, 32, 1),  # one past token
+]
+
+
+@pytest.mark.parametrize("C,Hq,Hkv,D,past_len", SHAPES)
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
+def test_split_merge_matches_reference(C, Hq, Hkv, D, past_len, dtype, tol):
+    x = _inputs(C, Hq, Hkv, D, past_len, dtype, seed=C + past_len)
+    scale = 0.37
+    want, got = _reference(x, scale), _sdpa(x, scale)
+    for name in want:
+        assert got[name].dtype == want[name].dtype, name
+        assert got[name].shape == want[name].shape, name
+        err = ((got[name] - want[name]).norm() / want[name].norm().clamp_min(1e-30)).item()
+        assert err <= tol, f"{name}: relative error {err:.2e} > {tol:.0e}"
+    # The past gradient is ADDED to what the storage held (later chunks' sums), not written over it.
+    if past_len:
+        assert not torch.allclose(got["past_dk"], got["past_dk"] - x["base_dk"])
+
+
+def test_strided_past_views_are_read_as_such():
+    """The engine passes [past, Hkv, D] views of a [pages, page_size, Hkv, D] pool: same results as copies."""
+    x = _inputs(8, 4, 2, 16, 32, torch.float64, seed=3)
+    pool_k = torch.zeros(10, 4, 2, 16, dtype=torch.float64)
+    pool_v = torch.zeros_like(pool_k)
+    pool_k[2:10] = x["past_k"].reshape(8, 4, 2, 16)
+    pool_v[2:10] = x["past_v"].reshape(8, 4, 2, 16)
+    y = dict(x, past_k=pool_k[2:10].flatten(0, 1), past_v=pool_v[2:10].flatten(0, 1))
+    a, b = _sdpa(x, 0.25), _sdpa(y, 0.25)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-13)
+
+
+def test_backend_names():
+    assert resolve_backend("auto", torch.device("cpu")) == "torch"
+    assert resolve_backend("auto", torch.device("cuda")) == "sdpa"
+    assert resolve_backend("sdpa", torch.device("cpu")) == "sdpa"
+    assert paged_backend("sdpa", torch.device("cpu")) == "torch"
+    assert paged_backend("triton", torch.device("cpu")) == "triton"
+    assert paged_backend("torch", torch.device("cuda")) == "torch"
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        OOMBConfig(attention_backend="cudnn")
+
+
+def test_store_hands_each_layer_consecutive_pages():
+    L, S, Hkv, D = 3, 4, 2, 8
+    store = PagedKVStore(L, Hkv, D, S, L * 5, torch.float64, "cpu")
+    g = torch.Generator().manual_seed(0)
+    for start in (0, 8):  # two chunks of 8 tokens per layer, written layer by layer as the engine does
+        for layer in range(L):
+            kv = [torch.randn(8, Hkv, D, generator=g, dtype=torch.float64) for _ in range(2)]
+            store.write(layer, start, *kv)
+    for layer in range(L):
+        view = store.attention_view(layer, 2, 16, 4, True)
+        assert view.past_k is not None and view.past_k.shape == (16, Hkv, D)
+        gathered = store.k_cache[store.block_table[layer, :4].long()].flatten(0, 1)
+        assert torch.equal(view.past_k, gathered)
+        assert view.past_dk.data_ptr() == store.dk_cache[layer * 5].data_ptr()  # a view into the pool
+        assert store.attention_view(layer, 1, 8, 8, False).past_dk is None  # Stage 1: no gradient views
+        assert store.attention_view(layer, 1, 0, 8, False).past_k is None  # no past
+    # Released from the end and written again (the next step): still consecutive.
+    for layer in range(L):
+        store.release_from(layer, 8)
+        store.write(layer, 8, torch.zeros(4, Hkv, D, dtype=torch.float64), torch.zeros(4, Hkv, D, dtype=torch.float64))
+        assert store.attention_view(layer, 2, 12, 4, True).past_k.shape == (12, Hkv, D)
+    # Shuffled pages: no view, the block table serves the call.
+    store.reset()
+    store.shuffle_free_list(torch.Generator().manual_seed(1))
+    for layer in range(L):
+        store.write(layer, 0, torch.zeros(16, Hkv, D, dtype=torch.float64), torch.zeros(16, Hkv, D, dtype=torch.float64))
+    assert any(store.attention_view(layer, 2, 16, 4, True).past_k is None for layer in range(L))
+
+
+class _Count:
+    def __init__(self, monkeypatch):
+        self.fwd = self.bwd = 0
+        f, b = sa.sdpa_attention_fwd, sa.sdpa_attention_bwd
+
+        def fwd(*a, **k):
+            self.fwd += a[3] is not None  # calls with a past
+            return f(*a, **k)
+
+        def bwd(*a, **k):
+            self.bwd += a[6] is not None
+            return b(*a, **k)
+
+        monkeypatch.setattr(sa, "sdpa_attention_fwd", fwd)
+        monkeypatch.setattr(sa, "sdpa_attention_bwd", bwd)
+
+
+@pytest.mark.parametrize("family,heads,kv_heads,T,chunk,page", [
+    ("qwen2", 4, 2, 64, 16, 4),
+    ("qwen2", 7, 1, 45, 12, 4),  # GQA 7:1, a partial last chunk and page
+    ("qwen3", 4, 2, 33, 8, 8),
+])
+def test_engine_with_sdpa_equals_full_sequence_fp64(monkeypatch, family, heads, kv_heads, T, chunk, page):
+    count = _Count(monkeypatch)
+    out, ref_loss, (err, where), _ = run_parity(tiny(family, heads, kv_heads), T, chunk, page, shuffle_pages=False,
+                                                attention_backend="sdpa")
+    assert abs(out.loss - ref_loss) <= 1e-10 * abs(ref_loss)
+    assert err <= 1e-10, f"worst gradient {where}: rel err {err:.3e}"
+    n_chunks, layers = -(-T // chunk), 2
+    # Every call with a past went through the split SDPA path: Stage 1 (chunks 1 .. N-2; the last chunk has no
+    # Stage 1), the Stage-2 recompute forward and the backward (chunks 1 .. N-1).
+    assert count.fwd == (2 * n_chunks - 3) * layers and count.bwd == (n_chunks - 1) * layers
+
+
+def test_engine_with_sdpa_falls_back_on_scattered_pages(monkeypatch):
+    count = _Count(monkeypatch)
+    out, ref_loss, (err, _), _ = run_parity(tiny("llama", 4, 2), 40, 8, 4, shuffle_pages=True, attention_backend="sdpa")
+    assert abs(out.loss - ref_loss) <= 1e-10 * abs(ref_loss) and err <= 1e-10
+    assert count.bwd < 4 * 2  # some (usually all) calls read their past through the block table
+
+
+def test_engine_with_sdpa_packed_documents_use_the_paged_path(monkeypatch):
+    count = _Count(monkeypatch)
+    out, ref_loss, _, (err, _), _ = packed_parity("qwen2", [7, 12, 1, 20], 8, 4, backend="sdpa")
+    assert abs(out.loss - ref_loss) <= 1e-10 * out.loss and err <= 1e-10
+    assert count.fwd == 0 and count.bwd == 0
+
+
+def test_engine_with_sdpa_fp32_close():
+    out, ref_loss, (err, where), _ = run_parity(tiny("qwen2", 4, 2), 48, 16, 8, dtype=torch.float32,
+                                                shuffle_pages=False, attention_backend="sdpa")
+    assert abs(out.loss - ref_loss) <= 1e-5 * abs(ref_loss)
+    assert err <= 1e-4, f"worst gradient {where}: rel err {err:.3e}"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN attention needs CUDA")
+def test_cudnn_primitives_bf16_within_twice_the_bf16_reference():
+    """On the GPU: the cuDNN split path against an fp32 reference, within 2x of the reference run in bf16.
+
+    The past dK/dV are compared with the bf16 reference's past dK/dV rounded to bf16 once, as every
+    full-sequence bf16 training's key gradients are (cuDNN returns them in bf16 before they are added
+    into the float32 pages)."""
+    if not sa.sdpa_available(torch.empty(1, 4, 128, device="cuda", dtype=torch.bfloat16)):
+        pytest.skip("cuDNN fused attention (cuDNN >= 9, sm90+) not available")
+    x = _inputs(256, 28, 4, 128, 1024, torch.bfloat16, seed=5, device="cuda")
+    x["base_dk"].zero_()
+    x["base_dv"].zero_()
+    scale = 128 ** -0.5
+    x32 = {n: t.float() for n, t in x.items()}
+    want = _reference({n: t.cpu() for n, t in x32.items()}, scale)
+    lp = _reference({n: t.cpu() for n, t in x.items()}, scale)
+    got = _sdpa(x, scale)
+    for name in want:
+        ref_lp = lp[name].to(torch.bfloat16) if name.startswith("past_") else lp[name]
+        e_lp = ((ref_lp.double() - want[name].double()).norm() / want[name].double().norm()).item()
+        e = ((got[name].cpu().double() - want[name].double()).norm() / want[name].double().norm()).item()
+        assert torch.isfinite(got[name]).all(), name
+        # lse: the bf16 reference computes it in fp32 from the same rounded inputs (error 0), hence the floor
+        assert e <= 2 * e_lp + 1e-6, f"{name}: {e:.2e} > 2 x {e_lp:.2e}"
+
+
+def test_planner_counts_the_sdpa_transients():
+    from oomb.planner import ModelShape, activation_bytes
+
+    shape = ModelShape.from_config(tiny("qwen2", 4, 2).config)
+    C, past = 64, 4096
+    t = activation_bytes(shape, C, torch.bfloat16, attention_backend="triton", max_past=past)["attention_temp"]
+    s = activation_bytes(shape, C, torch.bfloat16, attention_backend="sdpa", max_past=past)["attention_temp"]
+    assert s - t == 2 * past * shape.kv_dim * 2 + 2 * C * shape.q_dim * 2  # past dK/dV and part outputs in bf16
