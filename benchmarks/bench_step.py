@@ -6,9 +6,9 @@ optimizer, gradients kept), tokens/s and peak GPU memory. Systems:
 * ``hf``: the model's own forward with SDPA attention, per-layer gradient
   checkpointing and a chunked cross-entropy (logits for 1024 tokens at a time),
   i.e. the strongest plain-HF setup (DESIGN.md §1).
-* ``oomb-torch`` / ``oomb-triton``: :class:`oomb.Engine`, dense, with the
-  PyTorch reference attention or the Triton kernels.
-* ``oomb-triton-save-gpu`` / ``oomb-triton-save-host``: the same with
+* ``oomb-torch`` / ``oomb-triton`` / ``oomb-sdpa``: :class:`oomb.Engine`, dense, with the
+  PyTorch reference attention, the Triton kernels, or cuDNN's fused attention (the 'sdpa' backend).
+* ``oomb-<backend>-save-gpu`` / ``oomb-<backend>-save-host``: the same with
   ``save_attention`` (Stage 1's attention outputs kept on the GPU / in pinned
   host memory, so the Stage-2 recompute skips its attention forward).
 
@@ -83,7 +83,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="qwen2.5-7b")
     ap.add_argument("--lengths", type=int, nargs="+", default=[32768, 131072])
-    ap.add_argument("--systems", nargs="+", default=["hf", "oomb-triton"], choices=["hf", "oomb-torch", "oomb-triton", "oomb-triton-save-gpu", "oomb-triton-save-host"])
+    ap.add_argument("--systems", nargs="+", default=["hf", "oomb-triton"], choices=["hf"] + [f"oomb-{b}{s}" for b in ("torch", "triton", "sdpa") for s in ("", "-save-gpu", "-save-host")])
     ap.add_argument("--chunk-size", type=int, default=4096)
     ap.add_argument("--page-size", type=int, default=128)
     ap.add_argument("--checkpoint-layers", action="store_true",
