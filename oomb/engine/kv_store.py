@@ -144,7 +144,12 @@ class PagedKVStore:
             if self._run[layer] == len(table) and (not table or page == table[-1] + 1):
                 self._run[layer] += 1
             table.append(page)
-        self.block_table[layer, start : start + n] = torch.tensor(pages, dtype=torch.int32, device="cpu").to(self.device)
+        if pages == list(range(pages[0], pages[0] + n)):  # the usual case: filled on the device, no host copy (a
+            # synchronous copy from pageable memory would drain the GPU queue once per chunk and layer)
+            torch.arange(pages[0], pages[0] + n, dtype=torch.int32, device=self.device,
+                         out=self.block_table[layer, start : start + n])
+        else:
+            self.block_table[layer, start : start + n] = torch.tensor(pages, dtype=torch.int32).to(self.device)
         return pages
 
     def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
