@@ -223,3 +223,25 @@ def test_planner_counts_the_sdpa_transients():
     t = activation_bytes(shape, C, torch.bfloat16, attention_backend="triton", max_past=past)["attention_temp"]
     s = activation_bytes(shape, C, torch.bfloat16, attention_backend="sdpa", max_past=past)["attention_temp"]
     assert s - t == 2 * past * shape.kv_dim * 2 + 2 * C * shape.q_dim * 2  # past dK/dV and part outputs in bf16
+
+
+@pytest.mark.parametrize("C,Hq,D,dtype", [(37, 3, 16, torch.float32), (64, 4, 80, torch.float32),
+                                          (5, 2, 128, torch.bfloat16)])
+def test_triton_lse_merge_equals_the_torch_merge(C, Hq, D, dtype):
+    """The one-pass merge kernel (interpreter on the CPU) against merge_parts, with strided parts as cuDNN returns."""
+    pytest.importorskip("triton")
+    from oomb.ops.triton_lse_merge import lse_merge
+
+    g = torch.Generator().manual_seed(C)
+    dev = DEVICE
+    a = torch.randn(C, Hq, D, generator=g).to(dev, dtype).transpose(0, 1)  # [Hq, C, D] view of [C, Hq, D]
+    b = torch.randn(Hq, C, D, generator=g).to(dev, dtype)
+    la, lb = (torch.randn(Hq, C, generator=g) * 4).to(dev), (torch.randn(Hq, C, generator=g) * 4).to(dev)
+    out, lse = lse_merge(a, la, b, lb, dtype)
+    want_out, want_lse = sa.merge_parts(a, la, b, lb, dtype)
+    assert out.shape == (C, Hq, D) and out.dtype == dtype and lse.dtype == torch.float32
+    torch.testing.assert_close(lse, want_lse, rtol=1e-6, atol=1e-6)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16: one rounding of the same float32 value, up to 1 ulp apart
+    torch.testing.assert_close(out.float(), want_out.float(), rtol=tol, atol=tol)
+    with pytest.raises(ValueError, match="do not match"):
+        lse_merge(a, la, b[:, :-1], lb, dtype)

@@ -24,7 +24,8 @@ FlashAttention backward recomputes ``P = exp(scale * q k^T - lse)`` and uses
 ``delta = rowsum(dout * out)``, which with the merged values are exactly each part's share of
 the full softmax (Dao 2023, §3.2), so dq = dq_past + dq_own and the past's dk/dv come out
 exact. Each part's outputs are rounded to the input dtype once before the merge (cuDNN has no
-float32 output), one rounding more than a single fused kernel.
+float32 output), one rounding more than a single fused kernel. On CUDA the merge is one Triton
+kernel (:mod:`oomb.ops.triton_lse_merge`), elsewhere :func:`merge_parts`.
 
 Primitives: on CUDA ``torch.ops.aten._scaled_dot_product_cudnn_attention`` and its backward
 (grouped-query attention passed as is: the K/V keep their Hkv heads); on CPU
@@ -39,7 +40,7 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["sdpa_available", "sdpa_attention_fwd", "sdpa_attention_bwd"]
+__all__ = ["merge_parts", "sdpa_available", "sdpa_attention_fwd", "sdpa_attention_bwd"]
 
 _DTYPES_CUDA = (torch.float16, torch.bfloat16)
 _HEAD_DIMS_CUDA = (64, 80, 96, 128)  # what cuDNN's fused SDPA runs on Hopper for training (d <= 128, d % 8 == 0)
@@ -124,12 +125,30 @@ def sdpa_attention_fwd(
     if past_k is None or past_k.shape[0] == 0:
         return out_own[0].transpose(0, 1), lse_own
     out_past, lse_past = _part_fwd(q4, _bhsd(past_k), _bhsd(past_v), False, softmax_scale)
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    lse_own, lse_past = lse_own.to(acc), lse_past.to(acc)
-    lse = torch.logaddexp(lse_past, lse_own)  # every row sees its own first key: finite
-    out = (out_past[0].to(acc) * torch.exp(lse_past - lse)[..., None]
-           + out_own[0].to(acc) * torch.exp(lse_own - lse)[..., None])
-    return out.transpose(0, 1).to(q.dtype), lse
+    if q.is_cuda and _triton_merge() is not None:  # one pass instead of ~8 elementwise kernels
+        return _triton_merge()(out_past[0], lse_past, out_own[0], lse_own, q.dtype)
+    return merge_parts(out_past[0], lse_past, out_own[0], lse_own, q.dtype)
+
+
+def merge_parts(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor,
+                dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-sum-exp merge of two parts over disjoint keys, in PyTorch ops (the reference of
+    :func:`oomb.ops.triton_lse_merge.lse_merge`, same arguments): out [C, Hq, D] in ``dtype``, lse [Hq, C]
+    float32 (float64 for float64 parts). Both lse must be finite."""
+    acc = torch.float64 if out_a.dtype == torch.float64 else torch.float32
+    lse_a, lse_b = lse_a.to(acc), lse_b.to(acc)
+    lse = torch.logaddexp(lse_a, lse_b)
+    out = out_a.to(acc) * torch.exp(lse_a - lse)[..., None] + out_b.to(acc) * torch.exp(lse_b - lse)[..., None]
+    return out.transpose(0, 1).to(dtype), lse
+
+
+@lru_cache(maxsize=None)
+def _triton_merge():
+    try:
+        from .triton_lse_merge import lse_merge
+    except Exception:  # pragma: no cover - triton missing or broken: the PyTorch merge
+        return None
+    return lse_merge
 
 
 def sdpa_attention_bwd(
@@ -156,6 +175,5 @@ def sdpa_attention_bwd(
     dq_p, dk_p, dv_p = _part_bwd(do4, q4, _bhsd(past_k), _bhsd(past_v), o4, lse, False, softmax_scale)
     past_dk.add_(dk_p[0].transpose(0, 1))
     past_dv.add_(dv_p[0].transpose(0, 1))
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    dq = (dq.to(acc) + dq_p[0].transpose(0, 1).to(acc)).to(q.dtype)
-    return dq, dk, dv
+    # One add: for bf16/fp16 PyTorch adds in float32 and rounds once, as (dq.float() + dq_p.float()).to(dtype) would.
+    return dq + dq_p[0].transpose(0, 1), dk, dv
