@@ -12,9 +12,11 @@ Stage 2, c = N-1 .. 0:
     by the valid tokens of the WHOLE sequence) and call backward. The attention
     backward adds dK/dV of the past pages into the gradient pages and returns,
     for the chunk's own K/V, its own contribution plus what later chunks stored
-    there. Parameter gradients accumulate across chunks (in ``.grad``, or in
-    float32 sums rounded once per step with ``config.grad_accum_dtype='float32'``,
-    :mod:`oomb.engine.grad_accum`); then chunk c's pages go back to the free list.
+    there. Parameter gradients accumulate across chunks (in ``.grad``, the
+    ``nn.Linear`` weights' inside the weight-gradient GEMM from the second chunk
+    on, :mod:`oomb.engine.fused_wgrad`; or in float32 sums rounded once per step
+    with ``config.grad_accum_dtype='float32'``, :mod:`oomb.engine.grad_accum`);
+    then chunk c's pages go back to the free list.
 
 In dense mode this gives full-sequence gradients up to rounding. With ``config.sparse``
 (DESIGN.md §2.4, :mod:`oomb.ops.sparse`) each chunk's Stage-1 write also summarises its pages,
@@ -38,6 +40,7 @@ from ..ops.paged_attention import paged_attention, paged_attention_forward, page
 from ..ops.sparse import SparseAttentionState, sparse_paged_attention, sparse_paged_attention_forward
 from ..planner import HOST_FRACTION, ModelShape, _host_memory, activation_bytes, choose_engine_tiering
 from .kv_store import PagedKVStore
+from .fused_wgrad import FusedWeightGradAccumulation
 from .grad_accum import Float32GradAccumulator
 from .offload import OffloadedKVStore
 from .saved_attention import SavedAttention, saved_attention_bytes
@@ -540,8 +543,10 @@ class Engine:
         t1 = time.perf_counter()
 
         total = torch.zeros((), dtype=torch.float64, device=device)
-        accumulate = (Float32GradAccumulator(self.model.parameters()) if self.config.grad_accum_dtype == "float32"
-                      else contextlib.nullcontext())
+        if self.config.grad_accum_dtype == "float32":
+            accumulate = Float32GradAccumulator(self.model.parameters())
+        else:  # weight gradients added into .grad inside the GEMM from the second chunk on
+            accumulate = FusedWeightGradAccumulation(self.model)
         with accumulate:
             self._stage2(input_ids, targets, doc_start, positions, denom, progress, store, total)
         _sync(device)
