@@ -155,7 +155,7 @@ def main(argv=None):
     ap.add_argument("--c-fill", choices=["store", "stage1"], default="store", help="part c: how the KV store is filled")
     ap.add_argument("--chunk-size", type=int, default=4096)
     ap.add_argument("--page-size", type=int, default=128)
-    ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    ap.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton", "sdpa"])
     ap.add_argument("--checkpoint-layers", action="store_true")
     ap.add_argument("--gpu-page-budget", default="min", help="part a: 'min' (two default staging segments), 'auto' or a page count")
     ap.add_argument("--hf", action="store_true", help="part a: also the plain-HF baseline at the same lengths")

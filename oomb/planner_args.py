@@ -110,7 +110,8 @@ def add_plan_subcommand(subparsers: Any, **parser_kwargs: Any) -> Any:
     p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank on q/k/v/o (0: full fine-tune)")
     p.add_argument("--no-optimizer", action="store_true", help="leave out AdamW states (memory of the step alone)")
     p.add_argument("--checkpoint-layers", action="store_true", help="per-layer checkpointing inside each chunk")
-    p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto", help="attention implementation")
+    p.add_argument("--attention-backend", choices=["auto", "torch", "triton", "sdpa"], default="auto",
+                   help="attention implementation (auto = sdpa: also counts cuDNN's model-dtype past dK/dV per call)")
     add_save_attention_argument(p)
     add_grad_accum_dtype_argument(p)
     add_offload_arguments(p)
