@@ -94,3 +94,15 @@ def test_engine_same_gradients_with_and_without(monkeypatch):
     for (n, p), (_, q) in zip(m1.named_parameters(), m2.named_parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=n)
     assert a[2][0] <= 1e-5 and b[2][0] <= 1e-5
+
+
+def test_autocast_keeps_the_default_path():
+    lin = torch.nn.Linear(4, 4)
+    x = torch.randn(3, 4, requires_grad=True)
+    with FusedWeightGradAccumulation(lin):
+        lin(x).sum().backward()  # creates .grad
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = lin(x)
+        assert y.dtype == torch.bfloat16 and y.grad_fn.name() != "_LinearAccumulateGradBackward"
+        y.float().sum().backward()
+    assert lin.weight.grad.dtype == torch.float32

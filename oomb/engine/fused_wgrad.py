@@ -13,8 +13,8 @@ before the add). This is Megatron-LM's "gradient accumulation fusion" (Narayanan
 Where the default path is kept: the first chunk that creates ``.grad`` (the GEMM has nothing to
 add into), a ``.grad`` of another dtype, shape or layout, parameters with gradient hooks (e.g.
 :class:`oomb.engine.grad_accum.Float32GradAccumulator`), frozen weights (peft's base layers),
-modules that already carry an instance-level ``forward``, and everything while
-``OOMB_FUSED_WGRAD=0`` is set (A/B runs).
+modules that already carry an instance-level ``forward``, calls under ``torch.autocast``, and
+everything while ``OOMB_FUSED_WGRAD=0`` is set (A/B runs).
 """
 
 from __future__ import annotations
@@ -68,7 +68,8 @@ class _LinearAccumulateGrad(torch.autograd.Function):
 
 
 def _forward(module: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if torch.is_grad_enabled() and module.weight.requires_grad:
+    # Under autocast F.linear casts its inputs, which the saved tensors would not match: the default path.
+    if torch.is_grad_enabled() and module.weight.requires_grad and not torch.is_autocast_enabled(x.device.type):
         return _LinearAccumulateGrad.apply(x, module.weight, module.bias)
     return F.linear(x, module.weight, module.bias)
 
