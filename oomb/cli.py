@@ -28,8 +28,9 @@ __all__ = ["main"]
 _LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 _EVAL_MAX_WINDOWS = 16
 _BACKEND_HELP = ("attention over the paged KV cache: torch (PyTorch reference), triton (the paged Triton kernels), "
-                 "sdpa (cuDNN fused attention where a layer's past lies contiguously on the GPU, the paged kernels "
-                 "elsewhere; not bitwise reproducible), or auto (sdpa on cuda, torch on cpu)")
+                 "sdpa (PyTorch's fused attention -- cuDNN on cuda, the flash kernel on cpu -- where a layer's past "
+                 "lies contiguously in the page pool, the paged kernels for offloaded, sparse and packed-document "
+                 "calls; on cuda not bitwise reproducible), or auto (sdpa on cuda, torch on cpu)")
 """``oomb eval`` without --num-windows: every whole window of the data, at most this many."""
 
 
@@ -325,7 +326,7 @@ def _check_sizes(args: argparse.Namespace) -> None:
             f"pass e.g. --chunk-size {near}, or a --page-size that divides {args.chunk_size}",
         )
     if args.attention_backend == "triton" and args.device != "cuda":
-        raise UsageError("--attention-backend triton runs on the GPU only", "pass --device cuda, or --attention-backend torch (or auto) on the CPU")
+        raise UsageError("--attention-backend triton runs on the GPU only", "pass --device cuda, or --attention-backend torch, sdpa or auto on the CPU")
     if not (args.lr > 0 and math.isfinite(args.lr)):
         raise UsageError(f"--lr is {args.lr}", "pass a positive learning rate, e.g. --lr 3e-4")
     if args.weight_decay < 0 or not math.isfinite(args.weight_decay):
@@ -1337,7 +1338,7 @@ def _grad_error(args: argparse.Namespace) -> int:
     """``oomb grad-error``: the sparse-vs-dense gradient error table of one sequence."""
     _check_measure_sizes(args)
     if args.attention_backend == "triton" and args.device != "cuda":
-        raise UsageError("--attention-backend triton runs on the GPU only", "pass --device cuda, or --attention-backend torch (or auto) on the CPU")
+        raise UsageError("--attention-backend triton runs on the GPU only", "pass --device cuda, or --attention-backend torch, sdpa or auto on the CPU")
     for b in args.budgets:
         if b < 0:
             raise UsageError(f"--budgets has {b}", "pass 0 or a positive number of pages for --budgets")
@@ -1386,7 +1387,7 @@ def _eval(args: argparse.Namespace) -> int:
     if args.num_windows is not None and args.num_windows < 1:
         raise UsageError(f"--num-windows is {args.num_windows}", "pass 1 or more, or leave it out for every window")
     if args.attention_backend == "triton" and args.device != "cuda":
-        raise UsageError("--attention-backend triton runs on the GPU only", "pass --device cuda, or --attention-backend torch (or auto) on the CPU")
+        raise UsageError("--attention-backend triton runs on the GPU only", "pass --device cuda, or --attention-backend torch, sdpa or auto on the CPU")
     _check_offload_flags(args)
     _check_json_arg(args, _EVAL_REPORT_KEYS, "eval")
     budgets = list(dict.fromkeys(args.budgets))  # in the given order, each once

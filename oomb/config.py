@@ -31,9 +31,9 @@ class OOMBConfig:
 
     attention_backend: str = "auto"
     """'torch' (PyTorch reference), 'triton' (the paged Triton kernels for every call), 'sdpa' (PyTorch's fused
-    cuDNN attention for calls whose past lies contiguously in the GPU page pool, the paged kernels for the rest:
-    offloaded, sparse and packed-document calls; not bitwise reproducible run to run) or 'auto' ('sdpa' on CUDA,
-    'torch' on the CPU). See oomb.ops.paged_attention."""
+    attention -- cuDNN on CUDA, the CPU flash kernel on the CPU -- for calls whose past lies contiguously in the
+    page pool, the paged kernels for the rest: offloaded, sparse and packed-document calls; on CUDA not bitwise
+    reproducible run to run) or 'auto' ('sdpa' on CUDA, 'torch' on the CPU). See oomb.ops.paged_attention."""
 
     checkpoint_layers: bool = False
     """Per-layer activation checkpointing inside each chunk's Stage-2 recompute."""

@@ -20,6 +20,7 @@ import torch
 
 from .config import OOMBConfig
 from .engine.engine import Engine
+from .sparse_quality import dense_like_sparse
 
 __all__ = ["EvalReport", "EvalRow", "evaluate_windows", "token_windows"]
 
@@ -182,7 +183,8 @@ def evaluate_windows(
         model: a Hugging Face causal LM oomb supports, on its device and dtype.
         windows: int64 ``[1, T]`` token windows (from :func:`token_windows`); moved to the model's device.
         config: engine settings; ``sparse`` and ``page_budget`` are overridden (dense first, then sparse with
-            each budget); ``sink_pages``, ``local_pages``, ``sparse_block_size``, ``sparse_score`` and the
+            each budget; dense on the sparse runs' block-table kernels, see
+            :func:`oomb.sparse_quality.dense_like_sparse`); ``sink_pages``, ``local_pages``, ``sparse_block_size``, ``sparse_score`` and the
             offload settings are used as given (an ``OOMBConfig(sparse=True, ...)`` when the sparse ones differ
             from the defaults: OOMBConfig refuses them with sparse off).
         budgets: sparse page budgets (pages of ``config.page_size`` tokens, each >= 1); empty: dense only.
@@ -210,7 +212,8 @@ def evaluate_windows(
     model.eval()
     try:
         for budget in [None, *budgets]:
-            cfg = config.dense() if budget is None else dataclasses.replace(config, sparse=True, page_budget=budget)
+            cfg = (dense_like_sparse(config, device) if budget is None
+                   else dataclasses.replace(config, sparse=True, page_budget=budget))
             engine = Engine(model, cfg)
             row = EvalRow(mode="dense" if budget is None else "sparse", budget=budget)
             t0 = time.perf_counter()

@@ -22,6 +22,14 @@ import torch
 
 from .config import OOMBConfig
 from .engine.engine import Engine
+from .ops.paged_attention import paged_backend, resolve_backend
+
+
+def dense_like_sparse(config: OOMBConfig, device: torch.device) -> OOMBConfig:
+    """``config.dense()`` on the attention kernels the sparse runs use (the block-table backend behind
+    'sdpa'/'auto'), so that a sparse-vs-dense comparison measures the selection, not two kernels' rounding."""
+    backend = paged_backend(resolve_backend(config.attention_backend, device), device)
+    return dataclasses.replace(config.dense(), attention_backend=backend)
 
 __all__ = ["GradErrorReport", "sparse_grad_error"]
 
@@ -114,7 +122,8 @@ def sparse_grad_error(
         model: a Hugging Face causal LM oomb supports (its ``.grad`` are restored on return).
         input_ids: int64 [T] or [1, T] one sequence.
         config: engine settings; ``sparse`` and ``page_budget`` are overridden (dense once, then
-            sparse with each budget); ``sink_pages``, ``local_pages``, ``sparse_block_size`` and
+            sparse with each budget; the dense run uses the sparse runs' block-table kernels, so an
+            'sdpa'/'auto' backend becomes 'triton' on CUDA, 'torch' on the CPU); ``sink_pages``, ``local_pages``, ``sparse_block_size`` and
             ``sparse_score`` are used as given (an ``OOMBConfig(sparse=True, ...)`` when they differ from the
             defaults: OOMBConfig refuses them with sparse off).
         budgets: page budgets to measure (pages of ``config.page_size`` tokens, each >= 0).
@@ -135,7 +144,8 @@ def sparse_grad_error(
     try:
         for _, p in params:
             p.grad = None
-        out = Engine(model, config.dense()).step(input_ids, labels, cu_seqlens=cu_seqlens)
+        device = next(model.parameters()).device
+        out = Engine(model, dense_like_sparse(config, device)).step(input_ids, labels, cu_seqlens=cu_seqlens)
         report = GradErrorReport(seq_len=out.num_tokens, budgets=budgets, dense_loss=out.loss)
         dense = {}
         for n, p in params:

@@ -245,3 +245,17 @@ def test_triton_lse_merge_equals_the_torch_merge(C, Hq, D, dtype):
     torch.testing.assert_close(out.float(), want_out.float(), rtol=tol, atol=tol)
     with pytest.raises(ValueError, match="do not match"):
         lse_merge(a, la, b[:, :-1], lb, dtype)
+
+
+def test_autocast_bf16_queries_over_a_float32_store_use_the_paged_path(monkeypatch):
+    """Under CPU autocast q/k/v are bf16 while the store keeps the model's float32: the 'sdpa' backend hands those
+    calls to the block-table path (which reads mixed dtypes) instead of failing; same loss as the 'torch' backend."""
+    losses = []
+    for backend in ("torch", "sdpa"):
+        torch.manual_seed(2)
+        model = tiny("qwen2", 4, 2)
+        engine = Engine(model, OOMBConfig(chunk_size=16, page_size=8, attention_backend=backend))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses.append(engine.step(torch.randint(0, VOCAB, (1, 48), generator=torch.Generator().manual_seed(0))).loss)
+        assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    assert losses[0] == losses[1]

@@ -15,6 +15,12 @@ add into), a ``.grad`` of another dtype, shape or layout, parameters with gradie
 :class:`oomb.engine.grad_accum.Float32GradAccumulator`), frozen weights (peft's base layers),
 modules that already carry an instance-level ``forward``, calls under ``torch.autocast``, and
 everything while ``OOMB_FUSED_WGRAD=0`` is set (A/B runs).
+
+Scope: the engine enters the context around its own Stage-2 ``backward()`` calls only. Inside it a
+patched weight's gradient never reaches autograd once ``.grad`` exists, so a
+``torch.autograd.grad(...)`` or ``backward(inputs=...)`` that leaves the weight out still adds into
+its ``.grad``, and a hook registered on the weight after entry sees None; hooks present at entry
+exclude their layer.
 """
 
 from __future__ import annotations

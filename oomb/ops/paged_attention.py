@@ -151,7 +151,7 @@ def paged_backend(backend: str, device: torch.device) -> str:
     return "triton" if device.type == "cuda" and _triton_available() else "torch"
 
 
-def _sdpa_serves(q: torch.Tensor, kv: PagedKV, grad: bool) -> bool:
+def _sdpa_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKV, grad: bool) -> bool:
     """Whether the 'sdpa' backend runs this unsegmented call through :mod:`oomb.ops.sdpa_attention`."""
     from .sdpa_attention import sdpa_available
 
@@ -159,6 +159,8 @@ def _sdpa_serves(q: torch.Tensor, kv: PagedKV, grad: bool) -> bool:
         return False
     if kv.past_len and (kv.past_k is None or (grad and kv.past_dk is None)):
         return False
+    if k.dtype != q.dtype or v.dtype != q.dtype or (kv.past_len and kv.past_k.dtype != q.dtype):
+        return False  # mixed dtypes (autocast: bf16 projections, float32 RoPE or store): the paged path reads them
     return sdpa_available(q)
 
 
@@ -181,7 +183,7 @@ def _part_kwargs(part: tuple | None, dtype_name: str) -> dict:
 
 def _fwd(backend: str, q, k, v, kv: PagedKV, scale: float, block_size: int, part: tuple | None = None):
     if backend == "sdpa":
-        if part is None and _sdpa_serves(q, kv, False):
+        if part is None and _sdpa_serves(q, k, v, kv, False):
             from .sdpa_attention import sdpa_attention_fwd
 
             return sdpa_attention_fwd(q, k, v, kv.past_k, kv.past_v, scale)
@@ -201,7 +203,7 @@ def _fwd(backend: str, q, k, v, kv: PagedKV, scale: float, block_size: int, part
 def _bwd(backend: str, dout, q, k, v, out, lse, kv: PagedKV, scale: float, block_size: int, part: tuple | None = None,
          delta: torch.Tensor | None = None):
     if backend == "sdpa":
-        if part is None and _sdpa_serves(q, kv, True):
+        if part is None and _sdpa_serves(q, k, v, kv, True):
             from .sdpa_attention import sdpa_attention_bwd
 
             return sdpa_attention_bwd(dout, q, k, v, out, lse, kv.past_k, kv.past_v, kv.past_dk, kv.past_dv, scale)

@@ -8,8 +8,9 @@ chunk's dk/dv. It serves only a past that lies in memory as one ``[past_len, Hkv
 packed-document mask; the engine sends every other call to the paged Triton kernels.
 
 Why: on an H200 the cuDNN fused attention behind ``torch.nn.functional.scaled_dot_product_attention``
-runs ~586 TFLOP/s forward and ~478 backward on the Qwen2.5-7B shape, where our Triton
-kernels reach ~445 / ~385 (benchmarks/NOTES.md). Where the layout allows it, the chunk-recurrent
+runs this split at ~580 TFLOP/s forward and ~520 backward on the Qwen2.5-7B shape (4096 queries,
+32K-128K past), where our Triton kernels reach ~443 / ~390 (benchmarks/results/
+sdpa_attention_h200_2026-12-01_eighth.md). Where the layout allows it, the chunk-recurrent
 step then runs its attention at the speed of the full-sequence baseline's.
 
 Algorithm: the attention is split into two calls over disjoint keys -- the chunk's queries
