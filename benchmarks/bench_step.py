@@ -30,14 +30,13 @@ import json
 import os
 import platform
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from oomb import Engine, OOMBConfig  # noqa: E402
-from oomb.engine.loss import chunked_cross_entropy_sum  # noqa: E402
+from oomb.bench import hf_step, measure  # noqa: E402  (the same HF step and timing as `oomb bench`)
 from oomb.models.presets import preset_config  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
@@ -50,33 +49,6 @@ def build(model_name: str, device: torch.device, dtype: torch.dtype):
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model
-
-
-def hf_step(model, input_ids: torch.Tensor, loss_block: int = 1024) -> float:
-    """SDPA + per-layer checkpointing + chunked CE over the whole sequence."""
-    model.set_attn_implementation("sdpa")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    hidden = model.model(input_ids=input_ids, use_cache=False).last_hidden_state[0]
-    targets = torch.cat([input_ids[0, 1:], input_ids.new_full((1,), -100)])
-    loss = chunked_cross_entropy_sum(hidden, model.lm_head, targets, loss_block) / (targets.numel() - 1)
-    loss.backward()
-    model.gradient_checkpointing_disable()
-    return float(loss)
-
-
-def measure(fn, device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    t0 = time.perf_counter()
-    extra = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    dt = time.perf_counter() - t0
-    peak = torch.cuda.max_memory_allocated() if device.type == "cuda" else None
-    return dt, peak, extra
 
 
 def main(argv=None):

@@ -218,6 +218,33 @@ def _build_parser() -> argparse.ArgumentParser:
     v.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="parameter dtype; auto: bfloat16 on cuda, float32 on cpu")
     v.add_argument("--seed", type=int, default=0, help="seed of the random weights of a preset")
     v.add_argument("--json", default=None, metavar="PATH", help="also write the report (with the per-window losses) as JSON to PATH (new, empty, or an earlier 'oomb eval' report: any other existing file is refused)")
+    b = sub.add_parser(
+        "bench",
+        help="time one training step of oomb next to plain Hugging Face training",
+        description=(
+            "Time one training step (forward + backward, no optimizer) of oomb's chunk-recurrent engine next to plain "
+            "Hugging Face training of the same model -- SDPA attention over the whole sequence, per-layer gradient "
+            "checkpointing, chunked cross-entropy -- on the same random tokens, per --lengths. Prints seconds, "
+            "tokens/s, oomb's speed relative to hf and the peak GPU memory; a step out of GPU memory is a row, and "
+            "the run goes on. oomb is timed at its --steps'th step on one engine (the first allocates the page "
+            "store and builds kernels, as a training run does once). Nothing is trained or written, except --json."
+        ),
+        formatter_class=_HelpFormatter,
+    )
+    b.add_argument("--model", default="tiny", help="a preset name (random weights) or a local Hugging Face model directory (a local folder named like a preset is written ./NAME)")
+    b.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096], metavar="T", help="tokens per sequence, one measurement each")
+    b.add_argument("--systems", nargs="+", choices=["hf", "oomb"], default=["hf", "oomb"], help="what to time, in this order")
+    b.add_argument("--chunk-size", type=int, default=512, help="oomb: tokens per chunk")
+    b.add_argument("--page-size", type=int, default=128, help="oomb: tokens per KV page; --chunk-size must be a multiple of it")
+    b.add_argument("--attention-backend", choices=["auto", "torch", "triton", "sdpa"], default="auto", help="oomb: " + _BACKEND_HELP)
+    add_save_attention_argument(b)
+    b.add_argument("--checkpoint-layers", action="store_true", help="oomb: per-layer activation checkpointing inside each chunk's recompute")
+    b.add_argument("--steps", type=int, default=2, help="oomb steps per length on one engine, the last one timed")
+    b.add_argument("--warmup-len", type=int, default=512, help="tokens of one untimed warm-up step per system first (0: none)")
+    b.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to run")
+    b.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="parameter dtype; auto: bfloat16 on cuda, float32 on cpu")
+    b.add_argument("--seed", type=int, default=0, help="seed of the random weights of a preset and of the tokens")
+    b.add_argument("--json", default=None, metavar="PATH", help="also write the rows and settings as JSON to PATH (new, empty, or an earlier 'oomb bench' report: any other existing file is refused)")
     return parser
 
 
@@ -1444,6 +1471,76 @@ def _eval(args: argparse.Namespace) -> int:
     return 0
 
 
+_BENCH_REPORT_KEYS = frozenset({"model", "lengths", "systems", "rows"})
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """``oomb bench``: one training step of oomb and of plain HF training per length, as a table."""
+    for flag, value in (("--chunk-size", args.chunk_size), ("--page-size", args.page_size), ("--steps", args.steps)):
+        if value <= 0:
+            raise UsageError(f"{flag} is {value}", f"pass a positive number for {flag}")
+    if any(T < 2 for T in args.lengths):
+        raise UsageError(f"--lengths has {min(args.lengths)}", "pass token counts of 2 or more")
+    if args.warmup_len < 0 or args.warmup_len == 1:
+        raise UsageError(f"--warmup-len is {args.warmup_len}", "pass 0 (no warm-up) or 2 or more tokens")
+    if args.chunk_size % args.page_size != 0:
+        raise UsageError(f"--chunk-size {args.chunk_size} is not a multiple of --page-size {args.page_size}", "pass a --page-size that divides --chunk-size")
+    if args.attention_backend == "triton" and args.device != "cuda":
+        raise UsageError("--attention-backend triton runs on the GPU only", "pass --device cuda, or --attention-backend torch, sdpa or auto on the CPU")
+    if len(set(args.systems)) != len(args.systems):
+        raise UsageError(f"--systems lists a system twice: {' '.join(args.systems)}", "name each of hf and oomb at most once")
+    _check_seed(args)
+    _check_json_arg(args, _BENCH_REPORT_KEYS, "bench")
+    import torch
+
+    from .bench import bench_rows, bench_table
+    from .config import OOMBConfig
+    from .models.presets import UnknownModelError, build_model, check_config_supported, load_config
+    from . import UnsupportedModelError
+
+    device, dtype = _resolve_device_dtype(args)
+    try:
+        cfg = OOMBConfig(chunk_size=args.chunk_size, page_size=args.page_size, attention_backend=args.attention_backend,
+                         save_attention=args.save_attention, checkpoint_layers=args.checkpoint_layers)
+    except ValueError as exc:
+        raise _usage_from(exc, "fix the engine options (see 'oomb bench --help')") from exc
+    try:
+        model_config = load_config(args.model)
+        check_config_supported(model_config)
+        if device.type == "cpu":
+            from .planner import ModelShape, _host_memory
+
+            n = ModelShape.from_config(model_config).num_params()
+            need, available = 2 * n * dtype.itemsize, _host_memory()[0]  # weights and gradients, before activations
+            if need > available:
+                raise UsageError(f"--model {args.model} ({n / 1e9:.2f}B parameters) needs at least {need / 2**30:.1f} GiB "
+                                 f"on the CPU for its weights and gradients, but {available / 2**30:.1f} GiB is available",
+                                 "use a smaller --model (e.g. tiny), or --device cuda")
+        torch.manual_seed(args.seed)
+        model = build_model(args.model, dtype=dtype, device=device)
+    except (UnknownModelError, UnsupportedModelError) as exc:
+        raise _usage_from(exc, "use a Qwen2/2.5, Llama 2/3, Mistral or Qwen3 causal LM (see 'oomb bench --help')") from exc
+    print(f"oomb bench: {args.model} ({sum(p.numel() for p in model.parameters()) / 1e6:,.1f}M parameters, "
+          f"{str(dtype).replace('torch.', '')}) on {device}; oomb: chunk {args.chunk_size}, page {args.page_size}, "
+          f"attention {args.attention_backend}, save-attention {args.save_attention}"
+          f"{', checkpoint-layers' if args.checkpoint_layers else ''}, timed at step {args.steps}", file=sys.stderr)
+    rows = bench_rows(model, args.lengths, cfg, systems=args.systems, steps=args.steps, warmup_len=args.warmup_len,
+                      seed=args.seed,
+                      progress=lambda r: print(f"oomb bench: {r['system']} {r['tokens']:,} tokens: "
+                                               + (r["error"] if "error" in r else f"{r['seconds']:.2f} s"),
+                                               file=sys.stderr))
+    print(bench_table(rows))
+    if args.json is not None:
+        _write_json(args.json, dict(model=args.model, dtype=str(dtype).replace("torch.", ""), device=str(device),
+                                    lengths=args.lengths, systems=args.systems, steps=args.steps,
+                                    config=dict(chunk_size=args.chunk_size, page_size=args.page_size,
+                                                attention_backend=args.attention_backend,
+                                                save_attention=args.save_attention,
+                                                checkpoint_layers=args.checkpoint_layers),
+                                    torch=torch.__version__, rows=rows))
+    return 0
+
+
 def _plan(args: argparse.Namespace) -> int:
     """``oomb plan``: print the predicted memory of a run; 0 if it fits, 1 if not, 2 on bad input."""
     for flag, value in (("--seq-len", args.seq_len), ("--chunk-size", args.chunk_size), ("--page-size", args.page_size)):
@@ -1487,6 +1584,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _grad_error(args)
         if args.command == "eval":
             return _eval(args)
+        if args.command == "bench":
+            return _bench(args)
     except UsageError as exc:
         _fail(f"{exc.problem}; {exc.fix}", 1 if isinstance(exc, _RunError) else 2)
     except KeyboardInterrupt:

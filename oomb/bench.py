@@ -1,0 +1,172 @@
+"""One training step of oomb next to plain Hugging Face training, on the same model and tokens (``oomb bench``).
+
+Systems:
+
+* ``hf``: the model's own forward with SDPA attention over the whole sequence, per-layer gradient
+  checkpointing (non-reentrant) and a chunked cross-entropy (logits for ``loss_block`` tokens at a
+  time) -- the strongest plain-transformers setup for long sequences (DESIGN.md §1);
+* ``oomb``: :class:`oomb.Engine` with the given :class:`oomb.OOMBConfig`, timed at the last of ``steps``
+  steps of one engine (its first step allocates the page store, pins host buffers with offload, and
+  builds kernels and cuDNN plans; training runs many steps on one engine).
+
+One step = forward + backward, no optimizer; gradients are cleared between measurements. Times are wall
+seconds around the step with the GPU synchronised before and after; peak memory is
+``torch.cuda.max_memory_allocated`` of the step (None on the CPU). A step that runs out of GPU memory is a
+row with ``error="out of memory"`` and the run goes on.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import Callable, Sequence
+
+import torch
+
+from .config import OOMBConfig
+from .engine.engine import Engine
+from .engine.loss import IGNORE_INDEX, chunked_cross_entropy_sum
+
+__all__ = ["SYSTEMS", "bench_rows", "bench_table", "hf_step", "measure"]
+
+SYSTEMS = ("hf", "oomb")
+
+
+def hf_step(model: torch.nn.Module, input_ids: torch.Tensor, loss_block: int = 1024) -> float:
+    """One plain-transformers training step on ``input_ids`` ([1, T] int64): SDPA attention, per-layer
+    checkpointing, chunked cross-entropy (mean over the T - 1 next-token targets); returns the loss.
+    The model's attention implementation is set to 'sdpa' and checkpointing is switched off again after."""
+    model.set_attn_implementation("sdpa")
+    # transformers >= 5.2x renamed these (the old names warn and go in v6)
+    new = hasattr(model, "activation_checkpointing_enable")
+    if new:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    try:
+        model.train()
+        hidden = model.model(input_ids=input_ids, use_cache=False).last_hidden_state[0]
+        targets = torch.cat([input_ids[0, 1:], input_ids.new_full((1,), IGNORE_INDEX)])
+        loss = chunked_cross_entropy_sum(hidden, model.lm_head, targets, loss_block) / (targets.numel() - 1)
+        loss.backward()
+    finally:
+        model.activation_checkpointing_disable() if new else model.gradient_checkpointing_disable()
+    return float(loss.detach())
+
+
+def measure(fn: Callable[[], object], device: torch.device) -> tuple[float, int | None, object]:
+    """Run ``fn`` once -> (wall seconds, peak GPU bytes allocated during it or None on the CPU, its result)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    result = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dt = time.perf_counter() - t0
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return dt, peak, result
+
+
+def _clear(model: torch.nn.Module, device: torch.device) -> None:
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _one(model, system: str, ids: torch.Tensor, config: OOMBConfig, steps: int, device: torch.device) -> dict:
+    """Time one system on one sequence -> a row (without system/tokens)."""
+    if system == "hf":
+        dt, peak, loss = measure(lambda: hf_step(model, ids), device)
+        return dict(seconds=dt, peak_bytes=peak, loss=loss)
+    engine = Engine(model, config)
+    first = None
+    for i in range(steps):
+        if i:
+            model.zero_grad(set_to_none=True)
+        dt, peak, out = measure(lambda: engine.step(ids), device)
+        first = dt if first is None else first
+    row = dict(seconds=dt, peak_bytes=peak, loss=out.loss, first_step_seconds=first, kv_store_bytes=out.kv_store_bytes)
+    del engine
+    return row
+
+
+def bench_rows(
+    model: torch.nn.Module,
+    lengths: Sequence[int],
+    config: OOMBConfig,
+    systems: Sequence[str] = SYSTEMS,
+    steps: int = 2,
+    warmup_len: int = 0,
+    seed: int = 0,
+    progress: Callable[[dict], None] | None = None,
+) -> list[dict]:
+    """Time ``systems`` on one random sequence per length (the same tokens for every system).
+
+    Args:
+        model: a Hugging Face causal LM oomb supports, on its device and dtype (its ``.grad`` are cleared).
+        lengths: tokens per sequence, each >= 2.
+        config: the oomb engine's settings.
+        systems: any of ``"hf"``, ``"oomb"``, in the order to run.
+        steps: oomb steps per length on one engine, the last one timed (>= 1).
+        warmup_len: tokens of one untimed warm-up step per system first (0: none).
+        seed: seed of the random tokens (ids below min(vocab, 32000)).
+        progress: called with each row as it is made.
+
+    Returns:
+        Rows ``{system, tokens, seconds, tokens_per_s, peak_bytes, loss[, first_step_seconds, kv_store_bytes]}``,
+        or ``{system, tokens, error}`` for a step out of GPU memory.
+
+    Raises:
+        ValueError: an unknown system, a length < 2, or ``steps`` < 1.
+    """
+    bad = [s for s in systems if s not in SYSTEMS]
+    if bad or not systems:
+        raise ValueError(f"systems must be a non-empty list of {SYSTEMS}, got {list(systems)}")
+    if any(int(T) < 2 for T in lengths) or not lengths:
+        raise ValueError(f"lengths must be token counts >= 2, got {list(lengths)}")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    device = next(model.parameters()).device
+    vocab = min(model.get_input_embeddings().num_embeddings, 32000)
+    gen = torch.Generator().manual_seed(seed)
+    seqs = {int(T): torch.randint(0, vocab, (1, int(T)), generator=gen).to(device) for T in lengths}
+    rows = []
+    for system in systems:
+        if warmup_len:
+            try:
+                _one(model, system, torch.randint(0, vocab, (1, warmup_len), generator=gen).to(device), config, 1, device)
+            except torch.OutOfMemoryError:
+                pass
+            _clear(model, device)
+        for T, ids in seqs.items():
+            row = dict(system=system, tokens=T)
+            try:
+                row.update(_one(model, system, ids, config, steps, device))
+                row["tokens_per_s"] = T / row["seconds"]
+            except torch.OutOfMemoryError:
+                row["error"] = "out of memory"
+            _clear(model, device)
+            rows.append(row)
+            if progress is not None:
+                progress(row)
+    return rows
+
+
+def bench_table(rows: Sequence[dict]) -> str:
+    """Markdown table of :func:`bench_rows`' rows, with oomb's speed relative to the hf row of the same length."""
+    hf = {r["tokens"]: r["tokens_per_s"] for r in rows if r["system"] == "hf" and "error" not in r}
+    lines = ["| system | tokens | s/step | tokens/s | vs hf | peak GPU GiB | first step s |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['system']} | {r['tokens']:,} | {r['error']} | | | | |")
+            continue
+        ratio = f"{r['tokens_per_s'] / hf[r['tokens']]:.2f}x" if r["system"] != "hf" and r["tokens"] in hf else ""
+        peak = "" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.1f}"
+        first = f"{r['first_step_seconds']:.2f}" if r.get("first_step_seconds") is not None else ""
+        lines.append(f"| {r['system']} | {r['tokens']:,} | {r['seconds']:.2f} | {r['tokens_per_s']:,.0f} | {ratio} | "
+                     f"{peak} | {first} |")
+    return "\n".join(lines)

@@ -1,0 +1,76 @@
+"""`oomb bench` and oomb.bench: one step of oomb next to plain HF training on the same model and tokens."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import oomb.bench as ob
+from oomb import OOMBConfig
+from oomb.cli import main
+
+from test_engine import tiny
+
+
+def test_cli_bench_table_json_and_equal_losses(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    assert main(["bench", "--lengths", "256", "384", "--chunk-size", "128", "--warmup-len", "0", "--steps", "2",
+                 "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("| hf |") == 2 and out.count("| oomb |") == 2 and out.count("x |") == 2
+    report = json.loads(path.read_text())
+    assert report["lengths"] == [256, 384] and report["systems"] == ["hf", "oomb"] and report["steps"] == 2
+    rows = {(r["system"], r["tokens"]): r for r in report["rows"]}
+    for T in (256, 384):
+        hf, oomb = rows[("hf", T)], rows[("oomb", T)]
+        assert hf["seconds"] > 0 and oomb["first_step_seconds"] > 0 and oomb["tokens_per_s"] == T / oomb["seconds"]
+        # the same tokens, the same weights, the same mean loss (fp32): both systems really trained on them
+        assert abs(hf["loss"] - oomb["loss"]) <= 1e-4 * hf["loss"]
+    # an earlier report may be replaced; a different file may not
+    assert main(["bench", "--lengths", "256", "--systems", "oomb", "--chunk-size", "128", "--warmup-len", "0",
+                 "--json", str(path)]) == 0
+    other = tmp_path / "notes.json"
+    other.write_text('{"mine": 1}')
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--json", str(other)])
+    assert e.value.code == 2
+    assert "not an earlier 'oomb bench' report" in capsys.readouterr().err
+    assert other.read_text() == '{"mine": 1}'
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["--lengths", "1"], "--lengths has 1"),
+    (["--systems", "hf", "hf"], "lists a system twice"),
+    (["--chunk-size", "100"], "not a multiple of --page-size"),
+    (["--steps", "0"], "--steps is 0"),
+    (["--warmup-len", "1"], "--warmup-len is 1"),
+    (["--attention-backend", "triton"], "runs on the GPU only"),
+    (["--model", "no-such-model"], "no-such-model"),
+])
+def test_cli_bench_bad_input(argv, fragment, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", *argv])
+    assert e.value.code == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_out_of_memory_is_a_row_and_the_run_goes_on(monkeypatch):
+    model = tiny("qwen2").float()
+    calls = []
+
+    def oom(self, *a, **k):
+        calls.append(1)
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(ob.Engine, "step", oom)
+    rows = ob.bench_rows(model, [32, 48], OOMBConfig(chunk_size=16, page_size=8, attention_backend="torch"),
+                         systems=["oomb", "hf"], steps=1)
+    assert [r.get("error") for r in rows] == ["out of memory", "out of memory", None, None] and len(calls) == 2
+    table = ob.bench_table(rows)
+    assert table.count("out of memory") == 2 and "| hf | 48 |" in table
+    with pytest.raises(ValueError, match="systems"):
+        ob.bench_rows(model, [32], OOMBConfig(), systems=["deepspeed"])
+    with pytest.raises(ValueError, match="lengths"):
+        ob.bench_rows(model, [1], OOMBConfig())
