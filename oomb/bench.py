@@ -5,11 +5,11 @@ Systems:
 * ``hf``: the model's own forward with SDPA attention over the whole sequence, per-layer gradient
   checkpointing (non-reentrant) and a chunked cross-entropy (logits for ``loss_block`` tokens at a
   time) -- the strongest plain-transformers setup for long sequences (DESIGN.md §1);
-* ``oomb``: :class:`oomb.Engine` with the given :class:`oomb.OOMBConfig`, timed at the last of ``steps``
-  steps of one engine (its first step allocates the page store, pins host buffers with offload, and
-  builds kernels and cuDNN plans; training runs many steps on one engine).
+* ``oomb``: :class:`oomb.Engine` with the given :class:`oomb.OOMBConfig`.
 
-One step = forward + backward, no optimizer; gradients are cleared between measurements. Times are wall
+Both are timed at the last of ``steps`` steps on the same sequence (for oomb on one engine): a first step
+allocates memory and builds kernels and cuDNN plans (oomb also its page store), which a training run pays
+once. One step = forward + backward, no optimizer; gradients are cleared between measurements. Times are wall
 seconds around the step with the GPU synchronised before and after; peak memory is
 ``torch.cuda.max_memory_allocated`` of the step (None on the CPU). A step that runs out of GPU memory is a
 row with ``error="out of memory"`` and the run goes on.
@@ -77,20 +77,31 @@ def _clear(model: torch.nn.Module, device: torch.device) -> None:
 
 
 def _one(model, system: str, ids: torch.Tensor, config: OOMBConfig, steps: int, device: torch.device) -> dict:
-    """Time one system on one sequence -> a row (without system/tokens)."""
-    if system == "hf":
-        dt, peak, loss = measure(lambda: hf_step(model, ids), device)
-        return dict(seconds=dt, peak_bytes=peak, loss=loss)
-    engine = Engine(model, config)
+    """Time one system on one sequence, ``steps`` times, the last one kept -> a row (without system/tokens)."""
+    engine = Engine(model, config) if system == "oomb" else None
     first = None
     for i in range(steps):
         if i:
             model.zero_grad(set_to_none=True)
-        dt, peak, out = measure(lambda: engine.step(ids), device)
+        if engine is None:
+            dt, peak, loss = measure(lambda: hf_step(model, ids), device)
+        else:
+            dt, peak, out = measure(lambda: engine.step(ids), device)
+            loss = out.loss
         first = dt if first is None else first
-    row = dict(seconds=dt, peak_bytes=peak, loss=out.loss, first_step_seconds=first, kv_store_bytes=out.kv_store_bytes)
-    del engine
+    row = dict(seconds=dt, peak_bytes=peak, loss=loss, first_step_seconds=first)
+    if engine is not None:
+        row["kv_store_bytes"] = out.kv_store_bytes
+        del engine
     return row
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """A GPU out-of-memory, or a CPU allocation that failed (a RuntimeError from the CPU allocator)."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text)
 
 
 def bench_rows(
@@ -106,67 +117,76 @@ def bench_rows(
     """Time ``systems`` on one random sequence per length (the same tokens for every system).
 
     Args:
-        model: a Hugging Face causal LM oomb supports, on its device and dtype (its ``.grad`` are cleared).
-        lengths: tokens per sequence, each >= 2.
+        model: a Hugging Face causal LM oomb supports, on its device and dtype. Its ``.grad`` are cleared
+            first and after every measurement; its attention implementation is left as the last system set it
+            ('sdpa' after hf, oomb's after oomb).
+        lengths: tokens per sequence, each >= 2, no repeats.
         config: the oomb engine's settings.
         systems: any of ``"hf"``, ``"oomb"``, in the order to run.
-        steps: oomb steps per length on one engine, the last one timed (>= 1).
+        steps: steps per system and length (for oomb on one engine), the last one timed (>= 1).
         warmup_len: tokens of one untimed warm-up step per system first (0: none).
         seed: seed of the random tokens (ids below min(vocab, 32000)).
         progress: called with each row as it is made.
 
     Returns:
-        Rows ``{system, tokens, seconds, tokens_per_s, peak_bytes, loss[, first_step_seconds, kv_store_bytes]}``,
-        or ``{system, tokens, error}`` for a step out of GPU memory.
+        Rows ``{system, tokens, seconds, tokens_per_s, peak_bytes, loss, first_step_seconds[, kv_store_bytes]}``,
+        or ``{system, tokens, error}`` for a step out of memory, ordered by length, then system.
 
     Raises:
-        ValueError: an unknown system, a length < 2, or ``steps`` < 1.
+        ValueError: an unknown or repeated system, a length < 2 or repeated, or ``steps`` < 1.
     """
     bad = [s for s in systems if s not in SYSTEMS]
-    if bad or not systems:
-        raise ValueError(f"systems must be a non-empty list of {SYSTEMS}, got {list(systems)}")
-    if any(int(T) < 2 for T in lengths) or not lengths:
-        raise ValueError(f"lengths must be token counts >= 2, got {list(lengths)}")
+    if bad or not systems or len(set(systems)) != len(systems):
+        raise ValueError(f"systems must be a non-empty list of distinct {SYSTEMS}, got {list(systems)}")
+    if any(int(T) < 2 for T in lengths) or not lengths or len(set(lengths)) != len(lengths):
+        raise ValueError(f"lengths must be distinct token counts >= 2, got {list(lengths)}")
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     device = next(model.parameters()).device
     vocab = min(model.get_input_embeddings().num_embeddings, 32000)
-    gen = torch.Generator().manual_seed(seed)
-    seqs = {int(T): torch.randint(0, vocab, (1, int(T)), generator=gen).to(device) for T in lengths}
+    def tokens(T: int) -> torch.Tensor:  # the same tokens for every system: seeded by (seed, T), made when needed
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + T)
+        return torch.randint(0, vocab, (1, T), generator=gen).to(device)
+
+    _clear(model, device)
     rows = []
     for system in systems:
         if warmup_len:
             try:
-                _one(model, system, torch.randint(0, vocab, (1, warmup_len), generator=gen).to(device), config, 1, device)
-            except torch.OutOfMemoryError:
-                pass
+                _one(model, system, tokens(warmup_len), config, 1, device)
+            except (torch.OutOfMemoryError, RuntimeError) as exc:
+                if not _out_of_memory(exc):
+                    raise
             _clear(model, device)
-        for T, ids in seqs.items():
+        for T in map(int, lengths):
             row = dict(system=system, tokens=T)
             try:
-                row.update(_one(model, system, ids, config, steps, device))
+                row.update(_one(model, system, tokens(T), config, steps, device))
                 row["tokens_per_s"] = T / row["seconds"]
-            except torch.OutOfMemoryError:
-                row["error"] = "out of memory"
+            except (torch.OutOfMemoryError, RuntimeError) as exc:
+                if not _out_of_memory(exc):
+                    raise
+                row = dict(system=system, tokens=T, error="out of memory")
             _clear(model, device)
             rows.append(row)
             if progress is not None:
                 progress(row)
-    return rows
+    order = {s: i for i, s in enumerate(systems)}
+    return sorted(rows, key=lambda r: (lengths.index(r["tokens"]), order[r["system"]]))
 
 
 def bench_table(rows: Sequence[dict]) -> str:
     """Markdown table of :func:`bench_rows`' rows, with oomb's speed relative to the hf row of the same length."""
     hf = {r["tokens"]: r["tokens_per_s"] for r in rows if r["system"] == "hf" and "error" not in r}
     lines = ["| system | tokens | s/step | tokens/s | vs hf | peak GPU GiB | first step s |",
-             "|---|---|---|---|---|---|---|"]
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['system']} | {r['tokens']:,} | {r['error']} | | | | |")
             continue
-        ratio = f"{r['tokens_per_s'] / hf[r['tokens']]:.2f}x" if r["system"] != "hf" and r["tokens"] in hf else ""
-        peak = "" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.1f}"
-        first = f"{r['first_step_seconds']:.2f}" if r.get("first_step_seconds") is not None else ""
-        lines.append(f"| {r['system']} | {r['tokens']:,} | {r['seconds']:.2f} | {r['tokens_per_s']:,.0f} | {ratio} | "
+        ratio = f"{r['tokens_per_s'] / hf[r['tokens']]:.2f}x" if r["system"] != "hf" and r["tokens"] in hf else "—"
+        peak = "—" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.2f}"
+        first = f"{r['first_step_seconds']:.3f}" if r.get("first_step_seconds") is not None else "—"
+        lines.append(f"| {r['system']} | {r['tokens']:,} | {r['seconds']:.3f} | {r['tokens_per_s']:,.0f} | {ratio} | "
                      f"{peak} | {first} |")
     return "\n".join(lines)

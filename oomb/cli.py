@@ -225,9 +225,10 @@ def _build_parser() -> argparse.ArgumentParser:
             "Time one training step (forward + backward, no optimizer) of oomb's chunk-recurrent engine next to plain "
             "Hugging Face training of the same model -- SDPA attention over the whole sequence, per-layer gradient "
             "checkpointing, chunked cross-entropy -- on the same random tokens, per --lengths. Prints seconds, "
-            "tokens/s, oomb's speed relative to hf and the peak GPU memory; a step out of GPU memory is a row, and "
-            "the run goes on. oomb is timed at its --steps'th step on one engine (the first allocates the page "
-            "store and builds kernels, as a training run does once). Nothing is trained or written, except --json."
+            "tokens/s, oomb's speed relative to hf, the peak GPU memory and the first step's seconds; a step out of "
+            "memory is a row, and the run goes on. Both systems are timed at their --steps'th step on the same "
+            "sequence (oomb on one engine): the first allocates memory and builds kernels (oomb also its page "
+            "store), which a training run pays once. Nothing is trained or written, except --json."
         ),
         formatter_class=_HelpFormatter,
     )
@@ -237,9 +238,11 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument("--chunk-size", type=int, default=512, help="oomb: tokens per chunk")
     b.add_argument("--page-size", type=int, default=128, help="oomb: tokens per KV page; --chunk-size must be a multiple of it")
     b.add_argument("--attention-backend", choices=["auto", "torch", "triton", "sdpa"], default="auto", help="oomb: " + _BACKEND_HELP)
-    add_save_attention_argument(b)
+    b.add_argument("--save-attention", choices=["off", "gpu", "host"], default="off",
+                   help="oomb: keep Stage 1's attention outputs (on the GPU or in pinned host memory) so the Stage-2 "
+                        "recompute skips its attention forward")
     b.add_argument("--checkpoint-layers", action="store_true", help="oomb: per-layer activation checkpointing inside each chunk's recompute")
-    b.add_argument("--steps", type=int, default=2, help="oomb steps per length on one engine, the last one timed")
+    b.add_argument("--steps", type=int, default=2, help="steps per system and length (oomb on one engine), the last one timed")
     b.add_argument("--warmup-len", type=int, default=512, help="tokens of one untimed warm-up step per system first (0: none)")
     b.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to run")
     b.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="parameter dtype; auto: bfloat16 on cuda, float32 on cpu")
@@ -1257,7 +1260,7 @@ def _is_report(path: Path, keys: frozenset) -> bool:
 
 
 def _check_json_arg(args: argparse.Namespace, report_keys: frozenset, command: str) -> None:
-    """--json PATH (grad-error, eval) can be written: not a folder, in an existing folder we may write to, and
+    """--json PATH (grad-error, eval, bench) can be written: not a folder, in an existing folder we may write to, and
     new, empty or an earlier ``oomb <command>`` report (recognised by ``report_keys``), never another file."""
     if args.json is None:
         return
@@ -1472,6 +1475,7 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 _BENCH_REPORT_KEYS = frozenset({"model", "lengths", "systems", "rows"})
+_MAX_BENCH_TOKENS = 2**31
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -1481,6 +1485,10 @@ def _bench(args: argparse.Namespace) -> int:
             raise UsageError(f"{flag} is {value}", f"pass a positive number for {flag}")
     if any(T < 2 for T in args.lengths):
         raise UsageError(f"--lengths has {min(args.lengths)}", "pass token counts of 2 or more")
+    if max(args.lengths) > _MAX_BENCH_TOKENS:
+        raise UsageError(f"--lengths has {max(args.lengths):,}", f"pass at most {_MAX_BENCH_TOKENS:,} tokens (2**31)")
+    if len(set(args.lengths)) != len(args.lengths):
+        raise UsageError(f"--lengths lists a length twice: {' '.join(map(str, args.lengths))}", "name each length once")
     if args.warmup_len < 0 or args.warmup_len == 1:
         raise UsageError(f"--warmup-len is {args.warmup_len}", "pass 0 (no warm-up) or 2 or more tokens")
     if args.chunk_size % args.page_size != 0:
@@ -1520,9 +1528,12 @@ def _bench(args: argparse.Namespace) -> int:
         model = build_model(args.model, dtype=dtype, device=device)
     except (UnknownModelError, UnsupportedModelError) as exc:
         raise _usage_from(exc, "use a Qwen2/2.5, Llama 2/3, Mistral or Qwen3 causal LM (see 'oomb bench --help')") from exc
+    from .ops.paged_attention import resolve_backend
+
+    backend = resolve_backend(args.attention_backend, device)
     print(f"oomb bench: {args.model} ({sum(p.numel() for p in model.parameters()) / 1e6:,.1f}M parameters, "
           f"{str(dtype).replace('torch.', '')}) on {device}; oomb: chunk {args.chunk_size}, page {args.page_size}, "
-          f"attention {args.attention_backend}, save-attention {args.save_attention}"
+          f"attention {backend}, save-attention {args.save_attention}"
           f"{', checkpoint-layers' if args.checkpoint_layers else ''}, timed at step {args.steps}", file=sys.stderr)
     rows = bench_rows(model, args.lengths, cfg, systems=args.systems, steps=args.steps, warmup_len=args.warmup_len,
                       seed=args.seed,
@@ -1533,11 +1544,13 @@ def _bench(args: argparse.Namespace) -> int:
     if args.json is not None:
         _write_json(args.json, dict(model=args.model, dtype=str(dtype).replace("torch.", ""), device=str(device),
                                     lengths=args.lengths, systems=args.systems, steps=args.steps,
+                                    warmup_len=args.warmup_len, seed=args.seed,
                                     config=dict(chunk_size=args.chunk_size, page_size=args.page_size,
-                                                attention_backend=args.attention_backend,
-                                                save_attention=args.save_attention,
+                                                attention_backend=backend, save_attention=args.save_attention,
                                                 checkpoint_layers=args.checkpoint_layers),
-                                    torch=torch.__version__, rows=rows))
+                                    gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                                    cpu_threads=torch.get_num_threads(), torch=torch.__version__,
+                                    transformers=__import__("transformers").__version__, rows=rows))
     return 0
 
 

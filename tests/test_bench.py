@@ -22,10 +22,11 @@ def test_cli_bench_table_json_and_equal_losses(tmp_path, capsys):
     assert out.count("| hf |") == 2 and out.count("| oomb |") == 2 and out.count("x |") == 2
     report = json.loads(path.read_text())
     assert report["lengths"] == [256, 384] and report["systems"] == ["hf", "oomb"] and report["steps"] == 2
+    assert report["config"]["attention_backend"] == "torch" and report["warmup_len"] == 0  # auto, resolved on the CPU
     rows = {(r["system"], r["tokens"]): r for r in report["rows"]}
     for T in (256, 384):
         hf, oomb = rows[("hf", T)], rows[("oomb", T)]
-        assert hf["seconds"] > 0 and oomb["first_step_seconds"] > 0 and oomb["tokens_per_s"] == T / oomb["seconds"]
+        assert hf["first_step_seconds"] > 0 and oomb["first_step_seconds"] > 0 and oomb["tokens_per_s"] == T / oomb["seconds"]
         # the same tokens, the same weights, the same mean loss (fp32): both systems really trained on them
         assert abs(hf["loss"] - oomb["loss"]) <= 1e-4 * hf["loss"]
     # an earlier report may be replaced; a different file may not
@@ -43,6 +44,8 @@ def test_cli_bench_table_json_and_equal_losses(tmp_path, capsys):
 @pytest.mark.parametrize("argv,fragment", [
     (["--lengths", "1"], "--lengths has 1"),
     (["--systems", "hf", "hf"], "lists a system twice"),
+    (["--lengths", "64", "64"], "lists a length twice"),
+    (["--lengths", "99999999999999999999"], "pass at most"),
     (["--chunk-size", "100"], "not a multiple of --page-size"),
     (["--steps", "0"], "--steps is 0"),
     (["--warmup-len", "1"], "--warmup-len is 1"),
@@ -67,10 +70,30 @@ def test_out_of_memory_is_a_row_and_the_run_goes_on(monkeypatch):
     monkeypatch.setattr(ob.Engine, "step", oom)
     rows = ob.bench_rows(model, [32, 48], OOMBConfig(chunk_size=16, page_size=8, attention_backend="torch"),
                          systems=["oomb", "hf"], steps=1)
-    assert [r.get("error") for r in rows] == ["out of memory", "out of memory", None, None] and len(calls) == 2
+    # ordered by length, then system; each oomb row is an error row, each hf row a measurement
+    assert [(r["tokens"], r["system"], r.get("error")) for r in rows] == [
+        (32, "oomb", "out of memory"), (32, "hf", None), (48, "oomb", "out of memory"), (48, "hf", None)]
+    assert len(calls) == 2
     table = ob.bench_table(rows)
     assert table.count("out of memory") == 2 and "| hf | 48 |" in table
+
+    def cpu_alloc_failure(self, *a, **k):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes")
+
+    monkeypatch.setattr(ob.Engine, "step", cpu_alloc_failure)
+    rows = ob.bench_rows(model, [32], OOMBConfig(chunk_size=16, page_size=8, attention_backend="torch"),
+                         systems=["oomb"], steps=1)
+    assert rows[0]["error"] == "out of memory"
+
+    def other_error(self, *a, **k):
+        raise RuntimeError("a real bug")
+
+    monkeypatch.setattr(ob.Engine, "step", other_error)
+    with pytest.raises(RuntimeError, match="a real bug"):
+        ob.bench_rows(model, [32], OOMBConfig(chunk_size=16, page_size=8, attention_backend="torch"), systems=["oomb"])
     with pytest.raises(ValueError, match="systems"):
         ob.bench_rows(model, [32], OOMBConfig(), systems=["deepspeed"])
     with pytest.raises(ValueError, match="lengths"):
         ob.bench_rows(model, [1], OOMBConfig())
+    with pytest.raises(ValueError, match="lengths"):
+        ob.bench_rows(model, [8, 8], OOMBConfig())
