@@ -163,6 +163,15 @@ class _LazyStreams:
     def d2h_copy_(self, dst, src):
         self._push("d2h", functools.partial(dst.copy_, src))
 
+    def h2d_run(self, fn):
+        self._push("h2d", fn)
+
+    def h2d_alloc(self, fn):
+        fn()
+
+    def d2h_run(self, fn, *tensors):
+        self._push("d2h", fn)
+
     def synchronize(self):
         for name in self.queues:
             self._run_until(name, self.done[name] + len(self.queues[name]))
@@ -674,10 +683,12 @@ from oomb.ops.sparse import SparseAttentionState  # noqa: E402
 SPARSE = dict(sparse=True, page_budget=1, sink_pages=1, local_pages=1, sparse_block_size=4)
 
 
-def _sparse_pair(monkeypatch, ids, budget, cu=None, spy=None, exact_unions=True, **cfg):
+def _sparse_pair(monkeypatch, ids, budget, cu=None, spy=None, exact_unions=True, grain="head", **cfg):
     """(ref model, offloaded model, ref out, offloaded out, offloaded engine): sparse, all on device vs offloaded
-    (lazy side stream, NaN-poisoned host tier and GPU pool). ``exact_unions``: Stage 2 stages exactly the
-    selections' page unions (no merging of nearby runs, no whole-layer fallback), so the tests see them."""
+    (lazy side stream, NaN-poisoned host tier and GPU pool). ``grain``: the store's Stage-2 staging grain
+    ('head': the selections' (page, KV head) tiles; 'page': their page unions). ``exact_unions`` (page grain):
+    Stage 2 stages exactly the selections' page unions (no merging of nearby runs, no whole-layer fallback)."""
+    monkeypatch.setattr(OffloadedKVStore, "stage_grain", grain)
     if exact_unions:
         monkeypatch.setattr(OffloadedKVStore, "stage_merge_gap_pages", 0)
         monkeypatch.setattr(OffloadedKVStore, "stage_whole_fraction", 2.0)
@@ -708,23 +719,28 @@ def _staged_pages(monkeypatch):
     return seen
 
 
+@pytest.mark.parametrize("grain", ["head", "page"])
 @pytest.mark.parametrize("budget,ckpt,packed,chunk", [
     (None, False, False, 8),  # every page in the host tier
     (None, True, True, 12),  # per-layer checkpointing, packed documents
     (2 * 13 + 4, False, True, 8),  # R = 4 resident pages (sink and early pages), packed documents
     (2 * 13 + 3, True, False, 12),  # R = 3, checkpointing
 ])
-def test_sparse_offload_stages_selected_pages_bitwise(monkeypatch, budget, ckpt, packed, chunk):
-    """Sparse + offload: Stage 2 stages only the pages the selections read (never-staged slots hold NaN), and the
-    loss and every gradient equal the all-on-device sparse step bitwise; traffic is below whole-layer staging."""
+def test_sparse_offload_stages_selected_pages_bitwise(monkeypatch, budget, ckpt, packed, chunk, grain):
+    """Sparse + offload: Stage 2 stages only the (page, KV head) tiles, or pages, the selections read (never-staged
+    slots hold NaN), and the loss and every gradient equal the all-on-device sparse step bitwise; traffic is below
+    whole-layer staging."""
     seen = _staged_pages(monkeypatch)
     ids = torch.randint(0, VOCAB, (1, 52), generator=torch.Generator().manual_seed(7))
     cu = torch.tensor([0, 9, 30, 52]) if packed else None
     m_ref, m_off, out_ref, out_off, e_off = _sparse_pair(monkeypatch, ids, budget, cu, chunk_size=chunk, page_size=4,
-                                                         checkpoint_layers=ckpt)
+                                                         checkpoint_layers=ckpt, grain=grain)
     store = e_off.kv_store
     assert not store.segmented and store.resident_pages_per_layer == (0 if budget is None else budget - 26)
-    assert any(p is not None and p != ((store.resident_pages_per_layer, store.max_pages_per_layer),) for p in seen)
+    if grain == "head":
+        assert any(isinstance(p, offload._HeadsOf) for p in seen)
+    else:
+        assert any(p is not None and p != ((store.resident_pages_per_layer, store.max_pages_per_layer),) for p in seen)
     _assert_same_training(m_ref, m_off, out_ref, out_off)
     assert store.stats["on_demand"] == 0
     pred = offload_traffic(ModelShape.from_config(m_off.config), 52, chunk, 4, store.resident_pages_per_layer,
@@ -741,7 +757,7 @@ def test_sparse_offload_coalesced_stagings_bitwise(monkeypatch, gap, fraction, m
     seen = _staged_pages(monkeypatch)
     ids = torch.randint(0, VOCAB, (1, 52), generator=torch.Generator().manual_seed(7))
     m_ref, m_off, out_ref, out_off, e_off = _sparse_pair(monkeypatch, ids, 2 * 13 + 3, None, exact_unions=False,
-                                                         chunk_size=8, page_size=4)
+                                                         grain="page", chunk_size=8, page_size=4)
     _assert_same_training(m_ref, m_off, out_ref, out_off)
     assert e_off.kv_store.stats["on_demand"] == 0
     if fraction > 1 and max_runs > 1:  # merged runs only: some staging is a strict subset with gaps filled
@@ -764,24 +780,26 @@ def test_coalesce_runs():
     assert _coalesce_runs((), 10, 100, 1, 0.5, 9) == ()
 
 
-def _traffic(monkeypatch, page_budget, whole_layer):
+def _traffic(monkeypatch, page_budget, whole_layer, grain="page"):
     if whole_layer:
         monkeypatch.setattr(SparseAttentionState, "needed_pages", lambda self, layer, start: None)
+        monkeypatch.setattr(SparseAttentionState, "needed_heads", lambda self, layer, start: None)
     ids = torch.randint(0, VOCAB, (1, 56), generator=torch.Generator().manual_seed(8))
-    _, _, out_ref, out_off, e_off = _sparse_pair(monkeypatch, ids, None, chunk_size=8, page_size=4,
+    _, _, out_ref, out_off, e_off = _sparse_pair(monkeypatch, ids, None, chunk_size=8, page_size=4, grain=grain,
                                                  **{"page_budget": page_budget})
     assert out_ref.loss == out_off.loss
     return e_off.kv_store.stats
 
 
+@pytest.mark.parametrize("grain", ["head", "page"])
 @pytest.mark.parametrize("page_budget", [1, 14])
-def test_sparse_offload_traffic_below_whole_layer(monkeypatch, page_budget):
+def test_sparse_offload_traffic_below_whole_layer(monkeypatch, page_budget, grain):
     """The store's counters: Stage-2 traffic strictly below whole-layer staging for a small budget, equal when the
     budget covers the past (Stage 1 is the same either way)."""
     with monkeypatch.context() as mp:
-        sel = _traffic(mp, page_budget, False)
+        sel = _traffic(mp, page_budget, False, grain)
     with monkeypatch.context() as mp:
-        whole = _traffic(mp, page_budget, True)
+        whole = _traffic(mp, page_budget, True, grain)
     if page_budget == 1:
         assert sel["h2d_bytes"] < whole["h2d_bytes"] and sel["d2h_bytes"] < whole["d2h_bytes"], (sel, whole)
     else:
@@ -819,7 +837,8 @@ def test_sparse_offload_needed_pages_for_every_chunk_zero_fills_never_written(mo
         return out
 
     monkeypatch.setattr(OffloadedKVStore, "_valid_runs", valid_runs)
-    m_ref, m_off, out_ref, out_off, _ = _sparse_pair(monkeypatch, ids, None, cu, **{k: v for k, v in cfg.items() if k not in SPARSE})
+    m_ref, m_off, out_ref, out_off, _ = _sparse_pair(monkeypatch, ids, None, cu, grain="page",
+                                                     **{k: v for k, v in cfg.items() if k not in SPARSE})
     assert any(False in r and True in r[r.index(False):] for r in runs)  # a written page above a never-written one
     _assert_same_training(m_ref, m_off, out_ref, out_off)
 
@@ -837,7 +856,7 @@ def test_sparse_offload_skipped_writeback_is_detected(monkeypatch):
 
     monkeypatch.setattr(OffloadedKVStore, "_after_backward", after_backward)
     ids = torch.randint(0, VOCAB, (1, 52), generator=torch.Generator().manual_seed(7))
-    m_ref, m_off, out_ref, out_off, _ = _sparse_pair(monkeypatch, ids, None, chunk_size=8, page_size=4)
+    m_ref, m_off, out_ref, out_off, _ = _sparse_pair(monkeypatch, ids, None, grain="page", chunk_size=8, page_size=4)
     assert out_ref.loss == out_off.loss  # the forward does not depend on gradients
     assert any(not torch.equal(a.grad, b.grad) for a, b in zip(m_ref.parameters(), m_off.parameters()))
 
@@ -912,3 +931,71 @@ def test_writeback_pieces_split_and_order(monkeypatch):
     assert store._writeback_split(1, 0, 4) == [(0, 4, -1)]  # nothing written out of set 1 yet
     store._write_back_pieces(0, 0, 0, [(0, 7)])  # 7 slots -> pieces of 3: [0,3) [3,6) [6,7)
     assert [(a, b) for a, b, _ in store._wb_pieces[0]] == [(0, 3), (3, 6), (6, 7)]
+
+
+# ------------------------------------------------------------ head-grained stagings (issue 5)
+def test_sparse_offload_head_grain_moves_fewer_bytes_than_page_grain(monkeypatch):
+    """With a small budget the selections' (page, KV head) tiles are a strict subset of their page unions: fewer
+    bytes each way than page-grained staging, for bitwise the same training (both checked in _traffic)."""
+    with monkeypatch.context() as mp:
+        head = _traffic(mp, 1, False, "head")
+    with monkeypatch.context() as mp:
+        page = _traffic(mp, 1, False, "page")
+    assert head["h2d_bytes"] < page["h2d_bytes"] and head["d2h_bytes"] < page["d2h_bytes"], (head, page)
+
+
+def _head_selections(monkeypatch, ids, cu, **cfg):
+    """page_idx of every selection of a sparse on-device step (the last chunk's too; None where dense)."""
+    with monkeypatch.context() as mp:
+        mp.setattr(SparseAttentionState, "release", lambda self, start: None)
+        torch.manual_seed(3)
+        engine = Engine(tiny("qwen2", 4, 2, layers=3).double(), OOMBConfig(offload=False, attention_backend="torch", **cfg))
+        engine.step(ids, cu_seqlens=cu)
+    return {key: None if sel.dense else sel.page_idx for key, sel in engine.sparse_state.selections.items()}
+
+
+@pytest.mark.parametrize("skip", [None, "scatter", "zero_unwritten", "valid"])
+def test_sparse_offload_head_grain_every_chunk_and_controls(monkeypatch, skip):
+    """A ``needed_heads`` hook that knows the last chunk's selection too: its backward writes back only its tiles, so
+    later stagings (head-grained ones, and whole-layer ones of dense selections) mix written and never-written
+    tiles (the host tier is NaN). Training is bitwise the all-on-device one. Controls with teeth: without the tile
+    write-back, without zeroing never-written tiles in a whole-layer staging, or reading every tile as written,
+    the gradients change."""
+    import oomb.ops.page_gather as pg
+
+    ids = torch.randint(0, VOCAB, (1, 52), generator=torch.Generator().manual_seed(9))
+    cfg = dict(SPARSE, chunk_size=8, page_size=4, sparse_block_size=8)  # one block per chunk: fewer tiles selected
+    sels = _head_selections(monkeypatch, ids, None, **cfg)
+    monkeypatch.setattr(SparseAttentionState, "needed_heads", lambda self, layer, start: sels[(start, layer)])
+    unwritten = []
+    orig_zero = OffloadedKVStore._zero_unwritten
+
+    def zero_unwritten(self, layer, base, x, y):
+        self._streams.synchronize()
+        unwritten.append(not bool(self._written[layer, x:y].all()))
+        if skip != "zero_unwritten":
+            orig_zero(self, layer, base, x, y)
+
+    monkeypatch.setattr(OffloadedKVStore, "_zero_unwritten", zero_unwritten)
+    if skip == "scatter":
+        monkeypatch.setattr(offload, "scatter_head_pages", lambda *a, **k: None)
+    elif skip == "valid":
+        orig = pg.gather_head_pages
+        monkeypatch.setattr(offload, "gather_head_pages",
+                            lambda dst, base, src, pairs, count, valid=None, **k: orig(dst, base, src, pairs, count, None))
+    m_ref, m_off, out_ref, out_off, _ = _sparse_pair(monkeypatch, ids, None, chunk_size=8, page_size=4, sparse_block_size=8)
+    assert out_ref.loss == out_off.loss  # the forward does not read gradients
+    if skip is None:
+        assert any(unwritten)  # a whole-layer staging did meet never-written tiles
+        _assert_same_training(m_ref, m_off, out_ref, out_off)
+    else:
+        assert any(not torch.equal(a.grad, b.grad) for a, b in zip(m_ref.parameters(), m_off.parameters()))
+
+
+def test_offload_stage_grain_env(monkeypatch):
+    monkeypatch.setenv("OOMB_OFFLOAD_STAGE_GRAIN", "page")
+    store = OffloadedKVStore(2, 2, 8, 4, 32, torch.float32, "cpu", chunk_size=8, segment_pages="layer")
+    assert store.stage_grain == "page"
+    monkeypatch.setenv("OOMB_OFFLOAD_STAGE_GRAIN", "tile")
+    with pytest.raises(ValueError, match="OOMB_OFFLOAD_STAGE_GRAIN"):
+        OffloadedKVStore(2, 2, 8, 4, 32, torch.float32, "cpu", chunk_size=8, segment_pages="layer")

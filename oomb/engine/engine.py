@@ -366,8 +366,9 @@ class Engine:
         """Fresh page representatives and selections for a sequence of T tokens (config.sparse), else None.
 
         With an offloaded store that stages whole layers (``stage2``: a training step follows), the
-        store gets the selections' page unions as its ``needed_pages`` hook, so that Stage 2 stages only
-        the pages a (chunk, layer)'s selection reads; otherwise the hook is None (whole layers).
+        store gets the selections as its ``needed_heads`` hook (and their page unions as ``needed_pages``),
+        so that Stage 2 stages only the (page, KV head) tiles, or pages, a (chunk, layer)'s selection reads;
+        otherwise the hooks are None (whole layers).
         """
         self._sparse = None
         if self.config.sparse:
@@ -378,6 +379,7 @@ class Engine:
         if isinstance(store, OffloadedKVStore):
             track = stage2 and self._sparse is not None and not store.segmented
             store.needed_pages = self._sparse.needed_pages if track else None
+            store.needed_heads = self._sparse.needed_heads if track else None
             if track:
                 self._sparse.track_pages = True
 

@@ -142,6 +142,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..ops.page_gather import gather_head_pages, head_pairs, scatter_head_pages
 from ..ops.paged_attention import PagedKV
 
 __all__ = [
@@ -257,11 +258,23 @@ class _Tag:
     grad_pages: tuple[tuple[int, int], ...] | None = None
 
 
-def _covers(have: tuple[tuple[int, int], ...] | None, need: tuple[tuple[int, int], ...] | None) -> bool:
-    """Whether the host-page runs ``have`` (None: all) include every page of ``need`` (None: all)."""
+@dataclass(frozen=True)
+class _HeadsOf:
+    """A Stage-2 use's pages are the (page, KV head) tiles the selection of (its layer, chunk ``start``) reads,
+    plus all heads of the chunk's ``own`` gradient pages (head-grained staging)."""
+
+    start: int
+    own: int
+
+
+def _covers(have, need) -> bool:
+    """Whether the host-page runs ``have`` (None: all) include every page of ``need`` (None: all); a
+    :class:`_HeadsOf` covers only itself."""
     if have is None or have == need:
         return True
-    if need is None:
+    if isinstance(have, _HeadsOf) and isinstance(need, _HeadsOf):
+        return have.start == need.start  # the same selection's tiles (own pages are checked with the gradients)
+    if need is None or isinstance(have, _HeadsOf) or isinstance(need, _HeadsOf):
         return False
     i = 0
     for a, e in need:
@@ -767,6 +780,24 @@ class _CudaStreams:
     def record_d2h(self, ev: torch.cuda.Event) -> None:
         ev.record(self.d2h)
 
+    def h2d_run(self, fn) -> None:
+        """Enqueue ``fn``'s work (kernels, e.g. a zero-copy gather) on the host->device stream."""
+        with torch.cuda.stream(self.copy):
+            fn()
+
+    def h2d_alloc(self, fn) -> None:
+        """Run ``fn`` now, allocating (``torch.empty`` only) from the host->device stream's memory."""
+        with torch.cuda.stream(self.copy):
+            fn()
+
+    def d2h_run(self, fn, *tensors: torch.Tensor) -> None:
+        """Enqueue ``fn``'s work on the device->host stream; ``tensors`` (made on another stream) stay
+        allocated until it has run."""
+        with torch.cuda.stream(self.d2h):
+            fn()
+        for t in tensors:
+            t.record_stream(self.d2h)
+
     def synchronize(self) -> None:
         self.copy.synchronize()
         self.d2h.synchronize()
@@ -806,6 +837,15 @@ class _SyncStreams:
 
     def record_d2h(self, ev) -> None:
         pass
+
+    def h2d_run(self, fn) -> None:
+        fn()
+
+    def h2d_alloc(self, fn) -> None:
+        fn()
+
+    def d2h_run(self, fn, *tensors) -> None:
+        fn()
 
     def synchronize(self) -> None:
         pass
@@ -887,6 +927,12 @@ class OffloadedKVStore:
             unknown, all). With whole-layer staging, Stage 2 then stages and writes back only those
             pages (see the module docstring); segmented staging ignores it. Set by the engine for
             sparse attention; not cleared by :meth:`reset`.
+        needed_heads: None, or a callable ``(layer, start) -> int32 [nb, Hkv, K] | None``: the selection's
+            ``page_idx`` (logical pages per query block and KV head, -1 padded; on the device) of that
+            Stage-2 attention, None when unknown or dense. With whole-layer staging and
+            :attr:`stage_grain` ``'head'`` it takes precedence over ``needed_pages``: Stage 2 stages and
+            writes back only the (page, KV head) tiles the selection reads (module docstring).
+        stage_grain: ``'head'`` or ``'page'`` (class default ``'head'``; env ``OOMB_OFFLOAD_STAGE_GRAIN``).
 
     Raises:
         ValueError: a budget below two staging buffers; a bad ``segment_pages``.
@@ -898,6 +944,11 @@ class OffloadedKVStore:
     stage_merge_gap_pages: int = 1
     stage_whole_fraction: float = 0.5
     stage_max_runs: int = 256
+    #: Stage-2 staging grain of a sparse (chunk, layer) whose selection is known: ``'head'`` (default) moves
+    #: only the (page, KV head) tiles of the selection (:mod:`oomb.ops.page_gather`: zero-copy kernels on
+    #: CUDA, with the ``needed_heads`` hook); ``'page'`` moves whole pages of the selection's page union
+    #: (runs, with the ``needed_pages`` hook). ``OOMB_OFFLOAD_STAGE_GRAIN`` overrides it per store.
+    stage_grain: str = "head"
 
     def __init__(
         self,
@@ -1009,6 +1060,16 @@ class OffloadedKVStore:
             self._wbuf_k = self._wbuf_v = None
         self.trace: list[tuple] | None = [] if trace else None
         self.needed_pages = None
+        self.needed_heads = None
+        grain = os.environ.get("OOMB_OFFLOAD_STAGE_GRAIN", self.stage_grain)
+        if grain not in ("head", "page"):
+            raise ValueError(f"OOMB_OFFLOAD_STAGE_GRAIN must be 'head' or 'page'; got {grain!r}")
+        self.stage_grain = grain
+        # Whole-layer staging: which host (page, KV head) dK/dV tiles hold a written-back gradient, on the
+        # device (head-grained stagings read it without a host sync; every write-back updates it).
+        self._written = (torch.zeros((L, H, num_kv_heads), dtype=torch.bool, device=self.device)
+                         if not self.segmented and H > 0 else None)
+        self._dev_bytes = torch.zeros(2, dtype=torch.int64, device=self.device) if self._written is not None else None
         self.reset()
 
     # ------------------------------------------------------------------ memory
@@ -1070,11 +1131,29 @@ class OffloadedKVStore:
         self._seen_layers: set[int] = set()
         self._wbuf_next = 0
         self._seq_len: int | None = None
-        self.stats = {"h2d_bytes": 0, "d2h_bytes": 0, "prefetched": 0, "on_demand": 0}
+        self._stats = {"h2d_bytes": 0, "d2h_bytes": 0, "prefetched": 0, "on_demand": 0}
+        self._pairs_cache: dict[tuple[int, int], tuple] = {}
+        self._heads_used = [False] * L  # a head-grained write-back went into the layer's host dK/dV this step
+        if self._written is not None:
+            self._written.zero_()
+            self._dev_bytes.zero_()
         if self._sched is not None:
             self._sched.reset(None)
         if self.trace is not None:
             self.trace.clear()
+
+    @property
+    def stats(self) -> dict:
+        """Bytes copied each way (``h2d_bytes``/``d2h_bytes``, head-grained tiles included) and stagings
+        issued ahead (``prefetched``) or at the point of use (``on_demand``). Reading it after head-grained
+        stagings waits for the copy streams (their byte counts are kept on the device)."""
+        if self._dev_bytes is not None and any(self._heads_used):
+            self._streams.synchronize()
+            h2d, d2h = self._dev_bytes.tolist()
+            self._dev_bytes.zero_()
+            self._stats["h2d_bytes"] += h2d
+            self._stats["d2h_bytes"] += d2h
+        return self._stats
 
     @property
     def supports_saved_attention(self) -> bool:
@@ -1123,6 +1202,13 @@ class OffloadedKVStore:
             extra.difference_update([p for p in extra if p >= keep])
         for key in [key for key in self._runs_cache if key[0] == layer and key[1] >= start]:
             del self._runs_cache[key]
+        for key in [key for key in self._pairs_cache if key[0] == layer and key[1] >= start]:
+            del self._pairs_cache[key]
+        R = self.resident_pages_per_layer
+        if self._written is not None and keep - R < self.host_pages_per_layer:
+            written = self._written
+            self._streams.d2h_run(lambda: written[layer, max(0, keep - R):].fill_(False))
+            self._wb_layer[layer] = self._d2h_event()
         if self._sched is not None:
             self._sched.release_from(layer, keep)
         if self.trace is not None:
@@ -1184,7 +1270,7 @@ class OffloadedKVStore:
                 st.d2h_copy_(hv, wv)
                 st.record_d2h(self._wbuf_free[b])
                 self._wb_layer[layer] = self._d2h_event()
-            self.stats["d2h_bytes"] += 2 * nt * Hkv * D * k.element_size()
+            self._stats["d2h_bytes"] += 2 * nt * Hkv * D * k.element_size()
             if self.trace is not None:
                 self.trace.append(("write_host", layer, a, p1))
         self._pages[layer] = p1
@@ -1221,15 +1307,20 @@ class OffloadedKVStore:
                 e = min(y, x + step - done)
                 st.d2h_copy_(self.dk_host[layer, x:e], self.dk_cache[base + x : base + e])
                 st.d2h_copy_(self.dv_host[layer, x:e], self.dv_cache[base + x : base + e])
-                self.stats["d2h_bytes"] += 2 * self.dk_host[layer, x:e].numel() * self.dk_host.element_size()
+                self._stats["d2h_bytes"] += 2 * self.dk_host[layer, x:e].numel() * self.dk_host.element_size()
                 lo = x if lo is None else lo
                 done += e - x
                 x = e
                 if done == step:
                     pieces.append((lo, e, self._d2h_event()))
                     lo, done = None, 0
+        if self._written is not None:
+            written = self._written
+            st.d2h_run(lambda: [written[layer, x:y].fill_(True) for x, y in runs])
         if lo is not None:
             pieces.append((lo, runs[-1][1], self._d2h_event()))
+        else:
+            pieces[-1] = (pieces[-1][0], pieces[-1][1], self._d2h_event())
         self._wb_prev[s] = self._wb_buf[s]
         self._wb_pieces[s] = pieces
         self._wb_buf[s] = pieces[-1][2]
@@ -1312,12 +1403,18 @@ class OffloadedKVStore:
         st = self._streams
         st.copy_wait(st.record_compute() if self._busy[s] else self._free[s])
         self._after_host_writes(layer)
+        if isinstance(use.pages, _HeadsOf):
+            self._stage_heads(use, s, base, kv_ok, grad_ok)
+            tag = self._tag[s] if kv_ok else _Tag(layer, use.past, kv=True, pages=use.pages)
+            if not grad_ok:
+                tag.grad_start, tag.grad_own, tag.grad_pages = use.start, use.own, use.pages
+            kv_ok = grad_ok = True
         if not kv_ok:
             # Pages keep their slots (base + p - R) either way: only the copies differ.
             for a, e in ((R, use.past),) if use.pages is None else use.pages:
                 st.copy_(self.k_cache[base + a - R : base + e - R], self.k_host[layer, a - R : e - R])
                 st.copy_(self.v_cache[base + a - R : base + e - R], self.v_host[layer, a - R : e - R])
-                self.stats["h2d_bytes"] += 2 * self.k_host[layer, a - R : e - R].numel() * self.k_host.element_size()
+                self._stats["h2d_bytes"] += 2 * self.k_host[layer, a - R : e - R].numel() * self.k_host.element_size()
             tag = _Tag(layer, use.past, kv=True, pages=use.pages)
         if not grad_ok:
             # dK/dV of the past pages read (all, or the needed runs) and of the chunk's own pages beyond R.
@@ -1337,25 +1434,136 @@ class OffloadedKVStore:
                         spans[-1] = (spans[-1][0], end)
                     else:
                         spans.append((own_lo, end))
+            heads_used = self._heads_used[layer]
             for a, e in spans:
-                for x0, y0, ok in self._valid_runs(layer, a, e):
+                # After a head-grained write-back into this layer, page-level validity no longer tells which
+                # tiles hold a gradient: copy the span, then zero the never-written tiles (below).
+                for x0, y0, ok in ((a, e, True),) if heads_used else self._valid_runs(layer, a, e):
                     for x, y, piece in self._writeback_split(s, x0 - R, y0 - R):  # slot offsets
                         self._after_writeback_piece(s, piece)
                         if ok:
                             st.copy_(self.dk_cache[base + x : base + y], self.dk_host[layer, x:y])
                             st.copy_(self.dv_cache[base + x : base + y], self.dv_host[layer, x:y])
-                            self.stats["h2d_bytes"] += 2 * self.dk_host[layer, x:y].numel() * self.dk_host.element_size()
+                            self._stats["h2d_bytes"] += 2 * self.dk_host[layer, x:y].numel() * self.dk_host.element_size()
                         else:  # never written back: zero on the device instead of copying
                             st.zero_(self.dk_cache[base + x : base + y])
                             st.zero_(self.dv_cache[base + x : base + y])
+                if heads_used:
+                    self._zero_unwritten(layer, base, a - R, e - R)
             if tag is None or tag.layer != layer or tag.past != use.past:
                 tag = _Tag(layer, use.past, kv=use.past <= R, pages=use.pages)
             tag.grad_start, tag.grad_own, tag.grad_pages = use.start, use.own, use.pages
         st.record_copy(self._ready[s])
         self._tag[s] = tag
-        self.stats[why] += 1
+        self._stats[why] += 1
         if self.trace is not None:
             self.trace.append(("stage", why, layer, use.start, use.past, use.own if use.grad else None))
+
+    def _zero_unwritten(self, layer: int, base: int, x: int, y: int) -> None:
+        """Zero the staged dK/dV tiles of host pages [x, y) (offsets from R; slots base + x..) never written back."""
+        dk, dv, written = self.dk_cache, self.dv_cache, self._written
+
+        def run():
+            keep = written[layer, x:y][:, None, :, None]  # [n, 1, Hkv, 1]
+            zero = torch.zeros((), dtype=dk.dtype, device=dk.device)
+            dk[base + x : base + y] = torch.where(keep, dk[base + x : base + y], zero)
+            dv[base + x : base + y] = torch.where(keep, dv[base + x : base + y], zero)
+
+        self._streams.h2d_run(run)
+
+    # ------------------------------------------------------------ head-grained stagings
+    def _head_tiles(self, use: _Use) -> tuple:
+        """(pairs, count_all, count_kv, mask) of a head-grained use, made on the host->device stream once per
+        (layer, chunk): ``mask`` [past + own - R, Hkv] bool marks the host tiles the selection reads (all
+        heads of the own pages), ``pairs[:count_all]`` lists them (:func:`~oomb.ops.page_gather.head_pairs`),
+        the first ``count_kv`` being past pages'."""
+        key = (use.layer, use.start, use.pages.own)
+        hit = self._pairs_cache.get(key)
+        if hit is not None:
+            return hit
+        R, Hkv = self.resident_pages_per_layer, self.num_kv_heads
+        past, own = use.past, use.pages.own
+        page_idx = self.needed_heads(use.layer, use.start)
+        n = past + own - R
+        dev = self.device
+        t: dict = {}
+        # Allocated on the host->device stream (its kernels fill them; the device->host stream reads them).
+        self._streams.h2d_alloc(lambda: t.update(
+            full=torch.empty((past + own, Hkv), dtype=torch.bool, device=dev),
+            pairs=torch.empty(n * Hkv + 1, dtype=torch.int32, device=dev),
+            count_all=torch.empty(1, dtype=torch.int32, device=dev),
+            count_kv=torch.empty(1, dtype=torch.int32, device=dev),
+        ))
+        full, pairs, count_all, count_kv = t["full"], t["pairs"], t["count_all"], t["count_kv"]
+
+        def run():
+            full.zero_()
+            idx = page_idx.clamp(min=0).long()  # padding reads page 0 (the reference gathers it, then masks it)
+            heads = torch.arange(Hkv, device=dev)[None, :, None].expand_as(idx)
+            full[idx, heads] = True
+            full[past:] = True
+            head_pairs(full[R:], out=(pairs, count_all))
+            count_kv.copy_(full[R:past].sum(dtype=torch.int32).reshape(1))
+
+        self._streams.h2d_run(run)
+        hit = self._pairs_cache[key] = (pairs, count_all, count_kv, full[R:])
+        return hit
+
+    def _stage_heads(self, use: _Use, s: int, base: int, kv_ok: bool, grad_ok: bool) -> None:
+        """Stage the tiles of a head-grained use (K/V of its past tiles; dK/dV of those and of its own pages)."""
+        st = self._streams
+        layer, m = use.layer, use.past - self.resident_pages_per_layer
+        o = use.pages.own
+        pairs, count_all, count_kv, _ = self._head_tiles(use)
+        tile = self.page_size * self.head_dim
+        kc, vc, kh, vh = self.k_cache, self.v_cache, self.k_host[layer], self.v_host[layer]
+        dkc, dvc, dkh, dvh = self.dk_cache, self.dv_cache, self.dk_host[layer], self.dv_host[layer]
+        counter = self._dev_bytes
+        if not kv_ok:
+            def kv():
+                gather_head_pages(kc, base, kh[:m], pairs, count_kv)
+                gather_head_pages(vc, base, vh[:m], pairs, count_kv)
+                counter[0] += count_kv[0].long() * (2 * tile * kh.element_size())
+
+            st.h2d_run(kv)
+        if not grad_ok:
+            if self._wb_prev[s] is not None:
+                st.copy_wait(self._wb_prev[s])
+            for piece in range(len(self._wb_pieces[s])):
+                self._after_writeback_piece(s, piece)
+            valid = self._written[layer, : m + o]
+
+            def grad():
+                gather_head_pages(dkc, base, dkh[: m + o], pairs, count_all, valid)
+                gather_head_pages(dvc, base, dvh[: m + o], pairs, count_all, valid)
+                counter[0] += count_all[0].long() * (2 * tile * dkh.element_size())
+
+            st.h2d_run(grad)
+
+    def _write_back_heads(self, use: _Use, s: int, base: int) -> None:
+        """D2H of the past dK/dV tiles a head-grained backward wrote; marks them written (device mask)."""
+        st = self._streams
+        layer, m = use.layer, use.past - self.resident_pages_per_layer
+        pairs, _, count_kv, mask = self._head_tiles(use)
+        tile = self.page_size * self.head_dim
+        dkc, dvc, dkh, dvh = self.dk_cache, self.dv_cache, self.dk_host[layer], self.dv_host[layer]
+        written, counter = self._written, self._dev_bytes
+
+        def run():
+            scatter_head_pages(dkh[:m], dkc, base, pairs, count_kv)
+            scatter_head_pages(dvh[:m], dvc, base, pairs, count_kv)
+            written[layer, :m] |= mask[:m]
+            counter[1] += count_kv[0].long() * (2 * tile * dkh.element_size())
+
+        st.d2h_run(run, pairs, count_kv, mask)
+        self._heads_used[layer] = True
+        ev = self._d2h_event()
+        self._wb_prev[s] = self._wb_buf[s]
+        self._wb_pieces[s] = [(0, m, ev)]
+        self._wb_buf[s] = ev
+        self._wb_layer[layer] = ev
+        for key in [key for key in self._pairs_cache if key[:2] == (layer, use.start)]:
+            del self._pairs_cache[key]
 
     def _valid_runs(self, layer: int, a: int, e: int) -> list[tuple[int, int, bool]]:
         """Pages [a, e) (>= R) of ``layer`` split into runs ``(x, y, written)``: whether their host dK/dV
@@ -1398,7 +1606,11 @@ class OffloadedKVStore:
             self._grad_valid[layer] = gv
 
     def _stage2_use(self, layer: int, start: int, past: int, own: int, grad: bool) -> _Use:
-        """A Stage-2 use; its ``pages`` are the host pages the ``needed_pages`` hook names (None: all)."""
+        """A Stage-2 use; its ``pages`` are the selection's tiles (:class:`_HeadsOf`, head grain with a
+        ``needed_heads`` hook that knows them), else the host pages the ``needed_pages`` hook names (None: all)."""
+        if (self.stage_grain == "head" and self.needed_heads is not None and past > self.resident_pages_per_layer
+                and self.needed_heads(layer, start) is not None):
+            return _Use(layer, start, past, own, grad, _HeadsOf(start, own))
         return _Use(layer, start, past, own, grad, self._needed_runs(layer, start, past))
 
     def _needed_runs(self, layer: int, start: int, past: int) -> tuple[tuple[int, int], ...] | None:
@@ -1551,6 +1763,11 @@ class OffloadedKVStore:
                 self._mark_written(use.layer, ())
             if self.trace is not None:
                 self.trace.append(("writeback", use.layer, use.start, use.past))
+        elif m > 0 and isinstance(use.pages, _HeadsOf):  # only the tiles the backward wrote
+            st.d2h_wait(done)
+            self._write_back_heads(use, s, L * R + s * W)
+            if self.trace is not None:
+                self.trace.append(("writeback", use.layer, use.start, use.past))
         elif m > 0 and use.pages:  # only the pages the backward wrote (the selected ones): the rest are untouched
             base = L * R + s * W
             st.d2h_wait(done)
@@ -1574,11 +1791,15 @@ class OffloadedKVStore:
             torch.cuda.synchronize(self.device)
         S, R = self.page_size, self.resident_pages_per_layer
         out = []
+        written = self._written.cpu() if self._written is not None else None
         for gpu, host in ((self.dk_cache, self.dk_host), (self.dv_cache, self.dv_host)):
             pages = []
             for p in range(start // S, -(-(start + n) // S)):
                 if p < R:
                     pages.append(gpu[layer * R + p].cpu())
+                elif written is not None:  # whole-layer staging tracks written tiles per (page, KV head)
+                    keep = written[layer, p - R][None, :, None]
+                    pages.append(torch.where(keep, host[layer, p - R], torch.zeros((), dtype=host.dtype)))
                 elif self._host_grad_valid(layer, p):
                     pages.append(host[layer, p - R].clone())
                 else:
@@ -1618,19 +1839,19 @@ class OffloadedKVStore:
         if kv:
             st.copy_(self.k_cache[base : base + m], self.k_host[layer, h : h + m])
             st.copy_(self.v_cache[base : base + m], self.v_host[layer, h : h + m])
-            self.stats["h2d_bytes"] += 2 * m * self.k_host[0, 0].numel() * self.k_host.element_size()
+            self._stats["h2d_bytes"] += 2 * m * self.k_host[0, 0].numel() * self.k_host.element_size()
         if valid is not None:
             self._after_writeback_out_of(b)
             nv = valid - lo
             if nv:
                 st.copy_(self.dk_cache[base : base + nv], self.dk_host[layer, h : h + nv])
                 st.copy_(self.dv_cache[base : base + nv], self.dv_host[layer, h : h + nv])
-                self.stats["h2d_bytes"] += 2 * nv * self.dk_host[0, 0].numel() * self.dk_host.element_size()
+                self._stats["h2d_bytes"] += 2 * nv * self.dk_host[0, 0].numel() * self.dk_host.element_size()
             if m > nv:  # never written back: zero on the device instead of copying
                 st.zero_(self.dk_cache[base + nv : base + m])
                 st.zero_(self.dv_cache[base + nv : base + m])
         st.record_copy(self._ready[b])
-        self.stats[why] += 1
+        self._stats[why] += 1
         if self.trace is not None:
             self.trace.append(("stage", why, layer, use.start, use.seg, b, kv, valid is not None))
 
@@ -1653,7 +1874,7 @@ class OffloadedKVStore:
             st.d2h_copy_(self.dk_host[use.layer, h : h + m], self.dk_cache[base : base + m])
             st.d2h_copy_(self.dv_host[use.layer, h : h + m], self.dv_cache[base : base + m])
             self._wrote_back(b, use.layer)
-            self.stats["d2h_bytes"] += 2 * m * self.dk_host[0, 0].numel() * self.dk_host.element_size()
+            self._stats["d2h_bytes"] += 2 * m * self.dk_host[0, 0].numel() * self.dk_host.element_size()
             if self.trace is not None:
                 self.trace.append(("writeback", use.layer, use.start, use.seg, b))
 
@@ -1667,12 +1888,12 @@ class OffloadedKVStore:
             if ok:
                 st.copy_(self.own_dk_cache[d0:d1], self.dk_host[layer, a - R : e - R])
                 st.copy_(self.own_dv_cache[d0:d1], self.dv_host[layer, a - R : e - R])
-                self.stats["h2d_bytes"] += 2 * (e - a) * self.dk_host[0, 0].numel() * self.dk_host.element_size()
+                self._stats["h2d_bytes"] += 2 * (e - a) * self.dk_host[0, 0].numel() * self.dk_host.element_size()
             else:
                 st.zero_(self.own_dk_cache[d0:d1])
                 st.zero_(self.own_dv_cache[d0:d1])
         st.record_copy(self._own_ready[ob])
-        self.stats[why] += 1
+        self._stats[why] += 1
         if self.trace is not None:
             self.trace.append(("stage_own", why, layer, lo, ob))
 

@@ -648,6 +648,20 @@ class SparseAttentionState:
         self._pages[(start, layer)] = [pages]
         return pages
 
+    def needed_heads(self, layer: int, start: int) -> torch.Tensor | None:
+        """int32 ``page_idx`` [nb, Hkv, K] (device, -1 padded) of the selection of (chunk at ``start``,
+        ``layer``): the (page, KV head) tiles its attention reads; None if unknown or dense.
+
+        Known, like :meth:`needed_pages`, for selections made in Stage 1 while :attr:`track_pages` is set.
+        Never syncs: the offload store turns it into a tile list on its copy stream.
+        """
+        if (start, layer) not in self._pages:
+            return None
+        sel = self.selections.get((start, layer))
+        if sel is None or sel.dense:
+            return None
+        return sel.page_idx
+
     def release(self, start: int) -> None:
         """Forget the selections (and recorded page unions) of the chunk at ``start`` (unless retaining)."""
         if not self.retain_selections:
