@@ -4,12 +4,12 @@
 # planner's 75% budget on this host), after a warm-up that compiles every kernel; then the CUDA
 # offload tests (write-back pieces, two copy streams) if time is left.
 #   LEN (default 1048576), T_STEP (python time limit, s), CKPT (1: --checkpoint-layers), TAG, T_TEST (0: no tests),
-#   PRE_TESTS (pytest arguments run first, e.g. tests/test_page_gather.py), OOMB_OFFLOAD_STAGE_GRAIN (head|page)
+#   PRE_TESTS (test files run first, e.g. tests/test_page_gather.py) with -k PRE_K (default cuda), OOMB_OFFLOAD_STAGE_GRAIN (head|page)
 set -u
 . benchmarks/gpu_common.sh
 gpu_env
 free -g | tee "$R/free.txt"
-[ -n "${PRE_TESTS:-}" ] && el "pre-tests: $PRE_TESTS" && timeout 120 python3 -m pytest -q $PRE_TESTS -p no:cacheprovider 2>&1 | tail -3 | tee "$R/pre_tests.txt"
+[ -n "${PRE_TESTS:-}" ] && el "pre-tests: $PRE_TESTS" && timeout 150 python3 -m pytest -q $PRE_TESTS -k "${PRE_K:-cuda}" -p no:cacheprovider 2>&1 | tail -3 | tee "$R/pre_tests.txt"
 ck=""; [ "${CKPT:-1}" = 1 ] && ck="--checkpoint-layers"
 el "sparse ${LEN:-1048576} offload $ck"
 timeout ${T_STEP:-470} python3 benchmarks/bench_sparse.py --model qwen2.5-7b --lengths ${LEN:-1048576} --systems sparse \

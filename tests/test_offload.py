@@ -999,3 +999,26 @@ def test_offload_stage_grain_env(monkeypatch):
     monkeypatch.setenv("OOMB_OFFLOAD_STAGE_GRAIN", "tile")
     with pytest.raises(ValueError, match="OOMB_OFFLOAD_STAGE_GRAIN"):
         OffloadedKVStore(2, 2, 8, 4, 32, torch.float32, "cpu", chunk_size=8, segment_pages="layer")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (side streams, pinned host memory, zero-copy kernels)")
+@pytest.mark.parametrize("grain", ["head", "page"])
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_cuda_sparse_offload_bitwise_like_all_on_device(monkeypatch, ckpt, grain):
+    """Real streams: head-grained stagings (zero-copy gather/scatter kernels on the copy streams) and page-grained
+    ones give the all-on-device sparse training bitwise (bf16 model, PyTorch attention)."""
+    monkeypatch.setattr(OffloadedKVStore, "stage_grain", grain)
+    seen = _staged_pages(monkeypatch)
+    torch.manual_seed(0)
+    m_ref = tiny("qwen2", 4, 2, layers=5, head_dim=16).to("cuda", torch.bfloat16)
+    m_off = clone_model(m_ref).to("cuda")
+    ids = torch.randint(0, VOCAB, (1, 300), device="cuda")
+    common = dict(chunk_size=32, page_size=16, checkpoint_layers=ckpt, attention_backend="torch", sparse=True,
+                  page_budget=2, sink_pages=1, local_pages=1, sparse_block_size=16)
+    out_ref, _ = _step(m_ref, ids, offload=False, **common)
+    out_off, e_off = _step(m_off, ids, offload=True, gpu_page_budget=2 * 19 + 3 * 2, **common)
+    store = e_off.kv_store
+    assert store.k_host.is_pinned() and store.resident_pages_per_layer == 2 and store.stats["on_demand"] == 0
+    if grain == "head":
+        assert any(isinstance(p, offload._HeadsOf) for p in seen)
+    _assert_same_training(m_ref, m_off, out_ref, out_off)

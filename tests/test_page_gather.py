@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from oomb.engine.offload import host_empty
-from oomb.ops.page_gather import gather_head_pages, head_pairs, scatter_head_pages
+from oomb.ops.page_gather import _use_kernel, gather_head_pages, head_pairs, scatter_head_pages
 
 
 def _expected_gather(pool, base, src, mask, valid):
@@ -87,6 +87,7 @@ def test_zero_copy_kernels_on_cuda(dtype):
     valid = torch.rand(m, Hkv) < 0.8
     pairs, count = head_pairs(mask.cuda())
     pool = torch.full((m + 8, S, Hkv, D), 2.0, dtype=dtype, device="cuda")
+    assert _use_kernel(pool, host, "auto") and _use_kernel(pool, pool, "auto")  # a registered host span takes the kernel
     gather_head_pages(pool, base, host, pairs, count, valid.cuda())
     exp = _expected_gather(torch.full((m + 8, S, Hkv, D), 2.0, dtype=dtype), base, host, mask, valid)
     assert torch.equal(pool.cpu(), exp)
