@@ -6,7 +6,7 @@ the PyTorch path are compared with an explicit per-tile loop. The CUDA test read
 import pytest
 import torch
 
-from oomb.engine.offload import host_empty
+from oomb.engine.offload import _unregister_host, host_empty
 from oomb.ops.page_gather import _use_kernel, gather_head_pages, head_pairs, scatter_head_pages
 
 
@@ -82,6 +82,13 @@ def test_zero_copy_kernels_on_cuda(dtype):
     pins: list[int] = []
     m, S, Hkv, D, base = 64, 128, 4, 128, 5
     host = host_empty((m, S, Hkv, D), dtype, True, pins)
+    try:
+        _zero_copy_round_trip(host, pins, dtype, m, S, Hkv, D, base)
+    finally:  # a registration left behind would be stale once the memory is reused
+        _unregister_host(pins, [])
+
+
+def _zero_copy_round_trip(host, pins, dtype, m, S, Hkv, D, base):
     host.copy_(torch.randn(m, S, Hkv, D).to(dtype))
     mask = torch.rand(m, Hkv) < 0.4
     valid = torch.rand(m, Hkv) < 0.8
