@@ -954,13 +954,13 @@ def _head_selections(monkeypatch, ids, cu, **cfg):
     return {key: None if sel.dense else sel.page_idx for key, sel in engine.sparse_state.selections.items()}
 
 
-@pytest.mark.parametrize("skip", [None, "scatter", "zero_unwritten", "valid"])
+@pytest.mark.parametrize("skip", [None, "scatter", "zero_unwritten", "valid", "piece_waits"])
 def test_sparse_offload_head_grain_every_chunk_and_controls(monkeypatch, skip):
     """A ``needed_heads`` hook that knows the last chunk's selection too: its backward writes back only its tiles, so
     later stagings (head-grained ones, and whole-layer ones of dense selections) mix written and never-written
     tiles (the host tier is NaN). Training is bitwise the all-on-device one. Controls with teeth: without the tile
     write-back, without zeroing never-written tiles in a whole-layer staging, or reading every tile as written,
-    the gradients change."""
+    the gradients change; so do they when a dK/dV gather does not wait for the write-back pieces out of its set."""
     import oomb.ops.page_gather as pg
 
     ids = torch.randint(0, VOCAB, (1, 52), generator=torch.Generator().manual_seed(9))
@@ -979,10 +979,18 @@ def test_sparse_offload_head_grain_every_chunk_and_controls(monkeypatch, skip):
     monkeypatch.setattr(OffloadedKVStore, "_zero_unwritten", zero_unwritten)
     if skip == "scatter":
         monkeypatch.setattr(offload, "scatter_head_pages", lambda *a, **k: None)
+    elif skip == "piece_waits":  # the dK/dV gather into a set no longer waits for the write-back out of it
+        orig_stage = OffloadedKVStore._stage_heads
+
+        def stage_heads(self, use, s, base, kv_ok, grad_ok):
+            self._wb_pieces[s], self._wb_prev[s] = [], None
+            return orig_stage(self, use, s, base, kv_ok, grad_ok)
+
+        monkeypatch.setattr(OffloadedKVStore, "_stage_heads", stage_heads)
     elif skip == "valid":
         orig = pg.gather_head_pages
         monkeypatch.setattr(offload, "gather_head_pages",
-                            lambda dst, base, src, pairs, count, valid=None, **k: orig(dst, base, src, pairs, count, None))
+                            lambda dst, base, src, pairs, count, valid=None, **k: orig(dst, base, src, pairs, count, None, **k))
     m_ref, m_off, out_ref, out_off, _ = _sparse_pair(monkeypatch, ids, None, chunk_size=8, page_size=4, sparse_block_size=8)
     assert out_ref.loss == out_off.loss  # the forward does not read gradients
     if skip is None:

@@ -1529,16 +1529,29 @@ class OffloadedKVStore:
         if not grad_ok:
             if self._wb_prev[s] is not None:
                 st.copy_wait(self._wb_prev[s])
-            for piece in range(len(self._wb_pieces[s])):
-                self._after_writeback_piece(s, piece)
             valid = self._written[layer, : m + o]
+            # The dK/dV slots are read by the last write-back out of this set, in pieces (slot ranges with an
+            # event each): pages outside every piece are gathered first, then each piece's after its event,
+            # so this staging follows the write-back instead of waiting for all of it.
+            cuts, x = [], 0
+            for lo, hi, ev in self._wb_pieces[s]:
+                if lo > x:
+                    cuts.append((x, lo, None))
+                cuts.append((lo, hi, ev))
+                x = max(x, hi)
+            cuts.insert(0, (x, m + o, None))
+            for lo, hi, ev in cuts:
+                if hi <= lo or lo >= m + o:
+                    continue
+                if ev is not None:
+                    st.copy_wait(ev)
 
-            def grad():
-                gather_head_pages(dkc, base, dkh[: m + o], pairs, count_all, valid)
-                gather_head_pages(dvc, base, dvh[: m + o], pairs, count_all, valid)
-                counter[0] += count_all[0].long() * (2 * tile * dkh.element_size())
+                def grad(lo=lo, hi=hi):
+                    gather_head_pages(dkc, base, dkh[: m + o], pairs, count_all, valid, pages=(lo, hi))
+                    gather_head_pages(dvc, base, dvh[: m + o], pairs, count_all, valid, pages=(lo, hi))
 
-            st.h2d_run(grad)
+                st.h2d_run(grad)
+            st.h2d_run(lambda: counter.__setitem__(0, counter[0] + count_all[0].long() * (2 * tile * dkh.element_size())))
 
     def _write_back_heads(self, use: _Use, s: int, base: int) -> None:
         """D2H of the past dK/dV tiles a head-grained backward wrote; marks them written (device mask)."""
@@ -1549,17 +1562,30 @@ class OffloadedKVStore:
         dkc, dvc, dkh, dvh = self.dk_cache, self.dv_cache, self.dk_host[layer], self.dv_host[layer]
         written, counter = self._written, self._dev_bytes
 
-        def run():
-            scatter_head_pages(dkh[:m], dkc, base, pairs, count_kv)
-            scatter_head_pages(dvh[:m], dvc, base, pairs, count_kv)
+        # In pieces of pages with an event each (as whole-layer write-backs): the next staging into this set
+        # (two layers down) gathers each piece's slots as soon as that piece is out.
+        step = max(1, -(-m // self.writeback_pieces))
+        pieces = []
+        for lo in range(0, m, step):
+            hi = min(m, lo + step)
+
+            def run(lo=lo, hi=hi):
+                scatter_head_pages(dkh[:m], dkc, base, pairs, count_kv, pages=(lo, hi))
+                scatter_head_pages(dvh[:m], dvc, base, pairs, count_kv, pages=(lo, hi))
+
+            st.d2h_run(run, pairs, count_kv)
+            pieces.append((lo, hi, self._d2h_event()))
+
+        def mark():
             written[layer, :m] |= mask[:m]
             counter[1] += count_kv[0].long() * (2 * tile * dkh.element_size())
 
-        st.d2h_run(run, pairs, count_kv, mask)
+        st.d2h_run(mark, mask, count_kv)
         self._heads_used[layer] = True
         ev = self._d2h_event()
+        pieces[-1] = (pieces[-1][0], pieces[-1][1], ev)
         self._wb_prev[s] = self._wb_buf[s]
-        self._wb_pieces[s] = [(0, m, ev)]
+        self._wb_pieces[s] = pieces
         self._wb_buf[s] = ev
         self._wb_layer[layer] = ev
         for key in [key for key in self._pairs_cache if key[:2] == (layer, use.start)]:

@@ -87,15 +87,20 @@ def _check(pool: torch.Tensor, span: torch.Tensor, base: int, what: str) -> None
         raise ValueError(f"{what}: pages [{base}, {base + span.shape[0]}) are outside the pool's {pool.shape[0]}")
 
 
-def _tiles(pairs: torch.Tensor, count: torch.Tensor, Hkv: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(page j, head h) long index vectors of the listed tiles (syncs: reference path only)."""
+def _tiles(pairs: torch.Tensor, count: torch.Tensor, Hkv: int, pages) -> tuple[torch.Tensor, torch.Tensor]:
+    """(page j, head h) long index vectors of the listed tiles with j in ``pages`` [lo, hi) (None: all; syncs:
+    reference path only)."""
     idx = pairs[: int(count.item())].long()
-    return idx // Hkv, idx % Hkv
+    j, h = idx // Hkv, idx % Hkv
+    if pages is not None:
+        keep = (j >= pages[0]) & (j < pages[1])
+        j, h = j[keep], h[keep]
+    return j, h
 
 
-def gather_head_pages_ref(dst, base, src, pairs, count, valid=None) -> None:
+def gather_head_pages_ref(dst, base, src, pairs, count, valid=None, pages=None) -> None:
     """PyTorch reference of :func:`gather_head_pages` (same arguments; syncs on ``count``)."""
-    j, h = _tiles(pairs, count, src.shape[2])
+    j, h = _tiles(pairs, count, src.shape[2], pages)
     if j.numel() == 0:
         return
     jd, hd = j.to(dst.device), h.to(dst.device)
@@ -106,9 +111,9 @@ def gather_head_pages_ref(dst, base, src, pairs, count, valid=None) -> None:
     dst[base + jd, :, hd] = tiles
 
 
-def scatter_head_pages_ref(dst, src, base, pairs, count) -> None:
+def scatter_head_pages_ref(dst, src, base, pairs, count, pages=None) -> None:
     """PyTorch reference of :func:`scatter_head_pages` (same arguments; syncs on ``count``)."""
-    j, h = _tiles(pairs, count, dst.shape[2])
+    j, h = _tiles(pairs, count, dst.shape[2], pages)
     if j.numel() == 0:
         return
     tiles = src[(base + j).to(src.device), :, h.to(src.device)].to(dst.device)
@@ -118,7 +123,7 @@ def scatter_head_pages_ref(dst, src, base, pairs, count) -> None:
 @triton.jit
 def _copy_tiles_kernel(
     dst_ptr, src_ptr, pairs_ptr, count_ptr, valid_ptr,
-    dst_page0, src_page0, page_stride, row_stride,
+    dst_page0, src_page0, page_stride, row_stride, j_lo, j_hi,
     HKV: tl.constexpr, S: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_VALID: tl.constexpr, NPROG: tl.constexpr,
 ):
@@ -134,24 +139,26 @@ def _copy_tiles_kernel(
         h = pair % HKV
         src = src_ptr + (src_page0 + j).to(tl.int64) * page_stride + h * D
         dst = dst_ptr + (dst_page0 + j).to(tl.int64) * page_stride + h * D
-        keep = True
+        inside = (j >= j_lo) & (j < j_hi)  # tiles of other pages are another call's
+        keep = inside
         if HAS_VALID:
-            keep = tl.load(valid_ptr + pair) != 0
+            keep = keep & (tl.load(valid_ptr + pair, mask=inside, other=0) != 0)
         for s0 in range(0, S, BLOCK_S):
             r = s0 + rows
-            m = (r < S)[:, None] & cmask[None, :]
+            m = (r < S)[:, None] & cmask[None, :] & inside
             off = r[:, None] * row_stride + cols[None, :]
             x = tl.load(src + off, mask=m & keep, other=0.0)
             tl.store(dst + off, x, mask=m)
 
 
-def _launch(dst, src, dst_page0, src_page0, pairs, count, valid, num_programs):
+def _launch(dst, src, dst_page0, src_page0, pairs, count, valid, num_programs, pages):
     S, Hkv, D = dst.shape[1:]
+    j_lo, j_hi = (0, 2**31 - 1) if pages is None else pages
     block_d = triton.next_power_of_2(D)
     block_s = max(1, min(triton.next_power_of_2(S), 8192 // block_d))
     _copy_tiles_kernel[(num_programs,)](
         dst, src, pairs, count, valid if valid is not None else pairs,
-        dst_page0, src_page0, dst.stride(0), dst.stride(1),
+        dst_page0, src_page0, dst.stride(0), dst.stride(1), j_lo, j_hi,
         HKV=Hkv, S=S, D=D, BLOCK_S=block_s, BLOCK_D=block_d, HAS_VALID=valid is not None, NPROG=num_programs,
     )
 
@@ -173,6 +180,7 @@ def gather_head_pages(
     valid: torch.Tensor | None = None,
     num_programs: int = DEFAULT_PROGRAMS,
     backend: str = "auto",
+    pages: tuple[int, int] | None = None,
 ) -> None:
     """``dst[base + j, :, h] = src[j, :, h]`` for each listed tile (zeros where ``valid[j, h]`` is False).
 
@@ -185,6 +193,8 @@ def gather_head_pages(
         num_programs: persistent programs of the CUDA kernel.
         backend: ``'auto'`` (the kernel for a CUDA pool and a CUDA or pinned span, else PyTorch),
             ``'triton'`` (the kernel; on CPU only under ``TRITON_INTERPRET=1``) or ``'torch'``.
+        pages: optional [lo, hi): only the listed tiles of pages lo <= j < hi (a piece of a larger copy that
+            waits on its own event).
 
     Runs on the current stream; on CUDA it never syncs the host.
 
@@ -193,9 +203,9 @@ def gather_head_pages(
     """
     _check(dst, src, base, "gather_head_pages")
     if _use_kernel(dst, src, backend):
-        _launch(dst, src, base, 0, pairs, count, valid, num_programs)
+        _launch(dst, src, base, 0, pairs, count, valid, num_programs, pages)
     else:
-        gather_head_pages_ref(dst, base, src, pairs, count, valid)
+        gather_head_pages_ref(dst, base, src, pairs, count, valid, pages)
 
 
 def scatter_head_pages(
@@ -206,6 +216,7 @@ def scatter_head_pages(
     count: torch.Tensor,
     num_programs: int = DEFAULT_PROGRAMS,
     backend: str = "auto",
+    pages: tuple[int, int] | None = None,
 ) -> None:
     """``dst[j, :, h] = src[base + j, :, h]`` for each listed tile (the write-back of :func:`gather_head_pages`).
 
@@ -213,13 +224,13 @@ def scatter_head_pages(
         dst: [m, S, Hkv, D] with the pool's page layout (a layer's host span; pinned on CUDA).
         src: [P, S, Hkv, D] contiguous (the GPU pool); ``base``: pool page of ``dst``'s page 0.
         pairs, count: from :func:`head_pairs` over an [m, Hkv] mask, on ``src``'s device.
-        num_programs, backend: as :func:`gather_head_pages`.
+        num_programs, backend, pages: as :func:`gather_head_pages`.
 
     Raises:
         ValueError: as :func:`gather_head_pages`.
     """
     _check(src, dst, base, "scatter_head_pages")
     if _use_kernel(src, dst, backend):
-        _launch(dst, src, 0, base, pairs, count, None, num_programs)
+        _launch(dst, src, 0, base, pairs, count, None, num_programs, pages)
     else:
-        scatter_head_pages_ref(dst, src, base, pairs, count)
+        scatter_head_pages_ref(dst, src, base, pairs, count, pages)
