@@ -738,11 +738,16 @@ class _CudaStreams:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.copy = torch.cuda.Stream(device)
+        # High priority: head-grained stagings are KERNELS (zero-copy gathers/scatters) on these streams. At
+        # the default priority their blocks queue behind the compute stream's pending blocks (attention,
+        # GEMMs), so a copy starts only when a compute kernel drains; at high priority the block scheduler
+        # dispatches them first as SMs free up. DMA copies are unaffected. OOMB_OFFLOAD_COPY_PRIORITY=0: default.
+        prio = -5 if os.environ.get("OOMB_OFFLOAD_COPY_PRIORITY", "high") != "0" else 0
+        self.copy = torch.cuda.Stream(device, priority=prio)
         # OOMB_OFFLOAD_COPY_STREAMS=1 puts both directions on one stream (serialised, as before 2026-12-01;
         # for A/B measurements and debugging). The events are the same either way.
         one = os.environ.get("OOMB_OFFLOAD_COPY_STREAMS", "2") == "1"
-        self.d2h = self.copy if one else torch.cuda.Stream(device)
+        self.d2h = self.copy if one else torch.cuda.Stream(device, priority=prio)
 
     def event(self) -> torch.cuda.Event:
         return torch.cuda.Event()
