@@ -1030,3 +1030,13 @@ def test_cuda_sparse_offload_bitwise_like_all_on_device(monkeypatch, ckpt, grain
     if grain == "head":
         assert any(isinstance(p, offload._HeadsOf) for p in seen)
     _assert_same_training(m_ref, m_off, out_ref, out_off)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned host memory)")
+def test_cuda_store_falls_back_to_page_grain_without_zero_copy(monkeypatch):
+    store = OffloadedKVStore(3, 2, 16, 16, 256, torch.bfloat16, "cuda", chunk_size=32, segment_pages="layer")
+    assert store.stage_grain == "head" and offload._zero_copy_works(store.k_host, store.k_cache)
+    monkeypatch.setattr(offload, "_zero_copy_works", lambda host, pool: False)
+    with pytest.warns(UserWarning, match="zero-copy"):
+        store = OffloadedKVStore(3, 2, 16, 16, 256, torch.bfloat16, "cuda", chunk_size=32, segment_pages="layer")
+    assert store.stage_grain == "page"

@@ -82,7 +82,7 @@ traffic).
 With per-layer checkpointing the recompute asks for a layer again right before
 its backward; that view finds the pages already staged.
 
-**Sparse attention: only the selected pages in Stage 2.** A sparse (chunk, layer)
+**Sparse attention, page grain (``stage_grain='page'``): only the selected pages in Stage 2.** A sparse (chunk, layer)
 reads only the past pages of its selection (made in Stage 1, reused unchanged in
 Stage 2). The engine gives the store a hook, :attr:`OffloadedKVStore.needed_pages`
 ``(layer, start) -> sorted list of logical past pages | None``: the union of the
@@ -100,6 +100,23 @@ back is tracked per page, so a needed page never written is zero-filled. The eve
 are the same as for whole layers. This Stage-2 traffic is data-dependent (the size
 of the unions) and bounded by the whole-layer traffic that
 :func:`oomb.planner.offload_traffic` estimates; equal when every selection is dense.
+
+**Sparse attention: only the selected (page, KV head) tiles (default, ``stage_grain='head'``).** A
+selection is per (query block, KV head), so a page is often read by one head only. With a
+:attr:`OffloadedKVStore.needed_heads` hook (``(layer, start) -> page_idx | None``, the selection on
+the device), a Stage-2 use of a (chunk, layer) moves only the tiles ``(page, head)`` that some
+query block of that head selected (plus page 0 where a row is padded, and all heads of the chunk's
+own gradient pages): K/V and dK/dV in, dK/dV back. The tile list is made on the host->device
+stream from the selection (:func:`oomb.ops.page_gather.head_pairs`, no host sync), and the copies
+are Triton kernels that read and write the pinned host tier directly (zero-copy;
+:mod:`oomb.ops.page_gather`), run on the two copy streams with the same events as copies. Which
+host tiles hold a written-back gradient is a device mask per (layer, page, head) that every
+write-back updates; a never-written tile is zero-filled. Write-backs go out in pieces with an
+event each, and the next dK/dV gather into the set follows them piece by piece. On an H200 the
+kernels move 47 (in) / 48 (out) GB/s alone but only ~58 GB/s together (DMA: 55 / 55 / 92), and
+the 1M-token step moved 75% fewer Stage-2 bytes than with whole layers (benchmarks/NOTES.md,
+ninth session). ``stage_grain='page'`` (or ``OOMB_OFFLOAD_STAGE_GRAIN=page``, or a GPU that cannot
+address pinned memory) uses the page unions below.
 
 **Ordering.** Copies run on two side CUDA streams, host->device (H2D) and
 device->host (D2H), each in issue order; PCIe is full duplex, so a write-back
@@ -738,16 +755,11 @@ class _CudaStreams:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        # High priority: head-grained stagings are KERNELS (zero-copy gathers/scatters) on these streams. At
-        # the default priority their blocks queue behind the compute stream's pending blocks (attention,
-        # GEMMs), so a copy starts only when a compute kernel drains; at high priority the block scheduler
-        # dispatches them first as SMs free up. DMA copies are unaffected. OOMB_OFFLOAD_COPY_PRIORITY=0: default.
-        prio = -5 if os.environ.get("OOMB_OFFLOAD_COPY_PRIORITY", "high") != "0" else 0
-        self.copy = torch.cuda.Stream(device, priority=prio)
+        self.copy = torch.cuda.Stream(device)
         # OOMB_OFFLOAD_COPY_STREAMS=1 puts both directions on one stream (serialised, as before 2026-12-01;
         # for A/B measurements and debugging). The events are the same either way.
         one = os.environ.get("OOMB_OFFLOAD_COPY_STREAMS", "2") == "1"
-        self.d2h = self.copy if one else torch.cuda.Stream(device, priority=prio)
+        self.d2h = self.copy if one else torch.cuda.Stream(device)
 
     def event(self) -> torch.cuda.Event:
         return torch.cuda.Event()
@@ -854,6 +866,17 @@ class _SyncStreams:
 
     def synchronize(self) -> None:
         pass
+
+
+def _zero_copy_works(host: torch.Tensor, pool: torch.Tensor) -> bool:
+    """Whether the tile kernels can address the pinned host tier from the GPU (a launch with no tiles; Triton
+    checks every pointer argument). False on systems without unified addressing of page-locked memory."""
+    try:
+        pairs = torch.zeros(2, dtype=torch.int32, device=pool.device)
+        gather_head_pages(pool, 0, host[0, :1], pairs, pairs[:1], backend="triton")
+        return True
+    except (ValueError, RuntimeError):
+        return False
 
 
 def _make_streams(device: torch.device):
@@ -1069,6 +1092,10 @@ class OffloadedKVStore:
         grain = os.environ.get("OOMB_OFFLOAD_STAGE_GRAIN", self.stage_grain)
         if grain not in ("head", "page"):
             raise ValueError(f"OOMB_OFFLOAD_STAGE_GRAIN must be 'head' or 'page'; got {grain!r}")
+        if grain == "head" and self._cuda and not self.segmented and H > 0 and not _zero_copy_works(self.k_host, self.k_cache):
+            warnings.warn("this GPU cannot read the pinned host tier directly (zero-copy); sparse offload stages whole "
+                          "pages of each selection instead of (page, KV head) tiles (stage_grain='page')")
+            grain = "page"
         self.stage_grain = grain
         # Whole-layer staging: which host (page, KV head) dK/dV tiles hold a written-back gradient, on the
         # device (head-grained stagings read it without a host sync; every write-back updates it).
