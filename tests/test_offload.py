@@ -1040,3 +1040,12 @@ def test_cuda_store_falls_back_to_page_grain_without_zero_copy(monkeypatch):
     with pytest.warns(UserWarning, match="zero-copy"):
         store = OffloadedKVStore(3, 2, 16, 16, 256, torch.bfloat16, "cuda", chunk_size=32, segment_pages="layer")
     assert store.stage_grain == "page"
+
+
+def test_page_gather_programs_env(monkeypatch):
+    monkeypatch.setenv("OOMB_PAGE_GATHER_PROGRAMS", "8")
+    assert OffloadedKVStore(2, 2, 8, 4, 32, torch.float32, "cpu", chunk_size=8, segment_pages="layer").gather_programs == 8
+    for bad in ("0", "x", "-3"):
+        monkeypatch.setenv("OOMB_PAGE_GATHER_PROGRAMS", bad)
+        with pytest.raises(ValueError, match="OOMB_PAGE_GATHER_PROGRAMS must be a positive integer"):
+            OffloadedKVStore(2, 2, 8, 4, 32, torch.float32, "cpu", chunk_size=8, segment_pages="layer")
