@@ -990,7 +990,7 @@ def test_sparse_offload_head_grain_every_chunk_and_controls(monkeypatch, skip):
     elif skip == "valid":
         orig = pg.gather_head_pages
         monkeypatch.setattr(offload, "gather_head_pages",
-                            lambda dst, base, src, pairs, count, valid=None, **k: orig(dst, base, src, pairs, count, None, **k))
+                            lambda dst, base, src, pairs, count, valid=None, *a, **k: orig(dst, base, src, pairs, count, None, *a, **k))
     m_ref, m_off, out_ref, out_off, _ = _sparse_pair(monkeypatch, ids, None, chunk_size=8, page_size=4, sparse_block_size=8)
     assert out_ref.loss == out_off.loss  # the forward does not read gradients
     if skip is None:
