@@ -374,6 +374,9 @@ class MemoryPlan:
             rows.append(f"host<->GPU traffic per step: {h2d / GiB:,.1f} GiB in, {d2h / GiB:,.1f} GiB out "
                         f"(~{max(h2d, d2h) / _LINK_BYTES_PER_S:,.0f} s of copies at 55 GB/s each way, the two directions "
                         "on their own streams, overlapped with compute)")
+            if "sparse_state" in act:
+                rows.append("  sparse: an upper bound (whole layers); Stage 2 moves only the (page, KV head) tiles the "
+                            "selections read (a 1M-token step with random weights: ~25% of its Stage-2 bytes)")
         def most(t: int) -> str:  # the search stops at 2**26 pages per layer
             return f"{t:,}" + (" or more (the search limit)" if t >= ((1 << 26) * self.page_size) // self.chunk_size * self.chunk_size else "")
 
