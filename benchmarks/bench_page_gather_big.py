@@ -19,8 +19,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from oomb.engine.offload import host_empty  # noqa: E402
 from oomb.ops.page_gather import gather_head_pages, head_pairs, scatter_head_pages  # noqa: E402
+from bench_page_gather import timed  # noqa: E402  (same folder)
 
 
 def main() -> None:
@@ -45,18 +47,6 @@ def main() -> None:
     rows = []
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "host_gib": args.host_gib, "pin_s": pin_s,
            "window_pages": w, "density": 0.3, "rows": rows}
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    def timed(fn, reps=3):
-        fn()
-        torch.cuda.synchronize()
-        a.record()
-        for _ in range(reps):
-            fn()
-        b.record()
-        torch.cuda.synchronize()
-        return a.elapsed_time(b) / reps / 1e3
-
     side = torch.cuda.Stream()
     for frac in (0.0, 0.25, 0.5, 0.75, 1.0):
         lo = min(n - w, int(frac * n))

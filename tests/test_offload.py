@@ -806,15 +806,20 @@ def test_sparse_offload_traffic_below_whole_layer(monkeypatch, page_budget, grai
         assert (sel["h2d_bytes"], sel["d2h_bytes"]) == (whole["h2d_bytes"], whole["d2h_bytes"]), (sel, whole)
 
 
-def _unions(monkeypatch, ids, cu, **cfg):
-    """Page unions {(start, layer): sorted pages} of every selection of a sparse on-device step (the last chunk's too)."""
+def _selections(monkeypatch, ids, cu, **cfg):
+    """{(start, layer): PageSelection} of every selection of a sparse on-device step (the last chunk's too)."""
     with monkeypatch.context() as mp:
         mp.setattr(SparseAttentionState, "release", lambda self, start: None)
         torch.manual_seed(3)
         engine = Engine(tiny("qwen2", 4, 2, layers=3).double(), OOMBConfig(offload=False, attention_backend="torch", **cfg))
         engine.step(ids, cu_seqlens=cu)
+    return engine.sparse_state.selections
+
+
+def _unions(monkeypatch, ids, cu, **cfg):
+    """Page unions {(start, layer): sorted pages} of every selection of a sparse on-device step (the last chunk's too)."""
     out = {}
-    for key, sel in engine.sparse_state.selections.items():
+    for key, sel in _selections(monkeypatch, ids, cu, **cfg).items():
         n = sel.n_past_pages
         out[key] = list(range(n)) if sel.dense else sorted(set(sel.page_idx.clamp(min=0).flatten().tolist()))
     return out
@@ -946,12 +951,7 @@ def test_sparse_offload_head_grain_moves_fewer_bytes_than_page_grain(monkeypatch
 
 def _head_selections(monkeypatch, ids, cu, **cfg):
     """page_idx of every selection of a sparse on-device step (the last chunk's too; None where dense)."""
-    with monkeypatch.context() as mp:
-        mp.setattr(SparseAttentionState, "release", lambda self, start: None)
-        torch.manual_seed(3)
-        engine = Engine(tiny("qwen2", 4, 2, layers=3).double(), OOMBConfig(offload=False, attention_backend="torch", **cfg))
-        engine.step(ids, cu_seqlens=cu)
-    return {key: None if sel.dense else sel.page_idx for key, sel in engine.sparse_state.selections.items()}
+    return {key: None if sel.dense else sel.page_idx for key, sel in _selections(monkeypatch, ids, cu, **cfg).items()}
 
 
 @pytest.mark.parametrize("skip", [None, "scatter", "zero_unwritten", "valid", "piece_waits"])
