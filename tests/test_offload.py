@@ -19,6 +19,13 @@ from oomb.planner import ModelShape, offload_traffic
 from test_engine import VOCAB, clone_model, run_parity, tiny
 
 
+@pytest.fixture(autouse=True)
+def _no_offload_env(monkeypatch):
+    """The tests choose staging settings themselves: a developer's exported OOMB_* knobs must not change them."""
+    for name in ("OOMB_OFFLOAD_STAGE_GRAIN", "OOMB_PAGE_GATHER_PROGRAMS", "OOMB_OFFLOAD_COPY_STREAMS"):
+        monkeypatch.delenv(name, raising=False)
+
+
 def _step(model, ids, trace=False, **cfg):
     cfg.setdefault("attention_backend", "torch")
     engine = Engine(model, OOMBConfig(**cfg))
@@ -1005,7 +1012,11 @@ def test_offload_stage_grain_env(monkeypatch):
     store = OffloadedKVStore(2, 2, 8, 4, 32, torch.float32, "cpu", chunk_size=8, segment_pages="layer")
     assert store.stage_grain == "page"
     monkeypatch.setenv("OOMB_OFFLOAD_STAGE_GRAIN", "tile")
-    with pytest.raises(ValueError, match="OOMB_OFFLOAD_STAGE_GRAIN"):
+    with pytest.raises(ValueError, match="OOMB_OFFLOAD_STAGE_GRAIN must be 'head' or 'page'; got 'tile'"):
+        OffloadedKVStore(2, 2, 8, 4, 32, torch.float32, "cpu", chunk_size=8, segment_pages="layer")
+    monkeypatch.delenv("OOMB_OFFLOAD_STAGE_GRAIN")
+    monkeypatch.setattr(OffloadedKVStore, "stage_grain", "pages")
+    with pytest.raises(ValueError, match="OffloadedKVStore.stage_grain must be"):
         OffloadedKVStore(2, 2, 8, 4, 32, torch.float32, "cpu", chunk_size=8, segment_pages="layer")
 
 

@@ -251,8 +251,9 @@ def resident_pages_for_budget(
 class _Use:
     """One use of a layer's pages: K/V of ``past`` pages, plus dK/dV of ``past + own`` pages if ``grad``.
 
-    ``pages``: runs ``(a, e)`` of the host pages [a, e) (R <= a < e <= past, ascending) that the
-    attention reads (Stage 2 with a ``needed_pages`` hook); None: all of [R, past)."""
+    ``pages``: a :class:`_HeadsOf` (Stage 2, head grain: the selection's (page, KV head) tiles), or runs
+    ``(a, e)`` of the host pages [a, e) (R <= a < e <= past, ascending) that the attention reads (Stage 2
+    with a ``needed_pages`` hook); None: all of [R, past)."""
 
     layer: int
     start: int  # token offset of the chunk
@@ -264,7 +265,8 @@ class _Use:
 
 @dataclass
 class _Tag:
-    """What a staging set holds (``pages``/``grad_pages``: host-page runs staged; None: all of [R, past))."""
+    """What a staging set holds (``pages``/``grad_pages``: a :class:`_HeadsOf` (tiles), host-page runs staged,
+    or None: all of [R, past))."""
 
     layer: int
     past: int
@@ -1015,6 +1017,14 @@ class OffloadedKVStore:
         if chunk_size % page_size:
             raise ValueError(f"chunk_size ({chunk_size}) must be a multiple of page_size ({page_size})")
         SP = resolve_segment_pages(segment_pages, page_size)
+        # Settings from the environment are checked before anything is allocated (pinning takes ~35 s at 1M).
+        env_grain = os.environ.get("OOMB_OFFLOAD_STAGE_GRAIN")
+        self._grain = env_grain if env_grain is not None else self.stage_grain
+        if self._grain not in ("head", "page"):
+            where = "OOMB_OFFLOAD_STAGE_GRAIN" if env_grain is not None else "OffloadedKVStore.stage_grain"
+            raise ValueError(f"{where} must be 'head' or 'page'; got {self._grain!r} "
+                             f"(unset it for the default, 'head')")
+        self.gather_programs = _env_int("OOMB_PAGE_GATHER_PROGRAMS", DEFAULT_PROGRAMS)
         self.num_layers = L = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -1107,17 +1117,12 @@ class OffloadedKVStore:
         self.trace: list[tuple] | None = [] if trace else None
         self.needed_pages = None
         self.needed_heads = None
-        grain = os.environ.get("OOMB_OFFLOAD_STAGE_GRAIN", self.stage_grain)
-        if grain not in ("head", "page"):
-            raise ValueError(f"OOMB_OFFLOAD_STAGE_GRAIN must be 'head' or 'page'; got {grain!r}")
+        grain = self._grain
         if grain == "head" and self._cuda and not self.segmented and H > 0 and not _zero_copy_works(self.k_host, self.k_cache):
             warnings.warn("this GPU cannot read the pinned host tier directly (zero-copy); sparse offload stages whole "
                           "pages of each selection instead of (page, KV head) tiles (stage_grain='page')")
             grain = "page"
         self.stage_grain = grain
-        # Persistent programs (SMs) of each tile gather/scatter kernel: more move a little faster beside
-        # compute (H200: 34 / 43 GB/s with 16 / 32 beside GEMMs) but take SMs from it.
-        self.gather_programs = _env_int("OOMB_PAGE_GATHER_PROGRAMS", DEFAULT_PROGRAMS)
         # Whole-layer staging: which host (page, KV head) dK/dV tiles hold a written-back gradient, on the
         # device (head-grained stagings read it without a host sync; every write-back updates it).
         self._written = (torch.zeros((L, H, num_kv_heads), dtype=torch.bool, device=self.device)
@@ -1584,16 +1589,16 @@ class OffloadedKVStore:
                 st.copy_wait(self._wb_prev[s])
             valid = self._written[layer, : m + o]
             # The dK/dV slots are read by the last write-back out of this set, in pieces (slot ranges with an
-            # event each): pages outside every piece are gathered first, then each piece's after its event,
-            # so this staging follows the write-back instead of waiting for all of it.
-            cuts, x = [], 0
+            # event each): pages outside every piece (gaps, the tail) are gathered first, with no wait, then each
+            # piece's after its event, so this staging follows the write-back instead of waiting for all of it.
+            free, waits, x = [], [], 0
             for lo, hi, ev in self._wb_pieces[s]:
                 if lo > x:
-                    cuts.append((x, lo, None))
-                cuts.append((lo, hi, ev))
+                    free.append((x, lo, None))
+                waits.append((lo, hi, ev))
                 x = max(x, hi)
-            cuts.insert(0, (x, m + o, None))
-            for lo, hi, ev in cuts:
+            free.append((x, m + o, None))
+            for lo, hi, ev in free + waits:
                 if hi <= lo or lo >= m + o:
                     continue
                 if ev is not None:

@@ -13,7 +13,8 @@ the device, so the host never waits for a selection:
 * :func:`scatter_head_pages` copies tile ``(j, h)`` of page ``base + j`` of the pool back to
   ``dst[j]``.
 
-On CUDA with a host ``src``/``dst`` these are Triton kernels that read or write page-locked host
+On CUDA with a host ``src``/``dst`` these are Triton kernels (:mod:`oomb.ops.triton_page_gather`, imported
+on first use; without Triton, or on CPU, PyTorch index operations) that read or write page-locked host
 memory directly over PCIe (zero-copy: under unified virtual addressing a pinned host tensor's
 address is valid on the device), with a small persistent grid (``num_programs``) so that the copy
 leaves most SMs to the compute running beside it. One tile is ``S`` rows of ``D`` contiguous
@@ -28,8 +29,6 @@ pages. Units: pages and tokens; ``count`` is in tiles.
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 __all__ = [
     "head_pairs",
@@ -56,7 +55,12 @@ def head_pairs(
         pairs: int32 [m * Hkv + 1]; ``pairs[:count]`` are the flat indices ``j * Hkv + h`` of the
             True entries, ascending; the rest is unspecified.
         count: int32 [1], the number of True entries.
+
+    Raises:
+        ValueError: a mask that is not a 2-D bool tensor; ``out`` of the wrong shape or dtype.
     """
+    if mask.dim() != 2 or mask.dtype != torch.bool:
+        raise ValueError(f"head_pairs: mask must be a bool [m, Hkv] tensor; got {mask.dtype} {tuple(mask.shape)}")
     flat = mask.reshape(-1)
     n = flat.numel()
     if out is None:
@@ -76,99 +80,90 @@ def head_pairs(
     return pairs, count
 
 
-def _check(pool: torch.Tensor, span: torch.Tensor, base: int, what: str) -> None:
+def _check(pool, span, base, pairs, count, valid, num_programs, pages, what) -> tuple[int, int]:
+    """Validate a tile copy between ``pool`` [P, S, Hkv, D] and ``span`` [m, S, Hkv, D]; the page range to copy,
+    clamped to the span (so no listed tile can address a page outside it)."""
     if pool.dim() != 4 or span.dim() != 4 or pool.shape[1:] != span.shape[1:]:
         raise ValueError(f"{what}: pool {tuple(pool.shape)} and span {tuple(span.shape)} must be [*, S, Hkv, D] alike")
     if pool.dtype != span.dtype:
         raise ValueError(f"{what}: pool dtype {pool.dtype} != span dtype {span.dtype}")
     if not (pool.is_contiguous() and span.stride() == pool.stride()):
         raise ValueError(f"{what}: pool must be contiguous and the span's pages laid out like the pool's")
-    if base < 0 or base + span.shape[0] > pool.shape[0]:
-        raise ValueError(f"{what}: pages [{base}, {base + span.shape[0]}) are outside the pool's {pool.shape[0]}")
+    if isinstance(base, bool) or not isinstance(base, int):
+        raise ValueError(f"{what}: base must be an int (a pool page); got {base!r}")
+    m, Hkv = span.shape[0], span.shape[2]
+    if base < 0 or base + m > pool.shape[0]:
+        raise ValueError(f"{what}: pages [{base}, {base + m}) are outside the pool's {pool.shape[0]}")
+    for name, t, shape in (("pairs", pairs, None), ("count", count, (1,))):
+        if t.dtype != torch.int32 or t.dim() != 1 or t.numel() < 1 or (shape is not None and tuple(t.shape) != shape):
+            raise ValueError(f"{what}: {name} must be int32 [{'n' if shape is None else 1}] (from head_pairs); "
+                             f"got {t.dtype} {tuple(t.shape)}")
+        if t.device != pool.device:
+            raise ValueError(f"{what}: {name} is on {t.device}, the pool on {pool.device}")
+    if valid is not None and (valid.dtype != torch.bool or tuple(valid.shape) != (m, Hkv)
+                              or not valid.is_contiguous() or valid.device != pool.device):
+        raise ValueError(f"{what}: valid must be a contiguous bool [{m}, {Hkv}] tensor on {pool.device}; "
+                         f"got {valid.dtype} {tuple(valid.shape)} on {valid.device}")
+    if isinstance(num_programs, bool) or not isinstance(num_programs, int) or num_programs < 1:
+        raise ValueError(f"{what}: num_programs must be a positive int; got {num_programs!r}")
+    lo, hi = (0, m) if pages is None else pages
+    if isinstance(lo, bool) or isinstance(hi, bool) or not isinstance(lo, int) or not isinstance(hi, int) or lo < 0:
+        raise ValueError(f"{what}: pages must be (lo, hi) with 0 <= lo; got {pages!r}")
+    return lo, max(lo, min(hi, m))
 
 
 def _tiles(pairs: torch.Tensor, count: torch.Tensor, Hkv: int, pages) -> tuple[torch.Tensor, torch.Tensor]:
-    """(page j, head h) long index vectors of the listed tiles with j in ``pages`` [lo, hi) (None: all; syncs:
-    reference path only)."""
-    idx = pairs[: int(count.item())].long()
+    """(page j, head h) long index vectors of the listed tiles with j in ``pages`` [lo, hi) (syncs: reference
+    path only)."""
+    idx = pairs[: min(int(count.item()), pairs.numel())].long()
     j, h = idx // Hkv, idx % Hkv
-    if pages is not None:
-        keep = (j >= pages[0]) & (j < pages[1])
-        j, h = j[keep], h[keep]
-    return j, h
+    keep = (j >= pages[0]) & (j < pages[1])
+    return j[keep], h[keep]
 
 
 def gather_head_pages_ref(dst, base, src, pairs, count, valid=None, pages=None) -> None:
-    """PyTorch reference of :func:`gather_head_pages` (same arguments; syncs on ``count``)."""
-    j, h = _tiles(pairs, count, src.shape[2], pages)
+    """PyTorch reference of :func:`gather_head_pages` (same arguments, unchecked; syncs on ``count``)."""
+    j, h = _tiles(pairs, count, src.shape[2], (0, src.shape[0]) if pages is None else pages)
     if j.numel() == 0:
         return
     jd, hd = j.to(dst.device), h.to(dst.device)
     tiles = src[j.to(src.device), :, h.to(src.device)].to(dst.device)  # [n, S, D]
     if valid is not None:
-        keep = valid.reshape(-1)[(j * src.shape[2] + h).to(valid.device)].to(dst.device)
+        keep = valid[j.to(valid.device), h.to(valid.device)].to(dst.device)
         tiles = torch.where(keep[:, None, None], tiles, torch.zeros((), dtype=tiles.dtype, device=dst.device))
     dst[base + jd, :, hd] = tiles
 
 
 def scatter_head_pages_ref(dst, src, base, pairs, count, pages=None) -> None:
-    """PyTorch reference of :func:`scatter_head_pages` (same arguments; syncs on ``count``)."""
-    j, h = _tiles(pairs, count, dst.shape[2], pages)
+    """PyTorch reference of :func:`scatter_head_pages` (same arguments, unchecked; syncs on ``count``)."""
+    j, h = _tiles(pairs, count, dst.shape[2], (0, dst.shape[0]) if pages is None else pages)
     if j.numel() == 0:
         return
     tiles = src[(base + j).to(src.device), :, h.to(src.device)].to(dst.device)
     dst[j.to(dst.device), :, h.to(dst.device)] = tiles
 
 
-@triton.jit
-def _copy_tiles_kernel(
-    dst_ptr, src_ptr, pairs_ptr, count_ptr, valid_ptr,
-    dst_page0, src_page0, page_stride, row_stride, j_lo, j_hi,
-    HKV: tl.constexpr, S: tl.constexpr, D: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_VALID: tl.constexpr, NPROG: tl.constexpr,
-):
-    # Tile (j, h): S rows of D elements at page (page0 + j), head h; rows are row_stride apart.
-    pid = tl.program_id(0)
-    n = tl.load(count_ptr)
-    rows = tl.arange(0, BLOCK_S)
-    cols = tl.arange(0, BLOCK_D)
-    cmask = cols < D
-    for i in range(pid, n, NPROG):
-        pair = tl.load(pairs_ptr + i)
-        j = pair // HKV
-        h = pair % HKV
-        src = src_ptr + (src_page0 + j).to(tl.int64) * page_stride + h * D
-        dst = dst_ptr + (dst_page0 + j).to(tl.int64) * page_stride + h * D
-        inside = (j >= j_lo) & (j < j_hi)  # tiles of other pages are another call's
-        keep = inside
-        if HAS_VALID:
-            keep = keep & (tl.load(valid_ptr + pair, mask=inside, other=0) != 0)
-        for s0 in range(0, S, BLOCK_S):
-            r = s0 + rows
-            m = (r < S)[:, None] & cmask[None, :] & inside
-            off = r[:, None] * row_stride + cols[None, :]
-            x = tl.load(src + off, mask=m & keep, other=0.0)
-            tl.store(dst + off, x, mask=m)
-
-
-def _launch(dst, src, dst_page0, src_page0, pairs, count, valid, num_programs, pages):
-    S, Hkv, D = dst.shape[1:]
-    j_lo, j_hi = (0, 2**31 - 1) if pages is None else pages
-    block_d = triton.next_power_of_2(D)
-    block_s = max(1, min(triton.next_power_of_2(S), 8192 // block_d))
-    _copy_tiles_kernel[(num_programs,)](
-        dst, src, pairs, count, valid if valid is not None else pairs,
-        dst_page0, src_page0, dst.stride(0), dst.stride(1), j_lo, j_hi,
-        HKV=Hkv, S=S, D=D, BLOCK_S=block_s, BLOCK_D=block_d, HAS_VALID=valid is not None, NPROG=num_programs,
-    )
+def _triton_kernel():
+    """The Triton launcher (imported on first use: Triton is an optional dependency), or None."""
+    try:
+        from .triton_page_gather import launch_copy_tiles
+    except Exception:  # pragma: no cover - depends on the installation
+        return None
+    return launch_copy_tiles
 
 
 def _use_kernel(pool: torch.Tensor, span: torch.Tensor, backend: str) -> bool:
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"backend must be 'auto', 'triton' or 'torch'; got {backend!r}")
-    if backend != "auto":
-        return backend == "triton"
-    return pool.device.type == "cuda" and (span.device.type == "cuda" or span.is_pinned())
+    if backend == "torch":
+        return False
+    if backend == "auto" and not (pool.device.type == "cuda" and (span.device.type == "cuda" or span.is_pinned())):
+        return False
+    if _triton_kernel() is None:
+        if backend == "triton":
+            raise ValueError("backend='triton' needs Triton (pip install 'oomb[triton]'); use backend='torch'")
+        return False
+    return True
 
 
 def gather_head_pages(
@@ -188,22 +183,26 @@ def gather_head_pages(
         dst: [P, S, Hkv, D] contiguous (the GPU pool).
         base: pool page of ``src``'s page 0.
         src: [m, S, Hkv, D] with the pool's page layout (a layer's host span; pinned on CUDA).
-        pairs, count: from :func:`head_pairs` over an [m, Hkv] mask, on ``dst``'s device.
-        valid: optional bool [m, Hkv] on ``dst``'s device: False tiles are zero-filled, not read.
-        num_programs: persistent programs of the CUDA kernel.
-        backend: ``'auto'`` (the kernel for a CUDA pool and a CUDA or pinned span, else PyTorch),
-            ``'triton'`` (the kernel; on CPU only under ``TRITON_INTERPRET=1``) or ``'torch'``.
+        pairs, count: int32, from :func:`head_pairs` over a [rows, Hkv] mask (the same Hkv), on ``dst``'s
+            device. Listed tiles of pages ``j >= m`` are skipped (the mask may have more rows than ``src``).
+        valid: optional contiguous bool [m, Hkv] on ``dst``'s device: False tiles are zero-filled, not read.
+        num_programs: persistent programs (SMs) of the CUDA kernel.
+        backend: ``'auto'`` (the Triton kernel for a CUDA pool and a CUDA or pinned span when Triton is
+            installed, else PyTorch index operations), ``'triton'`` (the kernel; on CPU only under
+            ``TRITON_INTERPRET=1``) or ``'torch'``.
         pages: optional [lo, hi): only the listed tiles of pages lo <= j < hi (a piece of a larger copy that
             waits on its own event).
 
-    Runs on the current stream; on CUDA it never syncs the host.
+    Runs on the current stream; on CUDA with the kernel it never syncs the host (the PyTorch path reads
+    ``count``).
 
     Raises:
-        ValueError: mismatched shapes/dtypes/layouts, or pages outside the pool.
+        ValueError: mismatched shapes/dtypes/layouts/devices, pages outside the pool, a bad ``valid``,
+            ``num_programs``, ``pages`` or ``backend``; ``'triton'`` without Triton installed.
     """
-    _check(dst, src, base, "gather_head_pages")
+    pages = _check(dst, src, base, pairs, count, valid, num_programs, pages, "gather_head_pages")
     if _use_kernel(dst, src, backend):
-        _launch(dst, src, base, 0, pairs, count, valid, num_programs, pages)
+        _triton_kernel()(dst, src, base, 0, pairs, count, valid, num_programs, pages)
     else:
         gather_head_pages_ref(dst, base, src, pairs, count, valid, pages)
 
@@ -223,14 +222,14 @@ def scatter_head_pages(
     Args:
         dst: [m, S, Hkv, D] with the pool's page layout (a layer's host span; pinned on CUDA).
         src: [P, S, Hkv, D] contiguous (the GPU pool); ``base``: pool page of ``dst``'s page 0.
-        pairs, count: from :func:`head_pairs` over an [m, Hkv] mask, on ``src``'s device.
+        pairs, count: as :func:`gather_head_pages` (tiles of pages ``j >= m`` are skipped), on ``src``'s device.
         num_programs, backend, pages: as :func:`gather_head_pages`.
 
     Raises:
         ValueError: as :func:`gather_head_pages`.
     """
-    _check(src, dst, base, "scatter_head_pages")
+    pages = _check(src, dst, base, pairs, count, None, num_programs, pages, "scatter_head_pages")
     if _use_kernel(src, dst, backend):
-        _launch(dst, src, 0, base, pairs, count, None, num_programs, pages)
+        _triton_kernel()(dst, src, 0, base, pairs, count, None, num_programs, pages)
     else:
         scatter_head_pages_ref(dst, src, base, pairs, count, pages)
