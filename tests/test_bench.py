@@ -97,3 +97,27 @@ def test_out_of_memory_is_a_row_and_the_run_goes_on(monkeypatch):
         ob.bench_rows(model, [1], OOMBConfig())
     with pytest.raises(ValueError, match="lengths"):
         ob.bench_rows(model, [8, 8], OOMBConfig())
+
+
+def test_stage2_rate_reads_the_timed_steps_bar(tmp_path):
+    """benchmarks/stage2_rate.py: seconds per chunk over the first N chunks of the longest Stage-2 bar (the timed
+    step, not the warm-up), also from a console cut mid-step."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "stage2_rate.py"
+    spec = importlib.util.spec_from_file_location("stage2_rate", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    console = "\n".join([
+        "stage 2 (recompute + backward):  40%|####      | 2/5 [00:09<00:13,  4.50s/chunk]",  # warm-up step
+        "stage 2 (recompute + backward):   4%|4         | 10/256 [00:13<04:58,  1.21s/chunk]",
+        "stage 2 (recompute + backward):  10%|#         | 26/256 [00:32<04:28,  1.17s/chunk]",
+        "stage 2 (recompute + backward):  16%|#6        | 42/256 [01:01<04:13,  1.18s/chunk]",
+    ])
+    assert mod.stage2_points(console) == [(10, 13), (26, 32), (42, 61)]
+    f = tmp_path / "console.txt"
+    f.write_text(console)
+    assert mod.main([str(f), "--chunks", "40", "--label", "x"]) == 0
+    (tmp_path / "empty.txt").write_text("nothing here")
+    assert mod.main([str(tmp_path / "empty.txt")]) == 1
