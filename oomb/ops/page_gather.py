@@ -18,9 +18,8 @@ on first use; without Triton, or on CPU, PyTorch index operations) that read or 
 memory directly over PCIe (zero-copy: under unified virtual addressing a pinned host tensor's
 address is valid on the device), with a small persistent grid (``num_programs``) so that the copy
 leaves most SMs to the compute running beside it. One tile is ``S`` rows of ``D`` contiguous
-elements, ``Hkv * D`` elements apart. Elsewhere (CPU tensors, the CPU tests) the same copies are
-PyTorch index operations (:func:`gather_head_pages_ref`, :func:`scatter_head_pages_ref`), and the
-kernels run under the Triton interpreter in the tests.
+elements, ``Hkv * D`` elements apart. The PyTorch path is :func:`gather_head_pages_ref` /
+:func:`scatter_head_pages_ref`; the tests also run the kernel under the Triton interpreter.
 
 Shape legend: m pages of the source span, S page_size (tokens), Hkv KV heads, D head dim, P pool
 pages. Units: pages and tokens; ``count`` is in tiles.
