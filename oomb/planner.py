@@ -683,7 +683,7 @@ def plan(
 def offload_traffic(
     shape: ModelShape, seq_len: int, chunk_size: int, page_size: int, resident_pages_per_layer: int,
     dtype: torch.dtype = torch.bfloat16, segment_pages: int | None = None, checkpoint_layers: bool = False,
-    saved_attention: bool = False,
+    saved_attention: bool = False, stage1_shadow_pages: int | None = None,
 ) -> dict[str, int]:
     """Bytes one training step copies host->device and device->host with offload (the schedule of
     :mod:`oomb.engine.offload`).
@@ -697,7 +697,9 @@ def offload_traffic(
 
     Whole-layer staging (``segment_pages`` None; the same with or without per-layer checkpointing),
     per layer and chunk c (P = c*C/S past pages, n = C/S own pages, R resident):
-    Stage 1 (c < N-1) stages K/V of pages [R, P) and writes back the new pages beyond R; Stage 2
+    Stage 1 (c < N-1) stages K/V of pages [R + Sh, P) and writes back the new pages beyond R (Sh: the pages
+    per layer Stage 1 keeps in the pool's dK/dV bytes, ``stage1_shadow_pages``; None = the store's default,
+    :func:`oomb.engine.offload.stage1_shadow_pages`); Stage 2
     stages K/V [R, P) for the forward, again for the backward of layers 0..L-3 (their staging set
     was reused by layer l+2), dK/dV [R, P + n) (chunk N-1: zero-filled on the device, not copied),
     and writes back dK/dV [R, P).
@@ -721,11 +723,17 @@ def offload_traffic(
         h2d_s, d2h_s = segment_traffic(L, seq_len, C, S, R, segment_pages, checkpoint_layers, kvb, gb,
                                        saved_attention=saved_attention)
         return {"h2d_bytes": h2d_s, "d2h_bytes": d2h + d2h_s}
+    if stage1_shadow_pages is None:
+        from .engine.offload import _staging, stage1_shadow_pages as shadow
+
+        npl = -(-seq_len // S)
+        stage1_shadow_pages = shadow(L, npl, R, L * R + 2 * _staging(npl, R, None), dtype,
+                                     torch.float64 if dtype == torch.float64 else torch.float32)
     for c in range(N):
         P = c * n
         kv = max(P - R, 0)
         if c < N - 1:  # Stage 1
-            h2d += L * kv * kvb
+            h2d += L * max(P - R - stage1_shadow_pages, 0) * kvb
             d2h += L * max(P + n - max(P, R), 0) * kvb
         own = n if c < N - 1 else 0
         h2d += L * kv * kvb + max(L - 2, 0) * kv * kvb  # Stage-2 forward; backward of layers 0..L-3

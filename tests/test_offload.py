@@ -22,7 +22,7 @@ from test_engine import VOCAB, clone_model, run_parity, tiny
 @pytest.fixture(autouse=True)
 def _no_offload_env(monkeypatch):
     """The tests choose staging settings themselves: a developer's exported OOMB_* knobs must not change them."""
-    for name in ("OOMB_OFFLOAD_STAGE_GRAIN", "OOMB_PAGE_GATHER_PROGRAMS", "OOMB_OFFLOAD_COPY_STREAMS"):
+    for name in ("OOMB_OFFLOAD_STAGE_GRAIN", "OOMB_PAGE_GATHER_PROGRAMS", "OOMB_OFFLOAD_COPY_STREAMS", "OOMB_OFFLOAD_STAGE1_SHADOW"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -73,7 +73,8 @@ def test_offload_trains_bitwise_like_all_on_device(family, heads, kv_heads, laye
     _assert_same_training(m_ref, m_off, out_ref, out_off)
     # The planner predicts exactly what was copied.
     pred = offload_traffic(ModelShape.from_config(m_off.config), T, chunk, page, store.resident_pages_per_layer, dtype,
-                           segment_pages=store.segment_pages, checkpoint_layers=ckpt)
+                           segment_pages=store.segment_pages, checkpoint_layers=ckpt,
+                           stage1_shadow_pages=store.stage1_shadow_pages)
     assert (store.stats["h2d_bytes"], store.stats["d2h_bytes"]) == (pred["h2d_bytes"], pred["d2h_bytes"])
     # Every stage-in was issued ahead of its use (the previous layer's compute), none at the point of use.
     assert store.stats["on_demand"] == 0, store.stats
@@ -264,7 +265,7 @@ def test_page_placement_and_staged_views_read_the_written_pages(segment_pages, R
             past = torch.cat([written[(layer, s)][0] for s in range(0, start, C)]) if start else torch.empty(0, Hkv, D)
             if segment_pages == "layer":
                 # The view's past pages, gathered through its block table, are exactly the tokens written before.
-                got = store.k_cache[kv.block_table.long()].flatten(0, 1)[:start]
+                got = kv.k_cache[kv.block_table.long()].flatten(0, 1)[:start]  # (Stage 1 may read the shadow)
                 assert torch.equal(got, past), (layer, start)
             k, v = torch.randn(C, Hkv, D, generator=g), torch.randn(C, Hkv, D, generator=g)
             store.write(layer, start, k, v)
@@ -310,18 +311,24 @@ def whole_layer_staging(monkeypatch):
     monkeypatch.setattr(Engine, "_segment_pages", lambda self: "layer")
 
 
+@pytest.mark.parametrize("shadow", [True, False])
 @pytest.mark.parametrize("ckpt", [False, True])
-def test_prefetch_order(ckpt, whole_layer_staging):
+def test_prefetch_order(ckpt, shadow, whole_layer_staging, monkeypatch):
     """Whole-layer staging: each use's pages are staged one use ahead: while the previous layer computes, never
     at the point of use."""
+    monkeypatch.setattr(OffloadedKVStore, "stage1_shadow", shadow)
     torch.manual_seed(0)
     L, C, S, T = 4, 8, 4, 32
     _, engine = _step(tiny("qwen2", layers=L), torch.randint(0, VOCAB, (1, T)), trace=True, chunk_size=C, page_size=S,
                       offload=True, checkpoint_layers=ckpt)
-    sched = _schedule(engine.kv_store.trace)
+    store = engine.kv_store
+    assert store.stage1_shadow_pages == (4 if shadow else 0)  # 16 fp32 pool pages hold 4 K/V pages per layer
+    sched = _schedule(store.trace)
     stages = [(l, s, g) for k, l, s, g in sched if k == "stage"]
-    # Stage 1: chunks 1 and 2 read a past, layer by layer (K/V only); then layer 0 of the first Stage-2 chunk.
-    expect = [(l, s, False) for s in (8, 16) for l in range(L)] + [(0, 24, False)]
+    # Stage 1: chunks 1 and 2 read a past, layer by layer (K/V only; none with the shadow, which holds every
+    # host page here); then layer 0 of the first Stage-2 chunk.
+    expect = [] if shadow else [(l, s, False) for s in (8, 16) for l in range(L)]
+    expect += [(0, 24, False)]
     # Stage 2, chunk at s: K/V of layers 1..L-2, K/V + dK/dV of the top layer (its backward follows its
     # forward), the backward of layers L-2..0, then layer 0 of the chunk before. Chunk 0 has no past:
     # only its own stored dK/dV pages are staged.
@@ -714,12 +721,13 @@ def _sparse_pair(monkeypatch, ids, budget, cu=None, spy=None, exact_unions=True,
 
 
 def _staged_pages(monkeypatch):
-    """Record the ``pages`` of every whole-layer staging (None: the whole layer)."""
+    """Record the ``pages`` of every Stage-2 whole-layer staging (None: the whole layer)."""
     seen = []
     orig = OffloadedKVStore._stage
 
     def stage(self, use, why):
-        seen.append(use.pages)
+        if self._in_stage2:  # (Stage 1 stages the host pages beyond its shadow, the same for every grain)
+            seen.append(use.pages)
         return orig(self, use, why)
 
     monkeypatch.setattr(OffloadedKVStore, "_stage", stage)
@@ -751,7 +759,8 @@ def test_sparse_offload_stages_selected_pages_bitwise(monkeypatch, budget, ckpt,
     _assert_same_training(m_ref, m_off, out_ref, out_off)
     assert store.stats["on_demand"] == 0
     pred = offload_traffic(ModelShape.from_config(m_off.config), 52, chunk, 4, store.resident_pages_per_layer,
-                           torch.float64, segment_pages=None, checkpoint_layers=ckpt)
+                           torch.float64, segment_pages=None, checkpoint_layers=ckpt,
+                           stage1_shadow_pages=store.stage1_shadow_pages)
     assert store.stats["h2d_bytes"] < pred["h2d_bytes"] and store.stats["d2h_bytes"] < pred["d2h_bytes"]
 
 
@@ -1060,3 +1069,76 @@ def test_page_gather_programs_env(monkeypatch):
         monkeypatch.setenv("OOMB_PAGE_GATHER_PROGRAMS", bad)
         with pytest.raises(ValueError, match="OOMB_PAGE_GATHER_PROGRAMS must be a positive integer"):
             OffloadedKVStore(2, 2, 8, 4, 32, torch.float32, "cpu", chunk_size=8, segment_pages="layer")
+
+
+@pytest.mark.parametrize("dtype,layers,budget", [(torch.float32, 3, None), (torch.bfloat16, 6, None), (torch.float32, 6, 44)])
+def test_stage1_shadow_bitwise_and_fewer_bytes(dtype, layers, budget, whole_layer_staging, monkeypatch):
+    """Stage 1 reading host pages from the pool's dK/dV bytes (the shadow) trains bitwise like staging them, with
+    fewer host->device bytes; here the shadow holds only part of each layer's host pages (the rest are staged)."""
+    torch.manual_seed(0)
+    m_ref = tiny("llama", 4, 2, layers=layers).to(dtype)
+    ids = torch.randint(0, VOCAB, (1, 61))
+    common = dict(chunk_size=8, page_size=4, checkpoint_layers=True, offload=True, gpu_page_budget=budget)
+    runs = {}
+    for shadow in (False, True):
+        monkeypatch.setattr(OffloadedKVStore, "stage1_shadow", shadow)
+        m = clone_model(m_ref)
+        out, e = _step(m, ids, **common)
+        runs[shadow] = (m, out, e.kv_store)
+    (m_off, out_off, st_off), (m_on, out_on, st_on) = runs[False], runs[True]
+    n, R, Sh = st_on.max_pages_per_layer, st_on.resident_pages_per_layer, st_on.stage1_shadow_pages
+    assert st_off.stage1_shadow_pages == 0 and 0 < Sh < n - R and 48 // 4 > R + Sh  # Stage 1 still stages some
+    _assert_same_training(m_off, m_on, out_off, out_on)
+    assert st_on.stats["h2d_bytes"] < st_off.stats["h2d_bytes"]
+    assert st_on.stats["d2h_bytes"] == st_off.stats["d2h_bytes"] and st_on.stats["on_demand"] == 0
+    pred = offload_traffic(ModelShape.from_config(m_on.config), 61, 8, 4, R, dtype, segment_pages=None,
+                           checkpoint_layers=True, stage1_shadow_pages=Sh)
+    assert (st_on.stats["h2d_bytes"], st_on.stats["d2h_bytes"]) == (pred["h2d_bytes"], pred["d2h_bytes"])
+
+
+def test_stage1_shadow_controls(whole_layer_staging, monkeypatch):
+    """Teeth: Stage 1 must write its new K/V into the shadow, and Stage 2 must zero the dK/dV bytes it used."""
+    torch.manual_seed(0)
+    m_ref = tiny("qwen2", 4, 2, layers=3)
+    ids = torch.randint(0, VOCAB, (1, 45))
+    common = dict(chunk_size=8, page_size=4, offload=True, gpu_page_budget=28)  # R = 4 resident pages, 8 on the host
+    out_ref, _ = _step(m_ref, ids, **common)
+    ref = {k: p.grad.clone() for k, p in m_ref.named_parameters()}
+
+    def differs(patch):
+        with monkeypatch.context() as mp:
+            patch(mp)
+            m = clone_model(m_ref)
+            m.zero_grad(set_to_none=True)
+            out, e = _step(m, ids, **common)
+            assert e.kv_store.stage1_shadow_pages == 8 and e.kv_store.resident_pages_per_layer == 4
+            return out.loss != out_ref.loss or any(not torch.equal(p.grad, ref[k]) for k, p in m.named_parameters())
+
+    orig_write = OffloadedKVStore.write
+
+    def write_no_shadow(self, layer, start, k, v):  # the shadow keeps stale bytes
+        Sh, self.stage1_shadow_pages = self.stage1_shadow_pages, 0
+        try:
+            orig_write(self, layer, start, k, v)
+        finally:
+            self.stage1_shadow_pages = Sh
+
+    assert differs(lambda mp: mp.setattr(OffloadedKVStore, "write", write_no_shadow))
+    orig_begin = OffloadedKVStore._begin_stage2
+
+    def begin_no_zero(self):
+        self._in_stage2 = True
+
+    assert differs(lambda mp: mp.setattr(OffloadedKVStore, "_begin_stage2", begin_no_zero))
+    assert orig_begin is OffloadedKVStore._begin_stage2
+
+
+def test_stage1_shadow_env(monkeypatch):
+    monkeypatch.setenv("OOMB_OFFLOAD_STAGE1_SHADOW", "0")
+    assert OffloadedKVStore(2, 2, 8, 4, 64, torch.float32, "cpu", chunk_size=8, segment_pages="layer").stage1_shadow_pages == 0
+    monkeypatch.setenv("OOMB_OFFLOAD_STAGE1_SHADOW", "1")
+    assert OffloadedKVStore(3, 2, 8, 4, 64, torch.float32, "cpu", chunk_size=8, segment_pages="layer").stage1_shadow_pages == 10
+    assert OffloadedKVStore(2, 2, 8, 4, 64, torch.float32, "cpu", chunk_size=8).stage1_shadow_pages == 0  # segmented
+    monkeypatch.setenv("OOMB_OFFLOAD_STAGE1_SHADOW", "yes")
+    with pytest.raises(ValueError, match="OOMB_OFFLOAD_STAGE1_SHADOW must be 0 or 1"):
+        OffloadedKVStore(2, 2, 8, 4, 32, torch.float32, "cpu", chunk_size=8, segment_pages="layer")

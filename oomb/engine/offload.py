@@ -82,6 +82,20 @@ traffic).
 With per-layer checkpointing the recompute asks for a layer again right before
 its backward; that view finds the pages already staged.
 
+**Stage-1 shadow (whole-layer staging).** Stage 1 computes no gradient, so the
+pool's dK/dV bytes (twice the K/V bytes for bf16 K/V and fp32 gradients) are
+idle until Stage 2 begins. Stage 1 keeps the K/V of host pages ``[R, R + Sh)``
+of every layer there too: each Stage-1 write of such a page also goes into its
+shadow slot (a device copy; the D2H copy to the host tier, which Stage 2 reads,
+is unchanged), and Stage-1 attention reads those pages in place through a
+second block table over one view of the K (V) and dK (dV) bytes (K and dK share
+one allocation), so Stage 1 stages only pages ``[R + Sh, P)``. ``Sh`` is
+:func:`stage1_shadow_pages`: all host pages when they fit (Qwen2.5-7B at 1M
+tokens on an H200: 3,876 of 3,876 per layer), else a prefix of them. The first
+Stage-2 view zeroes every dK/dV page (which also clears the resident pages'
+gradients that Stage-1 writes otherwise zero) before any staging into them.
+``OOMB_OFFLOAD_STAGE1_SHADOW=0`` (or ``stage1_shadow = False``) turns it off.
+
 **Sparse attention, page grain (``stage_grain='page'``): only the selected pages in Stage 2.** A sparse (chunk, layer)
 reads only the past pages of its selection (made in Stage 1, reused unchanged in
 Stage 2). The engine gives the store a hook, :attr:`OffloadedKVStore.needed_pages`
@@ -152,6 +166,7 @@ from __future__ import annotations
 import bisect
 import collections
 import functools
+import math
 import os
 import warnings
 import weakref
@@ -170,6 +185,7 @@ __all__ = [
     "resident_pages_for_budget",
     "resolve_segment_pages",
     "segment_traffic",
+    "stage1_shadow_pages",
 ]
 
 DEFAULT_SEGMENT_TOKENS = 32768
@@ -245,6 +261,47 @@ def resident_pages_for_budget(
         else:
             hi = mid - 1
     return lo
+
+
+def stage1_shadow_pages(num_layers: int, pages_per_layer: int, resident: int, pool_pages: int,
+                        dtype: torch.dtype, grad_dtype: torch.dtype) -> int:
+    """Host pages per layer whose K/V Stage 1 keeps on the GPU in the dK/dV bytes of the pool (whole-layer staging).
+
+    Stage 1 computes no gradient, so the pool's dK/dV bytes (``pool_pages`` pages of ``grad_dtype``) are free
+    until Stage 2 begins: they hold K/V (``dtype``) of host pages ``[R, R + Sh)`` of every layer, which Stage 1
+    then reads in place instead of staging them (module docstring, "Stage-1 shadow"). Returns
+    ``Sh = min(n - R, floor(pool_pages * g / e / L))`` with ``e``/``g`` the element sizes of ``dtype``/``grad_dtype``
+    (0 when ``g`` is not a multiple of ``e``).
+    """
+    e, g = dtype.itemsize, grad_dtype.itemsize
+    if g % e:
+        return 0
+    return max(0, min(pages_per_layer - resident, pool_pages * (g // e) // max(num_layers, 1)))
+
+
+def _pool_pair(shape: tuple[int, ...], dtype: torch.dtype, grad_dtype: torch.dtype, device: torch.device):
+    """One allocation holding a K (or V) pool and its dK (or dV) pool of ``shape`` -> ``(kv, grad, combined, base)``.
+
+    ``combined`` views the whole allocation as ``dtype`` pages of ``shape[1:]``: slots ``[0, shape[0])`` are ``kv``,
+    slots from ``base`` on alias ``grad``'s bytes (the Stage-1 shadow). ``combined`` is None when the sizes do not
+    divide (the shadow is then off)."""
+    P = shape[0]
+    pe = 1
+    for x in shape[1:]:
+        pe *= x
+    e, g = dtype.itemsize, grad_dtype.itemsize
+    slot = pe * e
+    align = slot * 64 // math.gcd(slot, 64)  # grad bytes start on a whole slot and 64 B
+    kbytes = -(-P * slot // align) * align
+    gbytes = P * pe * g
+    if g % e:
+        kv = torch.empty(shape, dtype=dtype, device=device)
+        return kv, torch.empty(shape, dtype=grad_dtype, device=device), None, 0
+    buf = torch.empty(kbytes + gbytes, dtype=torch.uint8, device=device)
+    kv = buf[: P * slot].view(dtype).view(shape)
+    grad = buf[kbytes:].view(grad_dtype).view(shape)
+    combined = buf.view(dtype).view((-1,) + tuple(shape[1:]))
+    return kv, grad, combined, kbytes // slot
 
 
 @dataclass(frozen=True)
@@ -981,9 +1038,12 @@ class OffloadedKVStore:
             :attr:`stage_grain` ``'head'`` it takes precedence over ``needed_pages``: Stage 2 stages and
             writes back only the (page, KV head) tiles the selection reads (module docstring).
         stage_grain: ``'head'`` or ``'page'`` (class default ``'head'``; env ``OOMB_OFFLOAD_STAGE_GRAIN``).
+        stage1_shadow_pages: Sh, host pages per layer Stage 1 reads from the pool's dK/dV bytes instead of
+            staging them (whole-layer staging; 0 when off or segmented; module docstring, "Stage-1 shadow").
 
     Raises:
-        ValueError: a budget below two staging buffers; a bad ``segment_pages``.
+        ValueError: a budget below two staging buffers; a bad ``segment_pages``; a bad
+            ``OOMB_OFFLOAD_STAGE_GRAIN`` / ``OOMB_OFFLOAD_STAGE1_SHADOW``.
     """
 
     #: Selected-page staging (``needed_pages``): runs at most this many pages apart are merged, and
@@ -997,6 +1057,9 @@ class OffloadedKVStore:
     #: CUDA, with the ``needed_heads`` hook); ``'page'`` moves whole pages of the selection's page union
     #: (runs, with the ``needed_pages`` hook). ``OOMB_OFFLOAD_STAGE_GRAIN`` overrides it per store.
     stage_grain: str = "head"
+    #: Whole-layer staging: Stage 1 keeps the K/V of host pages in the pool's dK/dV bytes and reads them in place
+    #: (module docstring, "Stage-1 shadow"); ``OOMB_OFFLOAD_STAGE1_SHADOW=0`` turns it off per store.
+    stage1_shadow: bool = True
 
     def __init__(
         self,
@@ -1045,10 +1108,18 @@ class OffloadedKVStore:
         self._cuda = self.device.type == "cuda"
 
         shape = (self.gpu_pool_pages, S, num_kv_heads, head_dim)
-        self.k_cache = torch.empty(shape, dtype=dtype, device=self.device)
-        self.v_cache = torch.empty(shape, dtype=dtype, device=self.device)
-        self.dk_cache = torch.empty(shape, dtype=self.grad_dtype, device=self.device)
-        self.dv_cache = torch.empty(shape, dtype=self.grad_dtype, device=self.device)
+        env_shadow = os.environ.get("OOMB_OFFLOAD_STAGE1_SHADOW")
+        if env_shadow not in (None, "0", "1"):
+            raise ValueError(f"OOMB_OFFLOAD_STAGE1_SHADOW must be 0 or 1; got {env_shadow!r} (unset it for the default, 1)")
+        shadow_on = self.stage1_shadow if env_shadow is None else env_shadow == "1"
+        self.stage1_shadow_pages = Sh = (
+            stage1_shadow_pages(L, n, R, self.gpu_pool_pages, dtype, self.grad_dtype)
+            if shadow_on and not self.segmented and H > 0 else 0
+        )
+        # K and dK (V and dV) share one allocation, so that Stage 1 can read K/V pages kept in the (then unused)
+        # dK/dV bytes through the same tensor as the pool (see "Stage-1 shadow" in the module docstring).
+        self.k_cache, self.dk_cache, self._k1, self._shadow_base = _pool_pair(shape, dtype, self.grad_dtype, self.device)
+        self.v_cache, self.dv_cache, self._v1, _ = _pool_pair(shape, dtype, self.grad_dtype, self.device)
         hshape = (L, H, S, num_kv_heads, head_dim)
         self._host_pins: list[int] = []
         self.k_host = self._host_empty(hshape, dtype)
@@ -1070,6 +1141,15 @@ class OffloadedKVStore:
                 base = L * R + (layer % 2) * W
                 table[layer, R:] = torch.arange(base, base + W, dtype=torch.int32)
             self.block_table = table.to(self.device)
+            # Stage 1 with a shadow: host pages [R, R + Sh) of layer l at slots shadow_base + l*Sh + (p - R) of
+            # the _k1/_v1 views (the dK/dV bytes), the rest as in Stage 2.
+            self._table1 = None
+            if Sh:
+                t1 = table.clone()
+                base1 = self._shadow_base
+                for layer in range(L):
+                    t1[layer, R : R + Sh] = torch.arange(base1 + layer * Sh, base1 + (layer + 1) * Sh, dtype=torch.int32)
+                self._table1 = t1.to(self.device)
         else:
             self.block_table = None
             # Segment 0 of layer l in buffer b: [l*R .. l*R+R-1 (resident), base(b) .. base(b)+W-1].
@@ -1192,6 +1272,7 @@ class OffloadedKVStore:
         self._stats = {"h2d_bytes": 0, "d2h_bytes": 0, "prefetched": 0, "on_demand": 0}
         self._pairs_cache: dict[tuple[int, int], tuple] = {}
         self._heads_used = [False] * L  # a head-grained write-back went into the layer's host dK/dV this step
+        self._in_stage2 = False  # Stage 2 has begun this step (the Stage-1 shadow is gone: _begin_stage2)
         if self._written is not None:
             self._written.zero_()
             self._dev_bytes.zero_()
@@ -1301,8 +1382,9 @@ class OffloadedKVStore:
             a, b = layer * R + p0, layer * R + q1
             self.k_cache[a:b].view(-1, Hkv, D)[:nt] = k[:nt]
             self.v_cache[a:b].view(-1, Hkv, D)[:nt] = v[:nt]
-            self.dk_cache[a:b].zero_()
-            self.dv_cache[a:b].zero_()
+            if not self.stage1_shadow_pages:  # else Stage 2 zeroes all dK/dV when it begins (_begin_stage2)
+                self.dk_cache[a:b].zero_()
+                self.dv_cache[a:b].zero_()
         if p1 > R:  # host tier
             a = max(p0, R)
             t0 = (a - p0) * S
@@ -1329,6 +1411,13 @@ class OffloadedKVStore:
                 st.record_d2h(self._wbuf_free[b])
                 self._wb_layer[layer] = self._d2h_event()
             self._stats["d2h_bytes"] += 2 * nt * Hkv * D * k.element_size()
+            Sh = self.stage1_shadow_pages
+            if Sh and not self._in_stage2 and a < R + Sh:  # and into the Stage-1 shadow (compute stream)
+                e1 = min(p1, R + Sh)
+                ns = min(nt, (e1 - a) * S)
+                s1 = self._shadow_base + layer * Sh + (a - R)
+                self._k1[s1 : s1 + e1 - a].view(-1, Hkv, D)[:ns] = k[t0 : t0 + ns]
+                self._v1[s1 : s1 + e1 - a].view(-1, Hkv, D)[:ns] = v[t0 : t0 + ns]
             if self.trace is not None:
                 self.trace.append(("write_host", layer, a, p1))
         self._pages[layer] = p1
@@ -1432,7 +1521,7 @@ class OffloadedKVStore:
         tag = self._tag[self._set(use.layer)]
         kv_here = (tag is not None and tag.layer == use.layer and tag.past == use.past and tag.kv
                    and _covers(tag.pages, use.pages))
-        kv_ok = use.past <= R or kv_here
+        kv_ok = use.past <= R or kv_here or use.pages == ()  # (): a Stage-1 past all resident or in the shadow
         grad_ok = (
             not use.grad
             or use.past + use.own <= R
@@ -1750,7 +1839,26 @@ class OffloadedKVStore:
             return None
         if stage2:
             return self._stage2_use(0, start, start // self.page_size, 0, False)
-        return _Use(0, start, start // self.page_size, 0, False)
+        if self._seq_len is not None and start + self.chunk_size >= self._seq_len:
+            return _Use(0, start, start // self.page_size, 0, False)  # the last chunk: its first use is Stage 2's
+        return self._stage1_use(0, start, start // self.page_size)
+
+    def _stage1_use(self, layer: int, start: int, past: int) -> _Use:
+        """A Stage-1 (K/V only) use: with the shadow, only the host pages beyond it ([R + Sh, past); () if none)."""
+        Sh = self.stage1_shadow_pages
+        if not Sh or self._in_stage2:
+            return _Use(layer, start, past, 0, False)
+        lo = self.resident_pages_per_layer + Sh
+        return _Use(layer, start, past, 0, False, ((lo, past),) if past > lo else ())
+
+    def _begin_stage2(self) -> None:
+        """The step's first Stage-2 view: with the shadow, every dK/dV page is zeroed now (Stage 1 used their
+        bytes for K/V; this also clears the resident pages' gradients, which Stage-1 writes then leave alone)."""
+        self._in_stage2 = True
+        if self.stage1_shadow_pages:
+            self.dk_cache.zero_()
+            self.dv_cache.zero_()
+            self._streams.copy_wait(self._streams.record_compute())  # before any staging into dK/dV slots
 
     def _next_backward(self, use: _Use) -> _Use | None:
         """The use after the backward of ``use.layer``: the next lower layer's backward, or chunk c-1's forward."""
@@ -1782,11 +1890,15 @@ class OffloadedKVStore:
             return PagedKV(None, None, None, start, q_doc_start=q_doc_start, after_backward=after, segments=seg)
         table = self.block_table[layer]
         if stage == 1:
-            use = _Use(layer, start, past, 0, False)
+            use = self._stage1_use(layer, start, past)
             self._acquire(use)
-            nxt = _Use(layer + 1, start, past, 0, False) if layer + 1 < L else self._next_chunk_forward(start + length, False)
+            nxt = self._stage1_use(layer + 1, start, past) if layer + 1 < L else self._next_chunk_forward(start + length, False)
             self._prefetch(nxt)
+            if self.stage1_shadow_pages and not self._in_stage2:
+                return PagedKV(self._k1, self._v1, self._table1[layer, :past], start, q_doc_start=q_doc_start)
             return PagedKV(self.k_cache, self.v_cache, table[:past], start, q_doc_start=q_doc_start)
+        if not self._in_stage2:
+            self._begin_stage2()
         if self._seen_start != start:
             self._seen_start, self._seen_layers = start, set()
         recompute = layer in self._seen_layers  # per-layer checkpointing re-runs the forward in backward
