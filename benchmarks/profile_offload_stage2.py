@@ -150,8 +150,14 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="")
     ap.add_argument("--keep-trace", action="store_true", help="also write the chrome trace (gzip)")
+    ap.add_argument("--elems-per-load", type=int, default=None,
+                    help="oomb.ops.triton_page_gather.ELEMS_PER_LOAD for this run (default: the module's, 8192)")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
+    if args.elems_per_load:
+        from oomb.ops import triton_page_gather
+
+        triton_page_gather.ELEMS_PER_LOAD = args.elems_per_load
     model = build(args.model, dev, torch.bfloat16)
     model.config.use_cache = False
     L = model.config.num_hidden_layers
@@ -195,6 +201,7 @@ def main(argv=None) -> int:
     row = dict(length=args.length, gpu_page_budget=budget, resident_pages_per_layer=engine.kv_store.resident_pages_per_layer,
                seconds=dt, stage1_seconds=out.stage1_seconds, stage2_seconds=out.stage2_seconds, loss=out.loss,
                programs=engine.kv_store.gather_programs, grain=engine.kv_store.stage_grain,
+               elems_per_load=args.elems_per_load or 8192,
                stats={k: v for k, v in engine.kv_store.stats.items()}, profiled=not args.no_profile)
     os.makedirs(args.out, exist_ok=True)
     if prof is not None:

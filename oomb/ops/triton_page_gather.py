@@ -9,7 +9,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["launch_copy_tiles"]
+__all__ = ["ELEMS_PER_LOAD", "launch_copy_tiles"]
+
+ELEMS_PER_LOAD = 8192
+"""Elements one program moves per load/store (rows of a tile at a time): 64 rows of head dim 128."""
 
 
 @triton.jit
@@ -49,7 +52,7 @@ def launch_copy_tiles(dst, src, dst_page0, src_page0, pairs, count, valid, num_p
     S, Hkv, D = dst.shape[1:]
     j_lo, j_hi = pages
     block_d = triton.next_power_of_2(D)
-    block_s = max(1, min(triton.next_power_of_2(S), 8192 // block_d))
+    block_s = max(1, min(triton.next_power_of_2(S), ELEMS_PER_LOAD // block_d))
     _copy_tiles_kernel[(num_programs,)](
         dst, src, pairs, count, valid if valid is not None else pairs, pairs.numel(),
         dst_page0, src_page0, dst.stride(0), dst.stride(1), j_lo, j_hi,
