@@ -317,6 +317,7 @@ def test_prefetch_order(ckpt, shadow, whole_layer_staging, monkeypatch):
     """Whole-layer staging: each use's pages are staged one use ahead: while the previous layer computes, never
     at the point of use."""
     monkeypatch.setattr(OffloadedKVStore, "stage1_shadow", shadow)
+    monkeypatch.setattr(OffloadedKVStore, "stage1_shadow_partial", True)  # 4 of the 8 host pages per layer
     torch.manual_seed(0)
     L, C, S, T = 4, 8, 4, 32
     _, engine = _step(tiny("qwen2", layers=L), torch.randint(0, VOCAB, (1, T)), trace=True, chunk_size=C, page_size=S,
@@ -1052,6 +1053,31 @@ def test_cuda_sparse_offload_bitwise_like_all_on_device(monkeypatch, ckpt, grain
     _assert_same_training(m_ref, m_off, out_ref, out_off)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (side streams, pinned host memory, Triton)")
+@pytest.mark.parametrize("layers,full", [(5, True), (9, False)])
+def test_cuda_stage1_shadow_bitwise(monkeypatch, layers, full):
+    """Real streams and the Triton kernels: Stage 1 reading host pages from the shadow (all of them, or a prefix with
+    the rest staged) trains bitwise like staging them (sparse, head grain, bf16; both runs in one process, so
+    both use the same autotuned kernel configurations)."""
+    monkeypatch.setattr(OffloadedKVStore, "stage1_shadow_partial", not full)
+    torch.manual_seed(0)
+    m_ref = tiny("qwen2", 4, 2, layers=layers, head_dim=16).to("cuda", torch.bfloat16)
+    ids = torch.randint(0, VOCAB, (1, 300), device="cuda")
+    common = dict(chunk_size=48, page_size=16, checkpoint_layers=True, attention_backend="triton", sparse=True,
+                  page_budget=2, sink_pages=1, local_pages=1, sparse_block_size=16, offload=True,
+                  gpu_page_budget=layers * 2 + 2 * 17)
+    runs = {}
+    for shadow in (False, True):
+        monkeypatch.setattr(OffloadedKVStore, "stage1_shadow", shadow)
+        m = clone_model(m_ref).to("cuda")
+        out, e = _step(m, ids, **common)
+        runs[shadow] = (m, out, e.kv_store)
+    st = runs[True][2]
+    H = st.host_pages_per_layer
+    assert st.resident_pages_per_layer == 2 and (st.stage1_shadow_pages == H if full else 0 < st.stage1_shadow_pages < H)
+    _assert_same_training(runs[False][0], runs[True][0], runs[False][1], runs[True][1])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned host memory)")
 def test_cuda_store_falls_back_to_page_grain_without_zero_copy(monkeypatch):
     store = OffloadedKVStore(3, 2, 16, 16, 256, torch.bfloat16, "cuda", chunk_size=32, segment_pages="layer")
@@ -1071,10 +1097,16 @@ def test_page_gather_programs_env(monkeypatch):
             OffloadedKVStore(2, 2, 8, 4, 32, torch.float32, "cpu", chunk_size=8, segment_pages="layer")
 
 
-@pytest.mark.parametrize("dtype,layers,budget", [(torch.float32, 3, None), (torch.bfloat16, 6, None), (torch.float32, 6, 44)])
-def test_stage1_shadow_bitwise_and_fewer_bytes(dtype, layers, budget, whole_layer_staging, monkeypatch):
+@pytest.mark.parametrize("dtype,layers,budget,full", [
+    (torch.bfloat16, 3, None, True),  # every host page in the shadow: Stage 1 stages nothing
+    (torch.float32, 3, None, False),  # partial shadows (stage1_shadow_partial): the rest is staged
+    (torch.bfloat16, 6, None, False),
+    (torch.float32, 6, 44, False),
+])
+def test_stage1_shadow_bitwise_and_fewer_bytes(dtype, layers, budget, full, whole_layer_staging, monkeypatch):
     """Stage 1 reading host pages from the pool's dK/dV bytes (the shadow) trains bitwise like staging them, with
-    fewer host->device bytes; here the shadow holds only part of each layer's host pages (the rest are staged)."""
+    fewer host->device bytes, whether the shadow holds all of each layer's host pages or part of them."""
+    monkeypatch.setattr(OffloadedKVStore, "stage1_shadow_partial", not full)
     torch.manual_seed(0)
     m_ref = tiny("llama", 4, 2, layers=layers).to(dtype)
     ids = torch.randint(0, VOCAB, (1, 61))
@@ -1087,7 +1119,8 @@ def test_stage1_shadow_bitwise_and_fewer_bytes(dtype, layers, budget, whole_laye
         runs[shadow] = (m, out, e.kv_store)
     (m_off, out_off, st_off), (m_on, out_on, st_on) = runs[False], runs[True]
     n, R, Sh = st_on.max_pages_per_layer, st_on.resident_pages_per_layer, st_on.stage1_shadow_pages
-    assert st_off.stage1_shadow_pages == 0 and 0 < Sh < n - R and 48 // 4 > R + Sh  # Stage 1 still stages some
+    assert st_off.stage1_shadow_pages == 0
+    assert Sh == n - R if full else (0 < Sh < n - R and 48 // 4 > R + Sh)  # partial: Stage 1 still stages some
     _assert_same_training(m_off, m_on, out_off, out_on)
     assert st_on.stats["h2d_bytes"] < st_off.stats["h2d_bytes"]
     assert st_on.stats["d2h_bytes"] == st_off.stats["d2h_bytes"] and st_on.stats["on_demand"] == 0
@@ -1137,8 +1170,14 @@ def test_stage1_shadow_env(monkeypatch):
     monkeypatch.setenv("OOMB_OFFLOAD_STAGE1_SHADOW", "0")
     assert OffloadedKVStore(2, 2, 8, 4, 64, torch.float32, "cpu", chunk_size=8, segment_pages="layer").stage1_shadow_pages == 0
     monkeypatch.setenv("OOMB_OFFLOAD_STAGE1_SHADOW", "1")
-    assert OffloadedKVStore(3, 2, 8, 4, 64, torch.float32, "cpu", chunk_size=8, segment_pages="layer").stage1_shadow_pages == 10
+    assert OffloadedKVStore(3, 2, 8, 4, 64, torch.float32, "cpu", chunk_size=8, segment_pages="layer").stage1_shadow_pages == 0
+    assert OffloadedKVStore(3, 2, 8, 4, 64, torch.float32, "cpu", chunk_size=8, gpu_pages=36,
+                            segment_pages="layer").stage1_shadow_pages == 12  # R = 4: all 12 host pages fit
     assert OffloadedKVStore(2, 2, 8, 4, 64, torch.float32, "cpu", chunk_size=8).stage1_shadow_pages == 0  # segmented
+    # A shadow that holds only part of each layer's host pages is off unless asked for (not yet verified on a GPU).
+    assert OffloadedKVStore(3, 2, 8, 4, 64, torch.float32, "cpu", chunk_size=8, segment_pages="layer").stage1_shadow_pages == 0
+    monkeypatch.setattr(OffloadedKVStore, "stage1_shadow_partial", True)
+    assert OffloadedKVStore(3, 2, 8, 4, 64, torch.float32, "cpu", chunk_size=8, segment_pages="layer").stage1_shadow_pages == 10
     monkeypatch.setenv("OOMB_OFFLOAD_STAGE1_SHADOW", "yes")
     with pytest.raises(ValueError, match="OOMB_OFFLOAD_STAGE1_SHADOW must be 0 or 1"):
         OffloadedKVStore(2, 2, 8, 4, 32, torch.float32, "cpu", chunk_size=8, segment_pages="layer")

@@ -91,7 +91,8 @@ is unchanged), and Stage-1 attention reads those pages in place through a
 second block table over one view of the K (V) and dK (dV) bytes (K and dK share
 one allocation), so Stage 1 stages only pages ``[R + Sh, P)``. ``Sh`` is
 :func:`stage1_shadow_pages`: all host pages when they fit (Qwen2.5-7B at 1M
-tokens on an H200: 3,876 of 3,876 per layer), else a prefix of them. The first
+tokens on an H200: 3,876 of 3,876 per layer), else none (``stage1_shadow_partial``:
+a prefix of them; not yet the default, see the function). The first
 Stage-2 view zeroes every dK/dV page (which also clears the resident pages'
 gradients that Stage-1 writes otherwise zero) before any staging into them.
 ``OOMB_OFFLOAD_STAGE1_SHADOW=0`` (or ``stage1_shadow = False``) turns it off.
@@ -264,19 +265,23 @@ def resident_pages_for_budget(
 
 
 def stage1_shadow_pages(num_layers: int, pages_per_layer: int, resident: int, pool_pages: int,
-                        dtype: torch.dtype, grad_dtype: torch.dtype) -> int:
+                        dtype: torch.dtype, grad_dtype: torch.dtype, partial: bool = False) -> int:
     """Host pages per layer whose K/V Stage 1 keeps on the GPU in the dK/dV bytes of the pool (whole-layer staging).
 
     Stage 1 computes no gradient, so the pool's dK/dV bytes (``pool_pages`` pages of ``grad_dtype``) are free
     until Stage 2 begins: they hold K/V (``dtype``) of host pages ``[R, R + Sh)`` of every layer, which Stage 1
     then reads in place instead of staging them (module docstring, "Stage-1 shadow"). Returns
-    ``Sh = min(n - R, floor(pool_pages * g / e / L))`` with ``e``/``g`` the element sizes of ``dtype``/``grad_dtype``
-    (0 when ``g`` is not a multiple of ``e``).
+    ``Sh = n - R`` when ``floor(pool_pages * g / e / L) >= n - R`` (every host page fits), with ``e``/``g`` the
+    element sizes of ``dtype``/``grad_dtype``; otherwise that floor if ``partial``, else 0 (a partial shadow is
+    bitwise right in the CPU tests but not yet verified on a GPU: benchmarks/NOTES.md, tenth session); 0 when ``g``
+    is not a multiple of ``e``.
     """
     e, g = dtype.itemsize, grad_dtype.itemsize
+    host = max(pages_per_layer - resident, 0)
     if g % e:
         return 0
-    return max(0, min(pages_per_layer - resident, pool_pages * (g // e) // max(num_layers, 1)))
+    fits = pool_pages * (g // e) // max(num_layers, 1)
+    return host if fits >= host else (fits if partial else 0)
 
 
 def _pool_pair(shape: tuple[int, ...], dtype: torch.dtype, grad_dtype: torch.dtype, device: torch.device):
@@ -1060,6 +1065,9 @@ class OffloadedKVStore:
     #: Whole-layer staging: Stage 1 keeps the K/V of host pages in the pool's dK/dV bytes and reads them in place
     #: (module docstring, "Stage-1 shadow"); ``OOMB_OFFLOAD_STAGE1_SHADOW=0`` turns it off per store.
     stage1_shadow: bool = True
+    #: ... also when the dK/dV bytes hold only a prefix of each layer's host pages (the rest staged as before).
+    #: Off by default until verified on a GPU (see :func:`stage1_shadow_pages`).
+    stage1_shadow_partial: bool = False
 
     def __init__(
         self,
@@ -1113,7 +1121,7 @@ class OffloadedKVStore:
             raise ValueError(f"OOMB_OFFLOAD_STAGE1_SHADOW must be 0 or 1; got {env_shadow!r} (unset it for the default, 1)")
         shadow_on = self.stage1_shadow if env_shadow is None else env_shadow == "1"
         self.stage1_shadow_pages = Sh = (
-            stage1_shadow_pages(L, n, R, self.gpu_pool_pages, dtype, self.grad_dtype)
+            stage1_shadow_pages(L, n, R, self.gpu_pool_pages, dtype, self.grad_dtype, self.stage1_shadow_partial)
             if shadow_on and not self.segmented and H > 0 else 0
         )
         # K and dK (V and dV) share one allocation, so that Stage 1 can read K/V pages kept in the (then unused)
