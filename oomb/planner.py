@@ -619,8 +619,12 @@ def plan(
                          f"{sa['gpu'] / GiB:.2f} GiB more on the GPU")
     elif save != "off" and seq_len > chunk_size:  # kept where they fit (the engine recomputes otherwise)
         t_save, why_save = tier_for(seq_len, save=save)
-        whole_layers = t_save is not None and t_save.offload and SP is None  # sparse offload: not supported
-        if (t_save is None or whole_layers) and tier_for(seq_len)[0] is not None:
+        t_plain = tier_for(seq_len)[0]
+        # Sparse offload stages whole layers, where the engine does not use them: decided by the tiering the run
+        # gets (with or without them), even when neither fits, so the table and verdict never count them then.
+        whole_layers = SP is None and offload is not False and (
+            t_save.offload if t_save is not None else (t_plain is None or t_plain.offload))
+        if whole_layers or (t_save is None and t_plain is not None):
             sa = saved_for(seq_len, save)
             if whole_layers:
                 reason = "offload stages whole layers with sparse attention, where they are not used yet"
@@ -723,6 +727,8 @@ def offload_traffic(
         h2d_s, d2h_s = segment_traffic(L, seq_len, C, S, R, segment_pages, checkpoint_layers, kvb, gb,
                                        saved_attention=saved_attention)
         return {"h2d_bytes": h2d_s, "d2h_bytes": d2h + d2h_s}
+    if stage1_shadow_pages is None and os.environ.get("OOMB_OFFLOAD_STAGE1_SHADOW") == "0":
+        stage1_shadow_pages = 0  # as the store: the shadow turned off
     if stage1_shadow_pages is None:
         from .engine.offload import _staging, stage1_shadow_pages as shadow
 

@@ -19,6 +19,7 @@ from oomb.planner import (
     add_plan_subcommand,
     add_offload_arguments,
     choose_tiering,
+    offload_traffic,
     plan,
     plan_for_train_args,
     run_plan,
@@ -302,3 +303,30 @@ def test_plan_warns_when_the_length_exceeds_the_model_s_positions(tmp_path, caps
     cfg = Qwen2Config(max_position_embeddings=2048, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
                                                                      "original_max_position_embeddings": 2048})
     assert context_length_warning(cfg, 8192, "m") is None and context_length_warning(cfg, 8193, "m") is not None
+
+
+def test_sparse_offload_never_counts_saved_attention():
+    """Sparse offload stages whole layers, where the engine does not use saved attention outputs: the plan drops them
+    with that reason, also when the run does not fit either way (it used to count 198 GiB of them then) and when
+    only memory would have dropped them."""
+    from oomb import OOMBConfig
+
+    cfg = OOMBConfig(sparse=True, page_budget=64, chunk_size=4096, page_size=128)
+    small_host = Machine(gpu_free_bytes=int(139.3 * GiB), gpu_total_bytes=int(139.8 * GiB), host_available_bytes=100 * GiB,
+                         host_total_bytes=100 * GiB)
+    for kw in (dict(machine=small_host, offload=True), dict(machine=H200, optimizer=None, checkpoint_layers=True)):
+        p = plan("qwen2.5-7b", 1 << 20, sparse=cfg, save_attention="gpu", **kw)
+        assert p.save_attention == "off" and "sparse attention, where they are not used" in p.save_attention_note
+        assert "attention outputs" not in p.table()
+    # Everything on the GPU (256K): kept.
+    p = plan("qwen2.5-7b", 1 << 18, sparse=cfg, save_attention="gpu", machine=H200, optimizer=None, checkpoint_layers=True)
+    assert p.save_attention == "gpu" and not p.tiering.offload
+
+
+def test_offload_traffic_honours_the_stage1_shadow_switch(monkeypatch):
+    shape = ModelShape.from_config(preset_config("qwen2.5-7b"))
+    on = offload_traffic(shape, 1 << 20, 4096, 128, 4000)
+    monkeypatch.setenv("OOMB_OFFLOAD_STAGE1_SHADOW", "0")
+    off = offload_traffic(shape, 1 << 20, 4096, 128, 4000)
+    assert off["d2h_bytes"] == on["d2h_bytes"] and off["h2d_bytes"] > on["h2d_bytes"]
+    assert off == offload_traffic(shape, 1 << 20, 4096, 128, 4000, stage1_shadow_pages=0)

@@ -176,3 +176,24 @@ def test_full_selection_equals_dense_kernels(Hq, Hkv, D):
                                   c["block_table"], past_len, caches[2], caches[3])
     for name, g, r in zip(("dq", "dk", "dv", "dk_cache", "dv_cache"), got + tuple(caches[:2]), ref + tuple(caches[2:])):
         assert_close(name, g, r)
+
+
+def test_streams_drained_before_the_first_tune_of_each_key(monkeypatch):
+    """The dK/dV kernels' autotuning restores the whole pool it ran on; the first launch per autotune key waits for
+    every stream first (a copy stream's prefetch into the pool would be undone), later launches do not."""
+    calls = []
+    monkeypatch.setattr(tpa.torch.cuda, "synchronize", lambda device=None: calls.append(device))
+    monkeypatch.setattr(tpa, "_TUNE_KEYS_SEEN", set())
+
+    class CudaQ:  # what the helper reads of q
+        is_cuda, dtype, device = True, torch.bfloat16, "cuda:0"
+
+    key = dict(G=7, HEAD_DIM=128, PAGE_SIZE=128, BLOCK_Q=128, HAS_DOC=False)
+    for _ in range(3):
+        tsa._drain_streams_before_first_tune("sparse_dkdv", CudaQ, key)
+    assert calls == ["cuda:0"]
+    tsa._drain_streams_before_first_tune("sparse_dkdv", CudaQ, dict(key, HAS_DOC=True))  # a new key tunes again
+    tsa._drain_streams_before_first_tune("paged_dkdv5", CudaQ, key)  # another kernel
+    assert len(calls) == 3
+    tsa._drain_streams_before_first_tune("sparse_dkdv", torch.zeros(1), key)  # CPU: nothing to wait for
+    assert len(calls) == 3

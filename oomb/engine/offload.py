@@ -1606,7 +1606,7 @@ class OffloadedKVStore:
                 if heads_used:
                     self._zero_unwritten(layer, base, a - R, e - R)
             if tag is None or tag.layer != layer or tag.past != use.past:
-                tag = _Tag(layer, use.past, kv=use.past <= R, pages=use.pages)
+                tag = _Tag(layer, use.past, kv=use.past <= R or use.pages == (), pages=use.pages)
             tag.grad_start, tag.grad_own, tag.grad_pages = use.start, use.own, use.pages
         st.record_copy(self._ready[s])
         self._tag[s] = tag

@@ -729,6 +729,27 @@ def _alloc(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+_TUNE_KEYS_SEEN: set = set()
+
+
+def _drain_streams_before_first_tune(name: str, q: torch.Tensor, key: dict) -> None:
+    """Wait for every stream before the first launch, in this process, of an autotuned kernel that has
+    ``restore_value`` (it adds into dK/dV) for this autotune ``key``.
+
+    Autotuning such a kernel clones its output tensors (here the whole dK/dV page pool), runs every
+    config, then copies the clones back, on the current stream. A copy stream writing into the pool
+    meanwhile (the offload store's prefetch of the next layer's dK/dV) would have its writes undone
+    by that restore. Draining first makes the pool quiet: autotuning blocks the host until it ends,
+    so nothing new is enqueued during it. Later launches (a tuned key) do not wait. No-op off CUDA.
+    """
+    if not q.is_cuda:
+        return
+    k = (name, q.dtype, tuple(sorted(key.items())))
+    if k not in _TUNE_KEYS_SEEN:
+        torch.cuda.synchronize(q.device)
+        _TUNE_KEYS_SEEN.add(k)
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 or _INTERPRET else "tf32"
 
@@ -1097,6 +1118,7 @@ def paged_attention_bwd(
         sv = vv.stride() if is_past else (0, *vv.stride())
         sdk = dkk.stride() if is_past else (0, *dkk.stride())
         sdv = dvv.stride() if is_past else (0, *dvv.stride())
+        _drain_streams_before_first_tune("paged_dkdv5", q, dict(common, IS_PAST=is_past, QO_TMA=qo_tma))
         _paged_attn_bwd_dkdv5_kernel[grid_keys](
             q_ptr=q, k_ptr=kk, v_ptr=vv, block_table_ptr=bt, dout_ptr=dout, lse_ptr=lse, delta_ptr=delta,
             dk_ptr=dkk, dv_ptr=dvv, doc_ptr=doc_arg,

@@ -51,6 +51,7 @@ from .triton_paged_attention import (
     _configs,
     _dot_precision,
     _dq_tile,
+    _drain_streams_before_first_tune,
     _fwd_tile,
     _load_rows,
     paged_attention_bwd,
@@ -541,6 +542,7 @@ def sparse_attention_bwd(
         return (Hkv * n_pages * triton.cdiv(page_size, meta["BLOCK_N"]),)
 
     sdk, sdv = dk_cache.stride(), dv_cache.stride()
+    _drain_streams_before_first_tune("sparse_dkdv", q, common)
     _sparse_attn_bwd_dkdv_kernel[grid_pages](
         q_ptr=q, k_cache_ptr=k_cache, v_cache_ptr=v_cache, block_table_ptr=bt, csr_offsets_ptr=offsets,
         csr_blocks_ptr=blocks, work_order_ptr=work_order, dout_ptr=dout, lse_ptr=lse, delta_ptr=delta,
