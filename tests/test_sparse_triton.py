@@ -197,3 +197,49 @@ def test_streams_drained_before_the_first_tune_of_each_key(monkeypatch):
     assert len(calls) == 3
     tsa._drain_streams_before_first_tune("sparse_dkdv", torch.zeros(1), key)  # CPU: nothing to wait for
     assert len(calls) == 3
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (an output buffer from torch.empty may hold NaNs)."""
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def test_autotune_hooks_restore_every_row_the_dkdv_kernels_write(monkeypatch):
+    """Autotuning runs the dK/dV kernels (which add into the page pools) once per config and must leave the pools as
+    they were. The hooks save only the rows a launch can write: around every real launch here (the interpreter),
+    the kernel changes no row outside them, and pre_hook + kernel + post_hook gives the pools back bitwise."""
+    seen = []
+    for kern, restore in ((tsa._sparse_attn_bwd_dkdv_kernel, tsa._DKDV_RESTORE),
+                          (tpa._paged_attn_bwd_dkdv5_kernel, tpa._DKDV5_RESTORE)):
+        def run(*args, _orig=kern.run, _r=restore, **kw):
+            before = [kw[n].clone() for n in _r.names]
+            _r.pre_hook(kw)
+            idx = _r.saved[0]
+            out = _orig(*args, **kw)
+            outside = torch.ones(before[0].shape[0], dtype=torch.bool, device=before[0].device)
+            outside[idx if idx is not None else slice(None)] = False
+            changed = False
+            for n, b in zip(_r.names, before):
+                assert torch.equal(kw[n][outside], b[outside]), (_r.names, "a row outside the saved ones changed")
+                changed |= not torch.equal(kw[n], b)
+            _r.post_hook(kw, exception=None)
+            assert all(_same_bits(kw[n], b) for n, b in zip(_r.names, before)) and _r.saved is None
+            seen.append((_r.names[0], changed, idx is None or idx.numel() < outside.numel()))
+            return out
+
+        monkeypatch.setattr(kern, "run", run)
+    C, Hq, Hkv, D, past_len, S = 8, 4, 2, 32, 48, 8
+    c = make_case(C, Hq, Hkv, D, past_len, S, seed=5, extra_pages=3)
+    _, sel = _selection(c, past_len, S, 1, 1, 0, 4, "mean")  # 2 of 6 past pages per block and head
+    out, lse = tsa.sparse_attention_fwd(c["q"], c["k"], c["v"], c["k_cache"], c["v_cache"], c["block_table"], past_len, sel)
+    base = torch.randn(c["k_cache"].shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    tsa.sparse_attention_bwd(c["dout"], c["q"], c["k"], c["v"], out, lse, c["k_cache"], c["v_cache"], c["block_table"],
+                             past_len, base.clone(), base.clone(), sel)
+    out, lse = tpa.paged_attention_fwd(c["q"], c["k"], c["v"], c["k_cache"], c["v_cache"], c["block_table"], past_len)
+    tpa.paged_attention_bwd(c["dout"], c["q"], c["k"], c["v"], out, lse, c["k_cache"], c["v_cache"], c["block_table"],
+                            past_len, base.clone(), base.clone(), past_start=2 * S)
+    names = [n for n, _, _ in seen]
+    assert "dk_cache_ptr" in names and "dk_ptr" in names
+    assert all(changed for _, changed, _ in seen)  # every launch wrote something (the check is not vacuous)
+    assert any(n == "dk_cache_ptr" and fewer for n, _, fewer in seen)  # the sparse launch saved fewer rows than all
+    assert any(n == "dk_ptr" and fewer for n, _, fewer in seen)  # the past launch from page 2 did too

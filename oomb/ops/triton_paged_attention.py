@@ -148,6 +148,48 @@ _DQ_CONFIGS = _configs([(128, 128, 8, 2), (128, 64, 8, 2), (128, 64, 8, 3), (64,
 _AUTOTUNE_KEY = ["G", "HEAD_DIM", "PAGE_SIZE", "HAS_DOC", "HAS_OWN"]
 
 
+class _RestoreRows:
+    """Autotuner ``pre_hook``/``post_hook`` pair for a kernel that adds into page pools (``names``): before each
+    benchmark run it saves only the pool rows (pages, dim 0) the launch can write, ``rows(nargs)``, and puts them
+    back after, instead of Triton's ``restore_value``, which clones and copies back the WHOLE tensors on every run
+    (at 1M tokens a 2 x 31 GiB dK/dV pool: memory the step does not have, and a copy that, not the kernel, decided
+    the timing). Not called outside autotuning (nor with a single config, as in the interpreter)."""
+
+    def __init__(self, names: tuple[str, ...], rows) -> None:
+        self.names, self.rows, self.saved = names, rows, None
+
+    def pre_hook(self, nargs: dict, reset_only: bool = False) -> None:
+        if reset_only:  # called once more before the real launch, to reset arguments (none here)
+            return
+        idx = self.rows(nargs)
+        self.saved = (idx, [nargs[n].index_select(0, idx) if idx is not None else nargs[n].clone() for n in self.names])
+
+    def post_hook(self, nargs: dict, exception=None) -> None:
+        if self.saved is None:
+            return
+        idx, copies = self.saved
+        for n, c in zip(self.names, copies):
+            if idx is None:
+                nargs[n].copy_(c)
+            else:
+                nargs[n].index_copy_(0, idx, c)
+        self.saved = None
+
+
+def _dkdv5_rows(nargs: dict):
+    """Pool pages a dense dK/dV launch writes: those of keys [key_start, n_keys) through the block table (past), or
+    None (the whole, one-chunk own-gradient tensor)."""
+    if not nargs["IS_PAST"]:
+        return None
+    S = nargs["PAGE_SIZE"]
+    lo, hi = int(nargs["key_start"]) // S, -(-int(nargs["n_keys"]) // S)
+    return nargs["block_table_ptr"][lo:hi].long().unique()
+
+
+_DKDV5_RESTORE = _RestoreRows(("dk_ptr", "dv_ptr"), _dkdv5_rows)
+
+
+
 # --------------------------------------------------------------------------------------
 # Kernels (private). They check nothing: the launchers below validate every input.
 # --------------------------------------------------------------------------------------
@@ -604,7 +646,7 @@ def _dkdv5_loop(dk, dv, k, v, q_ptr, do_ptr, q_desc, do_desc, lse_ptr, delta_ptr
 
 
 # restore_value: autotuning runs the kernel once per config; the gradient pages must not keep those sums.
-@triton.autotune(configs=_DKDV5_CONFIGS, key=[k for k in _AUTOTUNE_KEY if k != "HAS_OWN"] + ["IS_PAST", "QO_TMA"], restore_value=["dk_ptr", "dv_ptr"], prune_configs_by=_PRUNE, cache_results=True)
+@triton.autotune(configs=_DKDV5_CONFIGS, key=[k for k in _AUTOTUNE_KEY if k != "HAS_OWN"] + ["IS_PAST", "QO_TMA"], pre_hook=_DKDV5_RESTORE.pre_hook, post_hook=_DKDV5_RESTORE.post_hook, prune_configs_by=_PRUNE, cache_results=True)
 @triton.jit
 def _paged_attn_bwd_dkdv5_kernel(
     q_ptr,  # [C, Hq, D]

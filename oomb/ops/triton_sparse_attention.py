@@ -52,6 +52,7 @@ from .triton_paged_attention import (
     _dot_precision,
     _dq_tile,
     _drain_streams_before_first_tune,
+    _RestoreRows,
     _fwd_tile,
     _load_rows,
     paged_attention_bwd,
@@ -64,6 +65,21 @@ _FWD_CONFIGS = _configs([(128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)])
 _DQ_CONFIGS = _configs([(128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3)])
 _DKDV_CONFIGS = _configs([(64, 128, 8, 3), (64, 64, 4, 3), (32, 128, 8, 2)])
 _KEY = ["G", "HEAD_DIM", "PAGE_SIZE", "BLOCK_Q", "HAS_DOC"]
+
+
+def _dkdv_rows(nargs: dict) -> torch.Tensor:
+    """Pool pages the sparse dK/dV launch writes: the slots of the past pages some (KV head, page) pair of the CSR
+    selects (autotuning only; synchronises)."""
+    n = int(nargs["n_pages"])
+    off = nargs["csr_offsets_ptr"]
+    if n == 0:
+        return torch.zeros(0, dtype=torch.long, device=off.device)
+    cnt = (off[1:] - off[:-1]).view(-1, n)  # [Hkv, n]
+    pages = torch.nonzero(cnt.gt(0).any(0)).flatten()
+    return nargs["block_table_ptr"][pages].long().unique()
+
+
+_DKDV_RESTORE = _RestoreRows(("dk_cache_ptr", "dv_cache_ptr"), _dkdv_rows)
 
 
 # --------------------------------------------------------------------------------------
@@ -241,7 +257,7 @@ def _sparse_attn_bwd_dq_kernel(
     tl.store(dq_ptr + dq_off[:, None] + offs_d[None, :] * stride_dq_d, dq, mask=r_mask[:, None] & d_mask[None, :])
 
 
-@triton.autotune(configs=_DKDV_CONFIGS, key=_KEY, restore_value=["dk_cache_ptr", "dv_cache_ptr"], prune_configs_by=_PRUNE, cache_results=True)
+@triton.autotune(configs=_DKDV_CONFIGS, key=_KEY, pre_hook=_DKDV_RESTORE.pre_hook, post_hook=_DKDV_RESTORE.post_hook, prune_configs_by=_PRUNE, cache_results=True)
 @triton.jit
 def _sparse_attn_bwd_dkdv_kernel(
     q_ptr,  # [C, Hq, D]
