@@ -98,6 +98,20 @@ def _record_union_sizes() -> None:
     SparseAttentionState.needed_pages = needed_pages
 
 
+def autotuned_configs() -> dict:
+    """The config each autotuned attention kernel chose, per autotune key, in this process ({} without Triton):
+    losses from different sessions are comparable only where these agree (the key leaves out lengths, and a fresh
+    machine re-times the configs)."""
+    out = {}
+    for mod in ("oomb.ops.triton_paged_attention", "oomb.ops.triton_sparse_attention"):
+        m = sys.modules.get(mod)
+        for name, obj in vars(m).items() if m is not None else ():
+            cache = getattr(obj, "cache", None)
+            if name.endswith("_kernel") and isinstance(cache, dict) and cache:
+                out[name] = {str(k): str(v) for k, v in cache.items()}
+    return out
+
+
 def step(model, args, sparse: bool, backend: str, ids: torch.Tensor, device: torch.device) -> dict:
     _record_union_sizes()
     _UNION_SIZES.clear()
@@ -131,6 +145,7 @@ def step(model, args, sparse: bool, backend: str, ids: torch.Tensor, device: tor
         page_summaries_gib=None if state is None else state.reps.nbytes / GiB,
         rss_gib=rss_gib(),
     )
+    row["autotuned"] = autotuned_configs()
     stats = getattr(store, "stats", None)
     if stats:
         row["offload_stats"] = dict(stats)

@@ -32,7 +32,7 @@ from oomb.engine import engine as engine_mod  # noqa: E402
 from oomb.engine.offload import min_gpu_pages  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_sparse import build  # noqa: E402
+from bench_sparse import autotuned_configs, build  # noqa: E402
 
 COPY_KERNEL = "_copy_tiles_kernel"
 
@@ -202,7 +202,8 @@ def main(argv=None) -> int:
                seconds=dt, stage1_seconds=out.stage1_seconds, stage2_seconds=out.stage2_seconds, loss=out.loss,
                programs=engine.kv_store.gather_programs, grain=engine.kv_store.stage_grain,
                elems_per_load=args.elems_per_load or 8192,
-               stats={k: v for k, v in engine.kv_store.stats.items()}, profiled=not args.no_profile)
+               stats={k: v for k, v in engine.kv_store.stats.items()}, profiled=not args.no_profile,
+               autotuned=autotuned_configs())
     os.makedirs(args.out, exist_ok=True)
     if prof is not None:
         prof.__exit__(None, None, None)
