@@ -17,6 +17,7 @@ import os
 import shutil
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import NoReturn, Sequence
 
@@ -333,6 +334,9 @@ def _check_offload_flags(args: argparse.Namespace) -> None:
     if args.offload_segment_pages is not None and args.offload == "off":
         raise UsageError("--offload-segment-pages sizes the staging of offload but --offload is off",
                          "pass --offload on (or auto), or leave --offload-segment-pages out")
+    if args.offload_segment_pages is not None and getattr(args, "sparse", False):
+        warnings.warn("--offload-segment-pages is not used with --sparse: sparse attention reads the past through one "
+                      "block table, so offload stages whole layers (leave the flag out)", stacklevel=2)
 
 
 def _check_sizes(args: argparse.Namespace) -> None:
@@ -1583,8 +1587,29 @@ def _plan(args: argparse.Namespace) -> int:
         sys.stdout.write(_flag_names(report.getvalue()))
 
 
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    """``warnings.showwarning`` of the CLI: oomb's own warnings as one ``oomb: warning: ...`` line (no source
+    line, which names the CLI's code, not the user's input); other libraries' warnings as Python prints them."""
+    if os.path.abspath(filename).startswith(_PACKAGE_DIR) and issubclass(category, UserWarning):
+        print(f"oomb: warning: {message}", file=sys.stderr if file is None else file)
+    else:
+        _DEFAULT_SHOWWARNING(message, category, filename, lineno, file, line)
+
+
+_DEFAULT_SHOWWARNING = warnings.showwarning
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``oomb`` command. Returns 0; exits with status 2 on bad input."""
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        return _main(argv)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
     args._argv = [str(a) for a in (argv if argv is not None else sys.argv[1:])]

@@ -88,7 +88,8 @@ def add_offload_arguments(parser: Any) -> None:
                              "staging included; default: the largest that fits")
     parser.add_argument("--offload-segment-pages", type=int, default=None,
                         help="with offload: pages per staging segment (the attention reads the past one segment at a "
-                             "time, so GPU memory stays flat in the context length); default: 32768 tokens' worth")
+                             "time, so GPU memory stays flat in the context length); default: 32768 tokens' worth. "
+                             "Not used with --sparse, which stages whole layers")
 
 
 def add_plan_subcommand(subparsers: Any, **parser_kwargs: Any) -> Any:

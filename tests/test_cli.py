@@ -805,3 +805,16 @@ def test_a_cpu_run_larger_than_the_ram_is_refused_before_anything_is_built(tmp_p
     out = tmp_path / "run"
     _check_refused(run_cli(["train", "--data", text_file, "--output-dir", out, *FAST]), capsys, fragment)
     assert not out.exists()
+
+
+def test_oomb_warnings_are_one_line_and_sparse_ignores_segment_pages(tmp_path, text_file, capsys):
+    """oomb's own warnings print as one 'oomb: warning:' line (not Python's two lines naming the CLI's source);
+    --offload-segment-pages with --sparse says it is not used (sparse offload stages whole layers)."""
+    out = tmp_path / "run"
+    argv = ["train", "--data", text_file, "--output-dir", out, *FAST, "--steps", "1", "--sparse", "--offload", "on",
+            "--offload-segment-pages", "2", "--save-attention", "gpu"]
+    assert run_cli(argv) == 0
+    err = capsys.readouterr().err
+    assert "oomb: warning: --offload-segment-pages is not used with --sparse" in err
+    assert "oomb: warning: save_attention='gpu' is not used" in err
+    assert "warnings.warn(" not in err and "UserWarning" not in err
