@@ -700,7 +700,7 @@ from oomb.ops.sparse import SparseAttentionState  # noqa: E402
 SPARSE = dict(sparse=True, page_budget=1, sink_pages=1, local_pages=1, sparse_block_size=4)
 
 
-def _sparse_pair(monkeypatch, ids, budget, cu=None, spy=None, exact_unions=True, grain="head", **cfg):
+def _sparse_pair(monkeypatch, ids, budget, cu=None, spy=None, exact_unions=True, grain="head", layers=3, **cfg):
     """(ref model, offloaded model, ref out, offloaded out, offloaded engine): sparse, all on device vs offloaded
     (lazy side stream, NaN-poisoned host tier and GPU pool). ``grain``: the store's Stage-2 staging grain
     ('head': the selections' (page, KV head) tiles; 'page': their page unions). ``exact_unions`` (page grain):
@@ -712,7 +712,7 @@ def _sparse_pair(monkeypatch, ids, budget, cu=None, spy=None, exact_unions=True,
         monkeypatch.setattr(OffloadedKVStore, "stage_max_runs", 10**9)
     streams = _lazy(monkeypatch)
     torch.manual_seed(3)
-    m_ref = tiny("qwen2", 4, 2, layers=3).double()
+    m_ref = tiny("qwen2", 4, 2, layers=layers).double()
     m_off = clone_model(m_ref)
     cfg = dict(SPARSE, attention_backend="torch", **cfg)
     e_ref = Engine(m_ref, OOMBConfig(offload=False, **cfg))
@@ -1183,3 +1183,95 @@ def test_stage1_shadow_env(monkeypatch):
     monkeypatch.setenv("OOMB_OFFLOAD_STAGE1_SHADOW", "yes")
     with pytest.raises(ValueError, match="OOMB_OFFLOAD_STAGE1_SHADOW must be 0 or 1"):
         OffloadedKVStore(2, 2, 8, 4, 32, torch.float32, "cpu", chunk_size=8, segment_pages="layer")
+
+
+def _stash_step(monkeypatch, mib, ckpt, skip=None):
+    ids = torch.randint(0, VOCAB, (1, 52), generator=torch.Generator().manual_seed(5))
+    monkeypatch.setenv("OOMB_OFFLOAD_KV_STASH_MIB", str(mib))
+    if skip == "restore":  # the backward reads its K/V tiles from a stale stash... and not from the host
+        monkeypatch.setattr(offload, "unstash_head_tiles", lambda *a, **k: None)
+    elif skip == "keep":  # the forward never fills the stash
+        monkeypatch.setattr(offload, "stash_head_tiles", lambda *a, **k: None)
+    return _sparse_pair(monkeypatch, ids, None, chunk_size=8, page_size=4, checkpoint_layers=ckpt, layers=5)
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+@pytest.mark.parametrize("tiles", [1, 3, 10**6])  # part of each layer's tiles, or all of them (capped)
+def test_kv_stash_bitwise_and_fewer_bytes(monkeypatch, ckpt, tiles):
+    """The K/V stash: Stage-2 backwards of layers below L - 2 take their first C K/V tiles from the forward's stash
+    instead of the host. Training is bitwise the all-on-device one (NaN-poisoned pools and host tier, lazy copy
+    streams) and the host->device bytes drop by exactly the bytes restored from the stash."""
+    D, S = 8, 4  # tiny('qwen2', 4, 2): head dim 8 (float64); 13 pages per layer, all in the host tier
+    tile = 2 * S * D * 8
+    with monkeypatch.context() as mp:
+        *_, e_plain = _stash_step(mp, 0, ckpt)
+        plain = dict(e_plain.kv_store.stats)
+    mib = -(-tiles * tile * 3 // (1 << 20))  # 3 = L - 2 stashed layers
+    with monkeypatch.context() as mp:
+        if tiles < 10**6:  # C tiles per layer exactly: the MiB knob rounds, so set the class default in bytes
+            mp.setattr(offload, "kv_stash_tiles", lambda *a: tiles)
+        m_ref, m_off, out_ref, out_off, e = _stash_step(mp, mib, ckpt)
+        store = e.kv_store
+        st = dict(store.stats)
+    assert store.kv_stash_tiles == (tiles if tiles < 10**6 else 13 * 2)
+    assert store._stash_k.shape == (3, store.kv_stash_tiles, S, D)
+    _assert_same_training(m_ref, m_off, out_ref, out_off)
+    assert st["kv_stash_bytes"] > 0 and plain["kv_stash_bytes"] == 0
+    assert st["h2d_bytes"] == plain["h2d_bytes"] - st["kv_stash_bytes"]
+    assert st["d2h_bytes"] == plain["d2h_bytes"]
+
+
+@pytest.mark.parametrize("skip", ["restore", "keep"])
+def test_kv_stash_controls(monkeypatch, skip):
+    """Teeth: a backward that does not restore its stashed tiles, or a forward that does not fill the stash, changes
+    the gradients (the stashed tiles are then never read from the host)."""
+    m_ref, m_off, out_ref, out_off, e = _stash_step(monkeypatch, 1, True, skip)
+    assert e.kv_store.kv_stash_tiles > 0
+    assert out_ref.loss == out_off.loss  # the forward does not read the stash
+    assert any(not torch.equal(a.grad, b.grad, ) for a, b in zip(m_ref.parameters(), m_off.parameters())
+               if a.grad is not None)
+
+
+def test_kv_stash_env_and_sizing(monkeypatch):
+    assert offload.kv_stash_tiles(28, 3876, 4, 128, 128, torch.bfloat16, 4 << 30) == (4 << 30) // (26 * 65536)
+    assert offload.kv_stash_tiles(28, 10, 4, 128, 128, torch.bfloat16, 4 << 30) == 40  # at most every host tile
+    assert offload.kv_stash_tiles(2, 3876, 4, 128, 128, torch.bfloat16, 4 << 30) == 0  # L <= 2: no layer loses its set
+    assert offload.kv_stash_tiles(28, 0, 4, 128, 128, torch.bfloat16, 4 << 30) == 0
+    make = lambda **k: OffloadedKVStore(4, 2, 8, 4, 64, torch.float32, "cpu", chunk_size=8, segment_pages="layer", **k)
+    assert make().kv_stash_tiles == 0 and make()._stash_k is None  # off by default
+    monkeypatch.setenv("OOMB_OFFLOAD_KV_STASH_MIB", "1")
+    st = make()
+    assert st.kv_stash_tiles == 16 * 2 and st._stash_k.shape == (2, 32, 4, 8)  # every host tile of a layer
+    assert st.nbytes == make.__call__().nbytes and st.nbytes > 0
+    monkeypatch.setattr(OffloadedKVStore, "stage_grain", "page")
+    assert make().kv_stash_tiles == 0  # page-grained stagings keep no stash
+    monkeypatch.setattr(OffloadedKVStore, "stage_grain", "head")
+    assert OffloadedKVStore(4, 2, 8, 4, 64, torch.float32, "cpu", chunk_size=8).kv_stash_tiles == 0  # segmented
+    monkeypatch.setenv("OOMB_OFFLOAD_KV_STASH_MIB", "-1")
+    with pytest.raises(ValueError, match=r"OOMB_OFFLOAD_KV_STASH_MIB must be an integer >= 0; got '-1'"):
+        make()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (side streams, pinned host memory, Triton)")
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_cuda_kv_stash_bitwise(monkeypatch, ckpt):
+    """Real streams and the Triton tile kernels: with the K/V stash (part of each layer's tiles) the sparse offloaded
+    training is bitwise the all-on-device one, with fewer host->device bytes than without it."""
+    torch.manual_seed(0)
+    m_ref = tiny("qwen2", 4, 2, layers=6, head_dim=16).to("cuda", torch.bfloat16)
+    ids = torch.randint(0, VOCAB, (1, 300), device="cuda")
+    common = dict(chunk_size=32, page_size=16, checkpoint_layers=ckpt, attention_backend="torch", sparse=True,
+                  page_budget=2, sink_pages=1, local_pages=1, sparse_block_size=16)
+    out_ref, _ = _step(m_ref, ids, offload=False, **common)
+    runs = {}
+    for tiles in (0, 5):
+        monkeypatch.setattr(offload, "kv_stash_tiles", lambda *a, t=tiles: t)
+        m = clone_model(m_ref).to("cuda")
+        for p in m.parameters():
+            p.grad = None
+        out, e = _step(m, ids, offload=True, gpu_page_budget=2 * 19 + 6 * 2, **common)
+        assert e.kv_store.kv_stash_tiles == tiles and e.kv_store.stats["on_demand"] == 0
+        _assert_same_training(m_ref, m, out_ref, out)
+        runs[tiles] = dict(e.kv_store.stats)
+    assert runs[5]["kv_stash_bytes"] > 0
+    assert runs[5]["h2d_bytes"] == runs[0]["h2d_bytes"] - runs[5]["kv_stash_bytes"]

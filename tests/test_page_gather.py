@@ -7,7 +7,14 @@ import pytest
 import torch
 
 from oomb.engine.offload import _unregister_host, host_empty
-from oomb.ops.page_gather import _use_kernel, gather_head_pages, head_pairs, scatter_head_pages
+from oomb.ops.page_gather import (
+    _use_kernel,
+    gather_head_pages,
+    head_pairs,
+    scatter_head_pages,
+    stash_head_tiles,
+    unstash_head_tiles,
+)
 
 # The interpreter converts the loaded tile count (a one-element array) to the loop bound with a NumPy warning.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -104,6 +111,38 @@ def test_listed_tiles_beyond_the_span_are_skipped(backend):
     gather_head_pages(pool, 1, src, pairs[:3], big, backend=backend)
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("C", [0, 1, 5, 40])  # none, a few, some, more than listed
+def test_stash_round_trip_and_first(backend, dtype, C):
+    """stash_head_tiles keeps list entries i < min(count, C) at stash[i]; unstash_head_tiles puts them back, and
+    gather_head_pages(first=C) supplies the other entries: together a full gather, and nothing else is written."""
+    g = torch.Generator().manual_seed(11 + C)
+    m, S, Hkv, D, base, P = 7, 4, 3, 8, 2, 12
+    src = torch.randn(m, S, Hkv, D, generator=g).to(dtype)
+    mask = torch.rand(m + 2, Hkv, generator=g) < 0.5  # two rows past the span (as the own pages): skipped
+    mask[m:] = True
+    pairs, count = head_pairs(mask)
+    n = int(count) - 2 * Hkv  # the span's listed tiles come first
+    pool = torch.full((P, S, Hkv, D), float("nan"), dtype=dtype)
+    gather_head_pages(pool, base, src, pairs, count, backend=backend)
+    stash = torch.full((C, S, D), -4.0, dtype=dtype)
+    stash_head_tiles(stash, pool, base, m, pairs, count, num_programs=2, backend=backend)
+    for i in range(min(C, n)):
+        j, h = divmod(int(pairs[i]), Hkv)
+        assert torch.equal(stash[i], src[j, :, h])
+    assert torch.all(stash[n:] == -4.0)  # entries of pages past the span, and past the list, are not written
+    again = torch.full_like(pool, 3.0)
+    unstash_head_tiles(again, base, m, stash, pairs, count, num_programs=3, backend=backend)
+    gather_head_pages(again, base, src, pairs, count, num_programs=2, backend=backend, first=C)
+    assert torch.equal(again.nan_to_num(3.0), pool.nan_to_num(3.0))
+    only = torch.full_like(pool, 3.0)
+    gather_head_pages(only, base, src, pairs, count, backend=backend, first=C)
+    for i in range(n):
+        j, h = divmod(int(pairs[i]), Hkv)
+        assert torch.all(only[base + j, :, h] == 3.0) == (i < C)
+
+
 def test_page_gather_errors():
     pool = torch.zeros(4, 4, 2, 8)
     src = torch.zeros(3, 4, 2, 8)
@@ -136,6 +175,17 @@ def test_page_gather_errors():
         scatter_head_pages(torch.zeros(3, 2, 4, 8).transpose(1, 2), pool, 0, pairs, count)
     with pytest.raises(ValueError, match="backend"):
         gather_head_pages(pool, 0, src, pairs, count, backend="cuda")
+    with pytest.raises(ValueError, match="first must be an int >= 0"):
+        gather_head_pages(pool, 0, src, pairs, count, first=-1)
+    stash = torch.zeros(5, 4, 8)
+    with pytest.raises(ValueError, match=r"stash \(5, 4, 2, 8\) must be \[C, S, D\]"):
+        stash_head_tiles(torch.zeros(5, 4, 2, 8), pool, 0, 3, pairs, count)
+    with pytest.raises(ValueError, match="one dtype and device"):
+        unstash_head_tiles(pool, 0, 3, stash.double(), pairs, count)
+    with pytest.raises(ValueError, match=r"pages \[2, 5\) are outside the pool's 4"):
+        stash_head_tiles(stash, pool, 2, 3, pairs, count)
+    with pytest.raises(ValueError, match="num_pages must be an int >= 0"):
+        unstash_head_tiles(pool, 0, -1, stash, pairs, count)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned host memory read by a kernel)")
@@ -168,6 +218,15 @@ def _zero_copy_round_trip(host, pins, dtype, m, S, Hkv, D, base):
     idx = torch.nonzero(mask)
     exp_out[idx[:, 0], :, idx[:, 1]] = exp[base + idx[:, 0], :, idx[:, 1]]
     assert torch.equal(out, exp_out)
+    # The K/V stash's device-to-device kernels, and a gather of the rest of the list (first=C).
+    C = max(1, int(count) // 2)
+    stash = torch.full((C, S, D), 5.0, dtype=dtype, device="cuda")
+    stash_head_tiles(stash, pool, base, m, pairs, count)
+    again = torch.full_like(pool, 2.0)
+    unstash_head_tiles(again, base, m, stash, pairs, count)
+    gather_head_pages(again, base, host, pairs, count, valid.cuda(), first=C)
+    torch.cuda.synchronize()
+    assert torch.equal(again, pool)
 
 
 def test_without_triton_the_pytorch_path_serves(tmp_path):

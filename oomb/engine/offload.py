@@ -133,6 +133,20 @@ the 1M-token step moved 75% fewer Stage-2 bytes than with whole layers (benchmar
 ninth session). ``stage_grain='page'`` (or ``OOMB_OFFLOAD_STAGE_GRAIN=page``, or a GPU that cannot
 address pinned memory) uses the page unions below.
 
+**K/V stash (head grain; opt-in: ``OOMB_OFFLOAD_KV_STASH_MIB``).** With two staging sets, a layer
+``l < L - 2`` loses its set to layer ``l + 2`` between its Stage-2 forward and its backward, so the
+backward reads the same K/V tiles over PCIe a second time (per selected host tile and chunk: K/V in for
+the forward, K/V in again for the backward, dK/dV in and out; the K/V re-read is a quarter of the
+host->device bytes). A stash of ``C`` tiles per layer (:func:`kv_stash_tiles`; ``[L - 2, C, S, D]`` for K
+and for V on the GPU) keeps the first ``C`` tiles of each forward's list
+(:func:`~oomb.ops.page_gather.stash_head_tiles`, a device copy on the host->device stream right after
+the gather); the backward use of that (chunk, layer), whose list begins with the same past tiles, puts
+them back (:func:`~oomb.ops.page_gather.unstash_head_tiles`) and reads only the rest from the host
+(``gather_head_pages(first=C)``). Every stash copy runs on the host->device stream, in issue order
+with the stagings that read and refill it, so it needs no event of its own. ``stats['kv_stash_bytes']``
+counts the bytes restored. The stash takes GPU memory that could hold resident pages instead; the
+planners keep the requested MiB free.
+
 **Ordering.** Copies run on two side CUDA streams, host->device (H2D) and
 device->host (D2H), each in issue order; PCIe is full duplex, so a write-back
 can overlap the next staging. Before a copy overwrites a staging buffer it
@@ -175,13 +189,22 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.page_gather import DEFAULT_PROGRAMS, gather_head_pages, head_pairs, scatter_head_pages
+from ..ops.page_gather import (
+    DEFAULT_PROGRAMS,
+    gather_head_pages,
+    head_pairs,
+    scatter_head_pages,
+    stash_head_tiles,
+    unstash_head_tiles,
+)
 from ..ops.paged_attention import PagedKV
 
 __all__ = [
     "DEFAULT_SEGMENT_TOKENS",
     "OffloadedKVStore",
     "default_segment_pages",
+    "kv_stash_request_bytes",
+    "kv_stash_tiles",
     "min_gpu_pages",
     "resident_pages_for_budget",
     "resolve_segment_pages",
@@ -932,11 +955,11 @@ class _SyncStreams:
         pass
 
 
-def _env_int(name: str, default: int) -> int:
-    """A positive integer from the environment variable ``name`` (``default`` when unset).
+def _env_int(name: str, default: int, minimum: int = 1) -> int:
+    """An integer >= ``minimum`` from the environment variable ``name`` (``default`` when unset).
 
     Raises:
-        ValueError: a value that is not a positive integer (naming the variable).
+        ValueError: a value that is not such an integer (naming the variable).
     """
     raw = os.environ.get(name)
     if raw is None:
@@ -944,10 +967,35 @@ def _env_int(name: str, default: int) -> int:
     try:
         value = int(raw)
     except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"{name} must be a positive integer; got {raw!r} (unset it for the default, {default})")
+        value = minimum - 1
+    if value < minimum:
+        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"{name} must be {what}; got {raw!r} (unset it for the default, {default})")
     return value
+
+
+def kv_stash_request_bytes() -> int:
+    """GPU bytes asked for the K/V stash: ``OOMB_OFFLOAD_KV_STASH_MIB`` (else :attr:`OffloadedKVStore.kv_stash_mib`)
+    MiB, an upper bound of what a store allocates (the planners keep it free for sparse offload).
+
+    Raises:
+        ValueError: a value that is not an integer >= 0.
+    """
+    return _env_int("OOMB_OFFLOAD_KV_STASH_MIB", OffloadedKVStore.kv_stash_mib, minimum=0) << 20
+
+
+def kv_stash_tiles(num_layers: int, host_pages: int, num_kv_heads: int, head_dim: int, page_size: int,
+                   dtype: torch.dtype, stash_bytes: int) -> int:
+    """Tiles per layer (C) of the K/V stash that ``stash_bytes`` buys (module docstring, "K/V stash").
+
+    The stash keeps, for each layer ``l < L - 2``, up to C staged (page, KV head) tiles of K and of V
+    (``2 * S * D`` elements of ``dtype`` per tile), never more than the layer's host tiles
+    (``host_pages * Hkv``). 0 when the bytes buy no tile or no layer needs one (L <= 2, no host pages).
+    """
+    if num_layers <= 2 or host_pages <= 0 or stash_bytes <= 0:
+        return 0
+    tile = 2 * page_size * head_dim * torch.empty((), dtype=dtype).element_size()
+    return min(stash_bytes // ((num_layers - 2) * tile), host_pages * num_kv_heads)
 
 
 def _zero_copy_works(host: torch.Tensor, pool: torch.Tensor) -> bool:
@@ -1045,10 +1093,12 @@ class OffloadedKVStore:
         stage_grain: ``'head'`` or ``'page'`` (class default ``'head'``; env ``OOMB_OFFLOAD_STAGE_GRAIN``).
         stage1_shadow_pages: Sh, host pages per layer Stage 1 reads from the pool's dK/dV bytes instead of
             staging them (whole-layer staging; 0 when off or segmented; module docstring, "Stage-1 shadow").
+        kv_stash_tiles: C, (page, KV head) K/V tiles per layer below L - 2 kept from a Stage-2 forward for
+            that layer's backward (head grain only; 0 when off; module docstring, "K/V stash").
 
     Raises:
         ValueError: a budget below two staging buffers; a bad ``segment_pages``; a bad
-            ``OOMB_OFFLOAD_STAGE_GRAIN`` / ``OOMB_OFFLOAD_STAGE1_SHADOW``.
+            ``OOMB_OFFLOAD_STAGE_GRAIN`` / ``OOMB_OFFLOAD_STAGE1_SHADOW`` / ``OOMB_OFFLOAD_KV_STASH_MIB``.
     """
 
     #: Selected-page staging (``needed_pages``): runs at most this many pages apart are merged, and
@@ -1068,6 +1118,9 @@ class OffloadedKVStore:
     #: ... also when the dK/dV bytes hold only a prefix of each layer's host pages (the rest staged as before).
     #: Off by default until verified on a GPU (see :func:`stage1_shadow_pages`).
     stage1_shadow_partial: bool = False
+    #: Bytes (MiB) of the Stage-2 K/V stash (module docstring, "K/V stash"); 0: none. ``OOMB_OFFLOAD_KV_STASH_MIB``
+    #: overrides it per store. Off by default until measured on a GPU.
+    kv_stash_mib: int = 0
 
     def __init__(
         self,
@@ -1096,6 +1149,7 @@ class OffloadedKVStore:
             raise ValueError(f"{where} must be 'head' or 'page'; got {self._grain!r} "
                              f"(unset it for the default, 'head')")
         self.gather_programs = _env_int("OOMB_PAGE_GATHER_PROGRAMS", DEFAULT_PROGRAMS)
+        stash_mib = _env_int("OOMB_OFFLOAD_KV_STASH_MIB", self.kv_stash_mib, minimum=0)
         self.num_layers = L = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -1215,7 +1269,15 @@ class OffloadedKVStore:
         # device (head-grained stagings read it without a host sync; every write-back updates it).
         self._written = (torch.zeros((L, H, num_kv_heads), dtype=torch.bool, device=self.device)
                          if not self.segmented and H > 0 else None)
-        self._dev_bytes = torch.zeros(2, dtype=torch.int64, device=self.device) if self._written is not None else None
+        # Device byte counters of head-grained copies: host->device, device->host, K/V restored from the stash.
+        self._dev_bytes = torch.zeros(3, dtype=torch.int64, device=self.device) if self._written is not None else None
+        # The K/V stash (module docstring): head-grained Stage-2 stagings of whole-layer staging only.
+        C = (kv_stash_tiles(L, H, num_kv_heads, head_dim, S, dtype, stash_mib << 20)
+             if grain == "head" and not self.segmented else 0)
+        self.kv_stash_tiles = C
+        sshape = (max(L - 2, 0), C, S, head_dim)
+        self._stash_k = torch.empty(sshape, dtype=dtype, device=self.device) if C else None
+        self._stash_v = torch.empty(sshape, dtype=dtype, device=self.device) if C else None
         self.reset()
 
     # ------------------------------------------------------------------ memory
@@ -1237,6 +1299,8 @@ class OffloadedKVStore:
             tensors += [self.own_dk_cache, self.own_dv_cache]
         if self._wbuf_k is not None:
             tensors += [self._wbuf_k, self._wbuf_v]
+        if self._stash_k is not None:
+            tensors += [self._stash_k, self._stash_v]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     @property
@@ -1277,10 +1341,11 @@ class OffloadedKVStore:
         self._seen_layers: set[int] = set()
         self._wbuf_next = 0
         self._seq_len: int | None = None
-        self._stats = {"h2d_bytes": 0, "d2h_bytes": 0, "prefetched": 0, "on_demand": 0}
+        self._stats = {"h2d_bytes": 0, "d2h_bytes": 0, "prefetched": 0, "on_demand": 0, "kv_stash_bytes": 0}
         self._pairs_cache: dict[tuple[int, int], tuple] = {}
         self._heads_used = [False] * L  # a head-grained write-back went into the layer's host dK/dV this step
         self._in_stage2 = False  # Stage 2 has begun this step (the Stage-1 shadow is gone: _begin_stage2)
+        self._stash_key: list = [None] * self.num_layers  # chunk start of the K/V tiles layer l's stash holds
         if self._written is not None:
             self._written.zero_()
             self._dev_bytes.zero_()
@@ -1291,15 +1356,17 @@ class OffloadedKVStore:
 
     @property
     def stats(self) -> dict:
-        """Bytes copied each way (``h2d_bytes``/``d2h_bytes``, head-grained tiles included) and stagings
-        issued ahead (``prefetched``) or at the point of use (``on_demand``). Reading it after head-grained
+        """Bytes copied each way (``h2d_bytes``/``d2h_bytes``, head-grained tiles included), K/V bytes a backward
+        took from the stash instead of the host (``kv_stash_bytes``) and stagings issued ahead (``prefetched``)
+        or at the point of use (``on_demand``). Reading it after head-grained
         stagings waits for the copy streams (their byte counts are kept on the device)."""
         if self._dev_bytes is not None and any(self._heads_used):
             self._streams.synchronize()
-            h2d, d2h = self._dev_bytes.tolist()
+            h2d, d2h, stash = self._dev_bytes.tolist()
             self._dev_bytes.zero_()
             self._stats["h2d_bytes"] += h2d
             self._stats["d2h_bytes"] += d2h
+            self._stats["kv_stash_bytes"] += stash
         return self._stats
 
     @property
@@ -1675,12 +1742,34 @@ class OffloadedKVStore:
         dkc, dvc, dkh, dvh = self.dk_cache, self.dv_cache, self.dk_host[layer], self.dv_host[layer]
         counter, nprog = self._dev_bytes, self.gather_programs
         if not kv_ok:
+            # The K/V stash: a Stage-2 forward use of a layer below L - 2 keeps its first C tiles, which that
+            # layer's backward use of the same chunk takes back instead of reading them over PCIe. Both lists
+            # begin with the same past tiles (ascending; the backward's own-page tiles come after them).
+            C = self.kv_stash_tiles if layer < self.num_layers - 2 else 0
+            key = use.start
+            restore = C and use.grad and self._stash_key[layer] == key
+            keep = C and not use.grad
+            sk = self._stash_k[layer] if C else None
+            sv = self._stash_v[layer] if C else None
+            tile_bytes = 2 * tile * kh.element_size()
+
             def kv():
-                gather_head_pages(kc, base, kh[:m], pairs, count_kv, num_programs=nprog)
-                gather_head_pages(vc, base, vh[:m], pairs, count_kv, num_programs=nprog)
-                counter[0] += count_kv[0].long() * (2 * tile * kh.element_size())
+                first = 0
+                if restore:
+                    unstash_head_tiles(kc, base, m, sk, pairs, count_kv, nprog)
+                    unstash_head_tiles(vc, base, m, sv, pairs, count_kv, nprog)
+                    first = C
+                    counter[2] += count_kv[0].long().clamp(max=C) * tile_bytes
+                gather_head_pages(kc, base, kh[:m], pairs, count_kv, num_programs=nprog, first=first)
+                gather_head_pages(vc, base, vh[:m], pairs, count_kv, num_programs=nprog, first=first)
+                counter[0] += (count_kv[0].long() - first).clamp(min=0) * tile_bytes
+                if keep:
+                    stash_head_tiles(sk, kc, base, m, pairs, count_kv, nprog)
+                    stash_head_tiles(sv, vc, base, m, pairs, count_kv, nprog)
 
             st.h2d_run(kv)
+            if C:
+                self._stash_key[layer] = key if keep else None
         if not grad_ok:
             if self._wb_prev[s] is not None:
                 st.copy_wait(self._wb_prev[s])

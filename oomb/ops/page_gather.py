@@ -12,6 +12,10 @@ the device, so the host never waits for a selection:
   writes zeros there where ``valid[j, h]`` is False (a host gradient tile never written back).
 * :func:`scatter_head_pages` copies tile ``(j, h)`` of page ``base + j`` of the pool back to
   ``dst[j]``.
+* :func:`stash_head_tiles` / :func:`unstash_head_tiles` copy the first ``C`` listed tiles between the
+  pool and a compact device buffer ``[C, S, D]`` (list entry ``i`` at ``[i]``): the offload store keeps
+  a layer's staged K/V tiles there from the Stage-2 forward to that layer's backward, so the backward
+  does not read them over PCIe again.
 
 On CUDA with a host ``src``/``dst`` these are Triton kernels (:mod:`oomb.ops.triton_page_gather`, imported
 on first use; without Triton, or on CPU, PyTorch index operations) that read or write page-locked host
@@ -35,6 +39,10 @@ __all__ = [
     "gather_head_pages_ref",
     "scatter_head_pages",
     "scatter_head_pages_ref",
+    "stash_head_tiles",
+    "stash_head_tiles_ref",
+    "unstash_head_tiles",
+    "unstash_head_tiles_ref",
 ]
 
 DEFAULT_PROGRAMS = 32
@@ -111,18 +119,22 @@ def _check(pool, span, base, pairs, count, valid, num_programs, pages, what) -> 
     return lo, max(lo, min(hi, m))
 
 
-def _tiles(pairs: torch.Tensor, count: torch.Tensor, Hkv: int, pages) -> tuple[torch.Tensor, torch.Tensor]:
-    """(page j, head h) long index vectors of the listed tiles with j in ``pages`` [lo, hi) (syncs: reference
-    path only)."""
-    idx = pairs[: min(int(count.item()), pairs.numel())].long()
+def _tiles(pairs: torch.Tensor, count: torch.Tensor, Hkv: int, pages, entries=(0, None), with_index=False):
+    """(page j, head h) long index vectors of the listed tiles with j in ``pages`` [lo, hi) and list entry i in
+    ``entries`` [i_lo, i_hi) (i_hi None: all), plus i with ``with_index`` (syncs: reference path only)."""
+    n = min(int(count.item()), pairs.numel())
+    if entries[1] is not None:
+        n = min(n, entries[1])
+    i = torch.arange(min(entries[0], n), n, device=pairs.device)
+    idx = pairs[i].long()
     j, h = idx // Hkv, idx % Hkv
     keep = (j >= pages[0]) & (j < pages[1])
-    return j[keep], h[keep]
+    return (j[keep], h[keep], i[keep]) if with_index else (j[keep], h[keep])
 
 
-def gather_head_pages_ref(dst, base, src, pairs, count, valid=None, pages=None) -> None:
+def gather_head_pages_ref(dst, base, src, pairs, count, valid=None, pages=None, first=0) -> None:
     """PyTorch reference of :func:`gather_head_pages` (same arguments, unchecked; syncs on ``count``)."""
-    j, h = _tiles(pairs, count, src.shape[2], (0, src.shape[0]) if pages is None else pages)
+    j, h = _tiles(pairs, count, src.shape[2], (0, src.shape[0]) if pages is None else pages, (first, None))
     if j.numel() == 0:
         return
     jd, hd = j.to(dst.device), h.to(dst.device)
@@ -175,6 +187,7 @@ def gather_head_pages(
     num_programs: int = DEFAULT_PROGRAMS,
     backend: str = "auto",
     pages: tuple[int, int] | None = None,
+    first: int = 0,
 ) -> None:
     """``dst[base + j, :, h] = src[j, :, h]`` for each listed tile (zeros where ``valid[j, h]`` is False).
 
@@ -191,19 +204,21 @@ def gather_head_pages(
             ``TRITON_INTERPRET=1``) or ``'torch'``.
         pages: optional [lo, hi): only the listed tiles of pages lo <= j < hi (a piece of a larger copy that
             waits on its own event).
+        first: skip the first ``first`` list entries (those a :func:`unstash_head_tiles` supplies).
 
     Runs on the current stream; on CUDA with the kernel it never syncs the host (the PyTorch path reads
     ``count``).
 
     Raises:
         ValueError: mismatched shapes/dtypes/layouts/devices, pages outside the pool, a bad ``valid``,
-            ``num_programs``, ``pages`` or ``backend``; ``'triton'`` without Triton installed.
+            ``num_programs``, ``pages``, ``first`` or ``backend``; ``'triton'`` without Triton installed.
     """
     pages = _check(dst, src, base, pairs, count, valid, num_programs, pages, "gather_head_pages")
+    _check_entries(first, "gather_head_pages")
     if _use_kernel(dst, src, backend):
-        _triton_kernel()(dst, src, base, 0, pairs, count, valid, num_programs, pages)
+        _triton_kernel()(dst, src, base, 0, pairs, count, valid, num_programs, pages, (first, None))
     else:
-        gather_head_pages_ref(dst, base, src, pairs, count, valid, pages)
+        gather_head_pages_ref(dst, base, src, pairs, count, valid, pages, first)
 
 
 def scatter_head_pages(
@@ -232,3 +247,95 @@ def scatter_head_pages(
         _triton_kernel()(dst, src, 0, base, pairs, count, None, num_programs, pages)
     else:
         scatter_head_pages_ref(dst, src, base, pairs, count, pages)
+
+
+def _check_entries(first, what: str) -> None:
+    if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+        raise ValueError(f"{what}: first must be an int >= 0 (list entries to skip); got {first!r}")
+
+
+def _check_stash(stash, pool, base, num_pages, pairs, count, num_programs, what) -> None:
+    """Validate a copy between ``stash`` [C, S, D] and pages [base, base + num_pages) of ``pool`` [P, S, Hkv, D]."""
+    if pool.dim() != 4 or stash.dim() != 3 or stash.shape[1] != pool.shape[1] or stash.shape[2] != pool.shape[3]:
+        raise ValueError(f"{what}: stash {tuple(stash.shape)} must be [C, S, D] for a pool [P, S, Hkv, D] "
+                         f"{tuple(pool.shape)}")
+    if stash.dtype != pool.dtype or stash.device != pool.device:
+        raise ValueError(f"{what}: stash ({stash.dtype}, {stash.device}) and pool ({pool.dtype}, {pool.device}) "
+                         "must have one dtype and device")
+    if not (stash.is_contiguous() and pool.is_contiguous()):
+        raise ValueError(f"{what}: stash and pool must be contiguous")
+    for name, v in (("base", base), ("num_pages", num_pages)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{what}: {name} must be an int >= 0; got {v!r}")
+    if base + num_pages > pool.shape[0]:
+        raise ValueError(f"{what}: pages [{base}, {base + num_pages}) are outside the pool's {pool.shape[0]}")
+    _check(pool, pool[base : base + num_pages], base, pairs, count, None, num_programs, None, what)
+
+
+def stash_head_tiles_ref(stash, pool, base, num_pages, pairs, count) -> None:
+    """PyTorch reference of :func:`stash_head_tiles` (same arguments, unchecked; syncs on ``count``)."""
+    j, h, i = _tiles(pairs, count, pool.shape[2], (0, num_pages), (0, stash.shape[0]), with_index=True)
+    if i.numel():
+        stash[i] = pool[base + j, :, h]
+
+
+def unstash_head_tiles_ref(pool, base, num_pages, stash, pairs, count) -> None:
+    """PyTorch reference of :func:`unstash_head_tiles` (same arguments, unchecked; syncs on ``count``)."""
+    j, h, i = _tiles(pairs, count, pool.shape[2], (0, num_pages), (0, stash.shape[0]), with_index=True)
+    if i.numel():
+        pool[base + j, :, h] = stash[i]
+
+
+def stash_head_tiles(
+    stash: torch.Tensor,
+    pool: torch.Tensor,
+    base: int,
+    num_pages: int,
+    pairs: torch.Tensor,
+    count: torch.Tensor,
+    num_programs: int = DEFAULT_PROGRAMS,
+    backend: str = "auto",
+) -> None:
+    """``stash[i] = pool[base + j_i, :, h_i]`` for the list entries ``i < min(count, C)`` (tile ``(j_i, h_i)``
+    named by ``pairs[i]``); entries of pages ``j_i >= num_pages`` are skipped.
+
+    Args:
+        stash: [C, S, D] contiguous, the pool's dtype and device (C tiles of one KV head each).
+        pool: [P, S, Hkv, D] contiguous; ``base``: pool page of the span's page 0; ``num_pages``: the span's pages.
+        pairs, count: int32, from :func:`head_pairs`, on the pool's device.
+        num_programs, backend: as :func:`gather_head_pages` (the kernel for a CUDA pool when Triton is installed).
+
+    Runs on the current stream; device to device, without a host sync on CUDA.
+
+    Raises:
+        ValueError: mismatched shapes/dtypes/devices, pages outside the pool, a bad ``num_programs`` or ``backend``.
+    """
+    _check_stash(stash, pool, base, num_pages, pairs, count, num_programs, "stash_head_tiles")
+    if _use_kernel(pool, pool, backend):
+        _triton_kernel()(stash, pool, 0, base, pairs, count, None, num_programs, (0, num_pages), (0, stash.shape[0]),
+                         dst_compact=True)
+    else:
+        stash_head_tiles_ref(stash, pool, base, num_pages, pairs, count)
+
+
+def unstash_head_tiles(
+    pool: torch.Tensor,
+    base: int,
+    num_pages: int,
+    stash: torch.Tensor,
+    pairs: torch.Tensor,
+    count: torch.Tensor,
+    num_programs: int = DEFAULT_PROGRAMS,
+    backend: str = "auto",
+) -> None:
+    """``pool[base + j_i, :, h_i] = stash[i]`` for the list entries ``i < min(count, C)``: the inverse of
+    :func:`stash_head_tiles` with the same list (then :func:`gather_head_pages` with ``first=C`` supplies the rest).
+
+    Args and Raises: as :func:`stash_head_tiles`.
+    """
+    _check_stash(stash, pool, base, num_pages, pairs, count, num_programs, "unstash_head_tiles")
+    if _use_kernel(pool, pool, backend):
+        _triton_kernel()(pool, stash, base, 0, pairs, count, None, num_programs, (0, num_pages), (0, stash.shape[0]),
+                         src_compact=True)
+    else:
+        unstash_head_tiles_ref(pool, base, num_pages, stash, pairs, count)
