@@ -158,9 +158,13 @@ class _LazyStreams:
     def record_d2h(self, ev):
         self._record("d2h", ev)
 
+    eager_d2h = False  # run device->host work as soon as it is enqueued (after its waits): another legal schedule
+
     def _push(self, name, fn):
         self.queues[name].append(fn)
         self.max_queued = max(self.max_queued, sum(len(q) for q in self.queues.values()))
+        if name == "d2h" and self.eager_d2h:
+            self._run_until("d2h", self.done["d2h"] + len(self.queues["d2h"]))
 
     def copy_(self, dst, src):
         self._push("h2d", functools.partial(dst.copy_, src))
@@ -450,7 +454,10 @@ def _lazy(monkeypatch):
         t = orig_empty(*shape, dtype=dtype, device=device, **kw)
         if dtype == torch.uint8:  # the pools (K and dK share one byte allocation): 0xFF reads as NaN in bf16/fp32/fp64
             return t.fill_(255)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
+        if t.is_floating_point():
+            return t.fill_(float("nan"))
+        # Tile lists and counts (int32) read before they are made would list no tile at all.
+        return t.fill_(-7) if t.dtype == torch.int32 else t
 
     monkeypatch.setattr(offload, "torch", _TorchWith(empty=nan_empty))
     return streams
@@ -757,6 +764,8 @@ def test_sparse_offload_stages_selected_pages_bitwise(monkeypatch, budget, ckpt,
     assert not store.segmented and store.resident_pages_per_layer == (0 if budget is None else budget - 26)
     if grain == "head":
         assert any(isinstance(p, offload._HeadsOf) for p in seen)
+        # The last chunk's selection is made in Stage 2, before the view: its backward stages tiles too.
+        assert any(isinstance(p, offload._HeadsOf) and p.start == 51 // chunk * chunk for p in seen)
     else:
         assert any(p is not None and p != ((store.resident_pages_per_layer, store.max_pages_per_layer),) for p in seen)
     _assert_same_training(m_ref, m_off, out_ref, out_off)
@@ -1275,3 +1284,23 @@ def test_cuda_kv_stash_bitwise(monkeypatch, ckpt):
         runs[tiles] = dict(e.kv_store.stats)
     assert runs[5]["kv_stash_bytes"] > 0
     assert runs[5]["h2d_bytes"] == runs[0]["h2d_bytes"] - runs[5]["kv_stash_bytes"]
+
+
+@pytest.mark.parametrize("skip_wait", [False, True])
+def test_sparse_offload_last_chunk_tiles_and_list_wait(monkeypatch, skip_wait):
+    """The last chunk's selection is made in its Stage-2 forward, before the view: its backward's stagings and
+    write-backs are head-grained too. Its top layer was prefetched whole (the selection did not exist yet), so the
+    write-back is the first to need that layer's tile list, made on the other copy stream: without waiting for it
+    (control) the write-back reads a list not yet made, and the gradients change."""
+    if skip_wait:
+        orig = OffloadedKVStore._head_tiles
+        monkeypatch.setattr(OffloadedKVStore, "_head_tiles", lambda self, use: orig(self, use)[:4] + (self._streams.event(),))
+    monkeypatch.setattr(_LazyStreams, "eager_d2h", True)  # write-backs run as early as their waits allow
+    ids = torch.randint(0, VOCAB, (1, 52), generator=torch.Generator().manual_seed(2))
+    m_ref, m_off, out_ref, out_off, e = _sparse_pair(monkeypatch, ids, None, chunk_size=8, page_size=4,
+                                                     checkpoint_layers=True)
+    assert out_ref.loss == out_off.loss
+    if skip_wait:
+        assert any(not torch.equal(a.grad, b.grad) for a, b in zip(m_ref.parameters(), m_off.parameters()))
+    else:
+        _assert_same_training(m_ref, m_off, out_ref, out_off)

@@ -99,8 +99,14 @@ class _ChunkContext:
         q = query[0].transpose(0, 1)
         k = key[0].transpose(0, 1)
         v = value[0].transpose(0, 1)
-        kv = store.attention_view(layer, self.stage, self.start, self.length, self.is_last, self.q_doc_start)
         sparse = eng._sparse
+        sel = None
+        if sparse is not None:
+            # Made once (Stage 1, or the last chunk's first Stage-2 forward) and reused unchanged; before the view,
+            # so that the store knows which tiles the last chunk's attention reads (SparseAttentionState.track_last).
+            record = self.stage == 1 or (self.is_last and sparse.track_last)
+            sel = sparse.selection(layer, self.start, q, self.q_doc_start, record_pages=record)
+        kv = store.attention_view(layer, self.stage, self.start, self.length, self.is_last, self.q_doc_start)
         if self.stage == 1:
             store.write(layer, self.start, k, v)
             if sparse is not None:
@@ -111,8 +117,6 @@ class _ChunkContext:
         prev = saved.load(chunk, layer) if saved is not None and self.stage == 2 and not self.is_last else None
         bs = eng.config.attention_block_size
         if sparse is not None:
-            # Made once (Stage 1, or the last chunk's first Stage-2 forward) and reused unchanged.
-            sel = sparse.selection(layer, self.start, q, self.q_doc_start, record_pages=self.stage == 1)
             backend = paged_backend(eng._backend, q.device)  # selected pages: read through the block table
             if self.stage == 1:
                 out, lse = sparse_paged_attention_forward(q, k, v, kv, sel, scaling, backend, bs)
@@ -382,6 +386,10 @@ class Engine:
             store.needed_heads = self._sparse.needed_heads if track else None
             if track:
                 self._sparse.track_pages = True
+                # Head grain: the last chunk's selection (made in its Stage-2 forward, before the view) is recorded
+                # too, so its backward stages and writes back only the tiles it reads. Not with page grain, whose
+                # needed_pages would wait on the device for a selection just made.
+                self._sparse.track_last = store.stage_grain == "head"
 
     def _ensure_saved(self, T: int, store: PagedKVStore) -> None:
         """The Stage-1 attention outputs' keeper of this step (config.save_attention), else None.

@@ -1695,10 +1695,10 @@ class OffloadedKVStore:
 
     # ------------------------------------------------------------ head-grained stagings
     def _head_tiles(self, use: _Use) -> tuple:
-        """(pairs, count_all, count_kv, mask) of a head-grained use, made on the host->device stream once per
-        (layer, chunk): ``mask`` [past + own - R, Hkv] bool marks the host tiles the selection reads (all
+        """(pairs, count_all, count_kv, mask, made) of a head-grained use, made on the host->device stream once
+        per (layer, chunk): ``mask`` [past + own - R, Hkv] bool marks the host tiles the selection reads (all
         heads of the own pages), ``pairs[:count_all]`` lists them (:func:`~oomb.ops.page_gather.head_pairs`),
-        the first ``count_kv`` being past pages'."""
+        the first ``count_kv`` being past pages'; ``made``: an event on that stream after they are written."""
         key = (use.layer, use.start, use.pages.own)
         hit = self._pairs_cache.get(key)
         if hit is not None:
@@ -1717,6 +1717,10 @@ class OffloadedKVStore:
             count_kv=torch.empty(1, dtype=torch.int32, device=dev),
         ))
         full, pairs, count_all, count_kv = t["full"], t["pairs"], t["count_all"], t["count_kv"]
+        st = self._streams
+        if self._seq_len is not None and use.start + self.chunk_size >= self._seq_len:
+            # The last chunk's selection is made in Stage 2, just before this (compute stream): read it after.
+            st.copy_wait(st.record_compute())
 
         def run():
             full.zero_()
@@ -1727,8 +1731,12 @@ class OffloadedKVStore:
             head_pairs(full[R:], out=(pairs, count_all))
             count_kv.copy_(full[R:past].sum(dtype=torch.int32).reshape(1))
 
-        self._streams.h2d_run(run)
-        hit = self._pairs_cache[key] = (pairs, count_all, count_kv, full[R:])
+        st.h2d_run(run)
+        # The list is made on the host->device stream; a write-back (device->host stream) that is the first to
+        # need it (its staging found the tiles already there, e.g. in a whole-layer staging) waits for this.
+        made = st.event()
+        st.record_copy(made)
+        hit = self._pairs_cache[key] = (pairs, count_all, count_kv, full[R:], made)
         return hit
 
     def _stage_heads(self, use: _Use, s: int, base: int, kv_ok: bool, grad_ok: bool) -> None:
@@ -1736,7 +1744,7 @@ class OffloadedKVStore:
         st = self._streams
         layer, m = use.layer, use.past - self.resident_pages_per_layer
         o = use.pages.own
-        pairs, count_all, count_kv, _ = self._head_tiles(use)
+        pairs, count_all, count_kv, _, _ = self._head_tiles(use)
         tile = self.page_size * self.head_dim
         kc, vc, kh, vh = self.k_cache, self.v_cache, self.k_host[layer], self.v_host[layer]
         dkc, dvc, dkh, dvh = self.dk_cache, self.dv_cache, self.dk_host[layer], self.dv_host[layer]
@@ -1801,7 +1809,8 @@ class OffloadedKVStore:
         """D2H of the past dK/dV tiles a head-grained backward wrote; marks them written (device mask)."""
         st = self._streams
         layer, m = use.layer, use.past - self.resident_pages_per_layer
-        pairs, _, count_kv, mask = self._head_tiles(use)
+        pairs, _, count_kv, mask, made = self._head_tiles(use)
+        st.d2h_wait(made)
         tile = self.page_size * self.head_dim
         dkc, dvc, dkh, dvh = self.dk_cache, self.dv_cache, self.dk_host[layer], self.dv_host[layer]
         written, counter, nprog = self._written, self._dev_bytes, self.gather_programs

@@ -560,6 +560,7 @@ class SparseAttentionState:
         self.retain_selections = retain_selections
         self.page_size = config.page_size
         self.track_pages = False
+        self.track_last = False  # the engine records the last chunk's selections too (head-grained offload)
         # (start, layer) -> [host bool mask of the past pages read, its copy event (CUDA) or None, or the list]
         self._pages: dict[tuple[int, int], list] = {}
         self._pages_host: dict[int, torch.Tensor] = {}  # chunk start -> pinned [num_layers, n_past] bool (CUDA)
@@ -576,7 +577,8 @@ class SparseAttentionState:
 
         Made in Stage 1 for every chunk but the last, whose Stage-1 pass the engine skips; that
         one is made in its first Stage-2 forward and reused by any recompute. With
-        ``record_pages`` (the engine passes it in Stage 1) and :attr:`track_pages` set, a new
+        ``record_pages`` (the engine passes it in Stage 1, and for the last chunk with :attr:`track_last`)
+        and :attr:`track_pages` set, a new
         selection's page union is recorded for :meth:`needed_pages`.
         """
         key = (start, layer)
@@ -652,8 +654,9 @@ class SparseAttentionState:
         """int32 ``page_idx`` [nb, Hkv, K] (device, -1 padded) of the selection of (chunk at ``start``,
         ``layer``): the (page, KV head) tiles its attention reads; None if unknown or dense.
 
-        Known, like :meth:`needed_pages`, for selections made in Stage 1 while :attr:`track_pages` is set.
-        Never syncs: the offload store turns it into a tile list on its copy stream.
+        Known, like :meth:`needed_pages`, for selections made in Stage 1 while :attr:`track_pages` is set, and
+        with :attr:`track_last` for the last chunk's (made in its Stage-2 forward, before the store's view of
+        that layer). Never syncs: the offload store turns it into a tile list on its copy stream.
         """
         if (start, layer) not in self._pages:
             return None
