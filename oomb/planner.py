@@ -896,16 +896,25 @@ def _sparse_settings(args: Any) -> Any:
 
 def run_plan(args: Any) -> int:
     """Print the plan for parsed ``oomb plan`` arguments. Returns 0 if the run fits, 1 if not. A --seq-len
-    beyond the model's max_position_embeddings is warned about on stderr (as ``oomb train`` does)."""
+    beyond the model's max_position_embeddings is warned about on stderr (as ``oomb train`` does).
+
+    Raises:
+        ValueError: without a visible CUDA GPU and without ``--gpu-gib`` (there is no GPU to plan for: the
+            table would be all zeros), before anything is printed.
+    """
     import sys
 
     from .models.presets import load_config
     from .planner_args import context_length_warning
 
-    warning = context_length_warning(load_config(args.model), args.seq_len, args.model)
+    config = load_config(args.model)  # an unknown model is the first thing to say
+    machine = Machine.detect()
+    if args.gpu_gib is None and machine.gpu_total_bytes == 0:
+        raise ValueError("no CUDA GPU is visible, so there is no GPU memory to plan for; pass --gpu-gib G and --host-gib H "
+                         "(the free GPU memory and the available host RAM, in GiB, of the machine to plan for)")
+    warning = context_length_warning(config, args.seq_len, args.model)
     if warning:
         print(warning, file=sys.stderr)
-    machine = Machine.detect()
     if args.gpu_gib is not None or args.host_gib is not None:
         gpu = int(args.gpu_gib * GiB) if args.gpu_gib is not None else machine.gpu_free_bytes
         host = int(args.host_gib * GiB) if args.host_gib is not None else machine.host_available_bytes

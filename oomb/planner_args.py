@@ -119,7 +119,8 @@ def add_plan_subcommand(subparsers: Any, **parser_kwargs: Any) -> Any:
     p.add_argument("--sparse", action="store_true", help="page-level top-K sparse attention (counts its page summaries and "
                    "selections, and offload stages whole layers, as oomb train does)")
     add_sparse_arguments(p)
-    p.add_argument("--gpu-gib", type=float, default=None, help="plan for this much free GPU memory (GiB) instead of this machine's")
+    p.add_argument("--gpu-gib", type=float, default=None, help="plan for this much free GPU memory (GiB) instead of this machine's "
+                                                                     "(needed where no CUDA GPU is visible)")
     p.add_argument("--host-gib", type=float, default=None, help=f"plan for this much available host RAM (GiB) instead of this machine's; the pinned KV host tier may take "
                         f"{HOST_FRACTION * 100:.0f}%% of it")
     p.set_defaults(func=_run_plan)

@@ -671,12 +671,28 @@ def test_plan_messages_speak_to_cli_users(capsys, monkeypatch):
     assert run_cli([*base, "--gpu-gib", "8"]) == 1
     out = capsys.readouterr().out
     assert "of GPU memory is left for KV pages" in out and "use --lora-rank, --checkpoint-layers or a smaller --chunk-size" in out
+
+
+def test_plan_without_a_gpu_needs_the_machine_sizes(capsys, monkeypatch):
+    """`oomb plan` on a machine without a CUDA GPU and without --gpu-gib printed a table of zeros and exited 1; it
+    exits 2 with one line, before any table, naming --gpu-gib and --host-gib. Given the sizes it plans as before."""
+    from oomb.planner import Machine
+
     no_gpu = Machine(0, 0, 64 << 30, 64 << 30, "no GPU")
     monkeypatch.setattr(Machine, "detect", classmethod(lambda cls, device=None: no_gpu))
-    assert run_cli(["plan", "--model", "tiny", "--seq-len", "4096", "--chunk-size", "512"]) == 1
-    out = capsys.readouterr().out
-    assert "no CUDA GPU is visible: plan for a GPU machine with --gpu-gib and --host-gib" in out
-    assert "Machine(" not in out and "plan(" not in out
+    base = ["plan", "--model", "tiny", "--seq-len", "4096", "--chunk-size", "512"]
+    for extra in ([], ["--host-gib", "64"]):
+        status = run_cli([*base, *extra])
+        out, err = capsys.readouterr()
+        assert status == 2 and out == "" and len(err.splitlines()) == 1, (status, out, err)  # no table, one line
+        assert err.startswith("oomb: error: no CUDA GPU is visible, so there is no GPU memory to plan for; pass --gpu-gib G "
+                              "and --host-gib H (the free GPU memory and the available host RAM, in GiB, of the machine to "
+                              "plan for)"), err
+    # an unknown model is still the first thing said
+    _check_refused(run_cli(["plan", "--model", "gpt-17"]), capsys, "unknown model")
+    assert run_cli([*base, "--gpu-gib", "8", "--host-gib", "64"]) == 0
+    assert "predicted peak" in capsys.readouterr().out
+    assert run_cli([*base, "--gpu-gib", "8"]) == 0  # the host side defaults to this machine's
 
 
 def test_help_version_and_argument_errors_do_not_import_torch():
