@@ -963,7 +963,11 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
             target_modules=_LORA_TARGETS,
             task_type="CAUSAL_LM",
         )
-        model = get_peft_model(model, lora_cfg)
+        with warnings.catch_warnings():
+            # peft (0.21) reads the model's is_gradient_checkpointing, which transformers 5.x deprecates with a
+            # FutureWarning (renamed is_activation_checkpointing); oomb itself does not read it.
+            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+            model = get_peft_model(model, lora_cfg)
 
     try:
         engine = Engine(model, cfg)
