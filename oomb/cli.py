@@ -339,6 +339,22 @@ def _check_offload_flags(args: argparse.Namespace) -> None:
                       "block table, so offload stages whole layers (leave the flag out)", stacklevel=2)
 
 
+def _warn_if_offload_moves_nothing(args: argparse.Namespace, num_layers: int) -> None:
+    """Warn (once, where the run is set up) when an explicit --gpu-page-budget holds every KV page of the run:
+    the offloaded store then keeps all of them in its GPU tier and moves nothing to the host (train and eval)."""
+    budget = args.gpu_page_budget
+    per_layer = -(-args.seq_len // args.page_size)
+    pages = num_layers * per_layer  # as OffloadedKVStore.pages_needed
+    if budget is None or args.offload == "off" or budget < pages:
+        return
+    drop = "--gpu-page-budget" if args.offload != "on" else "--offload on and --gpu-page-budget"
+    warnings.warn(
+        f"--gpu-page-budget {budget} holds all {pages} KV pages of this run ({num_layers} layers x {per_layer} pages of "
+        f"--seq-len {args.seq_len} / --page-size {args.page_size}), so every page stays on the GPU and offload moves "
+        f"nothing to the host at this length; drop {drop} to run without offload, or pass a --gpu-page-budget below "
+        f"{pages} to offload", stacklevel=2)
+
+
 def _check_sizes(args: argparse.Namespace) -> None:
     _check_seed(args)
     for flag, value in (
@@ -1039,6 +1055,8 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
             for note in notes:
                 print(f"oomb: note: {note}", file=sys.stderr)
             print(f"oomb: resuming from {path} (step {start_step})", file=sys.stderr)
+    if ctx.is_main:  # after every refusal: a warning never comes with an error line
+        _warn_if_offload_moves_nothing(args, engine.num_layers)
     return dict(tokenizer=tokenizer, tokens=tokens, sequences=sequences, model=model, engine=engine, params=params,
                 optimizer=optimizer, fingerprint=fingerprint, settings=_resume_settings(args), start_step=start_step,
                 store_summary=_store_summary(store, args.seq_len, args.page_size, t_reserve_s))
@@ -1459,6 +1477,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     windows = token_windows(tokens, S, count)
     model = _load_model(args, tokens, device, dtype, "eval")
+    _warn_if_offload_moves_nothing(args, model.config.num_hidden_layers)
     capped = "" if args.num_windows is not None or count == available else f" (of {available}; --num-windows {available} for all)"
     print(
         f"oomb: eval {args.model} ({str(dtype).replace('torch.', '')}, {device}); tokenizer {tokenizer_path or 'bundled'}; "

@@ -836,3 +836,26 @@ def test_oomb_warnings_are_one_line_and_sparse_ignores_segment_pages(tmp_path, t
     assert "oomb: warning: --offload-segment-pages is not used with --sparse" in err
     assert "oomb: warning: save_attention='gpu' is not used" in err
     assert "warnings.warn(" not in err and "UserWarning" not in err
+
+
+def test_an_offload_budget_that_holds_every_page_is_warned_about_once(tmp_path, text_file, capsys):
+    """`--offload on --gpu-page-budget N` with N at least every page of every layer kept them all on the GPU
+    silently (offload moved nothing): one warning per run (not per step) names the pages and the budget; the run
+    itself is unchanged. tiny at FAST: 4 layers x 4 pages of 32 tokens = 16 pages; `oomb eval` warns the same."""
+    base = ["train", "--data", text_file, *FAST, "--offload", "on"]  # 2 steps
+    assert run_cli([*base, "--output-dir", tmp_path / "all", "--gpu-page-budget", "16"]) == 0
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if "warning" in line] == [
+        "oomb: warning: --gpu-page-budget 16 holds all 16 KV pages of this run (4 layers x 4 pages of --seq-len 128 / "
+        "--page-size 32), so every page stays on the GPU and offload moves nothing to the host at this length; drop "
+        "--offload on and --gpu-page-budget to run without offload, or pass a --gpu-page-budget below 16 to offload"]
+    assert "oomb: KV store: every page on the CPU (" in err  # as before: the offloaded store, all pages resident
+    assert run_cli([*base, "--output-dir", tmp_path / "some", "--gpu-page-budget", "15"]) == 0
+    err = capsys.readouterr().err
+    assert "warning" not in err and "oomb: KV store: offload, 3 of 4 pages per layer resident" in err
+    argv = ["eval", "--data", text_file, "--seq-len", "128", "--chunk-size", "64", "--page-size", "32", "--num-windows", "1",
+            "--offload", "on", "--gpu-page-budget"]
+    assert run_cli([*argv, "20"]) == 0
+    assert capsys.readouterr().err.count("oomb: warning: --gpu-page-budget 20 holds all 16 KV pages") == 1
+    assert run_cli([*argv, "15"]) == 0
+    assert "warning" not in capsys.readouterr().err
