@@ -125,7 +125,7 @@ def _build_parser() -> argparse.ArgumentParser:
     e.add_argument("--chunk-size", type=int, default=512, help="tokens per chunk; activation memory scales with this, not with --seq-len")
     e.add_argument("--page-size", type=int, default=128, help="tokens per KV page; --chunk-size must be a multiple of it")
     e.add_argument("--attention-backend", choices=["auto", "torch", "triton", "sdpa"], default="auto", help=_BACKEND_HELP)
-    e.add_argument("--sparse", action="store_true", help="page-level top-K sparse attention: each block of queries attends to --page-budget selected past pages plus the sink and local pages")
+    e.add_argument("--sparse", action="store_true", help="page-level top-K sparse attention: each block of queries attends to --page-budget selected past pages plus the sink and local pages (all of its past, i.e. dense, where they cover it: a warning says so)")
     add_sparse_arguments(e)
     e.add_argument("--document-mask", action="store_true", help="attention and positions stay within each document (documents end at the tokenizer's EOS token); default: one causal stream across documents")
     e.add_argument("--checkpoint-layers", action="store_true", help="per-layer activation checkpointing inside each chunk's recompute")
@@ -353,6 +353,31 @@ def _warn_if_offload_moves_nothing(args: argparse.Namespace, num_layers: int) ->
         f"--seq-len {args.seq_len} / --page-size {args.page_size}), so every page stays on the GPU and offload moves "
         f"nothing to the host at this length; drop {drop} to run without offload, or pass a --gpu-page-budget below "
         f"{pages} to offload", stacklevel=2)
+
+
+def _last_chunk_past_pages(seq_len: int, chunk_size: int, page_size: int) -> int:
+    """Past pages of the last chunk (whole pages: --chunk-size is a multiple of --page-size), the most that any
+    chunk's sparse selection chooses from."""
+    return (seq_len - 1) // chunk_size * chunk_size // page_size
+
+
+def _warn_if_sparse_is_dense(args: argparse.Namespace) -> None:
+    """Warn (once) when --sparse's --page-budget + --sink-pages + --local-pages cover every past page of the last
+    chunk: every chunk's selection is then all of its past, so attention is exactly dense (train and plan; eval and
+    grad-error note it per budget)."""
+    if not args.sparse:
+        return
+    kept = args.page_budget + args.sink_pages + args.local_pages
+    past = _last_chunk_past_pages(args.seq_len, args.chunk_size, args.page_size)
+    if kept < past:
+        return
+    why = (f"--page-budget {args.page_budget} + --sink-pages {args.sink_pages} + --local-pages {args.local_pages} = "
+           f"{kept} pages cover all {past} past pages of the last chunk" if past else
+           f"the sequence is one chunk (--chunk-size {args.chunk_size}), which has no past page to choose from")
+    warnings.warn(
+        f"--sparse at --seq-len {args.seq_len}: {why}, so the sparse selection keeps every page and attention is "
+        "dense (correct, just not sparse); use a longer --seq-len, a smaller --page-budget or --local-pages, or "
+        "drop --sparse", stacklevel=2)
 
 
 def _check_sizes(args: argparse.Namespace) -> None:
@@ -1057,6 +1082,7 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
             print(f"oomb: resuming from {path} (step {start_step})", file=sys.stderr)
     if ctx.is_main:  # after every refusal: a warning never comes with an error line
         _warn_if_offload_moves_nothing(args, engine.num_layers)
+        _warn_if_sparse_is_dense(args)
     return dict(tokenizer=tokenizer, tokens=tokens, sequences=sequences, model=model, engine=engine, params=params,
                 optimizer=optimizer, fingerprint=fingerprint, settings=_resume_settings(args), start_step=start_step,
                 store_summary=_store_summary(store, args.seq_len, args.page_size, t_reserve_s))
@@ -1378,8 +1404,7 @@ def _check_budgets_see_a_past(args: argparse.Namespace) -> None:
 
 def _note_dense_budgets(args: argparse.Namespace, budgets: Sequence[int], result: str) -> None:
     """Note on stderr the budgets that hold every past page of the last chunk (there sparse is dense)."""
-    last_chunk_start = (args.seq_len - 1) // args.chunk_size * args.chunk_size
-    past_pages = last_chunk_start // args.page_size
+    past_pages = _last_chunk_past_pages(args.seq_len, args.chunk_size, args.page_size)
     dense_budgets = [b for b in budgets if b + args.sink_pages + args.local_pages >= past_pages]
     if dense_budgets:
         print(
@@ -1603,11 +1628,13 @@ def _plan(args: argparse.Namespace) -> int:
     report = io.StringIO()
     try:
         with contextlib.redirect_stdout(report):  # the planner's advice names Python parameters; print flags
-            return args.func(args)
+            status = args.func(args)
     except ValueError as exc:  # MemoryPlanError, UnknownModelError, UnsupportedModelError, config errors
         raise _usage_from(exc, "see 'oomb plan --help'") from exc
     finally:
         sys.stdout.write(_flag_names(report.getvalue()))
+    _warn_if_sparse_is_dense(args)
+    return status
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))

@@ -859,3 +859,33 @@ def test_an_offload_budget_that_holds_every_page_is_warned_about_once(tmp_path, 
     assert capsys.readouterr().err.count("oomb: warning: --gpu-page-budget 20 holds all 16 KV pages") == 1
     assert run_cli([*argv, "15"]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra, dense", [
+    ([], True),  # the defaults, 64 + 1 + 8 pages, hold the 2 past pages of FAST's last chunk
+    (["--page-budget", "1", "--sink-pages", "1", "--local-pages", "0"], True),  # 2 pages: exactly the past
+    (["--page-budget", "1", "--sink-pages", "0", "--local-pages", "0"], False),  # 1 of 2 past pages: sparse
+])
+def test_a_sparse_setting_that_keeps_every_page_is_warned_about_once(tmp_path, text_file, capsys, extra, dense):
+    """--page-budget + --sink-pages + --local-pages covering every past page of the last chunk made sparse attention
+    exactly dense at that length without a word: `oomb train` (once per run, not per step) and `oomb plan` warn."""
+    assert run_cli(["train", "--data", text_file, "--output-dir", tmp_path / "run", *FAST, "--sparse", *extra]) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    kept = sum(int(v) for v in extra[1::2]) if extra else 73
+    assert warned == ([f"oomb: warning: --sparse at --seq-len 128: --page-budget {extra[1] if extra else 64} + --sink-pages "
+                       f"{extra[3] if extra else 1} + --local-pages {extra[5] if extra else 8} = {kept} pages cover all 2 past "
+                       "pages of the last chunk, so the sparse selection keeps every page and attention is dense (correct, "
+                       "just not sparse); use a longer --seq-len, a smaller --page-budget or --local-pages, or drop --sparse"]
+                      if dense else [])
+    assert run_cli(["plan", "--model", "tiny", "--seq-len", "128", "--chunk-size", "64", "--page-size", "32", "--gpu-gib", "8",
+                    "--host-gib", "8", "--sparse", *extra]) == 0
+    captured = capsys.readouterr()
+    assert "predicted peak" in captured.out
+    assert captured.err.count("oomb: warning: --sparse at --seq-len 128:") == int(dense)
+
+
+def test_a_one_chunk_sparse_run_is_warned_about(tmp_path, text_file, capsys):
+    assert run_cli(["train", "--data", text_file, "--output-dir", tmp_path / "run", *FAST, "--steps", "1", "--sparse",
+                    "--chunk-size", "128"]) == 0
+    assert ("oomb: warning: --sparse at --seq-len 128: the sequence is one chunk (--chunk-size 128), which has no past page "
+            "to choose from, so the sparse selection keeps every page") in capsys.readouterr().err
