@@ -252,6 +252,100 @@ def select_pages(
     return PageSelection(page_idx, counts, B, n, dense)
 
 
+def _select_pages_sort(
+    q: torch.Tensor,
+    reps: tuple[torch.Tensor, ...],
+    past_len: int,
+    page_size: int,
+    page_budget: int,
+    sink_pages: int = 1,
+    local_pages: int = 0,
+    block_size: int = 128,
+    score: str = "mean",
+    q_doc_start: torch.Tensor | None = None,
+) -> PageSelection:
+    """Reference for :func:`select_pages` (the tests and ``benchmarks/bench_select.py`` compare to it).
+
+    The original implementation, kept verbatim: two full stable sorts over the ``n`` past pages
+    (descending over the candidates' scores for the top ``page_budget``, ascending to list the
+    chosen pages). :func:`select_pages` must return a bitwise-identical :class:`PageSelection`.
+
+    Args:
+        q: [C, Hq, D] post-RoPE queries of the chunk (Hq a multiple of Hkv).
+        reps: summaries of the first ceil(past_len / S) (or more) logical pages, each [>= n, Hkv, D]:
+            ``(mean,)`` for 'mean', ``(kmin, kmax)`` for 'quest'.
+        past_len: past tokens (a partial last page is a page).
+        page_size: S in tokens.
+        page_budget, sink_pages, local_pages: pages (>= 0).
+        block_size: queries per selection block.
+        score: 'mean' or 'quest'.
+        q_doc_start: optional int [C] absolute first token of each query's document (packed data).
+
+    Returns:
+        :class:`PageSelection` with K = min(n_past_pages, page_budget + sink_pages + local_pages).
+    """
+    if score not in SCORES:
+        raise ValueError(f"score must be one of {SCORES}, got {score!r}")
+    for name, val in (("page_budget", page_budget), ("sink_pages", sink_pages), ("local_pages", local_pages)):
+        if val < 0:
+            raise ValueError(f"{name} must be >= 0 pages, got {val}")
+    if block_size <= 0:
+        raise ValueError(f"block_size must be a positive number of queries, got {block_size}")
+    C, Hq, D = q.shape
+    Hkv = reps[0].shape[1]
+    if Hq % Hkv:
+        raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
+    S, B = page_size, block_size
+    n = -(-past_len // S)
+    nb = -(-C // B)
+    K = min(n, page_budget + sink_pages + local_pages)
+    dense = n <= page_budget + sink_pages + local_pages
+    device = q.device
+    if n == 0:
+        empty = torch.empty(nb, Hkv, 0, dtype=torch.int32, device=device)
+        return PageSelection(empty, torch.zeros(nb, Hkv, dtype=torch.int32, device=device), B, 0, True)
+    if reps[0].shape[0] < n:
+        raise ValueError(f"representatives cover {reps[0].shape[0]} pages, the past has {n}")
+
+    acc = reps[0].dtype
+    G = Hq // Hkv
+    qp = torch.zeros(nb * B, Hkv, G, D, dtype=acc, device=device)
+    qp[:C] = q.detach().to(acc).view(C, Hkv, G, D)
+    q_sum = qp.view(nb, B, Hkv, G, D).sum((1, 3))  # [nb, Hkv, D]
+    if score == "mean":
+        scores = torch.einsum("bhd,nhd->bhn", q_sum, reps[0][:n])
+    else:
+        kmin, kmax = reps[0][:n], reps[1][:n]
+        # max(q*lo, q*hi) = relu(q)*hi + min(q, 0)*lo, summed over d: two matrix products.
+        scores = torch.einsum("bhd,nhd->bhn", q_sum.clamp(min=0), kmax) + torch.einsum(
+            "bhd,nhd->bhn", q_sum.clamp(max=0), kmin
+        )
+    scores = torch.nan_to_num(scores, nan=-torch.inf)  # a NaN score never wins; -inf pages still rank by index
+
+    page = torch.arange(n, device=device)
+    eligible = torch.ones(nb, 1, n, dtype=torch.bool, device=device)
+    sink = (page < sink_pages)[None, None, :]
+    if q_doc_start is not None:
+        dp = torch.full((nb * B,), past_len + C, dtype=torch.int64, device=device)
+        dp[:C] = q_doc_start.to(device=device, dtype=torch.int64)
+        first_page = (dp.view(nb, B).amin(1) // S)[:, None, None]  # [nb, 1, 1] page of the block's earliest document start
+        eligible = page >= first_page  # the page has a token of the block's documents
+        sink = eligible & (page < first_page + sink_pages)  # the sink is that document's first pages
+    forced = (sink | (page >= n - local_pages)[None, None, :]) & eligible
+    candidate = eligible & ~forced  # [nb, 1|Hkv, n]
+    cand_scores = torch.where(candidate, scores, -torch.inf)
+    # Stable descending sort: equal scores keep ascending page order, so ties go to the lower index.
+    order = torch.sort(cand_scores, dim=-1, descending=True, stable=True).indices[..., :page_budget]
+    chosen = torch.zeros(nb, Hkv, n, dtype=torch.bool, device=device)
+    chosen.scatter_(-1, order, torch.gather(candidate.expand(nb, Hkv, n), -1, order))
+    chosen |= forced
+    counts = chosen.sum(-1).to(torch.int32)
+    keyed = torch.where(chosen, page, n)  # unselected sort to the end
+    page_idx = torch.sort(keyed, dim=-1).values[..., :K]
+    page_idx = torch.where(page_idx == n, -1, page_idx).to(torch.int32)
+    return PageSelection(page_idx, counts, B, n, dense)
+
+
 def selection_mask(sel: PageSelection, C: int, past_len: int, page_size: int) -> torch.Tensor:
     """Boolean [Hkv, C, past_len]: which past tokens each query of each KV head may see (tests, tools)."""
     nb, Hkv, K = sel.page_idx.shape
