@@ -189,6 +189,11 @@ def select_pages(
 
     Returns:
         :class:`PageSelection` with K = min(n_past_pages, page_budget + sink_pages + local_pages).
+
+    Cost, per (block, KV head) over the n past pages: O(n) elementwise work and one ``topk`` of
+    ``page_budget`` (see :func:`_stable_top`), then a sort of at most
+    ``page_budget + sink_pages + local_pages`` entries; no sort over n. Bitwise equal to the
+    two-sort reference :func:`_select_pages_sort` (tests/test_sparse_select_property.py).
     """
     if score not in SCORES:
         raise ValueError(f"score must be one of {SCORES}, got {score!r}")
@@ -226,30 +231,78 @@ def select_pages(
         scores = torch.einsum("bhd,nhd->bhn", q_sum.clamp(min=0), kmax) + torch.einsum(
             "bhd,nhd->bhn", q_sum.clamp(max=0), kmin
         )
-    scores = torch.nan_to_num(scores, nan=-torch.inf)  # a NaN score never wins; -inf pages still rank by index
+    # NaN -> -inf: never wins (ties with the non-candidates, ranked by index). nan_to_num's defaults
+    # also map +-inf to the largest/lowest finite value, so a -inf score still beats a NaN one.
+    scores = torch.nan_to_num(scores, nan=-torch.inf)
 
-    page = torch.arange(n, device=device)
-    eligible = torch.ones(nb, 1, n, dtype=torch.bool, device=device)
-    sink = (page < sink_pages)[None, None, :]
-    if q_doc_start is not None:
+    # Pages are split by position only: eligible = page >= first_page (the block's earliest document;
+    # 0 without packing); forced = the sink [first_page, sink_end) and the local window
+    # [local_start, n), where eligible; candidates = the eligible rest, [sink_end, local_start).
+    if q_doc_start is None:
+        first_page = torch.zeros(nb, 1, 1, dtype=torch.int64, device=device)
+    else:
         dp = torch.full((nb * B,), past_len + C, dtype=torch.int64, device=device)
         dp[:C] = q_doc_start.to(device=device, dtype=torch.int64)
         first_page = (dp.view(nb, B).amin(1) // S)[:, None, None]  # [nb, 1, 1] page of the block's earliest document start
-        eligible = page >= first_page  # the page has a token of the block's documents
-        sink = eligible & (page < first_page + sink_pages)  # the sink is that document's first pages
-    forced = (sink | (page >= n - local_pages)[None, None, :]) & eligible
-    candidate = eligible & ~forced  # [nb, 1|Hkv, n]
+    sink_end = first_page + sink_pages  # [nb, 1, 1]
+    local_start = n - local_pages
+    page = torch.arange(n, device=device)
+    candidate = (page >= sink_end) & (page < local_start)  # [nb, 1, n]
     cand_scores = torch.where(candidate, scores, -torch.inf)
-    # Stable descending sort: equal scores keep ascending page order, so ties go to the lower index.
-    order = torch.sort(cand_scores, dim=-1, descending=True, stable=True).indices[..., :page_budget]
-    chosen = torch.zeros(nb, Hkv, n, dtype=torch.bool, device=device)
-    chosen.scatter_(-1, order, torch.gather(candidate.expand(nb, Hkv, n), -1, order))
-    chosen |= forced
-    counts = chosen.sum(-1).to(torch.int32)
-    keyed = torch.where(chosen, page, n)  # unselected sort to the end
-    page_idx = torch.sort(keyed, dim=-1).values[..., :K]
+    # The budget is the first page_budget pages of the stable descending order of ALL pages
+    # (non-candidates at -inf, so they can take places from -inf candidates), then filtered.
+    top = _stable_top(cand_scores, min(page_budget, n))  # [nb, Hkv, min(page_budget, n)], any order
+    top = torch.where((top >= sink_end) & (top < local_start), top, n)
+    # Forced pages, each listed once: sink pages inside the past; local pages that are eligible and
+    # not in the sink (both mean page >= sink_end, as sink_end >= first_page).
+    sink = first_page + torch.arange(sink_pages, device=device)  # [nb, 1, sink_pages]
+    sink = torch.where((sink >= 0) & (sink < n), sink, n)
+    local = local_start + torch.arange(local_pages, device=device)  # [nb, 1, local_pages] (all < n)
+    local = torch.where((local >= 0) & (local >= sink_end), local, n)
+    # The three lists are disjoint, so the chosen pages are their valid entries without duplicates; at
+    # most min(n, page_budget + sink_pages + local_pages) = K of them. Sort only these (n = none).
+    listed = torch.cat([top, sink.expand(nb, Hkv, -1), local.expand(nb, Hkv, -1)], dim=-1)
+    counts = (listed < n).sum(-1).to(torch.int32)
+    page_idx = torch.sort(listed, dim=-1).values[..., :K]
     page_idx = torch.where(page_idx == n, -1, page_idx).to(torch.int32)
     return PageSelection(page_idx, counts, B, n, dense)
+
+
+def _stable_top(x: torch.Tensor, k: int) -> torch.Tensor:
+    """The first ``k`` indices of ``torch.sort(x, -1, descending=True, stable=True)``, as a set.
+
+    That order is "higher value first, equal values by ascending index" (and -0.0 equals +0.0). It is
+    a total order, so its first k entries are the k largest of a unique key that encodes it; one
+    ``topk`` finds them in O(n) instead of an O(n log n) sort.
+
+    Args:
+        x: float [..., n] without NaN (float32 or narrower, or float64).
+        k: 0 <= k <= n.
+
+    Returns:
+        int64 [..., k] indices in no particular order.
+
+    Keys (``rev = n - 1 - index``, so the lower index has the larger key):
+
+    * float32 (and narrower, upcast exactly): ``(ordered << 32) | rev``, where ``ordered`` is the
+      float's bits made order-preserving as an int32 (negative floats: flip all bits but the sign)
+      after ``x + 0.0`` turns -0.0 into +0.0. Unique, and ordered exactly as the stable sort.
+    * float64 (no room for the index): ``t``, the k-th largest value, comes from a ``topk`` of the
+      values (a multiset, so deterministic). The first k of the stable order are every value > t
+      (fewer than k) and then the lowest-index values == t; a second ``topk`` on
+      ``((x > t) + (x >= t)) << 32 | rev`` takes exactly those.
+    """
+    n = x.shape[-1]
+    if k == 0:
+        return torch.empty(*x.shape[:-1], 0, dtype=torch.int64, device=x.device)
+    rev = torch.arange(n - 1, -1, -1, device=x.device)
+    if x.dtype == torch.float64:
+        t = torch.topk(x, k, dim=-1, sorted=False).values.amin(-1, keepdim=True)
+        rank = (x > t).to(torch.int64) + (x >= t).to(torch.int64)  # 2 above, 1 at, 0 below the k-th value
+    else:
+        bits = (x.to(torch.float32) + 0.0).view(torch.int32)
+        rank = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    return torch.topk((rank << 32) | rev, k, dim=-1, sorted=False).indices
 
 
 def _select_pages_sort(
