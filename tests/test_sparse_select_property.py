@@ -5,7 +5,8 @@ equal summaries give bit-equal scores), signed zeros (+0.0 and -0.0 scores tie),
 summaries (NaN scores become -inf and tie with the non-candidates' -inf; -inf scores become
 the lowest finite value), packed documents,
 budgets of 0 and beyond the past, sink/local pages of 0 and overlapping, partial last pages,
-several query blocks, GQA, both scores, float32 and float64.
+several query blocks, GQA, both scores, float32 and float64 summaries (bf16 or matching queries).
+On CUDA too, where available (torch's CUDA sort and topk are other code than the CPU's).
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ def random_case(seed: int, big: bool = False):
     sink = pick(0, 0, 1, 2, rint(0, 8))
     local = pick(0, 0, 1, 3, rint(0, 8), n + 2)
     q_mode, r_mode = pick("normal", "few", "zeros"), pick("normal", "few", "few", "zeros")
-    q = _values((C, Hkv * G, D), gen, dtype, q_mode)
+    q = _values((C, Hkv * G, D), gen, dtype, q_mode).to(pick(dtype, dtype, torch.bfloat16))  # training: bf16 q
     n_rep = n + pick(0, 0, 2)  # summaries may cover more pages than the past
     reps = [_values((n_rep, Hkv, D), gen, dtype, r_mode) for _ in range(1 if score == "mean" else 2)]
     if score == "quest":
@@ -76,10 +77,20 @@ def random_case(seed: int, big: bool = False):
     return (q, tuple(reps), past_len, S, budget, sink, local, B, score), doc
 
 
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))
+
+
+def on(device, args, doc):
+    args = tuple(a.to(device) if torch.is_tensor(a) else tuple(r.to(device) for r in a) if isinstance(a, tuple) else a
+                 for a in args)
+    return args, None if doc is None else doc.to(device)
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("chunk", range(8))
-def test_select_pages_matches_sort_reference_randomized(chunk):
+def test_select_pages_matches_sort_reference_randomized(chunk, device):
     for seed in range(chunk * 150, chunk * 150 + 150):
-        args, doc = random_case(seed)
+        args, doc = on(device, *random_case(seed))
         try:
             ref = _select_pages_sort(*args, q_doc_start=doc)
         except ValueError:
@@ -89,24 +100,26 @@ def test_select_pages_matches_sort_reference_randomized(chunk):
         assert_same(select_pages(*args, q_doc_start=doc), ref), f"seed {seed}"
 
 
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("seed", range(12))
-def test_select_pages_matches_sort_reference_many_pages(seed):
-    args, doc = random_case(10_000 + seed, big=True)
+def test_select_pages_matches_sort_reference_many_pages(seed, device):
+    args, doc = on(device, *random_case(10_000 + seed, big=True))
     assert_same(select_pages(*args, q_doc_start=doc), _select_pages_sort(*args, q_doc_start=doc))
 
 
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_tie_rule_with_signed_zeros_and_infinities(dtype):
+def test_tie_rule_with_signed_zeros_and_infinities(dtype, device):
     """D = 1 so each score is q_sum * summary exactly: +0.0/-0.0, +-inf, NaN (-> -inf) and ties all appear."""
     vals = [0.0, -0.0, 1.0, float("-inf"), 1.0, -0.0, float("nan"), 0.0, float("inf"), float("-inf"), 1.0, -0.0, 0.0]
     n = len(vals)
-    mean = torch.tensor(vals, dtype=dtype).view(n, 1, 1)
+    mean = torch.tensor(vals, dtype=dtype, device=device).view(n, 1, 1)
     for sign in (1.0, -1.0):
-        q = torch.full((4, 1, 1), sign, dtype=dtype)
+        q = torch.full((4, 1, 1), sign, dtype=dtype, device=device)
         for budget in range(n + 2):
             for sink in (0, 1, 2):
                 for local in (0, 1, 3):
-                    for doc in (None, torch.tensor([5, 5, 9, 9]), torch.tensor([0, 13, 13, 13])):
+                    for doc in (None, torch.tensor([5, 5, 9, 9], device=device), torch.tensor([0, 13, 13, 13], device=device)):
                         args = (q, (mean,), n, 1, budget, sink, local, 2, "mean")
                         assert_same(select_pages(*args, q_doc_start=doc), _select_pages_sort(*args, q_doc_start=doc))
 
