@@ -249,8 +249,9 @@ def select_pages(
     page = torch.arange(n, device=device)
     candidate = (page >= sink_end) & (page < local_start)  # [nb, 1, n]
     cand_scores = torch.where(candidate, scores, -torch.inf)
-    # The budget is the first page_budget pages of the stable descending order of ALL pages
-    # (non-candidates at -inf, so they can take places from -inf candidates), then filtered.
+    # The budget is the first page_budget pages of the stable descending order of ALL pages, then
+    # filtered to candidates: a non-candidate (-inf) at a lower index takes the place of a candidate
+    # scored -inf (a NaN score), exactly as in the two-sort reference.
     top = _stable_top(cand_scores, min(page_budget, n))  # [nb, Hkv, min(page_budget, n)], any order
     top = torch.where((top >= sink_end) & (top < local_start), top, n)
     # Forced pages, each listed once: sink pages inside the past; local pages that are eligible and
@@ -276,7 +277,7 @@ def _stable_top(x: torch.Tensor, k: int) -> torch.Tensor:
     ``topk`` finds them in O(n) instead of an O(n log n) sort.
 
     Args:
-        x: float [..., n] without NaN (float32 or narrower, or float64).
+        x: float [..., n] without NaN (float32 or narrower, or float64), n < 2**32.
         k: 0 <= k <= n.
 
     Returns:
