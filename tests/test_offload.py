@@ -181,6 +181,9 @@ class _LazyStreams:
     def h2d_alloc(self, fn):
         fn()
 
+    def h2d_keep(self, *tensors):
+        pass
+
     def d2h_run(self, fn, *tensors):
         self._push("d2h", fn)
 
@@ -1247,11 +1250,17 @@ def test_kv_stash_env_and_sizing(monkeypatch):
     assert offload.kv_stash_tiles(2, 3876, 4, 128, 128, torch.bfloat16, 4 << 30) == 0  # L <= 2: no layer loses its set
     assert offload.kv_stash_tiles(28, 0, 4, 128, 128, torch.bfloat16, 4 << 30) == 0
     make = lambda **k: OffloadedKVStore(4, 2, 8, 4, 64, torch.float32, "cpu", chunk_size=8, segment_pages="layer", **k)
-    assert make().kv_stash_tiles == 0 and make()._stash_k is None  # off by default
+    plain = make()
+    assert plain.kv_stash_tiles == 0 and plain._stash_k is None  # off by default
+    plain.needed_heads = lambda layer, start: None
+    assert plain._stash_k is None
     monkeypatch.setenv("OOMB_OFFLOAD_KV_STASH_MIB", "1")
     st = make()
-    assert st.kv_stash_tiles == 16 * 2 and st._stash_k.shape == (2, 32, 4, 8)  # every host tile of a layer
-    assert st.nbytes == make.__call__().nbytes and st.nbytes > 0
+    assert st.kv_stash_tiles == 16 * 2 and st._stash_k is None  # every host tile of a layer; not allocated yet
+    assert st.nbytes == plain.nbytes
+    st.needed_heads = lambda layer, start: None  # sparse attention's hook: now the stash is needed
+    assert st._stash_k.shape == st._stash_v.shape == (2, 32, 4, 8)
+    assert st.nbytes == plain.nbytes + 2 * 2 * 32 * 4 * 8 * 4  # K and V, 2 layers, 32 tiles of 4 x 8 fp32
     monkeypatch.setattr(OffloadedKVStore, "stage_grain", "page")
     assert make().kv_stash_tiles == 0  # page-grained stagings keep no stash
     monkeypatch.setattr(OffloadedKVStore, "stage_grain", "head")
@@ -1304,3 +1313,29 @@ def test_sparse_offload_last_chunk_tiles_and_list_wait(monkeypatch, skip_wait):
         assert any(not torch.equal(a.grad, b.grad) for a, b in zip(m_ref.parameters(), m_off.parameters()))
     else:
         _assert_same_training(m_ref, m_off, out_ref, out_off)
+
+
+def test_last_chunk_tile_list_waits_for_the_compute_stream(monkeypatch):
+    """The last chunk's selection is made on the compute stream right before its tile list is made on the copy
+    stream: making the list must wait for the compute stream (the simulator runs compute at once, so only the
+    order of the calls can show it). Lists of earlier chunks (selections made in Stage 1) need no such wait."""
+    log = []
+    orig = OffloadedKVStore._head_tiles
+
+    def head_tiles(self, use):
+        fresh = (use.layer, use.start, use.pages.own) not in self._pairs_cache
+        st = self._streams
+        waits = []
+        with monkeypatch.context() as mp:
+            mp.setattr(st, "copy_wait", lambda ev, w=st.copy_wait: waits.append(ev.stream) or w(ev))
+            out = orig(self, use)
+        if fresh:
+            log.append((use.start + self.chunk_size >= self._seq_len, None in waits))
+        return out
+
+    monkeypatch.setattr(OffloadedKVStore, "_head_tiles", head_tiles)
+    ids = torch.randint(0, VOCAB, (1, 52), generator=torch.Generator().manual_seed(2))
+    m_ref, m_off, out_ref, out_off, _ = _sparse_pair(monkeypatch, ids, None, chunk_size=8, page_size=4)
+    _assert_same_training(m_ref, m_off, out_ref, out_off)
+    assert any(last for last, _ in log) and any(not last for last, _ in log)
+    assert all(waited == last for last, waited in log), log

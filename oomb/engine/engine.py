@@ -104,8 +104,9 @@ class _ChunkContext:
         if sparse is not None:
             # Made once (Stage 1, or the last chunk's first Stage-2 forward) and reused unchanged; before the view,
             # so that the store knows which tiles the last chunk's attention reads (SparseAttentionState.track_last).
-            record = self.stage == 1 or (self.is_last and sparse.track_last)
-            sel = sparse.selection(layer, self.start, q, self.q_doc_start, record_pages=record)
+            sel = sparse.selection(layer, self.start, q, self.q_doc_start, record_pages=self.stage == 1)
+            if self.is_last and sparse.track_last:
+                sparse.note_tiles(layer, self.start)
         kv = store.attention_view(layer, self.stage, self.start, self.length, self.is_last, self.q_doc_start)
         if self.stage == 1:
             store.write(layer, self.start, k, v)

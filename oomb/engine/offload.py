@@ -144,8 +144,10 @@ the gather); the backward use of that (chunk, layer), whose list begins with the
 them back (:func:`~oomb.ops.page_gather.unstash_head_tiles`) and reads only the rest from the host
 (``gather_head_pages(first=C)``). Every stash copy runs on the host->device stream, in issue order
 with the stagings that read and refill it, so it needs no event of its own. ``stats['kv_stash_bytes']``
-counts the bytes restored. The stash takes GPU memory that could hold resident pages instead; the
-planners keep the requested MiB free.
+counts the bytes restored. The stash is allocated when the engine sets a ``needed_heads`` hook (sparse
+attention), not for dense runs. The last chunk's forwards read whole-layer prefetches (its selection
+does not exist yet when they are issued), so they fill no stash. The stash takes GPU memory that could
+hold resident pages instead; the planners keep the requested MiB free for sparse runs.
 
 **Ordering.** Copies run on two side CUDA streams, host->device (H2D) and
 device->host (D2H), each in issue order; PCIe is full duplex, so a write-back
@@ -894,6 +896,11 @@ class _CudaStreams:
         with torch.cuda.stream(self.copy):
             fn()
 
+    def h2d_keep(self, *tensors: torch.Tensor) -> None:
+        """``tensors`` (made on another stream) stay allocated until the host->device work enqueued next has run."""
+        for t in tensors:
+            t.record_stream(self.copy)
+
     def d2h_run(self, fn, *tensors: torch.Tensor) -> None:
         """Enqueue ``fn``'s work on the device->host stream; ``tensors`` (made on another stream) stay
         allocated until it has run."""
@@ -947,6 +954,9 @@ class _SyncStreams:
 
     def h2d_alloc(self, fn) -> None:
         fn()
+
+    def h2d_keep(self, *tensors) -> None:
+        pass
 
     def d2h_run(self, fn, *tensors) -> None:
         fn()
@@ -1258,6 +1268,8 @@ class OffloadedKVStore:
             self._wbuf_k = self._wbuf_v = None
         self.trace: list[tuple] | None = [] if trace else None
         self.needed_pages = None
+        self.kv_stash_tiles = 0
+        self._stash_k = self._stash_v = None
         self.needed_heads = None
         grain = self._grain
         if grain == "head" and self._cuda and not self.segmented and H > 0 and not _zero_copy_works(self.k_host, self.k_cache):
@@ -1274,11 +1286,21 @@ class OffloadedKVStore:
         # The K/V stash (module docstring): head-grained Stage-2 stagings of whole-layer staging only.
         C = (kv_stash_tiles(L, H, num_kv_heads, head_dim, S, dtype, stash_mib << 20)
              if grain == "head" and not self.segmented else 0)
-        self.kv_stash_tiles = C
-        sshape = (max(L - 2, 0), C, S, head_dim)
-        self._stash_k = torch.empty(sshape, dtype=dtype, device=self.device) if C else None
-        self._stash_v = torch.empty(sshape, dtype=dtype, device=self.device) if C else None
+        self.kv_stash_tiles = C  # allocated when a needed_heads hook is set (sparse attention), not before
         self.reset()
+
+    @property
+    def needed_heads(self):
+        """The Stage-2 selection hook (see the class docstring); setting one allocates the K/V stash, if any."""
+        return self._needed_heads
+
+    @needed_heads.setter
+    def needed_heads(self, hook) -> None:
+        self._needed_heads = hook
+        if hook is not None and self.kv_stash_tiles and self._stash_k is None:
+            shape = (self.num_layers - 2, self.kv_stash_tiles, self.page_size, self.head_dim)
+            self._stash_k = torch.empty(shape, dtype=self.dtype, device=self.device)
+            self._stash_v = torch.empty(shape, dtype=self.dtype, device=self.device)
 
     # ------------------------------------------------------------------ memory
     def _host_empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -1721,6 +1743,8 @@ class OffloadedKVStore:
         if self._seq_len is not None and use.start + self.chunk_size >= self._seq_len:
             # The last chunk's selection is made in Stage 2, just before this (compute stream): read it after.
             st.copy_wait(st.record_compute())
+
+        st.h2d_keep(page_idx)  # made on the compute stream, read below on the copy stream
 
         def run():
             full.zero_()

@@ -708,7 +708,7 @@ class SparseAttentionState:
         self.retain_selections = retain_selections
         self.page_size = config.page_size
         self.track_pages = False
-        self.track_last = False  # the engine records the last chunk's selections too (head-grained offload)
+        self.track_last = False  # the engine notes the last chunk's selections too (head-grained offload: note_tiles)
         # (start, layer) -> [host bool mask of the past pages read, its copy event (CUDA) or None, or the list]
         self._pages: dict[tuple[int, int], list] = {}
         self._pages_host: dict[int, torch.Tensor] = {}  # chunk start -> pinned [num_layers, n_past] bool (CUDA)
@@ -725,8 +725,7 @@ class SparseAttentionState:
 
         Made in Stage 1 for every chunk but the last, whose Stage-1 pass the engine skips; that
         one is made in its first Stage-2 forward and reused by any recompute. With
-        ``record_pages`` (the engine passes it in Stage 1, and for the last chunk with :attr:`track_last`)
-        and :attr:`track_pages` set, a new
+        ``record_pages`` (the engine passes it in Stage 1) and :attr:`track_pages` set, a new
         selection's page union is recorded for :meth:`needed_pages`.
         """
         key = (start, layer)
@@ -778,6 +777,13 @@ class SparseAttentionState:
         ev.record(torch.cuda.current_stream(device))
         self._pages[(start, layer)] = [buf[layer], ev]
 
+    def note_tiles(self, layer: int, start: int) -> None:
+        """Let :meth:`needed_heads` give the store the selection of (chunk at ``start``, ``layer``) made in Stage 2
+        (the last chunk's, with :attr:`track_last`). Its page union is not recorded: :meth:`needed_pages` stays
+        None (all pages) for it, with no copy to the host and no wait on the device."""
+        if self.track_pages and (start, layer) not in self._pages:
+            self._pages[(start, layer)] = [None]
+
     def needed_pages(self, layer: int, start: int) -> list[int] | None:
         """Sorted logical past pages the attention of (chunk at ``start``, ``layer``) reads; None if unknown.
 
@@ -803,8 +809,9 @@ class SparseAttentionState:
         ``layer``): the (page, KV head) tiles its attention reads; None if unknown or dense.
 
         Known, like :meth:`needed_pages`, for selections made in Stage 1 while :attr:`track_pages` is set, and
-        with :attr:`track_last` for the last chunk's (made in its Stage-2 forward, before the store's view of
-        that layer). Never syncs: the offload store turns it into a tile list on its copy stream.
+        for the last chunk's (made in its Stage-2 forward, before the store's view of that layer) once the engine
+        has called :meth:`note_tiles` (:attr:`track_last`). Never syncs: the offload store turns it into a tile
+        list on its copy stream.
         """
         if (start, layer) not in self._pages:
             return None
