@@ -308,6 +308,7 @@ class MemoryPlan:
     save_attention_note: str = ""  # why an asked save_attention is not in the plan, or a tip to use it
     grad_accum_dtype: str = "param"  # 'float32': grads counts the step's float32 gradient sums
     saved_attention_host: int = 0  # host bytes of save_attention="host"
+    kv_stash_reserved: int = 0  # GPU bytes kept free for the K/V stash (OOMB_OFFLOAD_KV_STASH_MIB; in the reserve)
 
     @property
     def fits(self) -> bool:
@@ -359,6 +360,7 @@ class MemoryPlan:
             f"  {self._staging_label():<40}{g(self.staging + self.own_buffers + self.write_buffers)}",
             f"  {'predicted peak':<40}{g(self.gpu_peak)}",
             f"  {'budget (' + self.machine.gpu_name + ', free less reserve)':<40}{g(self.gpu_budget)}",
+            *([f"  {'  reserve incl. K/V stash (env)':<40}{g(self.kv_stash_reserved)}"] if self.kv_stash_reserved else []),
             f"{'host':<42}",
             f"  {'KV pages in pinned memory':<40}{g(self.host_kv)}",
             *([f"  {'attention outputs (save_attention=host)':<40}{g(self.saved_attention_host)}"]
@@ -540,6 +542,7 @@ def plan(
     dtype = _parse_dtype(dtype)
     if seq_len < 2 or chunk_size <= 0 or page_size <= 0 or chunk_size % page_size:
         raise ValueError(f"need seq_len >= 2 and chunk_size a positive multiple of page_size; got {seq_len}, {chunk_size}, {page_size}")
+    kv_stash = 0
     machine = machine or Machine.detect()
     backend = {"auto": "sdpa"}.get(attention_backend, attention_backend)
     reserve = gpu_reserve_bytes if gpu_reserve_bytes is not None else max(2 * GiB, int(0.03 * machine.gpu_total_bytes))
@@ -554,7 +557,8 @@ def plan(
         offload_segment_pages = "layer"
         from .engine.offload import kv_stash_request_bytes
 
-        reserve += kv_stash_request_bytes()  # the K/V stash, when asked for (OOMB_OFFLOAD_KV_STASH_MIB)
+        kv_stash = kv_stash_request_bytes()  # the K/V stash, when asked for (OOMB_OFFLOAD_KV_STASH_MIB)
+        reserve += kv_stash
     gpu_budget = max(machine.gpu_free_bytes - reserve, 0)
     host_budget = int(machine.host_available_bytes * host_fraction)
     L = shape.num_layers
@@ -683,7 +687,7 @@ def plan(
         if tiering.offload else {},
         segment_pages=SP if tiering.offload else None, own_buffers=own_b, host_fraction=host_fraction,
         save_attention=save, saved_attention_host=saved_for(seq_len, save)["host"], save_attention_note=save_note,
-        grad_accum_dtype=grad_accum_dtype,
+        grad_accum_dtype=grad_accum_dtype, kv_stash_reserved=kv_stash,
     )
 
 

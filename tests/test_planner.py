@@ -330,3 +330,23 @@ def test_offload_traffic_honours_the_stage1_shadow_switch(monkeypatch):
     off = offload_traffic(shape, 1 << 20, 4096, 128, 4000)
     assert off["d2h_bytes"] == on["d2h_bytes"] and off["h2d_bytes"] > on["h2d_bytes"]
     assert off == offload_traffic(shape, 1 << 20, 4096, 128, 4000, stage1_shadow_pages=0)
+
+
+def test_kv_stash_is_kept_free_and_shown(monkeypatch):
+    """OOMB_OFFLOAD_KV_STASH_MIB: the sparse plan keeps that much GPU memory free (budget lower by exactly it, so the
+    pool shrinks) and the table says so; dense plans do not (no stash is allocated for them)."""
+    from oomb import OOMBConfig
+
+    cfg = OOMBConfig(sparse=True, page_budget=64, chunk_size=4096, page_size=128)
+    kw = dict(machine=H200, checkpoint_layers=True, optimizer=None, offload=True)
+    base = plan("qwen2.5-7b", 1 << 20, sparse=cfg, **kw)
+    dense = plan("qwen2.5-7b", 1 << 20, **kw)
+    monkeypatch.setenv("OOMB_OFFLOAD_KV_STASH_MIB", "3072")
+    stash = plan("qwen2.5-7b", 1 << 20, sparse=cfg, **kw)
+    assert stash.gpu_budget == base.gpu_budget - 3 * GiB and stash.kv_stash_reserved == 3 * GiB
+    assert stash.tiering.resident_pages_per_layer < base.tiering.resident_pages_per_layer
+    assert "reserve incl. K/V stash (env)" in stash.table() and "K/V stash" not in base.table()
+    assert plan("qwen2.5-7b", 1 << 20, **kw).gpu_budget == dense.gpu_budget
+    monkeypatch.setenv("OOMB_OFFLOAD_KV_STASH_MIB", "x")
+    with pytest.raises(ValueError, match="OOMB_OFFLOAD_KV_STASH_MIB must be an integer >= 0"):
+        plan("qwen2.5-7b", 1 << 20, sparse=cfg, **kw)
