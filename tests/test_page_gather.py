@@ -143,6 +143,57 @@ def test_stash_round_trip_and_first(backend, dtype, C):
         assert torch.all(only[base + j, :, h] == 3.0) == (i < C)
 
 
+def test_kernel_warps_and_elems_env(monkeypatch):
+    """OOMB_PAGE_GATHER_WARPS / OOMB_PAGE_GATHER_ELEMS change how the kernel is launched, not what it copies; bad
+    values are errors naming the variable (also when an offload store is made), never a silent PyTorch fallback."""
+    from oomb.engine.offload import OffloadedKVStore
+    from oomb.ops import page_gather as pg
+
+    g = torch.Generator().manual_seed(5)
+    m, S, Hkv, D = 6, 32, 2, 16
+    src = torch.randn(m, S, Hkv, D, generator=g)
+    mask = torch.rand(m, Hkv, generator=g) < 0.6
+    pairs, count = head_pairs(mask)
+    want = torch.zeros(m + 1, S, Hkv, D)
+    gather_head_pages(want, 1, src, pairs, count, backend="torch")
+    seen = []
+    monkeypatch.setattr("oomb.ops.triton_page_gather._copy_tiles_kernel", _SpyKernel(seen))
+    for warps, elems in (("2", "128"), ("8", "65536"), (None, "256")):
+        for name, v in (("OOMB_PAGE_GATHER_WARPS", warps), ("OOMB_PAGE_GATHER_ELEMS", elems)):
+            if v is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, v)
+        got = torch.zeros_like(want)
+        gather_head_pages(got, 1, src, pairs, count, num_programs=2, backend="triton")
+        assert torch.equal(got, want)
+        assert seen[-1] == (int(warps) if warps else 4, min(int(elems), S * D) // D)  # (num_warps, BLOCK_S): 8, 32, 16
+    for name, bad in (("OOMB_PAGE_GATHER_WARPS", "3"), ("OOMB_PAGE_GATHER_WARPS", "64"), ("OOMB_PAGE_GATHER_ELEMS", "x")):
+        monkeypatch.setenv(name, bad)
+        with pytest.raises(ValueError, match=f"{name} must be a power of two"):
+            gather_head_pages(torch.zeros_like(want), 1, src, pairs, count, backend="triton")
+        with pytest.raises(ValueError, match=f"{name} must be a power of two"):
+            OffloadedKVStore(2, 2, 8, 4, 32, torch.float32, "cpu", chunk_size=8, segment_pages="layer")
+        monkeypatch.delenv(name)
+    assert pg._triton_kernel() is not None
+
+
+class _SpyKernel:
+    """Wraps the Triton kernel: records (num_warps, BLOCK_S) of each launch, then runs it."""
+
+    def __init__(self, seen):
+        from oomb.ops import triton_page_gather
+
+        self.kernel, self.seen = triton_page_gather._copy_tiles_kernel, seen
+
+    def __getitem__(self, grid):
+        def launch(*args, **kw):
+            self.seen.append((kw.get("num_warps"), kw["BLOCK_S"]))
+            return self.kernel[grid](*args, **kw)
+
+        return launch
+
+
 def test_page_gather_errors():
     pool = torch.zeros(4, 4, 2, 8)
     src = torch.zeros(3, 4, 2, 8)

@@ -193,6 +193,7 @@ import torch
 
 from ..ops.page_gather import (
     DEFAULT_PROGRAMS,
+    check_kernel_env,
     gather_head_pages,
     head_pairs,
     scatter_head_pages,
@@ -1159,6 +1160,7 @@ class OffloadedKVStore:
             raise ValueError(f"{where} must be 'head' or 'page'; got {self._grain!r} "
                              f"(unset it for the default, 'head')")
         self.gather_programs = _env_int("OOMB_PAGE_GATHER_PROGRAMS", DEFAULT_PROGRAMS)
+        check_kernel_env()  # OOMB_PAGE_GATHER_WARPS / OOMB_PAGE_GATHER_ELEMS
         stash_mib = _env_int("OOMB_OFFLOAD_KV_STASH_MIB", self.kv_stash_mib, minimum=0)
         self.num_layers = L = num_layers
         self.num_kv_heads = num_kv_heads

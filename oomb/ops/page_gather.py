@@ -31,9 +31,13 @@ pages. Units: pages and tokens; ``count`` is in tiles.
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 
 __all__ = [
+    "check_kernel_env",
     "head_pairs",
     "gather_head_pages",
     "gather_head_pages_ref",
@@ -154,13 +158,51 @@ def scatter_head_pages_ref(dst, src, base, pairs, count, pages=None) -> None:
     dst[j.to(dst.device), :, h.to(dst.device)] = tiles
 
 
+def _env_pow2(name: str, lo: int, hi: int) -> int | None:
+    """A power of two in [lo, hi] from the environment variable ``name`` (None when unset).
+
+    Raises:
+        ValueError: anything else, naming the variable.
+    """
+    raw = os.environ.get(name)
+    if raw is None:
+        return None
+    try:
+        v = int(raw)
+    except ValueError:
+        v = 0
+    if not (lo <= v <= hi and v & (v - 1) == 0):
+        raise ValueError(f"{name} must be a power of two from {lo} to {hi}; got {raw!r} (unset it for the default)")
+    return v
+
+
+def check_kernel_env() -> None:
+    """Validate ``OOMB_PAGE_GATHER_WARPS`` / ``OOMB_PAGE_GATHER_ELEMS`` now (the offload store calls it before it
+    allocates anything, so a bad value fails fast, not at the first copy).
+
+    Raises:
+        ValueError: a value that is not a power of two in range, naming the variable.
+    """
+    _env_pow2("OOMB_PAGE_GATHER_WARPS", 1, 32)
+    _env_pow2("OOMB_PAGE_GATHER_ELEMS", 128, 65536)
+
+
 def _triton_kernel():
-    """The Triton launcher (imported on first use: Triton is an optional dependency), or None."""
+    """The Triton launcher (imported on first use: Triton is an optional dependency), or None.
+
+    ``OOMB_PAGE_GATHER_WARPS`` (1..32) and ``OOMB_PAGE_GATHER_ELEMS`` (128..65536), powers of two, set the
+    kernel's warps per program and elements per load (defaults: ``NUM_WARPS`` and ``ELEMS_PER_LOAD`` of
+    :mod:`oomb.ops.triton_page_gather`); checked here, so a bad value is an error, not a silent fallback.
+    """
+    warps = _env_pow2("OOMB_PAGE_GATHER_WARPS", 1, 32)
+    elems = _env_pow2("OOMB_PAGE_GATHER_ELEMS", 128, 65536)
     try:
         from .triton_page_gather import launch_copy_tiles
     except Exception:  # pragma: no cover - depends on the installation
         return None
-    return launch_copy_tiles
+    if warps is None and elems is None:
+        return launch_copy_tiles
+    return functools.partial(launch_copy_tiles, num_warps=warps, elems_per_load=elems)
 
 
 def _use_kernel(pool: torch.Tensor, span: torch.Tensor, backend: str) -> bool:

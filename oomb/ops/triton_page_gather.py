@@ -9,10 +9,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["ELEMS_PER_LOAD", "launch_copy_tiles"]
+__all__ = ["ELEMS_PER_LOAD", "NUM_WARPS", "launch_copy_tiles"]
 
 ELEMS_PER_LOAD = 8192
-"""Elements one program moves per load/store (rows of a tile at a time): 64 rows of head dim 128."""
+"""Elements one program moves per load/store (rows of a tile at a time; at most one tile): 64 rows of head dim
+128. ``OOMB_PAGE_GATHER_ELEMS`` overrides it (read by :mod:`oomb.ops.page_gather`)."""
+
+NUM_WARPS = 4
+"""Warps per program. ``OOMB_PAGE_GATHER_WARPS`` overrides it: fewer programs with more warps each keep about as
+many loads in flight while holding fewer SMs, which the compute beside the copies needs (benchmarks/NOTES.md)."""
 
 
 @triton.jit
@@ -55,23 +60,25 @@ def _copy_tiles_kernel(
 
 
 def launch_copy_tiles(dst, src, dst_page0, src_page0, pairs, count, valid, num_programs, pages,
-                      entries=(0, None), src_compact=False, dst_compact=False):
+                      entries=(0, None), src_compact=False, dst_compact=False, num_warps=None, elems_per_load=None):
     """Copy the listed tiles of pages j in [lo, hi) (``pages``): ``dst[dst_page0 + j, :, h] =
     src[src_page0 + j, :, h]`` (zeros where ``valid[j, h]`` is False), for list entries i in ``entries``
     [i_lo, i_hi) (i_hi None: the whole list). A compact side (``*_compact``, ``[n, S, D]``) holds entry i's
-    tile at ``[i]`` instead. Arguments checked by the caller."""
+    tile at ``[i]`` instead. ``num_warps`` / ``elems_per_load``: None for :data:`NUM_WARPS` /
+    :data:`ELEMS_PER_LOAD`. Arguments checked by the caller."""
     paged = src if dst_compact else dst
     S, Hkv, D = paged.shape[1:]
     j_lo, j_hi = pages
     i_lo, i_hi = entries
     n_max = pairs.numel() if i_hi is None else min(i_hi, pairs.numel())
     block_d = triton.next_power_of_2(D)
-    block_s = max(1, min(triton.next_power_of_2(S), ELEMS_PER_LOAD // block_d))
+    elems = ELEMS_PER_LOAD if elems_per_load is None else elems_per_load
+    block_s = max(1, min(triton.next_power_of_2(S), elems // block_d))
     _copy_tiles_kernel[(num_programs,)](
         dst, src, pairs, count, valid if valid is not None else pairs, n_max,
         dst_page0, src_page0, paged.stride(0), paged.stride(1), j_lo, j_hi, i_lo,
         HKV=Hkv, S=S, D=D, BLOCK_S=block_s, BLOCK_D=block_d, HAS_VALID=valid is not None, NPROG=num_programs,
-        SRC_COMPACT=src_compact, DST_COMPACT=dst_compact,
+        SRC_COMPACT=src_compact, DST_COMPACT=dst_compact, num_warps=NUM_WARPS if num_warps is None else num_warps,
     )
 
 
