@@ -7,6 +7,7 @@
 #     Stage-1 shadow; base again (noise, and bitwise-equal losses).
 #   SET=warps: the zero-copy copy kernel's shape (OOMB_PAGE_GATHER_PROGRAMS / _WARPS / _ELEMS): 32 x 4 warps x 8192
 #     (the default), 8 x 16 x 16384, 16 x 8 x 16384, 4 x 32 x 16384, then the default again.
+#   SET=mixed: base; stash; 8 x 16 x 16384; stash with 8 x 16 x 16384; partial shadow.
 # Predictions (eleventh session, before any run): stash: host->device bytes -24%, Stage 2 a few seconds faster (its
 # offload overhead at 256K min pool is ~24 s, half of it waiting on copies); losses bitwise equal in every run.
 # warps: the same bytes in flight on 8 or 4 SMs instead of 32 should leave the attention kernels beside the copies
@@ -29,6 +30,11 @@ RUNS = {
     "warps": [("p32w4e8192", {}, False)] + [
         (f"p{p}w{w}e{e}", {"OOMB_PAGE_GATHER_PROGRAMS": str(p), "OOMB_PAGE_GATHER_WARPS": str(w), "OOMB_PAGE_GATHER_ELEMS": str(e)}, False)
         for p, w, e in ((8, 16, 16384), (16, 8, 16384), (4, 32, 16384))] + [("p32w4e8192_again", {}, False)],
+    "mixed": [("base", {}, False), ("stash", {"OOMB_OFFLOAD_KV_STASH_MIB": mib}, False),
+              ("p8w16e16384", {"OOMB_PAGE_GATHER_PROGRAMS": "8", "OOMB_PAGE_GATHER_WARPS": "16", "OOMB_PAGE_GATHER_ELEMS": "16384"}, False),
+              ("stash_p8w16e16384", {"OOMB_OFFLOAD_KV_STASH_MIB": mib, "OOMB_PAGE_GATHER_PROGRAMS": "8",
+                                     "OOMB_PAGE_GATHER_WARPS": "16", "OOMB_PAGE_GATHER_ELEMS": "16384"}, False),
+              ("partial_shadow", {}, True)],
 }[which]
 m = build("qwen2.5-7b", torch.device("cuda"), torch.bfloat16); m.config.use_cache = False
 cfg = OOMBConfig(chunk_size=4096, page_size=128, attention_backend="triton", offload=True, checkpoint_layers=True,
