@@ -8,6 +8,10 @@
 #   SET=warps: the zero-copy copy kernel's shape (OOMB_PAGE_GATHER_PROGRAMS / _WARPS / _ELEMS): 32 x 4 warps x 8192
 #     (the default), 8 x 16 x 16384, 16 x 8 x 16384, 4 x 32 x 16384, then the default again.
 #   SET=mixed: base; stash; 8 x 16 x 16384; stash with 8 x 16 x 16384; partial shadow.
+#   SET=sets: whole-layer staging sets (OOMB_OFFLOAD_STAGING_SETS) 2, 3, 3 with the stash, 4. Prediction (before the
+#     run): the 256K min-pool A/B showed the stash cut host->device bytes 17% but Stage 2 only 1 s, so the wait is not
+#     the bytes but the chain write-back(l+2) -> dK/dV gather(l) within one layer's backward; 3 sets give it two
+#     layers: Stage 2 -5..-10 s if that chain is the cause.
 # Predictions (eleventh session, before any run): stash: host->device bytes -24%, Stage 2 a few seconds faster (its
 # offload overhead at 256K min pool is ~24 s, half of it waiting on copies); losses bitwise equal in every run.
 # warps: the same bytes in flight on 8 or 4 SMs instead of 32 should leave the attention kernels beside the copies
@@ -23,7 +27,8 @@ from oomb import Engine, OOMBConfig
 from oomb.engine.offload import OffloadedKVStore, min_gpu_pages
 from bench_sparse import autotuned_configs, build
 T, mib, which = int(os.environ["LEN"]), os.environ["STASH_MIB"], os.environ["SET"]
-KNOBS = ("OOMB_OFFLOAD_KV_STASH_MIB", "OOMB_PAGE_GATHER_PROGRAMS", "OOMB_PAGE_GATHER_WARPS", "OOMB_PAGE_GATHER_ELEMS")
+KNOBS = ("OOMB_OFFLOAD_KV_STASH_MIB", "OOMB_PAGE_GATHER_PROGRAMS", "OOMB_PAGE_GATHER_WARPS", "OOMB_PAGE_GATHER_ELEMS",
+         "OOMB_OFFLOAD_STAGING_SETS")
 RUNS = {
     "stash": [("base", {}, False), ("stash", {"OOMB_OFFLOAD_KV_STASH_MIB": mib}, False), ("partial_shadow", {}, True),
               ("base2", {}, False)],
@@ -35,6 +40,9 @@ RUNS = {
               ("stash_p8w16e16384", {"OOMB_OFFLOAD_KV_STASH_MIB": mib, "OOMB_PAGE_GATHER_PROGRAMS": "8",
                                      "OOMB_PAGE_GATHER_WARPS": "16", "OOMB_PAGE_GATHER_ELEMS": "16384"}, False),
               ("partial_shadow", {}, True)],
+    "sets": [("sets2", {}, False), ("sets3", {"OOMB_OFFLOAD_STAGING_SETS": "3"}, False),
+             ("sets3_stash", {"OOMB_OFFLOAD_STAGING_SETS": "3", "OOMB_OFFLOAD_KV_STASH_MIB": mib}, False),
+             ("sets4", {"OOMB_OFFLOAD_STAGING_SETS": "4"}, False)],
 }[which]
 m = build("qwen2.5-7b", torch.device("cuda"), torch.bfloat16); m.config.use_cache = False
 cfg = OOMBConfig(chunk_size=4096, page_size=128, attention_backend="triton", offload=True, checkpoint_layers=True,

@@ -317,12 +317,12 @@ class MemoryPlan:
     @property
     def staging(self) -> int:
         """GPU bytes of the two staging buffers (K, V, dK, dV): two segments, or two layers with whole-layer staging."""
-        from .engine.offload import _staging
+        from .engine.offload import _staging, staging_sets
 
         t = self.tiering
         if not t.offload:
             return 0
-        return 2 * _staging(self.pages_per_layer, t.resident_pages_per_layer, self.segment_pages) * self.page_bytes
+        return staging_sets(self.segment_pages) * _staging(self.pages_per_layer, t.resident_pages_per_layer, self.segment_pages) * self.page_bytes
 
     def check(self) -> "MemoryPlan":
         """Return self if the run fits, else raise :class:`MemoryPlanError` saying why and what to change."""
@@ -438,7 +438,7 @@ def _tier(L: int, n: int, pb: int, pool_budget: int, host_budget: int, offload: 
           gpu_page_budget: int | None, segment_pages: int | None = None) -> tuple[Tiering | None, str | None]:
     """Choose the tiering for n pages per layer, or (None, why not). ``segment_pages``: the staging
     segment (None: whole-layer staging)."""
-    from .engine.offload import _staging, min_gpu_pages, resident_pages_for_budget
+    from .engine.offload import _staging, min_gpu_pages, resident_pages_for_budget, staging_sets
 
     all_pages = L * n
     if offload is False or (offload == "auto" and gpu_page_budget is None and all_pages * pb <= pool_budget):
@@ -469,7 +469,7 @@ def _tier(L: int, n: int, pb: int, pool_budget: int, host_budget: int, offload: 
                       "gradients, optimizer states and activations; free GPU memory for them: "
                       f"use LoRA, checkpoint_layers or a smaller chunk_size{shorter}, or use a GPU with more memory")
     R = resident_pages_for_budget(L, n, pages, segment_pages)
-    used = L * R + 2 * _staging(n, R, segment_pages)
+    used = L * R + staging_sets(segment_pages) * _staging(n, R, segment_pages)
     host = L * (n - R) * pb
     if host > host_budget:
         return None, (f"the host tier needs {host / GiB:.2f} GiB of pinned memory but the budget is "
@@ -660,12 +660,12 @@ def plan(
         problems.insert(0, f"weights, gradients, optimizer states and one chunk's activations need {fixed / GiB:.2f} GiB "
                            f"but {gpu_budget / GiB:.2f} GiB of GPU memory is free (after a {reserve / GiB:.1f} GiB reserve); "
                            "use LoRA, checkpoint_layers or a smaller chunk_size")
-    from .engine.offload import _staging
+    from .engine.offload import _staging, staging_sets
 
     own_b = 0
     if tiering.offload:
         R = tiering.resident_pages_per_layer
-        gpu_pool = (L * R + 2 * _staging(n, R, SP)) * pb
+        gpu_pool = (L * R + staging_sets(SP) * _staging(n, R, SP)) * pb
         host_kv = L * (n - R) * pb
         wb = wbuf
         if SP is not None:
@@ -737,11 +737,14 @@ def offload_traffic(
     if stage1_shadow_pages is None and os.environ.get("OOMB_OFFLOAD_STAGE1_SHADOW") == "0":
         stage1_shadow_pages = 0  # as the store: the shadow turned off
     if stage1_shadow_pages is None:
-        from .engine.offload import _staging, stage1_shadow_pages as shadow
+        from .engine.offload import _staging, stage1_shadow_pages as shadow, staging_sets
 
         npl = -(-seq_len // S)
-        stage1_shadow_pages = shadow(L, npl, R, L * R + 2 * _staging(npl, R, None), dtype,
+        stage1_shadow_pages = shadow(L, npl, R, L * R + staging_sets(None) * _staging(npl, R, None), dtype,
                                      torch.float64 if dtype == torch.float64 else torch.float32)
+    from .engine.offload import staging_sets
+
+    K = staging_sets(None)
     for c in range(N):
         P = c * n
         kv = max(P - R, 0)
@@ -749,7 +752,7 @@ def offload_traffic(
             h2d += L * max(P - R - stage1_shadow_pages, 0) * kvb
             d2h += L * max(P + n - max(P, R), 0) * kvb
         own = n if c < N - 1 else 0
-        h2d += L * kv * kvb + max(L - 2, 0) * kv * kvb  # Stage-2 forward; backward of layers 0..L-3
+        h2d += L * kv * kvb + max(L - K, 0) * kv * kvb  # Stage-2 forward; backward of layers 0..L-K-1
         if c < N - 1:
             h2d += L * max(P + own - R, 0) * gb
         d2h += L * kv * gb

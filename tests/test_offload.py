@@ -22,7 +22,8 @@ from test_engine import VOCAB, clone_model, run_parity, tiny
 @pytest.fixture(autouse=True)
 def _no_offload_env(monkeypatch):
     """The tests choose staging settings themselves: a developer's exported OOMB_* knobs must not change them."""
-    for name in ("OOMB_OFFLOAD_STAGE_GRAIN", "OOMB_PAGE_GATHER_PROGRAMS", "OOMB_OFFLOAD_COPY_STREAMS", "OOMB_OFFLOAD_STAGE1_SHADOW"):
+    for name in ("OOMB_OFFLOAD_STAGE_GRAIN", "OOMB_PAGE_GATHER_PROGRAMS", "OOMB_OFFLOAD_COPY_STREAMS", "OOMB_OFFLOAD_STAGE1_SHADOW",
+                 "OOMB_OFFLOAD_KV_STASH_MIB", "OOMB_OFFLOAD_STAGING_SETS", "OOMB_PAGE_GATHER_WARPS", "OOMB_PAGE_GATHER_ELEMS"):
         monkeypatch.delenv(name, raising=False)
 
 
@@ -1339,3 +1340,68 @@ def test_last_chunk_tile_list_waits_for_the_compute_stream(monkeypatch):
     _assert_same_training(m_ref, m_off, out_ref, out_off)
     assert any(last for last, _ in log) and any(not last for last, _ in log)
     assert all(waited == last for last, waited in log), log
+
+
+
+@pytest.mark.parametrize("sets", [3, 4])
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_more_staging_sets_bitwise_and_traffic(monkeypatch, sets, ckpt):
+    """OOMB_OFFLOAD_STAGING_SETS=K (whole-layer staging): layer l stages into set l % K. Dense attention: training is
+    bitwise the all-on-device one under the lazy two-stream simulator with poisoned pools, every staging is issued
+    ahead, and the bytes equal the planner's (the top K layers keep their K/V from the Stage-2 forward to the
+    backward, so fewer host->device bytes than with two sets)."""
+    torch.manual_seed(1)
+    m_ref = tiny("qwen2", 4, 2, layers=6).double()
+    ids = torch.randint(0, VOCAB, (1, 44))
+    common = dict(chunk_size=8, page_size=4, checkpoint_layers=ckpt)
+    out_ref, _ = _step(m_ref, ids, offload=False, **common)
+    monkeypatch.setattr(Engine, "_segment_pages", lambda self: "layer")
+    stats = {}
+    for k in (2, sets):
+        with monkeypatch.context() as mp:
+            mp.setenv("OOMB_OFFLOAD_STAGING_SETS", str(k))
+            _lazy(mp)
+            m = clone_model(m_ref)
+            out, e = _step(m, ids, offload=True, gpu_page_budget=6 * 2 + k * 9, **common)  # R = 2 of 11 pages
+            st = e.kv_store
+            assert st.staging_sets == k and st.resident_pages_per_layer == 2 and st.gpu_pool_pages == 6 * 2 + k * 9
+            _assert_same_training(m_ref, m, out_ref, out)
+            pred = offload_traffic(ModelShape.from_config(m.config), 44, 8, 4, 2, torch.float64, segment_pages=None,
+                                   checkpoint_layers=ckpt, stage1_shadow_pages=st.stage1_shadow_pages)
+            stats[k] = dict(st.stats)
+            assert (stats[k]["h2d_bytes"], stats[k]["d2h_bytes"]) == (pred["h2d_bytes"], pred["d2h_bytes"])
+            assert stats[k]["on_demand"] == 0
+    assert stats[sets]["h2d_bytes"] < stats[2]["h2d_bytes"] and stats[sets]["d2h_bytes"] == stats[2]["d2h_bytes"]
+
+
+@pytest.mark.parametrize("stash", [0, 1])
+def test_three_staging_sets_sparse_head_grain_bitwise(monkeypatch, stash):
+    """Three staging sets with sparse attention's head-grained Stage 2 (and the K/V stash, now for layers below
+    L - 3), under the lazy simulator with eager write-backs: bitwise the all-on-device training."""
+    monkeypatch.setenv("OOMB_OFFLOAD_STAGING_SETS", "3")
+    monkeypatch.setenv("OOMB_OFFLOAD_KV_STASH_MIB", str(stash))
+    monkeypatch.setattr(_LazyStreams, "eager_d2h", True)
+    ids = torch.randint(0, VOCAB, (1, 52), generator=torch.Generator().manual_seed(4))
+    m_ref, m_off, out_ref, out_off, e = _sparse_pair(monkeypatch, ids, None, chunk_size=8, page_size=4,
+                                                     checkpoint_layers=True, layers=6)
+    st = e.kv_store
+    assert st.staging_sets == 3 and st.gpu_pool_pages == 3 * 13
+    assert (st._stash_k.shape[0] == 3) if stash else st._stash_k is None
+    _assert_same_training(m_ref, m_off, out_ref, out_off)
+    assert (st.stats["kv_stash_bytes"] > 0) == bool(stash)
+
+
+def test_staging_sets_env(monkeypatch):
+    from oomb.engine.offload import min_gpu_pages, resident_pages_for_budget
+
+    monkeypatch.setenv("OOMB_OFFLOAD_STAGING_SETS", "3")
+    assert min_gpu_pages(6, 10, None) == 30 and min_gpu_pages(6, 10, 4) == 8  # segments keep two buffers
+    assert resident_pages_for_budget(6, 10, 30 + 3 * 2, None) == 2
+    assert resident_pages_for_budget(3, 10, 30, None) == 10  # L <= K: all resident
+    st = OffloadedKVStore(5, 2, 8, 4, 64, torch.float32, "cpu", chunk_size=8, segment_pages="layer")
+    assert st.staging_sets == 3 and st.gpu_pool_pages == 48 and st.block_table[4, 0] == 1 * 16  # layer 4: set 1 of 16 slots
+    assert OffloadedKVStore(5, 2, 8, 4, 64, torch.float32, "cpu", chunk_size=8).staging_sets == 2  # segmented
+    for bad in ("1", "x"):
+        monkeypatch.setenv("OOMB_OFFLOAD_STAGING_SETS", bad)
+        with pytest.raises(ValueError, match="OOMB_OFFLOAD_STAGING_SETS must be an integer >= 2"):
+            OffloadedKVStore(5, 2, 8, 4, 64, torch.float32, "cpu", chunk_size=8, segment_pages="layer")

@@ -204,6 +204,8 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter only: on a GPU the autotuner calls the hooks itself "
+                    "(test_cuda_autotune_leaves_the_pools_as_one_launch)")
 def test_autotune_hooks_restore_every_row_the_dkdv_kernels_write(monkeypatch):
     """Autotuning runs the dK/dV kernels (which add into the page pools) once per config and must leave the pools as
     they were. The hooks save only the rows a launch can write: around every real launch here (the interpreter),
@@ -243,3 +245,33 @@ def test_autotune_hooks_restore_every_row_the_dkdv_kernels_write(monkeypatch):
     assert all(changed for _, changed, _ in seen)  # every launch wrote something (the check is not vacuous)
     assert any(n == "dk_cache_ptr" and fewer for n, _, fewer in seen)  # the sparse launch saved fewer rows than all
     assert any(n == "dk_ptr" and fewer for n, _, fewer in seen)  # the past launch from page 2 did too
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (several autotune configs, benchmarked)")
+def test_cuda_autotune_leaves_the_pools_as_one_launch(monkeypatch):
+    """A first call that autotunes the dK/dV kernels (every config benchmarked on the real pools, the hooks saving and
+    restoring the rows each run writes) leaves the pools exactly as a call that only launches the chosen config."""
+    kerns = (tsa._sparse_attn_bwd_dkdv_kernel, tpa._paged_attn_bwd_dkdv5_kernel)
+    for kern in kerns:
+        monkeypatch.setattr(kern, "cache", {})  # tune again, in this process ...
+        monkeypatch.setattr(kern, "cache_results", False)  # ... and not from the disk cache
+        monkeypatch.setattr(kern, "configs_timings", None, raising=False)
+    C, Hq, Hkv, D, past_len, S = 256, 28, 4, 128, 2048, 128
+    c = make_case(C, Hq, Hkv, D, past_len, S, seed=5, extra_pages=3)
+    _, sel = _selection(c, past_len, S, 4, 1, 1, 128, "mean")
+    out, lse = tsa.sparse_attention_fwd(c["q"], c["k"], c["v"], c["k_cache"], c["v_cache"], c["block_table"], past_len, sel)
+    out2, lse2 = tpa.paged_attention_fwd(c["q"], c["k"], c["v"], c["k_cache"], c["v_cache"], c["block_table"], past_len)
+    base = torch.randn(c["k_cache"].shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    pools = []
+    for _ in range(2):  # the first call tunes, the second only launches
+        dk, dv, dk2, dv2 = (base.clone() for _ in range(4))
+        tsa.sparse_attention_bwd(c["dout"], c["q"], c["k"], c["v"], out, lse, c["k_cache"], c["v_cache"],
+                                 c["block_table"], past_len, dk, dv, sel)
+        tpa.paged_attention_bwd(c["dout"], c["q"], c["k"], c["v"], out2, lse2, c["k_cache"], c["v_cache"],
+                                c["block_table"], past_len, dk2, dv2, past_start=2 * S)
+        pools.append((dk, dv, dk2, dv2))
+        if len(pools) == 1:
+            assert all(kern.configs_timings and len(kern.configs_timings) > 1 for kern in kerns)  # it did tune
+    torch.cuda.synchronize()
+    assert all(_same_bits(a, b) for a, b in zip(*pools))
+    assert not torch.equal(pools[0][0], base) and not torch.equal(pools[0][2], base)  # the launches did write

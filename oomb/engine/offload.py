@@ -246,11 +246,23 @@ def _staging(n: int, R: int, segment_pages: int | None) -> int:
     return n - R if segment_pages is None else min(segment_pages, n - R)
 
 
+def staging_sets(segment_pages: int | None) -> int:
+    """Staging buffers of a store: 2 with segments; with whole-layer staging (``segment_pages`` None)
+    ``OOMB_OFFLOAD_STAGING_SETS`` (an integer >= 2; default 2). Layer ``l`` stages into set ``l % K``, so with
+    ``K`` sets a layer's staging follows the write-back of layer ``l + K`` (not ``l + 2``), and the top ``K``
+    layers keep their K/V from their Stage-2 forward to their backward.
+
+    Raises:
+        ValueError: a bad ``OOMB_OFFLOAD_STAGING_SETS``.
+    """
+    return 2 if segment_pages is not None else _env_int("OOMB_OFFLOAD_STAGING_SETS", 2, minimum=2)
+
+
 def min_gpu_pages(num_layers: int, pages_per_layer: int, segment_pages: int | None = None) -> int:
-    """Smallest GPU pool (pages) for ``pages_per_layer`` pages per layer: two staging buffers (of a whole
-    layer when ``segment_pages`` is None, else of ``min(segment_pages, pages_per_layer)`` pages), or all
-    pages if fewer."""
-    return min(2 * _staging(pages_per_layer, 0, segment_pages), num_layers * pages_per_layer)
+    """Smallest GPU pool (pages) for ``pages_per_layer`` pages per layer: :func:`staging_sets` staging buffers
+    (two, of a whole layer when ``segment_pages`` is None, else of ``min(segment_pages, pages_per_layer)``
+    pages), or all pages if fewer."""
+    return min(staging_sets(segment_pages) * _staging(pages_per_layer, 0, segment_pages), num_layers * pages_per_layer)
 
 
 def resident_pages_for_budget(
@@ -270,15 +282,17 @@ def resident_pages_for_budget(
         return n
     need = min_gpu_pages(L, n, segment_pages)
     if gpu_pages < need:
-        what = "two layers' staging" if segment_pages is None else f"two staging buffers of {_staging(n, 0, segment_pages)} pages"
+        what = (f"{staging_sets(None)} layers' staging" if segment_pages is None
+                else f"two staging buffers of {_staging(n, 0, segment_pages)} pages")
         raise ValueError(
             f"a GPU page budget of {gpu_pages} pages cannot stage {n} pages per layer: offload needs at least "
             f"{need} pages on the GPU ({what}); raise gpu_page_budget or shorten the sequence"
         )
     if segment_pages is None:
-        if L <= 2:  # staging two layers costs as much as keeping them all
+        K = staging_sets(None)
+        if L <= K:  # staging K layers costs as much as keeping them all
             return n
-        return min(n, (gpu_pages - 2 * n) // (L - 2))
+        return min(n, (gpu_pages - K * n) // (L - K))
     # L*R + 2*min(SP, n - R) grows with R (slope L or L - 2 >= 0 for L >= 2; L == 1 returned above).
     lo, hi = 0, n - 1
     while lo < hi:
@@ -996,17 +1010,19 @@ def kv_stash_request_bytes() -> int:
 
 
 def kv_stash_tiles(num_layers: int, host_pages: int, num_kv_heads: int, head_dim: int, page_size: int,
-                   dtype: torch.dtype, stash_bytes: int) -> int:
+                   dtype: torch.dtype, stash_bytes: int, staging_sets: int = 2) -> int:
     """Tiles per layer (C) of the K/V stash that ``stash_bytes`` buys (module docstring, "K/V stash").
 
-    The stash keeps, for each layer ``l < L - 2``, up to C staged (page, KV head) tiles of K and of V
-    (``2 * S * D`` elements of ``dtype`` per tile), never more than the layer's host tiles
-    (``host_pages * Hkv``). 0 when the bytes buy no tile or no layer needs one (L <= 2, no host pages).
+    The stash keeps, for each layer ``l < L - K`` (``K = staging_sets``: the top K layers keep their staging set),
+    up to C staged (page, KV head) tiles of K and of V (``2 * S * D`` elements of ``dtype`` per tile), never more
+    than the layer's host tiles (``host_pages * Hkv``). 0 when the bytes buy no tile or no layer needs one
+    (L <= K, no host pages).
     """
-    if num_layers <= 2 or host_pages <= 0 or stash_bytes <= 0:
+    K = staging_sets
+    if num_layers <= K or host_pages <= 0 or stash_bytes <= 0:
         return 0
     tile = 2 * page_size * head_dim * torch.empty((), dtype=dtype).element_size()
-    return min(stash_bytes // ((num_layers - 2) * tile), host_pages * num_kv_heads)
+    return min(stash_bytes // ((num_layers - K) * tile), host_pages * num_kv_heads)
 
 
 def _zero_copy_works(host: torch.Tensor, pool: torch.Tensor) -> bool:
@@ -1178,7 +1194,8 @@ class OffloadedKVStore:
         self.segmented = SP is not None
         self.host_pages_per_layer = H = n - R
         self.staging_pages = W = _staging(n, R, SP)
-        self.gpu_pool_pages = L * R + 2 * W
+        self.staging_sets = K = staging_sets(SP)
+        self.gpu_pool_pages = L * R + K * W
         self._cuda = self.device.type == "cuda"
 
         shape = (self.gpu_pool_pages, S, num_kv_heads, head_dim)
@@ -1208,11 +1225,11 @@ class OffloadedKVStore:
         self.own_pages = 0
         self._sched = None
         if not self.segmented:
-            # Fixed block tables: layer l's page p -> resident slot or a slot of staging set l % 2.
+            # Fixed block tables: layer l's page p -> resident slot or a slot of staging set l % K.
             table = torch.empty((L, n), dtype=torch.int32)
             for layer in range(L):
                 table[layer, :R] = torch.arange(layer * R, layer * R + R, dtype=torch.int32)
-                base = L * R + (layer % 2) * W
+                base = L * R + (layer % K) * W
                 table[layer, R:] = torch.arange(base, base + W, dtype=torch.int32)
             self.block_table = table.to(self.device)
             # Stage 1 with a shadow: host pages [R, R + Sh) of layer l at slots shadow_base + l*Sh + (p - R) of
@@ -1246,8 +1263,8 @@ class OffloadedKVStore:
         # The copy stream and events; owned buffers for Stage-1 writes to the host tier (two,
         # alternating, one chunk each) when copies are asynchronous.
         self._streams = st = _make_streams(self.device)
-        self._ready = [st.event(), st.event()]  # copy into staging set s done
-        self._free = [st.event(), st.event()]  # readers of staging set s done
+        self._ready = [st.event() for _ in range(K)]  # copy into staging set s done
+        self._free = [st.event() for _ in range(K)]  # readers of staging set s done
         self._wbuf_free = [st.event(), st.event()]  # D2H out of write buffer b done
         self._own_ready = [st.event(), st.event()]  # copy into own-gradient buffer b done
         self._own_free = [st.event(), st.event()]  # the backward reading own-gradient buffer b is enqueued
@@ -1255,13 +1272,13 @@ class OffloadedKVStore:
         # full duplex), so the two orders a single stream gave for free are events now: a copy INTO
         # staging set / buffer s waits for the last write-back OUT of it (_wb_buf[s]), and a copy
         # reading host pages of layer l waits for the last device->host copy into them (_wb_layer[l]).
-        self._wb_buf = [None, None]
+        self._wb_buf = [None] * K
         self._wb_layer: list = [None] * L
         # Whole-layer staging writes a layer's dK/dV back in pieces (slot ranges with an event each), so
         # the dK/dV staging of the layer that reuses the set (two layers down) can follow the write-back
         # piece by piece instead of waiting for all of it; _wb_prev[s]: the write-backs before those.
-        self._wb_pieces: list[list] = [[], []]
-        self._wb_prev = [None, None]
+        self._wb_pieces: list[list] = [[] for _ in range(K)]
+        self._wb_prev = [None] * K
         if st.asynchronous and H > 0:
             wshape = (2, chunk_size // S, S, num_kv_heads, head_dim)
             self._wbuf_k = torch.empty(wshape, dtype=dtype, device=self.device)
@@ -1286,7 +1303,7 @@ class OffloadedKVStore:
         # Device byte counters of head-grained copies: host->device, device->host, K/V restored from the stash.
         self._dev_bytes = torch.zeros(3, dtype=torch.int64, device=self.device) if self._written is not None else None
         # The K/V stash (module docstring): head-grained Stage-2 stagings of whole-layer staging only.
-        C = (kv_stash_tiles(L, H, num_kv_heads, head_dim, S, dtype, stash_mib << 20)
+        C = (kv_stash_tiles(L, H, num_kv_heads, head_dim, S, dtype, stash_mib << 20, self.staging_sets)
              if grain == "head" and not self.segmented else 0)
         self.kv_stash_tiles = C  # allocated when a needed_heads hook is set (sparse attention), not before
         self.reset()
@@ -1300,7 +1317,7 @@ class OffloadedKVStore:
     def needed_heads(self, hook) -> None:
         self._needed_heads = hook
         if hook is not None and self.kv_stash_tiles and self._stash_k is None:
-            shape = (self.num_layers - 2, self.kv_stash_tiles, self.page_size, self.head_dim)
+            shape = (self.num_layers - self.staging_sets, self.kv_stash_tiles, self.page_size, self.head_dim)
             self._stash_k = torch.empty(shape, dtype=self.dtype, device=self.device)
             self._stash_v = torch.empty(shape, dtype=self.dtype, device=self.device)
 
@@ -1356,9 +1373,10 @@ class OffloadedKVStore:
         self._grad_valid = [0] * L  # host dK/dV valid for pages [R, _grad_valid) of each layer
         self._grad_extra: list[set[int]] = [set() for _ in range(L)]  # ... and for these pages (>= _grad_valid)
         self._runs_cache: dict[tuple[int, int], tuple[tuple[int, int], ...] | None] = {}
-        self._tag: list[_Tag | None] = [None, None]
-        self._busy = [False, False]
-        self._owner = [-1, -1]  # layer whose use holds each staging set while busy
+        K = self.staging_sets
+        self._tag: list[_Tag | None] = [None] * K
+        self._busy = [False] * K
+        self._owner = [-1] * K  # layer whose use holds each staging set while busy
         self._pending: _Use | None = None
         self._inflight: dict[int, _Use] = {}
         self._seen_start: int | None = None
@@ -1612,7 +1630,7 @@ class OffloadedKVStore:
 
     # --------------------------------------------------------------- staging
     def _set(self, layer: int) -> int:
-        return layer % 2
+        return layer % self.staging_sets
 
     def _satisfied(self, use: _Use) -> tuple[bool, bool]:
         """(K/V present, dK/dV present) for ``use`` in its staging set (trivially so when all resident)."""
@@ -1630,7 +1648,7 @@ class OffloadedKVStore:
         return kv_ok, grad_ok
 
     def _stage(self, use: _Use, why: str) -> None:
-        """Copy what ``use`` lacks into staging set ``layer % 2`` (side stream)."""
+        """Copy what ``use`` lacks into staging set ``layer % K`` (side stream)."""
         kv_ok, grad_ok = self._satisfied(use)
         if kv_ok and grad_ok:
             return
@@ -1776,10 +1794,10 @@ class OffloadedKVStore:
         dkc, dvc, dkh, dvh = self.dk_cache, self.dv_cache, self.dk_host[layer], self.dv_host[layer]
         counter, nprog = self._dev_bytes, self.gather_programs
         if not kv_ok:
-            # The K/V stash: a Stage-2 forward use of a layer below L - 2 keeps its first C tiles, which that
+            # The K/V stash: a Stage-2 forward use of a layer below L - K keeps its first C tiles, which that
             # layer's backward use of the same chunk takes back instead of reading them over PCIe. Both lists
             # begin with the same past tiles (ascending; the backward's own-page tiles come after them).
-            C = self.kv_stash_tiles if layer < self.num_layers - 2 else 0
+            C = self.kv_stash_tiles if layer < self.num_layers - self.staging_sets else 0
             key = use.start
             restore = C and use.grad and self._stash_key[layer] == key
             keep = C and not use.grad
