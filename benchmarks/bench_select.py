@@ -1,4 +1,4 @@
-"""Time select_pages (topk) against the two-sort reference ``_select_pages_sort`` on one device.
+"""Time select_pages (two sorts over the past; what the engine uses) against ``_select_pages_topk`` (one topk) on one device.
 
 Per number of past pages n: milliseconds per call of each (median of --reps timed calls after
 --warmup; the minimum too, in the JSON), the speedup, and whether the two PageSelections are
@@ -20,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from oomb.ops.sparse import _select_pages_sort, select_pages  # noqa: E402
+from oomb.ops.sparse import _select_pages_topk, select_pages  # noqa: E402
 
 
 def time_ms(fn, warmup: int, reps: int, cuda: bool) -> float:
@@ -77,10 +77,10 @@ def main(argv=None) -> dict:
         call = (q, reps, n * args.page_size, args.page_size, args.page_budget, args.sink_pages, args.local_pages,
                 args.block_size, args.score)
         with torch.no_grad():
-            a, b = select_pages(*call), _select_pages_sort(*call)
+            a, b = select_pages(*call), _select_pages_topk(*call)
             equal = bool(torch.equal(a.page_idx, b.page_idx) and torch.equal(a.counts, b.counts) and a.dense == b.dense)
             (t_sort, min_sort), (t_topk, min_topk) = (time_ms(lambda f=f: f(*call), args.warmup, args.reps, cuda)
-                                                      for f in (_select_pages_sort, select_pages))
+                                                      for f in (select_pages, _select_pages_topk))
         rows.append({"n_pages": n, "sort_ms": t_sort, "topk_ms": t_topk, "speedup": t_sort / t_topk, "equal": equal,
                      "sort_min_ms": min_sort, "topk_min_ms": min_topk})
         print(f"{n:>8} {t_sort:>9.3f} {t_topk:>9.3f} {t_sort / t_topk:>7.2f}x {str(equal):>6}")

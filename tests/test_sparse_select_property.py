@@ -1,4 +1,5 @@
-"""select_pages against the original two-sort implementation (``_select_pages_sort``): bitwise, randomized.
+"""select_pages (two stable sorts) against an independent implementation without sorts (``_select_pages_topk``):
+bitwise, randomized.
 
 Inputs are built to hit the tie rule hard: small-integer queries and summaries (exact arithmetic, so
 equal summaries give bit-equal scores), signed zeros (+0.0 and -0.0 scores tie), +-inf and NaN
@@ -14,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oomb.ops.sparse import PageSelection, _select_pages_sort, select_pages
+from oomb.ops.sparse import PageSelection, _select_pages_topk, select_pages
 
 
 def assert_same(a: PageSelection, b: PageSelection) -> None:
@@ -92,7 +93,7 @@ def test_select_pages_matches_sort_reference_randomized(chunk, device):
     for seed in range(chunk * 150, chunk * 150 + 150):
         args, doc = on(device, *random_case(seed))
         try:
-            ref = _select_pages_sort(*args, q_doc_start=doc)
+            ref = _select_pages_topk(*args, q_doc_start=doc)
         except ValueError:
             with pytest.raises(ValueError):
                 select_pages(*args, q_doc_start=doc)
@@ -104,7 +105,7 @@ def test_select_pages_matches_sort_reference_randomized(chunk, device):
 @pytest.mark.parametrize("seed", range(12))
 def test_select_pages_matches_sort_reference_many_pages(seed, device):
     args, doc = on(device, *random_case(10_000 + seed, big=True))
-    assert_same(select_pages(*args, q_doc_start=doc), _select_pages_sort(*args, q_doc_start=doc))
+    assert_same(select_pages(*args, q_doc_start=doc), _select_pages_topk(*args, q_doc_start=doc))
 
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
@@ -121,7 +122,7 @@ def test_tie_rule_with_signed_zeros_and_infinities(dtype, device):
                 for local in (0, 1, 3):
                     for doc in (None, torch.tensor([5, 5, 9, 9], device=device), torch.tensor([0, 13, 13, 13], device=device)):
                         args = (q, (mean,), n, 1, budget, sink, local, 2, "mean")
-                        assert_same(select_pages(*args, q_doc_start=doc), _select_pages_sort(*args, q_doc_start=doc))
+                        assert_same(select_pages(*args, q_doc_start=doc), _select_pages_topk(*args, q_doc_start=doc))
 
 
 def test_nan_candidate_loses_to_lower_index_non_candidate():
@@ -135,5 +136,5 @@ def test_nan_candidate_loses_to_lower_index_non_candidate():
     q = torch.ones(2, 1, 1)
     doc = torch.tensor([4, 4])  # pages 0..3 are ineligible (-inf like the NaN candidates 4 and 5)
     sel = select_pages(q, (mean,), n, 1, 3, 0, 0, 2, "mean", q_doc_start=doc)
-    assert_same(sel, _select_pages_sort(q, (mean,), n, 1, 3, 0, 0, 2, "mean", q_doc_start=doc))
+    assert_same(sel, _select_pages_topk(q, (mean,), n, 1, 3, 0, 0, 2, "mean", q_doc_start=doc))
     assert sel.page_idx[0, 0].tolist() == [6, 7, -1] and sel.counts.tolist() == [[2]]

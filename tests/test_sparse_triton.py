@@ -257,11 +257,12 @@ def test_cuda_autotune_leaves_the_pools_as_one_launch(monkeypatch):
         monkeypatch.setattr(kern, "cache_results", False)  # ... and not from the disk cache
         monkeypatch.setattr(kern, "configs_timings", None, raising=False)
     C, Hq, Hkv, D, past_len, S = 256, 28, 4, 128, 2048, 128
-    c = make_case(C, Hq, Hkv, D, past_len, S, seed=5, extra_pages=3)
+    # bf16 q/K/V as in training (fp32 q prunes every kernel to its single fp32 tile: nothing to tune), fp32 dK/dV.
+    c = make_case(C, Hq, Hkv, D, past_len, S, seed=5, extra_pages=3, dtype=torch.bfloat16)
     _, sel = _selection(c, past_len, S, 4, 1, 1, 128, "mean")
     out, lse = tsa.sparse_attention_fwd(c["q"], c["k"], c["v"], c["k_cache"], c["v_cache"], c["block_table"], past_len, sel)
     out2, lse2 = tpa.paged_attention_fwd(c["q"], c["k"], c["v"], c["k_cache"], c["v_cache"], c["block_table"], past_len)
-    base = torch.randn(c["k_cache"].shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    base = torch.randn(c["k_cache"].shape, generator=torch.Generator().manual_seed(2)).to(DEVICE)  # fp32
     pools = []
     for _ in range(2):  # the first call tunes, the second only launches
         dk, dv, dk2, dv2 = (base.clone() for _ in range(4))

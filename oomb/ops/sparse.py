@@ -162,7 +162,7 @@ class PageSelection:
     dense: bool
 
 
-def select_pages(
+def _select_pages_topk(
     q: torch.Tensor,
     reps: tuple[torch.Tensor, ...],
     past_len: int,
@@ -174,7 +174,8 @@ def select_pages(
     score: str = "mean",
     q_doc_start: torch.Tensor | None = None,
 ) -> PageSelection:
-    """Top-K past pages per (block of ``block_size`` queries, KV head); see the module docstring.
+    """:func:`select_pages` without sorting over the ``n`` past pages (an independent implementation of the same
+    selection, bitwise equal: the tests and ``benchmarks/bench_select.py`` compare the two).
 
     Args:
         q: [C, Hq, D] post-RoPE queries of the chunk (Hq a multiple of Hkv).
@@ -193,7 +194,7 @@ def select_pages(
     Cost, per (block, KV head) over the n past pages: O(n) elementwise work and one ``topk`` of
     ``page_budget`` (see :func:`_stable_top`), then a sort of at most
     ``page_budget + sink_pages + local_pages`` entries; no sort over n. Bitwise equal to the
-    two-sort reference :func:`_select_pages_sort` (tests/test_sparse_select_property.py).
+    two-sort :func:`select_pages` (tests/test_sparse_select_property.py).
     """
     if score not in SCORES:
         raise ValueError(f"score must be one of {SCORES}, got {score!r}")
@@ -306,7 +307,7 @@ def _stable_top(x: torch.Tensor, k: int) -> torch.Tensor:
     return torch.topk((rank << 32) | rev, k, dim=-1, sorted=False).indices
 
 
-def _select_pages_sort(
+def select_pages(
     q: torch.Tensor,
     reps: tuple[torch.Tensor, ...],
     past_len: int,
@@ -318,11 +319,14 @@ def _select_pages_sort(
     score: str = "mean",
     q_doc_start: torch.Tensor | None = None,
 ) -> PageSelection:
-    """Reference for :func:`select_pages` (the tests and ``benchmarks/bench_select.py`` compare to it).
+    """Top-K past pages per (block of ``block_size`` queries, KV head); see the module docstring.
 
-    The original implementation, kept verbatim: two full stable sorts over the ``n`` past pages
-    (descending over the candidates' scores for the top ``page_budget``, ascending to list the
-    chosen pages). :func:`select_pages` must return a bitwise-identical :class:`PageSelection`.
+    Two stable sorts over the ``n`` past pages: descending over the candidates' scores for the top
+    ``page_budget`` (equal scores: the lower page first), ascending to list the chosen pages.
+    :func:`_select_pages_topk` computes the same :class:`PageSelection` bitwise without sorting over n
+    (tests/test_sparse_select_property.py); it is faster on the CPU but was slower on an H200 for up to
+    8,192 past pages (0.95 against 0.67 ms at 8,192; ``benchmarks/results/select_h200_2026-12-01_eleventh.json``),
+    so this is the one the engine uses.
 
     Args:
         q: [C, Hq, D] post-RoPE queries of the chunk (Hq a multiple of Hkv).
