@@ -508,6 +508,8 @@ def _check_writable_dir_path(flag: str, given: str, path: Path) -> None:
 
 
 def _check_output_dir(args: argparse.Namespace) -> Path:
+    if not str(args.output_dir).strip():
+        raise UsageError("--output-dir is empty", "pass a directory path that is new or empty")
     out = Path(args.output_dir).expanduser().resolve()
     if out.exists() and not out.is_dir():
         raise UsageError(f"--output-dir {args.output_dir!r} is a file", "pass a directory path that is new or empty")
@@ -1124,7 +1126,7 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
         ranks = f"; {W} ranks" if W > 1 else ""
         print(
             f"oomb: {args.model} ({n_total / 1e6:.1f}M parameters, {n_trainable / 1e6:.2f}M trainable, {str(dtype).replace('torch.', '')}, {device}); "
-            f"{len(tokens):,} tokens -> {len(sequences)} sequences of {args.seq_len}; {K * W} per step{ranks}; chunk {args.chunk_size}{' (> --seq-len: one chunk per sequence)' if args.chunk_size > args.seq_len else ''}, page {args.page_size}; "
+            f"{len(tokens):,} tokens -> {len(sequences)} sequence{'s' if len(sequences) != 1 else ''} of {args.seq_len}; {K * W} per step{ranks}; chunk {args.chunk_size}{' (> --seq-len: one chunk per sequence)' if args.chunk_size > args.seq_len else ''}, page {args.page_size}; "
             f"log: {log_path}",
             file=sys.stderr,
         )
@@ -1663,6 +1665,12 @@ def _main(argv: Sequence[str] | None) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
     args._argv = [str(a) for a in (argv if argv is not None else sys.argv[1:])]
+    from .engine.offload import check_env
+
+    try:
+        check_env()  # the OOMB_* environment knobs, before anything is loaded
+    except ValueError as exc:
+        _fail(str(exc), 2)
     try:
         if args.command == "train":
             return _train(args)

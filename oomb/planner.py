@@ -555,9 +555,11 @@ def plan(
         # and the sparse attention reads the past through one table, so offload stages whole layers.
         reserve += 4 * GiB
         offload_segment_pages = "layer"
-        from .engine.offload import kv_stash_request_bytes
+        from .engine.offload import kv_stash_reserve_bytes
 
-        kv_stash = kv_stash_request_bytes()  # the K/V stash, when asked for (OOMB_OFFLOAD_KV_STASH_MIB)
+        # the K/V stash, when asked for (OOMB_OFFLOAD_KV_STASH_MIB; at most what the store would allocate)
+        kv_stash = kv_stash_reserve_bytes(shape.num_layers, -(-seq_len // page_size), shape.num_kv_heads,
+                                          shape.head_dim, page_size, dtype)
         reserve += kv_stash
     gpu_budget = max(machine.gpu_free_bytes - reserve, 0)
     host_budget = int(machine.host_available_bytes * host_fraction)
@@ -831,9 +833,11 @@ def choose_engine_tiering(engine: Any, seq_len: int) -> tuple[bool, int | None]:
         # 1M-token sparse + offload step planned without them (and with the plain reserve) ran out of
         # memory in Stage 2 (benchmarks/NOTES.md, 2026-11-30): count them and keep 4 GiB more free.
         reserve += sparse_state_bytes(shape, seq_len, cfg, dtype) + 4 * GiB
-        from .engine.offload import kv_stash_request_bytes
+        from .engine.offload import kv_stash_reserve_bytes
 
-        reserve += kv_stash_request_bytes()  # the K/V stash, when asked for (OOMB_OFFLOAD_KV_STASH_MIB)
+        # the K/V stash, when asked for (OOMB_OFFLOAD_KV_STASH_MIB; at most what the store would allocate)
+        reserve += kv_stash_reserve_bytes(shape.num_layers, -(-seq_len // cfg.page_size), shape.num_kv_heads,
+                                          shape.head_dim, cfg.page_size, dtype)
     pool_budget = free + cached - reserve - missing_grads - act
     L, n = shape.num_layers, -(-seq_len // cfg.page_size)
     pb = _page_bytes(shape, cfg.page_size, dtype)

@@ -85,11 +85,12 @@ def add_offload_arguments(parser: Any) -> None:
                         help="KV pages in pinned host memory with a GPU tier; auto: only when they do not all fit on the GPU")
     parser.add_argument("--gpu-page-budget", type=int, default=None,
                         help="with offload: GPU page-pool size in pages (page = page-size tokens of one layer's K, V, dK, dV), "
-                             "staging included; default: the largest that fits. One that holds every page of every layer offloads nothing")
+                             "staging included; default: on a GPU the largest that fits, on the CPU (a simulation) the minimum. One that holds "
+                             "every page of every layer offloads nothing")
     parser.add_argument("--offload-segment-pages", type=int, default=None,
                         help="with offload: pages per staging segment (the attention reads the past one segment at a "
                              "time, so GPU memory stays flat in the context length); default: 32768 tokens' worth. "
-                             "Not used with --sparse, which stages whole layers")
+                             "Not used by sparse attention, which stages whole layers")
 
 
 def add_plan_subcommand(subparsers: Any, **parser_kwargs: Any) -> Any:

@@ -343,10 +343,22 @@ def test_kv_stash_is_kept_free_and_shown(monkeypatch):
     dense = plan("qwen2.5-7b", 1 << 20, **kw)
     monkeypatch.setenv("OOMB_OFFLOAD_KV_STASH_MIB", "3072")
     stash = plan("qwen2.5-7b", 1 << 20, sparse=cfg, **kw)
-    assert stash.gpu_budget == base.gpu_budget - 3 * GiB and stash.kv_stash_reserved == 3 * GiB
+    # what the store allocates: C = 3 GiB // (26 layers x 64 KiB) = 1,890 tiles per layer below L - 2
+    assert stash.kv_stash_reserved == 1890 * 26 * 65536 and stash.gpu_budget == base.gpu_budget - stash.kv_stash_reserved
     assert stash.tiering.resident_pages_per_layer < base.tiering.resident_pages_per_layer
     assert "reserve incl. K/V stash (env)" in stash.table() and "K/V stash" not in base.table()
     assert plan("qwen2.5-7b", 1 << 20, **kw).gpu_budget == dense.gpu_budget
     monkeypatch.setenv("OOMB_OFFLOAD_KV_STASH_MIB", "x")
     with pytest.raises(ValueError, match="OOMB_OFFLOAD_KV_STASH_MIB must be an integer >= 0"):
         plan("qwen2.5-7b", 1 << 20, sparse=cfg, **kw)
+
+
+def test_kv_stash_reserve_is_capped_at_what_the_store_allocates(monkeypatch):
+    """A stash request larger than every tile of every layer reserves only those tiles' bytes."""
+    from oomb import OOMBConfig
+
+    cfg = OOMBConfig(sparse=True, page_budget=64, chunk_size=4096, page_size=128)
+    monkeypatch.setenv("OOMB_OFFLOAD_KV_STASH_MIB", "200000")
+    p = plan("qwen2.5-7b", 1 << 17, sparse=cfg, machine=H200, checkpoint_layers=True, optimizer=None)
+    assert p.kv_stash_reserved == 26 * 1024 * 4 * 65536  # (L - 2) layers x 1,024 pages x 4 heads x 64 KiB
+    assert p.fits

@@ -93,7 +93,10 @@ class FusedWeightGradAccumulation:
         self._patched: list[torch.nn.Linear] = []
 
     def __enter__(self) -> "FusedWeightGradAccumulation":
-        if os.environ.get("OOMB_FUSED_WGRAD", "1") == "0":
+        flag = os.environ.get("OOMB_FUSED_WGRAD", "1")
+        if flag not in ("0", "1"):
+            raise ValueError(f"OOMB_FUSED_WGRAD must be '0' or '1'; got {flag!r} (unset it for the default, '1')")
+        if flag == "0":
             return self
         for m in self.model.modules():
             if (type(m) is torch.nn.Linear and m.weight.requires_grad and not _has_hooks(m.weight)

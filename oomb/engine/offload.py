@@ -205,8 +205,10 @@ from ..ops.paged_attention import PagedKV
 __all__ = [
     "DEFAULT_SEGMENT_TOKENS",
     "OffloadedKVStore",
+    "check_env",
     "default_segment_pages",
     "kv_stash_request_bytes",
+    "kv_stash_reserve_bytes",
     "kv_stash_tiles",
     "min_gpu_pages",
     "resident_pages_for_budget",
@@ -862,7 +864,7 @@ class _CudaStreams:
         self.copy = torch.cuda.Stream(device)
         # OOMB_OFFLOAD_COPY_STREAMS=1 puts both directions on one stream (serialised, as before 2026-12-01;
         # for A/B measurements and debugging). The events are the same either way.
-        one = os.environ.get("OOMB_OFFLOAD_COPY_STREAMS", "2") == "1"
+        one = _env_choice("OOMB_OFFLOAD_COPY_STREAMS", ("1", "2"), "2") == "1"
         self.d2h = self.copy if one else torch.cuda.Stream(device)
 
     def event(self) -> torch.cuda.Event:
@@ -999,6 +1001,42 @@ def _env_int(name: str, default: int, minimum: int = 1) -> int:
     return value
 
 
+def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """``os.environ[name]`` if it is one of ``choices``, ``default`` when unset.
+
+    Raises:
+        ValueError: any other value, naming the variable and the choices.
+    """
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    if raw not in choices:
+        opts = " or ".join(repr(c) for c in choices)
+        raise ValueError(f"{name} must be {opts}; got {raw!r} (unset it for the default, {default!r})")
+    return raw
+
+
+def check_env() -> None:
+    """Validate every ``OOMB_*`` environment knob of the offload store, its copy kernels and the engine now (the CLI
+    calls it before loading anything, so a typo fails in a fraction of a second, also for runs that would not use
+    the knob): ``OOMB_OFFLOAD_STAGE_GRAIN`` (head|page), ``OOMB_OFFLOAD_STAGE1_SHADOW`` (0|1),
+    ``OOMB_OFFLOAD_COPY_STREAMS`` (1|2), ``OOMB_OFFLOAD_KV_STASH_MIB`` (>= 0), ``OOMB_OFFLOAD_STAGING_SETS`` (>= 2),
+    ``OOMB_PAGE_GATHER_PROGRAMS`` (>= 1), ``OOMB_PAGE_GATHER_WARPS`` / ``OOMB_PAGE_GATHER_ELEMS`` (powers of two),
+    ``OOMB_FUSED_WGRAD`` (0|1).
+
+    Raises:
+        ValueError: the first bad value, naming the variable.
+    """
+    _env_choice("OOMB_OFFLOAD_STAGE_GRAIN", ("head", "page"), "head")
+    _env_choice("OOMB_OFFLOAD_STAGE1_SHADOW", ("0", "1"), "1")
+    _env_choice("OOMB_OFFLOAD_COPY_STREAMS", ("1", "2"), "2")
+    _env_choice("OOMB_FUSED_WGRAD", ("0", "1"), "1")
+    _env_int("OOMB_OFFLOAD_KV_STASH_MIB", 0, minimum=0)
+    staging_sets(None)
+    _env_int("OOMB_PAGE_GATHER_PROGRAMS", DEFAULT_PROGRAMS)
+    check_kernel_env()
+
+
 def kv_stash_request_bytes() -> int:
     """GPU bytes asked for the K/V stash: ``OOMB_OFFLOAD_KV_STASH_MIB`` (else :attr:`OffloadedKVStore.kv_stash_mib`)
     MiB, an upper bound of what a store allocates (the planners keep it free for sparse offload).
@@ -1007,6 +1045,23 @@ def kv_stash_request_bytes() -> int:
         ValueError: a value that is not an integer >= 0.
     """
     return _env_int("OOMB_OFFLOAD_KV_STASH_MIB", OffloadedKVStore.kv_stash_mib, minimum=0) << 20
+
+
+def kv_stash_reserve_bytes(num_layers: int, pages_per_layer: int, num_kv_heads: int, head_dim: int, page_size: int,
+                           dtype: torch.dtype) -> int:
+    """GPU bytes the planners keep free for the K/V stash of a whole-layer (sparse) store: what
+    :func:`kv_stash_request_bytes` asks for, capped at what a store of ``pages_per_layer`` pages per layer would
+    allocate at most (every page a host page: :func:`kv_stash_tiles` with ``host_pages = pages_per_layer``).
+
+    Raises:
+        ValueError: a bad ``OOMB_OFFLOAD_KV_STASH_MIB`` / ``OOMB_OFFLOAD_STAGING_SETS``.
+    """
+    want = kv_stash_request_bytes()
+    if not want:
+        return 0
+    K = staging_sets(None)
+    C = kv_stash_tiles(num_layers, pages_per_layer, num_kv_heads, head_dim, page_size, dtype, want, K)
+    return C * max(num_layers - K, 0) * 2 * page_size * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 def kv_stash_tiles(num_layers: int, host_pages: int, num_kv_heads: int, head_dim: int, page_size: int,
