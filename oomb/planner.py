@@ -742,8 +742,11 @@ def offload_traffic(
         from .engine.offload import _staging, stage1_shadow_pages as shadow, staging_sets
 
         npl = -(-seq_len // S)
+        from .engine.offload import OffloadedKVStore
+
         stage1_shadow_pages = shadow(L, npl, R, L * R + staging_sets(None) * _staging(npl, R, None), dtype,
-                                     torch.float64 if dtype == torch.float64 else torch.float32)
+                                     torch.float64 if dtype == torch.float64 else torch.float32,
+                                     OffloadedKVStore.stage1_shadow_partial)
     from .engine.offload import staging_sets
 
     K = staging_sets(None)

@@ -1185,14 +1185,15 @@ def test_stage1_shadow_env(monkeypatch):
     monkeypatch.setenv("OOMB_OFFLOAD_STAGE1_SHADOW", "0")
     assert OffloadedKVStore(2, 2, 8, 4, 64, torch.float32, "cpu", chunk_size=8, segment_pages="layer").stage1_shadow_pages == 0
     monkeypatch.setenv("OOMB_OFFLOAD_STAGE1_SHADOW", "1")
-    assert OffloadedKVStore(3, 2, 8, 4, 64, torch.float32, "cpu", chunk_size=8, segment_pages="layer").stage1_shadow_pages == 0
+    # The minimum pool (two staging sets of 16 pages: 32 fp32 dK/dV pages over 3 layers): a
+    # shadow of 10 of each layer's 16 host pages (partial shadows are on by default since the eleventh session).
+    assert OffloadedKVStore(3, 2, 8, 4, 64, torch.float32, "cpu", chunk_size=8, segment_pages="layer").stage1_shadow_pages == 10
     assert OffloadedKVStore(3, 2, 8, 4, 64, torch.float32, "cpu", chunk_size=8, gpu_pages=36,
                             segment_pages="layer").stage1_shadow_pages == 12  # R = 4: all 12 host pages fit
     assert OffloadedKVStore(2, 2, 8, 4, 64, torch.float32, "cpu", chunk_size=8).stage1_shadow_pages == 0  # segmented
-    # A shadow that holds only part of each layer's host pages is off unless asked for (not yet verified on a GPU).
+    monkeypatch.setattr(OffloadedKVStore, "stage1_shadow_partial", False)  # only a shadow of every host page
     assert OffloadedKVStore(3, 2, 8, 4, 64, torch.float32, "cpu", chunk_size=8, segment_pages="layer").stage1_shadow_pages == 0
     monkeypatch.setattr(OffloadedKVStore, "stage1_shadow_partial", True)
-    assert OffloadedKVStore(3, 2, 8, 4, 64, torch.float32, "cpu", chunk_size=8, segment_pages="layer").stage1_shadow_pages == 10
     monkeypatch.setenv("OOMB_OFFLOAD_STAGE1_SHADOW", "yes")
     with pytest.raises(ValueError, match="OOMB_OFFLOAD_STAGE1_SHADOW must be 0 or 1"):
         OffloadedKVStore(2, 2, 8, 4, 32, torch.float32, "cpu", chunk_size=8, segment_pages="layer")

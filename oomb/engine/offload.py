@@ -91,8 +91,8 @@ is unchanged), and Stage-1 attention reads those pages in place through a
 second block table over one view of the K (V) and dK (dV) bytes (K and dK share
 one allocation), so Stage 1 stages only pages ``[R + Sh, P)``. ``Sh`` is
 :func:`stage1_shadow_pages`: all host pages when they fit (Qwen2.5-7B at 1M
-tokens on an H200: 3,876 of 3,876 per layer), else none (``stage1_shadow_partial``:
-a prefix of them; not yet the default, see the function). The first
+tokens on an H200: 3,876 of 3,876 per layer), else a prefix of them (``stage1_shadow_partial``,
+default on; bitwise equal to no shadow on CPU and on an H200). The first
 Stage-2 view zeroes every dK/dV page (which also clears the resident pages'
 gradients that Stage-1 writes otherwise zero) before any staging into them.
 ``OOMB_OFFLOAD_STAGE1_SHADOW=0`` (or ``stage1_shadow = False``) turns it off.
@@ -314,9 +314,8 @@ def stage1_shadow_pages(num_layers: int, pages_per_layer: int, resident: int, po
     until Stage 2 begins: they hold K/V (``dtype``) of host pages ``[R, R + Sh)`` of every layer, which Stage 1
     then reads in place instead of staging them (module docstring, "Stage-1 shadow"). Returns
     ``Sh = n - R`` when ``floor(pool_pages * g / e / L) >= n - R`` (every host page fits), with ``e``/``g`` the
-    element sizes of ``dtype``/``grad_dtype``; otherwise that floor if ``partial``, else 0 (a partial shadow is
-    bitwise right in the CPU tests but not yet verified on a GPU: benchmarks/NOTES.md, tenth session); 0 when ``g``
-    is not a multiple of ``e``.
+    element sizes of ``dtype``/``grad_dtype``; otherwise that floor if ``partial`` (the store's default:
+    :attr:`OffloadedKVStore.stage1_shadow_partial`), else 0; 0 when ``g`` is not a multiple of ``e``.
     """
     e, g = dtype.itemsize, grad_dtype.itemsize
     host = max(pages_per_layer - resident, 0)
@@ -1198,8 +1197,8 @@ class OffloadedKVStore:
     #: (module docstring, "Stage-1 shadow"); ``OOMB_OFFLOAD_STAGE1_SHADOW=0`` turns it off per store.
     stage1_shadow: bool = True
     #: ... also when the dK/dV bytes hold only a prefix of each layer's host pages (the rest staged as before).
-    #: Off by default until verified on a GPU (see :func:`stage1_shadow_pages`).
-    stage1_shadow_partial: bool = False
+    #: Bitwise equal to no shadow on CPU and on an H200 (benchmarks/NOTES.md, eleventh session).
+    stage1_shadow_partial: bool = True
     #: Bytes (MiB) of the Stage-2 K/V stash (module docstring, "K/V stash"); 0: none. ``OOMB_OFFLOAD_KV_STASH_MIB``
     #: overrides it per store. Off by default until measured on a GPU.
     kv_stash_mib: int = 0
