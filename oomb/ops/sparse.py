@@ -162,39 +162,16 @@ class PageSelection:
     dense: bool
 
 
-def _select_pages_topk(
-    q: torch.Tensor,
-    reps: tuple[torch.Tensor, ...],
-    past_len: int,
-    page_size: int,
-    page_budget: int,
-    sink_pages: int = 1,
-    local_pages: int = 0,
-    block_size: int = 128,
-    score: str = "mean",
-    q_doc_start: torch.Tensor | None = None,
-) -> PageSelection:
-    """:func:`select_pages` without sorting over the ``n`` past pages (an independent implementation of the same
-    selection, bitwise equal: the tests and ``benchmarks/bench_select.py`` compare the two).
-
-    Args:
-        q: [C, Hq, D] post-RoPE queries of the chunk (Hq a multiple of Hkv).
-        reps: summaries of the first ceil(past_len / S) (or more) logical pages, each [>= n, Hkv, D]:
-            ``(mean,)`` for 'mean', ``(kmin, kmax)`` for 'quest'.
-        past_len: past tokens (a partial last page is a page).
-        page_size: S in tokens.
-        page_budget, sink_pages, local_pages: pages (>= 0).
-        block_size: queries per selection block.
-        score: 'mean' or 'quest'.
-        q_doc_start: optional int [C] absolute first token of each query's document (packed data).
+def _page_scores(q, reps, past_len, page_size, page_budget, sink_pages, local_pages, block_size, score):
+    """The checks and block scores shared by :func:`select_pages` and :func:`_select_pages_topk` (same arguments).
 
     Returns:
-        :class:`PageSelection` with K = min(n_past_pages, page_budget + sink_pages + local_pages).
+        the empty :class:`PageSelection` when there is no past, else ``(scores, n, nb, K, dense)``: float
+        ``scores`` [nb, Hkv, n] in the representatives' dtype (NaN as -inf), n past pages, nb query blocks,
+        K = min(n, page_budget + sink_pages + local_pages), and whether that keeps every page.
 
-    Cost, per (block, KV head) over the n past pages: O(n) elementwise work and one ``topk`` of
-    ``page_budget`` (see :func:`_stable_top`), then a sort of at most
-    ``page_budget + sink_pages + local_pages`` entries; no sort over n. Bitwise equal to the
-    two-sort :func:`select_pages` (tests/test_sparse_select_property.py).
+    Raises:
+        ValueError: as :func:`select_pages`.
     """
     if score not in SCORES:
         raise ValueError(f"score must be one of {SCORES}, got {score!r}")
@@ -235,6 +212,35 @@ def _select_pages_topk(
     # NaN -> -inf: never wins (ties with the non-candidates, ranked by index). nan_to_num's defaults
     # also map +-inf to the largest/lowest finite value, so a -inf score still beats a NaN one.
     scores = torch.nan_to_num(scores, nan=-torch.inf)
+    return scores, n, nb, K, dense
+
+
+def _select_pages_topk(
+    q: torch.Tensor,
+    reps: tuple[torch.Tensor, ...],
+    past_len: int,
+    page_size: int,
+    page_budget: int,
+    sink_pages: int = 1,
+    local_pages: int = 0,
+    block_size: int = 128,
+    score: str = "mean",
+    q_doc_start: torch.Tensor | None = None,
+) -> PageSelection:
+    """:func:`select_pages` without sorting over the ``n`` past pages (an independent implementation of the same
+    selection, bitwise equal: the tests and ``benchmarks/bench_select.py`` compare the two). Args, returns and
+    errors: as :func:`select_pages`.
+
+    Cost, per (block, KV head) over the n past pages: O(n) elementwise work and one ``topk`` of
+    ``page_budget`` (see :func:`_stable_top`), then a sort of at most
+    ``page_budget + sink_pages + local_pages`` entries; no sort over n. Bitwise equal to the
+    two-sort :func:`select_pages` (tests/test_sparse_select_property.py).
+    """
+    first = _page_scores(q, reps, past_len, page_size, page_budget, sink_pages, local_pages, block_size, score)
+    if isinstance(first, PageSelection):
+        return first
+    scores, n, nb, K, dense = first
+    C, Hkv, S, B, device = q.shape[0], reps[0].shape[1], page_size, block_size, q.device
 
     # Pages are split by position only: eligible = page >= first_page (the block's earliest document;
     # 0 without packing); forced = the sink [first_page, sink_end) and the local window
@@ -342,43 +348,11 @@ def select_pages(
     Returns:
         :class:`PageSelection` with K = min(n_past_pages, page_budget + sink_pages + local_pages).
     """
-    if score not in SCORES:
-        raise ValueError(f"score must be one of {SCORES}, got {score!r}")
-    for name, val in (("page_budget", page_budget), ("sink_pages", sink_pages), ("local_pages", local_pages)):
-        if val < 0:
-            raise ValueError(f"{name} must be >= 0 pages, got {val}")
-    if block_size <= 0:
-        raise ValueError(f"block_size must be a positive number of queries, got {block_size}")
-    C, Hq, D = q.shape
-    Hkv = reps[0].shape[1]
-    if Hq % Hkv:
-        raise ValueError(f"query heads ({Hq}) must be a multiple of KV heads ({Hkv})")
-    S, B = page_size, block_size
-    n = -(-past_len // S)
-    nb = -(-C // B)
-    K = min(n, page_budget + sink_pages + local_pages)
-    dense = n <= page_budget + sink_pages + local_pages
-    device = q.device
-    if n == 0:
-        empty = torch.empty(nb, Hkv, 0, dtype=torch.int32, device=device)
-        return PageSelection(empty, torch.zeros(nb, Hkv, dtype=torch.int32, device=device), B, 0, True)
-    if reps[0].shape[0] < n:
-        raise ValueError(f"representatives cover {reps[0].shape[0]} pages, the past has {n}")
-
-    acc = reps[0].dtype
-    G = Hq // Hkv
-    qp = torch.zeros(nb * B, Hkv, G, D, dtype=acc, device=device)
-    qp[:C] = q.detach().to(acc).view(C, Hkv, G, D)
-    q_sum = qp.view(nb, B, Hkv, G, D).sum((1, 3))  # [nb, Hkv, D]
-    if score == "mean":
-        scores = torch.einsum("bhd,nhd->bhn", q_sum, reps[0][:n])
-    else:
-        kmin, kmax = reps[0][:n], reps[1][:n]
-        # max(q*lo, q*hi) = relu(q)*hi + min(q, 0)*lo, summed over d: two matrix products.
-        scores = torch.einsum("bhd,nhd->bhn", q_sum.clamp(min=0), kmax) + torch.einsum(
-            "bhd,nhd->bhn", q_sum.clamp(max=0), kmin
-        )
-    scores = torch.nan_to_num(scores, nan=-torch.inf)  # a NaN score never wins; -inf pages still rank by index
+    first = _page_scores(q, reps, past_len, page_size, page_budget, sink_pages, local_pages, block_size, score)
+    if isinstance(first, PageSelection):
+        return first
+    scores, n, nb, K, dense = first
+    C, Hkv, S, B, device = q.shape[0], reps[0].shape[1], page_size, block_size, q.device
 
     page = torch.arange(n, device=device)
     eligible = torch.ones(nb, 1, n, dtype=torch.bool, device=device)
