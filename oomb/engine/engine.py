@@ -387,9 +387,9 @@ class Engine:
             store.needed_heads = self._sparse.needed_heads if track else None
             if track:
                 self._sparse.track_pages = True
-                # Head grain: the last chunk's selection (made in its Stage-2 forward, before the view) is recorded
-                # too, so its backward stages and writes back only the tiles it reads. Not with page grain, whose
-                # needed_pages would wait on the device for a selection just made.
+                # Head grain: the last chunk's selection (made in its Stage-2 forward, before the view) is given to
+                # the store too (note_tiles), so its backward stages and writes back only the tiles it reads. Not with
+                # page grain, whose needed_pages would have to wait on the device for a selection just made.
                 self._sparse.track_last = store.stage_grain == "head"
 
     def _ensure_saved(self, T: int, store: PagedKVStore) -> None:
