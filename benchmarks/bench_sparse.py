@@ -146,8 +146,10 @@ def step(model, args, sparse: bool, backend: str, ids: torch.Tensor, device: tor
         rss_gib=rss_gib(),
     )
     row["autotuned"] = autotuned_configs()
-    row["env"] = {k: v for k, v in os.environ.items() if k.startswith("OOMB_")}  # the store's knobs (stash, shadow, grain)
-    for attr in ("resident_pages_per_layer", "stage1_shadow_pages", "kv_stash_tiles", "stage_grain"):
+    # the store's knobs (stash, shadow, grain, sets, copy kernel) and the allocator's settings
+    row["env"] = {k: v for k, v in os.environ.items() if k.startswith("OOMB_") or k == "PYTORCH_CUDA_ALLOC_CONF"}
+    for attr in ("resident_pages_per_layer", "staging_sets", "stage1_shadow_pages", "kv_stash_tiles", "stage_grain",
+                 "gather_programs"):
         if hasattr(store, attr):
             row[attr] = getattr(store, attr)
     stats = getattr(store, "stats", None)

@@ -267,6 +267,7 @@ class Tiering:
     offload: bool
     gpu_pages: int | None
     resident_pages_per_layer: int
+    staging_sets: int = 2  # staging buffers in the pool (oomb.engine.offload.choose_staging_sets)
 
 
 @dataclass
@@ -316,13 +317,14 @@ class MemoryPlan:
 
     @property
     def staging(self) -> int:
-        """GPU bytes of the two staging buffers (K, V, dK, dV): two segments, or two layers with whole-layer staging."""
-        from .engine.offload import _staging, staging_sets
+        """GPU bytes of the staging buffers (K, V, dK, dV): two segments, or ``tiering.staging_sets`` layers with
+        whole-layer staging."""
+        from .engine.offload import _staging
 
         t = self.tiering
         if not t.offload:
             return 0
-        return staging_sets(self.segment_pages) * _staging(self.pages_per_layer, t.resident_pages_per_layer, self.segment_pages) * self.page_bytes
+        return t.staging_sets * _staging(self.pages_per_layer, t.resident_pages_per_layer, self.segment_pages) * self.page_bytes
 
     def check(self) -> "MemoryPlan":
         """Return self if the run fits, else raise :class:`MemoryPlanError` saying why and what to change."""
@@ -400,7 +402,8 @@ class MemoryPlan:
 
     def _staging_label(self) -> str:
         if self.segment_pages is None:
-            return "KV staging (2 layers) + write buffers"
+            k = self.tiering.staging_sets
+            return f"KV staging ({k} layers) + write buffers"
         return f"KV staging (2 x {self.segment_pages * self.page_size // 1024}K tok) + buffers"
 
 
@@ -438,7 +441,7 @@ def _tier(L: int, n: int, pb: int, pool_budget: int, host_budget: int, offload: 
           gpu_page_budget: int | None, segment_pages: int | None = None) -> tuple[Tiering | None, str | None]:
     """Choose the tiering for n pages per layer, or (None, why not). ``segment_pages``: the staging
     segment (None: whole-layer staging)."""
-    from .engine.offload import _staging, min_gpu_pages, resident_pages_for_budget, staging_sets
+    from .engine.offload import _staging, choose_staging_sets, min_gpu_pages, resident_pages_for_budget
 
     all_pages = L * n
     if offload is False or (offload == "auto" and gpu_page_budget is None and all_pages * pb <= pool_budget):
@@ -469,14 +472,15 @@ def _tier(L: int, n: int, pb: int, pool_budget: int, host_budget: int, offload: 
                       "gradients, optimizer states and activations; free GPU memory for them: "
                       f"use LoRA, checkpoint_layers or a smaller chunk_size{shorter}, or use a GPU with more memory")
     R = resident_pages_for_budget(L, n, pages, segment_pages)
-    used = L * R + staging_sets(segment_pages) * _staging(n, R, segment_pages)
+    K = choose_staging_sets(L, n, pages, segment_pages)
+    used = L * R + K * _staging(n, R, segment_pages)
     host = L * (n - R) * pb
     if host > host_budget:
         return None, (f"the host tier needs {host / GiB:.2f} GiB of pinned memory but the budget is "
                       f"{host_budget / GiB:.2f} GiB; shorten the context, free host "
                       f"RAM, or keep more pages on the GPU ({R:,} of {n:,} per layer now) with less GPU memory for "
                       "activations and weights: use LoRA, checkpoint_layers or a smaller chunk_size")
-    return Tiering(R < n, used if R < n else None, R), None
+    return Tiering(R < n, used if R < n else None, R, K if R < n else 2), None
 
 
 def plan(
@@ -662,12 +666,12 @@ def plan(
         problems.insert(0, f"weights, gradients, optimizer states and one chunk's activations need {fixed / GiB:.2f} GiB "
                            f"but {gpu_budget / GiB:.2f} GiB of GPU memory is free (after a {reserve / GiB:.1f} GiB reserve); "
                            "use LoRA, checkpoint_layers or a smaller chunk_size")
-    from .engine.offload import _staging, staging_sets
+    from .engine.offload import _staging
 
     own_b = 0
     if tiering.offload:
         R = tiering.resident_pages_per_layer
-        gpu_pool = (L * R + staging_sets(SP) * _staging(n, R, SP)) * pb
+        gpu_pool = (L * R + tiering.staging_sets * _staging(n, R, SP)) * pb
         host_kv = L * (n - R) * pb
         wb = wbuf
         if SP is not None:
@@ -685,7 +689,7 @@ def plan(
         max_seq_len_gpu_only=largest(False), max_seq_len_offload=largest(True), problems=problems,
         traffic=offload_traffic(shape, seq_len, chunk_size, page_size, tiering.resident_pages_per_layer, dtype,
                                 segment_pages=SP, checkpoint_layers=checkpoint_layers,
-                                saved_attention=save != "off" and SP is not None)
+                                saved_attention=save != "off" and SP is not None, staging_sets=tiering.staging_sets)
         if tiering.offload else {},
         segment_pages=SP if tiering.offload else None, own_buffers=own_b, host_fraction=host_fraction,
         save_attention=save, saved_attention_host=saved_for(seq_len, save)["host"], save_attention_note=save_note,
@@ -696,7 +700,7 @@ def plan(
 def offload_traffic(
     shape: ModelShape, seq_len: int, chunk_size: int, page_size: int, resident_pages_per_layer: int,
     dtype: torch.dtype = torch.bfloat16, segment_pages: int | None = None, checkpoint_layers: bool = False,
-    saved_attention: bool = False, stage1_shadow_pages: int | None = None,
+    saved_attention: bool = False, stage1_shadow_pages: int | None = None, staging_sets: int | None = None,
 ) -> dict[str, int]:
     """Bytes one training step copies host->device and device->host with offload (the schedule of
     :mod:`oomb.engine.offload`).
@@ -713,9 +717,10 @@ def offload_traffic(
     Stage 1 (c < N-1) stages K/V of pages [R + Sh, P) and writes back the new pages beyond R (Sh: the pages
     per layer Stage 1 keeps in the pool's dK/dV bytes, ``stage1_shadow_pages``; None = the store's default,
     :func:`oomb.engine.offload.stage1_shadow_pages`); Stage 2
-    stages K/V [R, P) for the forward, again for the backward of layers 0..L-3 (their staging set
-    was reused by layer l+2), dK/dV [R, P + n) (chunk N-1: zero-filled on the device, not copied),
-    and writes back dK/dV [R, P).
+    stages K/V [R, P) for the forward, again for the backward of layers 0..L-K-1 (their staging set
+    was reused by layer l+K; K = ``staging_sets``, the store's :attr:`~oomb.engine.offload.OffloadedKVStore.staging_sets`,
+    None = :func:`oomb.engine.offload.staging_sets`: ``OOMB_OFFLOAD_STAGING_SETS`` or 2), dK/dV [R, P + n)
+    (chunk N-1: zero-filled on the device, not copied), and writes back dK/dV [R, P).
 
     Returns:
         {"h2d_bytes": ..., "d2h_bytes": ...}.
@@ -739,17 +744,18 @@ def offload_traffic(
     if stage1_shadow_pages is None and os.environ.get("OOMB_OFFLOAD_STAGE1_SHADOW") == "0":
         stage1_shadow_pages = 0  # as the store: the shadow turned off
     if stage1_shadow_pages is None:
-        from .engine.offload import _staging, stage1_shadow_pages as shadow, staging_sets
+        from .engine.offload import _staging, stage1_shadow_pages as shadow, staging_sets as min_sets
 
         npl = -(-seq_len // S)
         from .engine.offload import OffloadedKVStore
 
-        stage1_shadow_pages = shadow(L, npl, R, L * R + staging_sets(None) * _staging(npl, R, None), dtype,
+        k = min_sets(None) if staging_sets is None else staging_sets
+        stage1_shadow_pages = shadow(L, npl, R, L * R + k * _staging(npl, R, None), dtype,
                                      torch.float64 if dtype == torch.float64 else torch.float32,
                                      OffloadedKVStore.stage1_shadow_partial)
-    from .engine.offload import staging_sets
+    from .engine.offload import staging_sets as min_sets
 
-    K = staging_sets(None)
+    K = min_sets(None) if staging_sets is None else staging_sets
     for c in range(N):
         P = c * n
         kv = max(P - R, 0)

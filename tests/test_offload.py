@@ -1392,6 +1392,63 @@ def test_three_staging_sets_sparse_head_grain_bitwise(monkeypatch, stash):
     assert (st.stats["kv_stash_bytes"] > 0) == bool(stash)
 
 
+def test_auto_staging_sets_bitwise_and_traffic(monkeypatch):
+    """Without OOMB_OFFLOAD_STAGING_SETS a whole-layer store picks its sets from its pool (choose_staging_sets):
+    a pool of 4 whole layers at 28 layers of 11 pages keeps 0 of 11 pages resident with 4 sets and with 2 (the
+    host tier does not grow: taken), and training stays bitwise the all-on-device one with the planner's bytes."""
+    monkeypatch.delenv("OOMB_OFFLOAD_STAGING_SETS", raising=False)
+    torch.manual_seed(1)
+    m_ref = tiny("qwen2", 4, 2, layers=28).double()
+    ids = torch.randint(0, VOCAB, (1, 44))
+    common = dict(chunk_size=8, page_size=4, checkpoint_layers=True)
+    out_ref, _ = _step(m_ref, ids, offload=False, **common)
+    monkeypatch.setattr(Engine, "_segment_pages", lambda self: "layer")
+    _lazy(monkeypatch)
+    m = clone_model(m_ref)
+    out, e = _step(m, ids, offload=True, gpu_page_budget=4 * 11, **common)
+    st = e.kv_store
+    assert st.staging_sets == 4 and st.resident_pages_per_layer == 0
+    _assert_same_training(m_ref, m, out_ref, out)
+    pred = offload_traffic(ModelShape.from_config(m.config), 44, 8, 4, 0, torch.float64, segment_pages=None,
+                           checkpoint_layers=True, stage1_shadow_pages=st.stage1_shadow_pages, staging_sets=4)
+    assert (st.stats["h2d_bytes"], st.stats["d2h_bytes"]) == (pred["h2d_bytes"], pred["d2h_bytes"])
+    two = offload_traffic(ModelShape.from_config(m.config), 44, 8, 4, 0, torch.float64, segment_pages=None,
+                          checkpoint_layers=True, stage1_shadow_pages=st.stage1_shadow_pages, staging_sets=2)
+    assert pred["h2d_bytes"] < two["h2d_bytes"]  # the top four layers keep their K/V to their backward
+
+
+def test_choose_staging_sets_rule(monkeypatch):
+    """The largest K <= 4 whose host tier stays within 10% of the two-set one; 2 for segments, a minimum pool, an
+    all-resident pool, and K >= L; the env var wins. The planner's tiering and the store agree."""
+    from oomb.engine.offload import choose_staging_sets as choose, resident_pages_for_budget
+
+    monkeypatch.delenv("OOMB_OFFLOAD_STAGING_SETS", raising=False)
+    L, n = 28, 8192  # Qwen2.5-7B at 1M tokens
+    assert choose(L, n, 128_600, None) == 4 and resident_pages_for_budget(L, n, 128_600, None) == 3993
+    assert choose(L, n, 128_600, 512) == 2  # segments
+    assert choose(L, n, 2 * n, None) == 2 and choose(L, n, 3 * n - 1, None) == 2  # no room for a third layer
+    assert choose(L, n, L * n, None) == 2  # every page resident: nothing to stage
+    for pool in range(2 * n, L * n, 977):
+        K = choose(L, n, pool, None)
+        R = resident_pages_for_budget(L, n, pool, None)
+        assert L * R + K * (n - R) <= pool < L * R + K * (n - R) + (L - K) + (0 if R < n else 10**9)
+        R2 = (pool - 2 * n) // (L - 2)
+        assert n - R <= 1.1 * (n - min(R2, n))
+        if K < 4 and pool >= (K + 1) * n:  # one more set was refused: it would cost > 10% more host pages
+            RK = min(n, (pool - (K + 1) * n) // (L - K - 1))
+            assert n - RK > 1.1 * (n - min(R2, n))
+    # a 3-set choice exists between the two
+    assert any(choose(L, n, p, None) == 3 for p in range(3 * n, 5 * n, 257))
+    assert choose(3, 10, 29, None) == 2 and choose(4, 10, 39, None) == 3  # K < L only
+    monkeypatch.setenv("OOMB_OFFLOAD_STAGING_SETS", "2")
+    assert choose(L, n, 128_600, None) == 2 and resident_pages_for_budget(L, n, 128_600, None) == 4316
+    monkeypatch.delenv("OOMB_OFFLOAD_STAGING_SETS")
+    st = OffloadedKVStore(28, 2, 4, 4, 11 * 4, torch.float64, "cpu", chunk_size=8, gpu_pages=4 * 11, segment_pages="layer")
+    assert st.staging_sets == 4 and st.gpu_pool_pages == 4 * 11
+    st = OffloadedKVStore(6, 2, 4, 4, 11 * 4, torch.float64, "cpu", chunk_size=8, gpu_pages=4 * 11, segment_pages="layer")
+    assert st.staging_sets == 2 and st.resident_pages_per_layer == 5  # 4 sets would keep none resident
+
+
 def test_staging_sets_env(monkeypatch):
     from oomb.engine.offload import min_gpu_pages, resident_pages_for_budget
 

@@ -167,7 +167,9 @@ def test_kernel_warps_and_elems_env(monkeypatch):
         got = torch.zeros_like(want)
         gather_head_pages(got, 1, src, pairs, count, num_programs=2, backend="triton")
         assert torch.equal(got, want)
-        assert seen[-1] == (int(warps) if warps else 4, min(int(elems), S * D) // D)  # (num_warps, BLOCK_S): 8, 32, 16
+        from oomb.ops.triton_page_gather import NUM_WARPS
+
+        assert seen[-1] == (int(warps) if warps else NUM_WARPS, min(int(elems), S * D) // D)  # (num_warps, BLOCK_S)
     for name, bad in (("OOMB_PAGE_GATHER_WARPS", "3"), ("OOMB_PAGE_GATHER_WARPS", "64"), ("OOMB_PAGE_GATHER_ELEMS", "x")):
         monkeypatch.setenv(name, bad)
         with pytest.raises(ValueError, match=f"{name} must be a power of two"):

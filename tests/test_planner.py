@@ -362,3 +362,22 @@ def test_kv_stash_reserve_is_capped_at_what_the_store_allocates(monkeypatch):
     p = plan("qwen2.5-7b", 1 << 17, sparse=cfg, machine=H200, checkpoint_layers=True, optimizer=None)
     assert p.kv_stash_reserved == 26 * 1024 * 4 * 65536  # (L - 2) layers x 1,024 pages x 4 heads x 64 KiB
     assert p.fits
+
+
+def test_sparse_plan_staging_sets_match_the_store(monkeypatch):
+    """Whole-layer staging (sparse): the plan's pool and table use the sets the store will pick for that pool."""
+    from oomb.engine.offload import choose_staging_sets
+
+    monkeypatch.delenv("OOMB_OFFLOAD_STAGING_SETS", raising=False)
+    p = plan("qwen2.5-7b", 1 << 20, machine=H200, optimizer=None, checkpoint_layers=True, sparse=True)
+    t, n, L = p.tiering, p.pages_per_layer, p.shape.num_layers
+    assert t.offload and p.segment_pages is None
+    K = choose_staging_sets(L, n, t.gpu_pages, None)
+    assert t.staging_sets == K and K >= 3
+    R = t.resident_pages_per_layer
+    assert p.gpu_pool == (L * R + K * (n - R)) * p.page_bytes and p.staging == K * (n - R) * p.page_bytes
+    assert f"KV staging ({K} layers)" in p.table()
+    monkeypatch.setenv("OOMB_OFFLOAD_STAGING_SETS", "2")
+    two = plan("qwen2.5-7b", 1 << 20, machine=H200, optimizer=None, checkpoint_layers=True, sparse=True)
+    assert two.tiering.staging_sets == 2 and two.tiering.resident_pages_per_layer > R
+    assert two.traffic["h2d_bytes"] != p.traffic["h2d_bytes"]

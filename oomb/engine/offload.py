@@ -10,8 +10,9 @@ engine interface) for sequences whose K/V and dK/dV do not fit on the GPU.
 * in host memory at ``k_host[l, p - R]`` (pinned on CUDA), and is copied into a
   staging buffer of the GPU pool when an attention needs it.
 
-The GPU pool is ``[L*R resident pages | 2*W staging slots]``: two staging
-buffers of ``W`` pages. Host pages of one layer are contiguous, so a staging is
+The GPU pool is ``[L*R resident pages | K*W staging slots]``: ``K`` staging
+buffers of ``W`` pages (two with segments; with whole-layer staging
+:func:`choose_staging_sets` takes up to four when the pool affords them). Host pages of one layer are contiguous, so a staging is
 one copy per tensor (K, V, dK, dV), never one copy per page.
 
 **Segments (default).** The attention takes a layer's past in segments
@@ -249,15 +250,60 @@ def _staging(n: int, R: int, segment_pages: int | None) -> int:
 
 
 def staging_sets(segment_pages: int | None) -> int:
-    """Staging buffers of a store: 2 with segments; with whole-layer staging (``segment_pages`` None)
-    ``OOMB_OFFLOAD_STAGING_SETS`` (an integer >= 2; default 2). Layer ``l`` stages into set ``l % K``, so with
-    ``K`` sets a layer's staging follows the write-back of layer ``l + K`` (not ``l + 2``), and the top ``K``
-    layers keep their K/V from their Stage-2 forward to their backward.
+    """The FEWEST staging buffers a store may use: 2 with segments; with whole-layer staging (``segment_pages``
+    None) ``OOMB_OFFLOAD_STAGING_SETS`` if set (an integer >= 2), else 2. :func:`choose_staging_sets` picks how many
+    a given pool uses. Layer ``l`` stages into set ``l % K``, so with ``K`` sets a layer's staging follows the
+    write-back of layer ``l + K`` (not ``l + 2``), and the top ``K`` layers keep their K/V from their Stage-2
+    forward to their backward.
 
     Raises:
         ValueError: a bad ``OOMB_OFFLOAD_STAGING_SETS``.
     """
     return 2 if segment_pages is not None else _env_int("OOMB_OFFLOAD_STAGING_SETS", 2, minimum=2)
+
+
+MAX_AUTO_STAGING_SETS = 4
+"""Most whole-layer staging sets :func:`choose_staging_sets` picks by itself."""
+
+AUTO_STAGING_HOST_GROWTH = 0.10
+"""How many more host pages per layer (a fraction) :func:`choose_staging_sets` accepts for a third or fourth set."""
+
+
+def _residents(L: int, n: int, gpu_pages: int, K: int) -> int:
+    """Resident pages per layer of a whole-layer pool of ``gpu_pages`` pages with ``K`` staging sets
+    (``L*R + K*(n - R) <= gpu_pages``), -1 when even ``R = 0`` does not fit."""
+    if gpu_pages < K * n:
+        return -1
+    return n if L <= K else min(n, (gpu_pages - K * n) // (L - K))
+
+
+def choose_staging_sets(num_layers: int, pages_per_layer: int, gpu_pages: int, segment_pages: int | None) -> int:
+    """Staging buffers a store of ``gpu_pages`` pool pages uses (``pages_per_layer`` pages per layer).
+
+    Segments: 2. Whole-layer staging: ``OOMB_OFFLOAD_STAGING_SETS`` when set; else the largest ``K`` in
+    ``(MAX_AUTO_STAGING_SETS, ..., 3)`` whose pool still keeps the host tier within ``AUTO_STAGING_HOST_GROWTH``
+    (10%) of its size with two sets (``n - R_K <= 1.1 * (n - R_2)``), else 2. Measured on the H200
+    (benchmarks/NOTES.md, twelfth session): at 256K tokens with every page offloaded, 4 sets took Stage 2 from
+    74.4 to 71.7 s for the same bytes (a layer's dK/dV staging no longer waits behind the write-back of layer
+    ``l + 2``), and the 1M step from 291.8 to 284.4 s at about the same resident pages; the 1M Stage-2 excess grows
+    about linearly with the host pages (~41 s at 3,876 per layer), so +10% host pages (~+4 s) stays below the gain.
+
+    Raises:
+        ValueError: a bad ``OOMB_OFFLOAD_STAGING_SETS``.
+    """
+    if segment_pages is not None:
+        return 2
+    if os.environ.get("OOMB_OFFLOAD_STAGING_SETS") is not None:
+        return staging_sets(None)
+    L, n = num_layers, pages_per_layer
+    R2 = _residents(L, n, gpu_pages, 2)
+    if R2 < 0 or R2 >= n:  # below the minimum (the caller raises), or nothing to stage
+        return 2
+    for K in range(MAX_AUTO_STAGING_SETS, 2, -1):
+        RK = _residents(L, n, gpu_pages, K)
+        if L > K and RK >= 0 and n - RK <= (1 + AUTO_STAGING_HOST_GROWTH) * (n - R2):
+            return K
+    return 2
 
 
 def min_gpu_pages(num_layers: int, pages_per_layer: int, segment_pages: int | None = None) -> int:
@@ -272,9 +318,9 @@ def resident_pages_for_budget(
 ) -> int:
     """Resident pages per layer (R) that a GPU pool of ``gpu_pages`` pages affords.
 
-    The pool holds ``L*R`` resident pages plus two staging buffers of ``W`` slots (none when
-    ``R == n``): ``W = n - R`` with whole-layer staging (``segment_pages`` None), else
-    ``W = min(segment_pages, n - R)``. Returns the largest such R.
+    The pool holds ``L*R`` resident pages plus ``K`` staging buffers of ``W`` slots (none when
+    ``R == n``): ``W = n - R`` and ``K`` = :func:`choose_staging_sets` with whole-layer staging
+    (``segment_pages`` None), else ``K = 2`` and ``W = min(segment_pages, n - R)``. Returns the largest such R.
 
     Raises:
         ValueError: if ``gpu_pages`` is below :func:`min_gpu_pages`.
@@ -291,7 +337,7 @@ def resident_pages_for_budget(
             f"{need} pages on the GPU ({what}); raise gpu_page_budget or shorten the sequence"
         )
     if segment_pages is None:
-        K = staging_sets(None)
+        K = choose_staging_sets(L, n, gpu_pages, None)
         if L <= K:  # staging K layers costs as much as keeping them all
             return n
         return min(n, (gpu_pages - K * n) // (L - K))
@@ -1248,7 +1294,7 @@ class OffloadedKVStore:
         self.segmented = SP is not None
         self.host_pages_per_layer = H = n - R
         self.staging_pages = W = _staging(n, R, SP)
-        self.staging_sets = K = staging_sets(SP)
+        self.staging_sets = K = choose_staging_sets(L, n, self.gpu_page_budget, SP)
         self.gpu_pool_pages = L * R + K * W
         self._cuda = self.device.type == "cuda"
 

@@ -49,8 +49,12 @@ __all__ = [
     "unstash_head_tiles_ref",
 ]
 
-DEFAULT_PROGRAMS = 32
-"""Persistent programs of a copy kernel (of 132 SMs on an H200): enough requests in flight to fill PCIe."""
+DEFAULT_PROGRAMS = 8
+"""Persistent programs of a copy kernel (of 132 SMs on an H200). With ``NUM_WARPS = 16`` warps each, 8 programs keep
+enough requests in flight to fill PCIe while holding 8 SMs, not 32 (the attention kernels beside the copies cannot
+share an SM with them). H200, twelfth session (benchmarks/NOTES.md): 256K with every page offloaded, Stage 2 74.6 ->
+73.6 s against 32 programs of 4 warps (one run each, ~1 s noise); with 4 staging sets the 1M step 284.4 -> 279.2 s
+(same bytes; the autotuner also picked another tile for one dense kernel in the second run)."""
 
 
 def head_pairs(

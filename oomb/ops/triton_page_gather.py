@@ -11,11 +11,11 @@ import triton.language as tl
 
 __all__ = ["ELEMS_PER_LOAD", "NUM_WARPS", "launch_copy_tiles"]
 
-ELEMS_PER_LOAD = 8192
-"""Elements one program moves per load/store (rows of a tile at a time; at most one tile): 64 rows of head dim
-128. ``OOMB_PAGE_GATHER_ELEMS`` overrides it (read by :mod:`oomb.ops.page_gather`)."""
+ELEMS_PER_LOAD = 16384
+"""Elements one program moves per load/store (rows of a tile at a time; at most one tile): a whole 128-token tile
+of head dim 128. ``OOMB_PAGE_GATHER_ELEMS`` overrides it (read by :mod:`oomb.ops.page_gather`)."""
 
-NUM_WARPS = 4
+NUM_WARPS = 16
 """Warps per program. ``OOMB_PAGE_GATHER_WARPS`` overrides it: fewer programs with more warps each keep about as
 many loads in flight while holding fewer SMs, which the compute beside the copies needs (benchmarks/NOTES.md)."""
 
