@@ -164,7 +164,10 @@ def _build_parser() -> argparse.ArgumentParser:
         ),
     )
     w.add_argument("--log-every", type=int, default=1, help="print a loss line every N steps (log.jsonl gets every step)")
-    w.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    bars = w.add_mutually_exclusive_group()
+    bars.add_argument("--no-progress", action="store_true", help="hide the progress bars (default when stderr is not a terminal)")
+    bars.add_argument("--progress", action="store_true",
+                      help="show the progress bars even when stderr is not a terminal (a log file gets their updates)")
 
     add_plan_subcommand(sub, formatter_class=_HelpFormatter)
 
@@ -341,7 +344,8 @@ def _check_offload_flags(args: argparse.Namespace) -> None:
 
 def _warn_if_offload_moves_nothing(args: argparse.Namespace, num_layers: int) -> None:
     """Warn (once, where the run is set up) when an explicit --gpu-page-budget holds every KV page of the run:
-    the offloaded store then keeps all of them in its GPU tier and moves nothing to the host (train and eval)."""
+    the offloaded store then keeps all of them in its GPU tier and moves nothing to the host (train, eval and
+    plan)."""
     budget = args.gpu_page_budget
     per_layer = -(-args.seq_len // args.page_size)
     pages = num_layers * per_layer  # as OffloadedKVStore.pages_needed
@@ -969,7 +973,7 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
     except ValueError as exc:
         raise _usage_from(exc, "fix the engine options (see 'oomb train --help')") from exc
 
-    if args.no_progress or not ctx.is_main:
+    if args.no_progress or not ctx.is_main or not (args.progress or sys.stderr.isatty()):
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
@@ -1119,7 +1123,7 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
     if main_rank and args.warmup_steps is not None and args.warmup_steps >= args.steps:
         print(f"oomb: note: --warmup-steps {args.warmup_steps} >= --steps {args.steps}: the learning rate never "
               f"reaches --lr {args.lr:g}", file=sys.stderr)
-    show = not args.no_progress and main_rank
+    show = main_rank and not args.no_progress and (args.progress or sys.stderr.isatty())
     K, W = args.grad_accum, ctx.world_size
     stream = _SequenceStream(sequences)
     if main_rank:
@@ -1635,6 +1639,7 @@ def _plan(args: argparse.Namespace) -> int:
         raise _usage_from(exc, "see 'oomb plan --help'") from exc
     finally:
         sys.stdout.write(_flag_names(report.getvalue()))
+    _warn_if_offload_moves_nothing(args, args._num_layers)
     _warn_if_sparse_is_dense(args)
     return status
 

@@ -952,4 +952,5 @@ def run_plan(args: Any) -> int:
         grad_accum_dtype=args.grad_accum_dtype,
     )
     print(p.table())
+    args._num_layers = p.shape.num_layers  # for the CLI's warnings about the flags (as oomb train's)
     return 0 if p.fits else 1

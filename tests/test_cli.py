@@ -859,6 +859,14 @@ def test_an_offload_budget_that_holds_every_page_is_warned_about_once(tmp_path, 
     assert capsys.readouterr().err.count("oomb: warning: --gpu-page-budget 20 holds all 16 KV pages") == 1
     assert run_cli([*argv, "15"]) == 0
     assert "warning" not in capsys.readouterr().err
+    plan = ["plan", "--model", "tiny", "--seq-len", "128", "--chunk-size", "64", "--page-size", "32", "--gpu-gib", "8",
+            "--host-gib", "8", "--offload", "on", "--gpu-page-budget"]
+    assert run_cli([*plan, "16"]) == 0  # oomb plan says it too, after its table
+    captured = capsys.readouterr()
+    assert "tiering: every page on the GPU" in captured.out
+    assert captured.err.count("oomb: warning: --gpu-page-budget 16 holds all 16 KV pages") == 1
+    assert run_cli([*plan, "15"]) == 0
+    assert "warning" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("extra, dense", [
@@ -919,3 +927,17 @@ def test_empty_output_dir_is_named_as_empty(text_file, capsys):
     assert run_cli(["train", "--data", text_file, "--output-dir", "", *FAST]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["oomb: error: --output-dir is empty; pass a directory path that is new or empty"], err
+
+
+def test_progress_bars_only_on_a_terminal_unless_asked(tmp_path, text_file, capsys):
+    """Progress bars filled log files with carriage-return updates: they are shown only when stderr is a terminal,
+    or with --progress; --progress and --no-progress together are refused by the parser."""
+    base = ["train", "--data", text_file, "--seq-len", "128", "--chunk-size", "64", "--page-size", "32", "--steps", "2"]
+    assert run_cli([*base, "--output-dir", tmp_path / "a"]) == 0  # capsys: stderr is not a terminal
+    err = capsys.readouterr().err
+    assert "train:" not in err and "step/s" not in err and "s/step" not in err and "\r" not in err
+    assert run_cli([*base, "--output-dir", tmp_path / "b", "--progress"]) == 0
+    err = capsys.readouterr().err
+    assert "train:" in err and "\r" in err
+    assert run_cli([*base, "--output-dir", tmp_path / "c", "--progress", "--no-progress"]) == 2
+    assert "--no-progress: not allowed with argument --progress" in capsys.readouterr().err
