@@ -57,9 +57,7 @@ from oomb import Engine, OOMBConfig  # noqa: E402
 from oomb.engine import engine as engine_module  # noqa: E402
 from oomb.engine.engine import _ChunkContext  # noqa: E402
 from oomb.engine.loss import chunked_cross_entropy_sum  # noqa: E402
-from oomb.engine.offload import (  # noqa: E402
-    OffloadedKVStore, choose_staging_sets, default_segment_pages, min_gpu_pages, resident_pages_for_budget,
-)
+from oomb.engine.offload import OffloadedKVStore, default_segment_pages, min_gpu_pages, resident_pages_for_budget  # noqa: E402
 from oomb.models.presets import preset_config  # noqa: E402
 from oomb.ops.paged_attention import resolve_backend  # noqa: E402
 from oomb.planner import GiB, Machine, ModelShape, offload_traffic, plan  # noqa: E402
@@ -278,10 +276,10 @@ def main(argv=None):
                     budget = L * -(-T // args.page_size)
             row = dict(system=name)
             if offload:
-                R = resident_pages_for_budget(L, -(-T // args.page_size), budget)
-                K = choose_staging_sets(L, -(-T // args.page_size), budget, None)
+                SP = default_segment_pages(args.page_size)  # the dense engine stages in segments
+                R = resident_pages_for_budget(L, -(-T // args.page_size), budget, SP)
                 pred = offload_traffic(ModelShape.from_config(config), T, args.chunk_size, args.page_size, R, dtype,
-                                       staging_sets=K)
+                                       segment_pages=SP, checkpoint_layers=args.checkpoint_layers)
                 row.update(predicted_h2d_gib=pred["h2d_bytes"] / GiB, predicted_d2h_gib=pred["d2h_bytes"] / GiB)
             try:
                 row.update(full_step(T, offload, budget))

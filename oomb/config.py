@@ -54,6 +54,11 @@ class OOMBConfig:
     with sparse attention); pages beyond stay resident on the GPU. None: on CUDA the largest the planner
     finds room for, on CPU the minimum. Setting it implies offload (an error with offload=False)."""
 
+    offload_staging_sets: int | None = None
+    """With offload and whole-layer staging (sparse attention): staging buffers of a whole layer in the GPU pool
+    (an integer >= 2). None: picked from the pool (2 to 4; ``oomb.engine.offload.choose_staging_sets``); the planner
+    passes 2 where more sets would overflow the host budget. ``OOMB_OFFLOAD_STAGING_SETS`` overrides it."""
+
     offload_segment_pages: int | None = None
     """With offload: pages per staging segment. The attention reads a layer's non-resident past one segment at
     a time through two segment buffers, so the GPU tier does not grow with the context. None: 32768 //
@@ -118,6 +123,12 @@ class OOMBConfig:
                 raise ValueError(f"gpu_page_budget must be a positive number of pages or None, got {b!r}")
             if self.offload is False:
                 raise ValueError("gpu_page_budget sizes the GPU tier of offload; it cannot be set with offload=False")
+        if self.offload_staging_sets is not None:
+            k = self.offload_staging_sets
+            if not isinstance(k, int) or isinstance(k, bool) or k < 2:
+                raise ValueError(f"offload_staging_sets must be an integer >= 2 or None, got {k!r}")
+            if self.offload is False:
+                raise ValueError("offload_staging_sets sizes the staging of offload; it cannot be set with offload=False")
         if self.offload_segment_pages is not None:
             sp = self.offload_segment_pages
             if not isinstance(sp, int) or isinstance(sp, bool) or sp <= 0:

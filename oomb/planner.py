@@ -42,7 +42,8 @@ checkpointing): measured peak minus KV store 58.36 GiB at 32K and 128K;
 predicted 14.19 + 14.19 (weights, grads) + 24.28 + 5.25 + 0.33 + 0.10 = 58.3 GiB.
 
 Offload GPU tier: ``L x R`` resident pages + two staging buffers of ``min(SP, n - R)`` pages (SP =
-``offload_segment_pages``, 32K tokens by default; ``n - R`` with whole-layer staging) + two one-chunk
+``offload_segment_pages``, 32K tokens by default; with whole-layer staging ``K`` = 2 to 4 buffers of ``n - R``,
+:func:`oomb.engine.offload.choose_staging_sets`, 2 where more would overflow the host budget) + two one-chunk
 own-gradient (dK, dV) and two one-chunk K/V write buffers: flat in the context length with segments.
 Segmented attention adds ~3 fp32 ``C x q`` temporaries (part output, merge, dq parts; ~170 MiB for
 Qwen2.5-7B at C = 4096), not counted below (the GPU reserve covers them).
@@ -333,9 +334,13 @@ class MemoryPlan:
         return self
 
     def engine_settings(self) -> dict:
-        """``OOMBConfig`` keyword arguments for the chosen tiering: ``{"offload": bool, "gpu_page_budget": int | None}``."""
+        """``OOMBConfig`` keyword arguments for the chosen tiering: ``{"offload": bool, "gpu_page_budget": int | None,
+        "offload_staging_sets": int | None}`` (the sets only for whole-layer staging; the store takes this K
+        instead of picking it from the pool again)."""
         t = self.tiering
-        return {"offload": bool(t.offload), "gpu_page_budget": t.gpu_pages if t.offload else None}
+        whole = t.offload and self.segment_pages is None
+        return {"offload": bool(t.offload), "gpu_page_budget": t.gpu_pages if t.offload else None,
+                "offload_staging_sets": t.staging_sets if whole else None}
 
     def table(self) -> str:
         """A plain-text breakdown (GiB) for printing."""
@@ -438,9 +443,11 @@ def _base_gpu(shape, seq_len, chunk_size, dtype, lora_rank, optimizer, checkpoin
 
 
 def _tier(L: int, n: int, pb: int, pool_budget: int, host_budget: int, offload: bool | str,
-          gpu_page_budget: int | None, segment_pages: int | None = None) -> tuple[Tiering | None, str | None]:
+          gpu_page_budget: int | None, segment_pages: int | None = None,
+          staging_sets: int | None = None) -> tuple[Tiering | None, str | None]:
     """Choose the tiering for n pages per layer, or (None, why not). ``segment_pages``: the staging
-    segment (None: whole-layer staging)."""
+    segment (None: whole-layer staging). ``staging_sets``: requested whole-layer staging sets (None: picked from
+    the pool by :func:`oomb.engine.offload.choose_staging_sets`, and 2 where more would overflow ``host_budget``)."""
     from .engine.offload import _staging, choose_staging_sets, min_gpu_pages, resident_pages_for_budget
 
     all_pages = L * n
@@ -458,9 +465,10 @@ def _tier(L: int, n: int, pb: int, pool_budget: int, host_budget: int, offload: 
                           "lower gpu_page_budget, or leave it out to use the largest pool that fits")
     else:
         pages = min(max(pool_budget, 0) // pb, all_pages)
-    need = min_gpu_pages(L, n, segment_pages)
+    need = min_gpu_pages(L, n, segment_pages, staging_sets)
     if pages < need:
-        what = "two layers of staging" if segment_pages is None else "two staging segments"
+        k = need // n  # the fewest staging sets (2, or as requested), each a whole layer
+        what = f"{k} layers of staging" if segment_pages is None else "two staging segments"
         if gpu_page_budget is not None:  # the caller's budget is too small, not the GPU
             return None, (f"gpu_page_budget {pages:,} pages is below the {need:,} pages offload needs for {n:,} pages "
                           f"per layer ({what}); raise gpu_page_budget to {need:,} or more, or leave it out to use the "
@@ -471,10 +479,14 @@ def _tier(L: int, n: int, pb: int, pool_budget: int, host_budget: int, offload: 
                       f"{max(pool_budget, 0) / GiB:.2f} GiB of GPU memory is left for KV pages after the weights, "
                       "gradients, optimizer states and activations; free GPU memory for them: "
                       f"use LoRA, checkpoint_layers or a smaller chunk_size{shorter}, or use a GPU with more memory")
-    R = resident_pages_for_budget(L, n, pages, segment_pages)
-    K = choose_staging_sets(L, n, pages, segment_pages)
-    used = L * R + K * _staging(n, R, segment_pages)
+    K = choose_staging_sets(L, n, pages, segment_pages, staging_sets)
+    R = resident_pages_for_budget(L, n, pages, segment_pages, K)
     host = L * (n - R) * pb
+    if host > host_budget and K > 2 and staging_sets is None and os.environ.get("OOMB_OFFLOAD_STAGING_SETS") is None:
+        R2 = resident_pages_for_budget(L, n, pages, segment_pages, 2)  # more sets cost host pages: fall back
+        if L * (n - R2) * pb <= host_budget:
+            K, R, host = 2, R2, L * (n - R2) * pb
+    used = L * R + K * _staging(n, R, segment_pages)
     if host > host_budget:
         return None, (f"the host tier needs {host / GiB:.2f} GiB of pinned memory but the budget is "
                       f"{host_budget / GiB:.2f} GiB; shorten the context, free host "
@@ -800,8 +812,9 @@ def sparse_state_bytes(shape: "ModelShape", seq_len: int, config: Any, dtype: to
     return reps + L * nb * Hkv * (K + 1) * 4
 
 
-def choose_engine_tiering(engine: Any, seq_len: int) -> tuple[bool, int | None]:
-    """(offload, gpu_pages) for an :class:`oomb.Engine` about to allocate its store for ``seq_len`` tokens.
+def choose_engine_tiering(engine: Any, seq_len: int) -> tuple[bool, int | None, int | None]:
+    """(offload, gpu_pages, staging_sets) for an :class:`oomb.Engine` about to allocate its store for ``seq_len``
+    tokens (``staging_sets``: for :class:`~oomb.engine.offload.OffloadedKVStore`; None = picked from the pool).
 
     Explicit settings win: ``offload=False`` -> all on the device; a ``gpu_page_budget`` -> offload with it;
     on CPU ``offload=True`` means the minimum GPU tier (simulation) and 'auto' means no offload. On CUDA the
@@ -815,12 +828,12 @@ def choose_engine_tiering(engine: Any, seq_len: int) -> tuple[bool, int | None]:
     """
     cfg = engine.config
     if cfg.offload is False:
-        return False, None
+        return False, None, None
     if cfg.gpu_page_budget is not None:
-        return True, cfg.gpu_page_budget
+        return True, cfg.gpu_page_budget, cfg.offload_staging_sets
     device = engine.device
     if device.type != "cuda":
-        return (cfg.offload is True), None
+        return (cfg.offload is True), None, cfg.offload_staging_sets
     shape = ModelShape.from_config(engine._base.config)
     dtype = engine.dtype
     free, total = torch.cuda.mem_get_info(device)
@@ -856,12 +869,12 @@ def choose_engine_tiering(engine: Any, seq_len: int) -> tuple[bool, int | None]:
     SP = resolve_segment_pages(engine._segment_pages(), cfg.page_size)
 
     def tier(pool: int, host: int):
-        t, why = _tier(L, n, pb, pool, host, cfg.offload, None, SP)
+        t, why = _tier(L, n, pb, pool, host, cfg.offload, None, SP, cfg.offload_staging_sets)
         if t is not None and t.offload:
             wbuf = 4 * cfg.chunk_size * shape.kv_dim * _dtype_size(dtype)
             if SP is not None:  # the own-gradient buffers
                 wbuf += 4 * cfg.chunk_size * shape.kv_dim * (8 if dtype == torch.float64 else 4)
-            t, why = _tier(L, n, pb, pool - wbuf, host, cfg.offload, None, SP)
+            t, why = _tier(L, n, pb, pool - wbuf, host, cfg.offload, None, SP, cfg.offload_staging_sets)
         return t, why
 
     t = None
@@ -880,8 +893,8 @@ def choose_engine_tiering(engine: Any, seq_len: int) -> tuple[bool, int | None]:
     if t is None:
         raise MemoryPlanError(f"{seq_len:,} tokens do not fit: {why}")
     if cfg.offload is True and not t.offload:
-        return True, L * n  # asked for offload but everything fits: one tier, no host pages
-    return t.offload, t.gpu_pages
+        return True, L * n, None  # asked for offload but everything fits: one tier, no host pages
+    return t.offload, t.gpu_pages, (t.staging_sets if t.offload else None)
 
 
 # ------------------------------------------------------------------------ CLI

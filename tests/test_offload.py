@@ -1463,3 +1463,19 @@ def test_staging_sets_env(monkeypatch):
         monkeypatch.setenv("OOMB_OFFLOAD_STAGING_SETS", bad)
         with pytest.raises(ValueError, match="OOMB_OFFLOAD_STAGING_SETS must be an integer >= 2"):
             OffloadedKVStore(5, 2, 8, 4, 64, torch.float32, "cpu", chunk_size=8, segment_pages="layer")
+
+
+def test_engine_passes_offload_staging_sets_to_the_store(monkeypatch):
+    """OOMBConfig.offload_staging_sets reaches the store (CPU: the minimum pool of that many whole layers), and
+    OOMB_OFFLOAD_STAGING_SETS still overrides it."""
+    monkeypatch.delenv("OOMB_OFFLOAD_STAGING_SETS", raising=False)
+    m = tiny("qwen2", 4, 2, layers=6).double()
+    cfg = OOMBConfig(chunk_size=8, page_size=4, offload=True, sparse=True, page_budget=1, sink_pages=1, local_pages=0,
+                     offload_staging_sets=3)
+    e = Engine(m, cfg)
+    e.reserve(44)
+    assert e.kv_store.staging_sets == 3 and e.kv_store.gpu_pool_pages == 3 * 11
+    monkeypatch.setenv("OOMB_OFFLOAD_STAGING_SETS", "4")
+    e = Engine(m, cfg)
+    e.reserve(44)
+    assert e.kv_store.staging_sets == 4 and e.kv_store.gpu_pool_pages == 4 * 11

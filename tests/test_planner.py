@@ -231,6 +231,7 @@ def test_train_arguments_map_to_a_plan_and_engine_settings():
     p = plan_for_train_args(args, torch.bfloat16, machine=H200).check()
     settings = p.engine_settings()
     assert settings["offload"] is True and settings["gpu_page_budget"] == p.tiering.gpu_pages
+    assert settings["offload_staging_sets"] is None  # segments: always two buffers
     assert p.optimizer == 8 * p.trainable_params
     assert p.segment_pages == 256
     seg = plan_for_train_args(parser.parse_args(["--checkpoint-layers", "--offload-segment-pages", "64"]), torch.bfloat16,
@@ -240,7 +241,8 @@ def test_train_arguments_map_to_a_plan_and_engine_settings():
     args.sparse = True  # the engine stages whole layers for sparse attention: so does its plan
     assert plan_for_train_args(args, torch.bfloat16, machine=H200).segment_pages is None
     args = parser.parse_args(["--seq-len", "65536", "--offload", "off"])
-    assert plan_for_train_args(args, torch.bfloat16, machine=H200).engine_settings() == {"offload": False, "gpu_page_budget": None}
+    assert plan_for_train_args(args, torch.bfloat16, machine=H200).engine_settings() == {
+        "offload": False, "gpu_page_budget": None, "offload_staging_sets": None}
     args = parser.parse_args(["--offload", "off", "--checkpoint-layers"])
     with pytest.raises(MemoryPlanError, match="turn offload on"):
         plan_for_train_args(args, torch.bfloat16, machine=H200).check()
@@ -343,8 +345,8 @@ def test_kv_stash_is_kept_free_and_shown(monkeypatch):
     dense = plan("qwen2.5-7b", 1 << 20, **kw)
     monkeypatch.setenv("OOMB_OFFLOAD_KV_STASH_MIB", "3072")
     stash = plan("qwen2.5-7b", 1 << 20, sparse=cfg, **kw)
-    # what the store allocates: C = 3 GiB // (26 layers x 64 KiB) = 1,890 tiles per layer below L - 2
-    assert stash.kv_stash_reserved == 1890 * 26 * 65536 and stash.gpu_budget == base.gpu_budget - stash.kv_stash_reserved
+    # the request (a store allocates at most that much: C = 3 GiB // ((L - K) layers x 64 KiB) tiles per layer)
+    assert stash.kv_stash_reserved == 3072 << 20 and stash.gpu_budget == base.gpu_budget - stash.kv_stash_reserved
     assert stash.tiering.resident_pages_per_layer < base.tiering.resident_pages_per_layer
     assert "reserve incl. K/V stash (env)" in stash.table() and "K/V stash" not in base.table()
     assert plan("qwen2.5-7b", 1 << 20, **kw).gpu_budget == dense.gpu_budget
@@ -381,3 +383,59 @@ def test_sparse_plan_staging_sets_match_the_store(monkeypatch):
     two = plan("qwen2.5-7b", 1 << 20, machine=H200, optimizer=None, checkpoint_layers=True, sparse=True)
     assert two.tiering.staging_sets == 2 and two.tiering.resident_pages_per_layer > R
     assert two.traffic["h2d_bytes"] != p.traffic["h2d_bytes"]
+
+
+def test_the_store_builds_the_staging_the_plan_chose(monkeypatch):
+    """The plan's pool is L*R + K*W pages; a store given that pool and the plan's K (engine_settings) builds the
+    same R and K. Without K the store would pick again from the smaller pool and could differ (review, twelfth
+    session: planned K=3, R=4 at 24 layers x 64 pages and a 282-page budget; the store picked K=4, R=1)."""
+    from oomb.engine.offload import OffloadedKVStore, choose_staging_sets, resident_pages_for_budget
+    from oomb.planner import _tier
+
+    monkeypatch.delenv("OOMB_OFFLOAD_STAGING_SETS", raising=False)
+    t, _ = _tier(24, 64, 1, 282, 10**9, True, None, None)
+    assert (t.staging_sets, t.resident_pages_per_layer, t.gpu_pages) == (3, 4, 276)
+    assert choose_staging_sets(24, 64, 276, None) == 4  # the trap: picking again from the used pool
+    st = OffloadedKVStore(24, 1, 4, 4, 64 * 4, torch.float32, "cpu", chunk_size=8, gpu_pages=t.gpu_pages,
+                          segment_pages="layer", staging_sets=t.staging_sets)
+    assert (st.staging_sets, st.resident_pages_per_layer, st.gpu_pool_pages) == (3, 4, 276)
+    for L in (12, 24, 28):
+        for n in (40, 64, 97):
+            for pool in range(2 * n, L * n, 13):
+                t, _ = _tier(L, n, 1, pool, 10**9, True, None, None)
+                if not t.offload:
+                    continue
+                K = choose_staging_sets(L, n, t.gpu_pages, None, t.staging_sets)
+                assert K == t.staging_sets
+                assert resident_pages_for_budget(L, n, t.gpu_pages, None, K) == t.resident_pages_per_layer
+
+
+def test_more_staging_sets_give_way_to_the_host_budget(monkeypatch):
+    """Extra staging sets cost resident pages, so host pages: where 4 sets would overflow the host budget and 2 fit,
+    the plan takes 2 (a run that fitted before still fits); an explicit request is kept (and refused if too big)."""
+    from oomb.planner import _tier
+
+    monkeypatch.delenv("OOMB_OFFLOAD_STAGING_SETS", raising=False)
+    L, n, pool = 28, 8192, 128_600
+    four, _ = _tier(L, n, 1, pool, 10**12, True, None, None)
+    two, _ = _tier(L, n, 1, pool, 10**12, True, None, None, 2)
+    assert four.staging_sets == 4 and two.staging_sets == 2
+    host2 = L * (n - two.resident_pages_per_layer)
+    assert L * (n - four.resident_pages_per_layer) > host2
+    tight, why = _tier(L, n, 1, pool, host2, True, None, None)
+    assert why is None and tight.staging_sets == 2 and tight.resident_pages_per_layer == two.resident_pages_per_layer
+    refused, why = _tier(L, n, 1, pool, host2, True, None, None, 4)
+    assert refused is None and "host tier" in why
+    plan_tight = plan("qwen2.5-7b", 1 << 20, machine=H200, optimizer=None, checkpoint_layers=True, sparse=True)
+    assert plan_tight.engine_settings()["offload_staging_sets"] == plan_tight.tiering.staging_sets
+
+
+def test_offload_staging_sets_config():
+    from oomb import OOMBConfig
+
+    assert OOMBConfig(offload_staging_sets=3).offload_staging_sets == 3
+    for bad in (1, 0, 2.5, True, "4"):
+        with pytest.raises(ValueError, match="offload_staging_sets must be an integer >= 2"):
+            OOMBConfig(offload_staging_sets=bad)
+    with pytest.raises(ValueError, match="cannot be set with offload=False"):
+        OOMBConfig(offload=False, offload_staging_sets=3)

@@ -338,12 +338,13 @@ class Engine:
             reuse = isinstance(store, OffloadedKVStore) == self.config.offload
         if not reuse:
             self._store = None  # drop the old pool before allocating the new one
-            offload, gpu_pages = choose_engine_tiering(self, T)
+            offload, gpu_pages, sets = choose_engine_tiering(self, T)
             if offload:
                 store = OffloadedKVStore(
                     self.num_layers, self.num_kv_heads, self.head_dim, S, T, self.dtype, self.device,
                     chunk_size=self.config.chunk_size, gpu_pages=gpu_pages,
                     segment_pages=self._segment_pages(), checkpoint_layers=self.config.checkpoint_layers,
+                    staging_sets=sets,
                 )
             else:
                 store = PagedKVStore(

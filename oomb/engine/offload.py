@@ -30,25 +30,26 @@ segment the kernel calls are exactly the unsegmented ones (bitwise). The
 chunk's own stored dK/dV (backward only) go through two small own-gradient
 buffers of one chunk each.
 
-``segment_pages='layer'`` keeps whole-layer staging (``W = n - R``, staging set
-``l % 2`` for layer ``l``, a block table fixed for the step), which the sparse
-attention needs (it reads the past through one table).
+``segment_pages='layer'`` keeps whole-layer staging (``W = n - R``, ``K`` staging
+sets, set ``l % K`` for layer ``l``, a block table fixed for the step), which the
+sparse attention needs (it reads the past through one table). ``K`` is 2 to 4
+(:func:`choose_staging_sets`); with segments it is 2.
 
 **Why the earliest pages are resident.** Page ``p`` is read by every later
 chunk, so the earliest pages are read most often: keeping a prefix of every
 layer on the GPU removes the most traffic per resident byte and cuts the
 traffic of every layer alike (so no layer's copy becomes the one the compute
 waits for). A GPU budget of ``G`` pages buys the largest ``R`` with
-``L*R + 2*W <= G`` (:func:`resident_pages_for_budget`).
+``L*R + K*W <= G`` (:func:`resident_pages_for_budget`).
 
-**GPU bytes** = ``(L*R + 2*W)`` pages of K, V, dK, dV + two one-chunk own-gradient
+**GPU bytes** = ``(L*R + K*W)`` pages of K, V, dK, dV + two one-chunk own-gradient
 buffers (dK, dV) + two one-chunk K/V write buffers + int32 block tables (4 bytes
 per page of a layer). With segments nothing but the tables depends on the
 context length: Qwen2.5-7B (28 layers, 4 KV heads, head dim 128, bf16 K/V, fp32
 dK/dV, page 128, chunk 4096, R = 0) holds 2 x 256 pages x 768 KiB = 384 MiB of
 staging + 32 MiB own-gradient + 16 MiB write buffers = 432 MiB at any length,
-plus ~312 bytes of table per 10K tokens. (Whole-layer staging grows by two
-layers' pages per token: 12 KiB/token, ~126 MB per 10K tokens.)
+plus ~312 bytes of table per 10K tokens. (Whole-layer staging grows by ``K``
+layers' pages per token: 12 KiB/token per set, ~126 MB per 10K tokens.)
 
 **Schedule, segmented** (:class:`_SegmentSchedule`; L layers, chunk c)::
 
@@ -134,11 +135,11 @@ the 1M-token step moved 75% fewer Stage-2 bytes than with whole layers (benchmar
 ninth session). ``stage_grain='page'`` (or ``OOMB_OFFLOAD_STAGE_GRAIN=page``, or a GPU that cannot
 address pinned memory) uses the page unions below.
 
-**K/V stash (head grain; opt-in: ``OOMB_OFFLOAD_KV_STASH_MIB``).** With two staging sets, a layer
-``l < L - 2`` loses its set to layer ``l + 2`` between its Stage-2 forward and its backward, so the
+**K/V stash (head grain; opt-in: ``OOMB_OFFLOAD_KV_STASH_MIB``).** With ``K`` staging sets, a layer
+``l < L - K`` loses its set to layer ``l + K`` between its Stage-2 forward and its backward, so the
 backward reads the same K/V tiles over PCIe a second time (per selected host tile and chunk: K/V in for
 the forward, K/V in again for the backward, dK/dV in and out; the K/V re-read is a quarter of the
-host->device bytes). A stash of ``C`` tiles per layer (:func:`kv_stash_tiles`; ``[L - 2, C, S, D]`` for K
+host->device bytes). A stash of ``C`` tiles per layer (:func:`kv_stash_tiles`; ``[L - K, C, S, D]`` for K
 and for V on the GPU) keeps the first ``C`` tiles of each forward's list
 (:func:`~oomb.ops.page_gather.stash_head_tiles`, a device copy on the host->device stream right after
 the gather); the backward use of that (chunk, layer), whose list begins with the same past tiles, puts
@@ -277,10 +278,13 @@ def _residents(L: int, n: int, gpu_pages: int, K: int) -> int:
     return n if L <= K else min(n, (gpu_pages - K * n) // (L - K))
 
 
-def choose_staging_sets(num_layers: int, pages_per_layer: int, gpu_pages: int, segment_pages: int | None) -> int:
+def choose_staging_sets(num_layers: int, pages_per_layer: int, gpu_pages: int, segment_pages: int | None,
+                        requested: int | None = None) -> int:
     """Staging buffers a store of ``gpu_pages`` pool pages uses (``pages_per_layer`` pages per layer).
 
-    Segments: 2. Whole-layer staging: ``OOMB_OFFLOAD_STAGING_SETS`` when set; else the largest ``K`` in
+    Segments: 2. Whole-layer staging: ``OOMB_OFFLOAD_STAGING_SETS`` when set; else ``requested`` when given
+    (``OOMBConfig.offload_staging_sets``, or the planner's choice: it falls back to 2 where more sets would
+    overflow the host budget); else the largest ``K`` in
     ``(MAX_AUTO_STAGING_SETS, ..., 3)`` whose pool still keeps the host tier within ``AUTO_STAGING_HOST_GROWTH``
     (10%) of its size with two sets (``n - R_K <= 1.1 * (n - R_2)``), else 2. Measured on the H200
     (benchmarks/NOTES.md, twelfth session): at 256K tokens with every page offloaded, 4 sets took Stage 2 from
@@ -295,6 +299,10 @@ def choose_staging_sets(num_layers: int, pages_per_layer: int, gpu_pages: int, s
         return 2
     if os.environ.get("OOMB_OFFLOAD_STAGING_SETS") is not None:
         return staging_sets(None)
+    if requested is not None:
+        if not isinstance(requested, int) or isinstance(requested, bool) or requested < 2:
+            raise ValueError(f"staging_sets must be an integer >= 2, got {requested!r}")
+        return requested
     L, n = num_layers, pages_per_layer
     R2 = _residents(L, n, gpu_pages, 2)
     if R2 < 0 or R2 >= n:  # below the minimum (the caller raises), or nothing to stage
@@ -306,21 +314,28 @@ def choose_staging_sets(num_layers: int, pages_per_layer: int, gpu_pages: int, s
     return 2
 
 
-def min_gpu_pages(num_layers: int, pages_per_layer: int, segment_pages: int | None = None) -> int:
+def min_gpu_pages(num_layers: int, pages_per_layer: int, segment_pages: int | None = None,
+                  staging_sets_: int | None = None) -> int:
     """Smallest GPU pool (pages) for ``pages_per_layer`` pages per layer: :func:`staging_sets` staging buffers
-    (two, of a whole layer when ``segment_pages`` is None, else of ``min(segment_pages, pages_per_layer)``
-    pages), or all pages if fewer."""
-    return min(staging_sets(segment_pages) * _staging(pages_per_layer, 0, segment_pages), num_layers * pages_per_layer)
+    (two, or ``OOMB_OFFLOAD_STAGING_SETS``, or ``staging_sets_`` when given with whole-layer staging; of a whole
+    layer when ``segment_pages`` is None, else two of ``min(segment_pages, pages_per_layer)`` pages), or all
+    pages if fewer."""
+    K = staging_sets(segment_pages)
+    if segment_pages is None and staging_sets_ is not None and os.environ.get("OOMB_OFFLOAD_STAGING_SETS") is None:
+        K = staging_sets_
+    return min(K * _staging(pages_per_layer, 0, segment_pages), num_layers * pages_per_layer)
 
 
 def resident_pages_for_budget(
-    num_layers: int, pages_per_layer: int, gpu_pages: int, segment_pages: int | None = None
+    num_layers: int, pages_per_layer: int, gpu_pages: int, segment_pages: int | None = None,
+    staging_sets_: int | None = None,
 ) -> int:
     """Resident pages per layer (R) that a GPU pool of ``gpu_pages`` pages affords.
 
     The pool holds ``L*R`` resident pages plus ``K`` staging buffers of ``W`` slots (none when
     ``R == n``): ``W = n - R`` and ``K`` = :func:`choose_staging_sets` with whole-layer staging
-    (``segment_pages`` None), else ``K = 2`` and ``W = min(segment_pages, n - R)``. Returns the largest such R.
+    (``segment_pages`` None; ``staging_sets_``: a requested K, as there), else ``K = 2`` and
+    ``W = min(segment_pages, n - R)``. Returns the largest such R.
 
     Raises:
         ValueError: if ``gpu_pages`` is below :func:`min_gpu_pages`.
@@ -328,16 +343,16 @@ def resident_pages_for_budget(
     L, n = num_layers, pages_per_layer
     if gpu_pages >= L * n:
         return n
-    need = min_gpu_pages(L, n, segment_pages)
+    K = choose_staging_sets(L, n, gpu_pages, segment_pages, staging_sets_)
+    need = min_gpu_pages(L, n, segment_pages, K)
     if gpu_pages < need:
-        what = (f"{staging_sets(None)} layers' staging" if segment_pages is None
+        what = (f"{K} layers' staging" if segment_pages is None
                 else f"two staging buffers of {_staging(n, 0, segment_pages)} pages")
         raise ValueError(
             f"a GPU page budget of {gpu_pages} pages cannot stage {n} pages per layer: offload needs at least "
             f"{need} pages on the GPU ({what}); raise gpu_page_budget or shorten the sequence"
         )
     if segment_pages is None:
-        K = choose_staging_sets(L, n, gpu_pages, None)
         if L <= K:  # staging K layers costs as much as keeping them all
             return n
         return min(n, (gpu_pages - K * n) // (L - K))
@@ -1095,8 +1110,9 @@ def kv_stash_request_bytes() -> int:
 def kv_stash_reserve_bytes(num_layers: int, pages_per_layer: int, num_kv_heads: int, head_dim: int, page_size: int,
                            dtype: torch.dtype) -> int:
     """GPU bytes the planners keep free for the K/V stash of a whole-layer (sparse) store: what
-    :func:`kv_stash_request_bytes` asks for, capped at what a store of ``pages_per_layer`` pages per layer would
-    allocate at most (every page a host page: :func:`kv_stash_tiles` with ``host_pages = pages_per_layer``).
+    :func:`kv_stash_request_bytes` asks for, capped at every (page, KV head) tile of ``pages_per_layer`` pages in
+    ``L - 2`` layers (what a store with two staging sets and every page on the host allocates at most; a store with
+    more sets stashes for fewer layers).
 
     Raises:
         ValueError: a bad ``OOMB_OFFLOAD_KV_STASH_MIB`` / ``OOMB_OFFLOAD_STAGING_SETS``.
@@ -1104,9 +1120,9 @@ def kv_stash_reserve_bytes(num_layers: int, pages_per_layer: int, num_kv_heads: 
     want = kv_stash_request_bytes()
     if not want:
         return 0
-    K = staging_sets(None)
-    C = kv_stash_tiles(num_layers, pages_per_layer, num_kv_heads, head_dim, page_size, dtype, want, K)
-    return C * max(num_layers - K, 0) * 2 * page_size * head_dim * torch.empty((), dtype=dtype).element_size()
+    # every tile of the L - 2 layers below the fewest staging sets: a bound for a store of any K >= 2
+    tile = 2 * page_size * head_dim * torch.empty((), dtype=dtype).element_size()
+    return min(want, pages_per_layer * num_kv_heads * max(num_layers - 2, 0) * tile)
 
 
 def kv_stash_tiles(num_layers: int, host_pages: int, num_kv_heads: int, head_dim: int, page_size: int,
@@ -1197,9 +1213,12 @@ class OffloadedKVStore:
             needs; GPU bytes then grow with the context).
         checkpoint_layers: the engine recomputes each layer's forward before its backward
             (per-layer checkpointing); only the prefetch order depends on it.
+        staging_sets: whole-layer staging buffers (an integer >= 2), or None to pick them from the pool
+            (:func:`choose_staging_sets`; ``OOMB_OFFLOAD_STAGING_SETS`` overrides both). Ignored with segments.
 
     Attributes:
-        k_cache, v_cache: [L*R + 2*W, S, Hkv, D] GPU pool (model dtype): resident pages, then two staging buffers.
+        k_cache, v_cache: [L*R + K*W, S, Hkv, D] GPU pool (model dtype): resident pages, then ``K`` staging buffers
+            (``staging_sets``: 2 with segments, 2 to 4 with whole layers, :func:`choose_staging_sets`).
         dk_cache, dv_cache: same shape, ``grad_dtype``.
         own_dk_cache, own_dv_cache: [2*O, S, Hkv, D] ``grad_dtype``, O = min(chunk pages, n - R):
             the own-gradient buffers (segmented staging only, else None); own_pages: O (0 without).
@@ -1264,6 +1283,7 @@ class OffloadedKVStore:
         trace: bool = False,
         segment_pages: int | str = "auto",
         checkpoint_layers: bool = False,
+        staging_sets: int | None = None,
     ) -> None:
         if chunk_size % page_size:
             raise ValueError(f"chunk_size ({chunk_size}) must be a multiple of page_size ({page_size})")
@@ -1288,13 +1308,13 @@ class OffloadedKVStore:
         self.device = torch.device(device)
         self.max_pages_per_layer = n = -(-max_seq_len // S)
         self.num_pages = L * n  # logical pages, both tiers
-        self.gpu_page_budget = min_gpu_pages(L, n, SP) if gpu_pages is None else gpu_pages
-        self.resident_pages_per_layer = R = resident_pages_for_budget(L, n, self.gpu_page_budget, SP)
+        self.gpu_page_budget = min_gpu_pages(L, n, SP, staging_sets) if gpu_pages is None else gpu_pages
+        self.resident_pages_per_layer = R = resident_pages_for_budget(L, n, self.gpu_page_budget, SP, staging_sets)
         self.segment_pages = SP
         self.segmented = SP is not None
         self.host_pages_per_layer = H = n - R
         self.staging_pages = W = _staging(n, R, SP)
-        self.staging_sets = K = choose_staging_sets(L, n, self.gpu_page_budget, SP)
+        self.staging_sets = K = choose_staging_sets(L, n, self.gpu_page_budget, SP, staging_sets)
         self.gpu_pool_pages = L * R + K * W
         self._cuda = self.device.type == "cuda"
 
