@@ -955,6 +955,8 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
             # The plan sizes the GPU page pool with the optimizer states counted; the engine alone would size
             # it before AdamW allocates them.
             engine_kwargs.update(plan.engine_settings())
+        elif args.offload != "off":  # the user's pool: the staging sets the plan checked against the host budget
+            engine_kwargs["offload_staging_sets"] = plan.engine_settings()["offload_staging_sets"]
     try:
         cfg = OOMBConfig(
             chunk_size=args.chunk_size,
