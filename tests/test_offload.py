@@ -1344,6 +1344,18 @@ def test_last_chunk_tile_list_waits_for_the_compute_stream(monkeypatch):
 
 
 
+def _whole_layer_reference(monkeypatch, layers, ckpt):
+    """A float64 tiny model, 44 tokens, chunk 8, page 4, its all-on-device step, and engines set to stage whole
+    layers -> (m_ref, ids, step kwargs, out_ref)."""
+    torch.manual_seed(1)
+    m_ref = tiny("qwen2", 4, 2, layers=layers).double()
+    ids = torch.randint(0, VOCAB, (1, 44))
+    common = dict(chunk_size=8, page_size=4, checkpoint_layers=ckpt)
+    out_ref, _ = _step(m_ref, ids, offload=False, **common)
+    monkeypatch.setattr(Engine, "_segment_pages", lambda self: "layer")
+    return m_ref, ids, common, out_ref
+
+
 @pytest.mark.parametrize("sets", [3, 4])
 @pytest.mark.parametrize("ckpt", [False, True])
 def test_more_staging_sets_bitwise_and_traffic(monkeypatch, sets, ckpt):
@@ -1351,12 +1363,7 @@ def test_more_staging_sets_bitwise_and_traffic(monkeypatch, sets, ckpt):
     bitwise the all-on-device one under the lazy two-stream simulator with poisoned pools, every staging is issued
     ahead, and the bytes equal the planner's (the top K layers keep their K/V from the Stage-2 forward to the
     backward, so fewer host->device bytes than with two sets)."""
-    torch.manual_seed(1)
-    m_ref = tiny("qwen2", 4, 2, layers=6).double()
-    ids = torch.randint(0, VOCAB, (1, 44))
-    common = dict(chunk_size=8, page_size=4, checkpoint_layers=ckpt)
-    out_ref, _ = _step(m_ref, ids, offload=False, **common)
-    monkeypatch.setattr(Engine, "_segment_pages", lambda self: "layer")
+    m_ref, ids, common, out_ref = _whole_layer_reference(monkeypatch, 6, ckpt)
     stats = {}
     for k in (2, sets):
         with monkeypatch.context() as mp:
@@ -1397,12 +1404,7 @@ def test_auto_staging_sets_bitwise_and_traffic(monkeypatch):
     a pool of 4 whole layers at 28 layers of 11 pages keeps 0 of 11 pages resident with 4 sets and with 2 (the
     host tier does not grow: taken), and training stays bitwise the all-on-device one with the planner's bytes."""
     monkeypatch.delenv("OOMB_OFFLOAD_STAGING_SETS", raising=False)
-    torch.manual_seed(1)
-    m_ref = tiny("qwen2", 4, 2, layers=28).double()
-    ids = torch.randint(0, VOCAB, (1, 44))
-    common = dict(chunk_size=8, page_size=4, checkpoint_layers=True)
-    out_ref, _ = _step(m_ref, ids, offload=False, **common)
-    monkeypatch.setattr(Engine, "_segment_pages", lambda self: "layer")
+    m_ref, ids, common, out_ref = _whole_layer_reference(monkeypatch, 28, True)
     _lazy(monkeypatch)
     m = clone_model(m_ref)
     out, e = _step(m, ids, offload=True, gpu_page_budget=4 * 11, **common)
