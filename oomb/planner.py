@@ -406,6 +406,8 @@ class MemoryPlan:
         return f"offload, GPU pool {t.gpu_pages:,} pages"
 
     def _staging_label(self) -> str:
+        if not self.tiering.offload:
+            return "KV staging: none (no offload)"
         if self.segment_pages is None:
             k = self.tiering.staging_sets
             return f"KV staging ({k} layers) + write buffers"

@@ -863,7 +863,7 @@ def test_an_offload_budget_that_holds_every_page_is_warned_about_once(tmp_path, 
             "--host-gib", "8", "--offload", "on", "--gpu-page-budget"]
     assert run_cli([*plan, "16"]) == 0  # oomb plan says it too, after its table
     captured = capsys.readouterr()
-    assert "tiering: every page on the GPU" in captured.out
+    assert "tiering: every page on the GPU" in captured.out and "KV staging: none (no offload)" in captured.out
     assert captured.err.count("oomb: warning: --gpu-page-budget 16 holds all 16 KV pages") == 1
     assert run_cli([*plan, "15"]) == 0
     assert "warning" not in capsys.readouterr().err
