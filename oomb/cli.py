@@ -714,7 +714,8 @@ def _store_summary(store, seq_len: int, page_size: int, seconds: float) -> str:
     if not host:
         return f"KV store: every page on the {dev.upper()} ({size(store.nbytes)})"
     n = -(-seq_len // page_size)
-    return (f"KV store: offload, {store.resident_pages_per_layer:,} of {n:,} pages per layer resident, "
+    sets = f"{store.staging_sets} whole-layer staging sets, " if getattr(store, "segment_pages", 0) is None else ""
+    return (f"KV store: offload, {store.resident_pages_per_layer:,} of {n:,} pages per layer resident, {sets}"
             f"{size(store.nbytes)} {dev.upper()} pool + {size(host)} "
             f"{'pinned ' if dev == 'cuda' else ''}host memory (allocated once, in {seconds:.1f} s)")
 

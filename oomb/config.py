@@ -50,8 +50,9 @@ class OOMBConfig:
 
     gpu_page_budget: int | None = None
     """With offload: GPU page-pool size in pages (a page = page_size tokens of one layer's K, V, dK and dV),
-    the two staging buffers included, so at least 2 x min(offload_segment_pages, ceil(T / page_size)) (whole layers
-    with sparse attention); pages beyond stay resident on the GPU. None: on CUDA the largest the planner
+    the staging buffers included, so at least 2 x min(offload_segment_pages, ceil(T / page_size)) (with sparse
+    attention K whole layers: K = 2, or offload_staging_sets); pages beyond stay resident on the GPU. None: on
+    CUDA the largest the planner
     finds room for, on CPU the minimum. Setting it implies offload (an error with offload=False)."""
 
     offload_staging_sets: int | None = None
@@ -129,6 +130,10 @@ class OOMBConfig:
                 raise ValueError(f"offload_staging_sets must be an integer >= 2 or None, got {k!r}")
             if self.offload is False:
                 raise ValueError("offload_staging_sets sizes the staging of offload; it cannot be set with offload=False")
+            if not self.sparse:
+                raise ValueError("offload_staging_sets sizes whole-layer staging, which only sparse attention uses "
+                                 "(dense offload stages segments: see offload_segment_pages); set sparse=True or "
+                                 "leave it None")
         if self.offload_segment_pages is not None:
             sp = self.offload_segment_pages
             if not isinstance(sp, int) or isinstance(sp, bool) or sp <= 0:

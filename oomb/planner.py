@@ -485,9 +485,10 @@ def _tier(L: int, n: int, pb: int, pool_budget: int, host_budget: int, offload: 
     R = resident_pages_for_budget(L, n, pages, segment_pages, K)
     host = L * (n - R) * pb
     if host > host_budget and K > 2 and staging_sets is None and os.environ.get("OOMB_OFFLOAD_STAGING_SETS") is None:
-        R2 = resident_pages_for_budget(L, n, pages, segment_pages, 2)  # more sets cost host pages: fall back
-        if L * (n - R2) * pb <= host_budget:
-            K, R, host = 2, R2, L * (n - R2) * pb
+        # More sets cost host pages: fall back to two (also where two do not fit either: the error then tells the
+        # smallest host tier, the one to make room for).
+        R = resident_pages_for_budget(L, n, pages, segment_pages, 2)
+        K, host = 2, L * (n - R) * pb
     used = L * R + K * _staging(n, R, segment_pages)
     if host > host_budget:
         return None, (f"the host tier needs {host / GiB:.2f} GiB of pinned memory but the budget is "
@@ -608,7 +609,7 @@ def plan(
         parts = (n_params, trainable, weights, grads, optim, act)
         return parts, weights + grads + optim + act["total"]
 
-    def tier_for(T: int, off=offload, budget=gpu_page_budget, host=host_budget, save="off"):
+    def tier_for(T: int, off=offload, budget=gpu_page_budget, host=host_budget, save="off", sets=None):
         _, fixed = fixed_for(T, save)
         n = -(-T // page_size)
         pool_budget = gpu_budget - fixed
@@ -617,11 +618,11 @@ def plan(
             return None, (f"save_attention=host needs {saved_host / GiB:.2f} GiB of host memory but the host budget is "
                           f"{host / GiB:.2f} GiB")
         host = host - saved_host
-        t, why = _tier(L, n, pb, pool_budget, host, off, budget, SP)
+        t, why = _tier(L, n, pb, pool_budget, host, off, budget, SP, sets)
         if (t is not None and t.offload) or (t is None and off is not False):
             # The offload layout leaves room for the write and own-gradient buffers; a failure is told
             # with that layout's numbers too (the ones the table shows).
-            t2, why2 = _tier(L, n, pb, pool_budget - wbuf - own_max, host, off, budget, SP)
+            t2, why2 = _tier(L, n, pb, pool_budget - wbuf - own_max, host, off, budget, SP, sets)
             if t is not None or t2 is None:
                 t, why = t2, why2
         return t, why
@@ -671,7 +672,9 @@ def plan(
         problems.append(why)
         # Show the layout the verdict speaks of: where only the host tier is too small, the offload tiering
         # the GPU side would use (its host pages then exceed the host budget in the table too).
-        attempt = tier_for(seq_len, host=float("inf"))[0] if offload is not False else None
+        # (two staging sets, as the verdict: with too little host memory the planner falls back to them)
+        two = None if os.environ.get("OOMB_OFFLOAD_STAGING_SETS") is not None else 2
+        attempt = tier_for(seq_len, host=float("inf"), sets=two)[0] if offload is not False else None
         tiering = attempt if attempt is not None and attempt.offload else Tiering(
             offload is True or gpu_page_budget is not None, gpu_page_budget, 0)
     if machine.gpu_total_bytes == 0:

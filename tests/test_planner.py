@@ -433,9 +433,41 @@ def test_more_staging_sets_give_way_to_the_host_budget(monkeypatch):
 def test_offload_staging_sets_config():
     from oomb import OOMBConfig
 
-    assert OOMBConfig(offload_staging_sets=3).offload_staging_sets == 3
+    assert OOMBConfig(sparse=True, offload_staging_sets=3).offload_staging_sets == 3
     for bad in (1, 0, 2.5, True, "4"):
         with pytest.raises(ValueError, match="offload_staging_sets must be an integer >= 2"):
-            OOMBConfig(offload_staging_sets=bad)
+            OOMBConfig(sparse=True, offload_staging_sets=bad)
     with pytest.raises(ValueError, match="cannot be set with offload=False"):
-        OOMBConfig(offload=False, offload_staging_sets=3)
+        OOMBConfig(sparse=True, offload=False, offload_staging_sets=3)
+    with pytest.raises(ValueError, match="only sparse attention uses"):
+        OOMBConfig(offload=True, offload_staging_sets=3)
+
+
+def test_staging_sets_not_below_the_layers_are_refused(monkeypatch):
+    """K whole-layer staging buffers for L <= K layers cost every page of the GPU: refused with the fix named
+    (before, offload silently kept every page on the GPU), from the env var and from the config."""
+    from oomb.engine.offload import OffloadedKVStore, choose_staging_sets, resident_pages_for_budget
+
+    monkeypatch.setenv("OOMB_OFFLOAD_STAGING_SETS", "5")
+    with pytest.raises(ValueError, match="OOMB_OFFLOAD_STAGING_SETS=5 whole-layer staging buffers for a model of 4 "
+                                         "layers cost as much as keeping every page on the GPU; use 2 to 3"):
+        OffloadedKVStore(4, 1, 4, 4, 64, torch.float32, "cpu", chunk_size=8, segment_pages="layer")
+    assert choose_staging_sets(4, 16, 64, 4) == 2  # segments: not concerned
+    monkeypatch.delenv("OOMB_OFFLOAD_STAGING_SETS")
+    with pytest.raises(ValueError, match="offload_staging_sets=6 whole-layer staging buffers for a model of 6 layers"):
+        resident_pages_for_budget(6, 10, 59, None, 6)
+    with pytest.raises(ValueError, match=r"raise gpu_page_budget, lower offload_staging_sets / OOMB_OFFLOAD_STAGING_SETS "
+                                         r"\(2 needs 20\) or shorten"):
+        resident_pages_for_budget(6, 10, 25, None, 3)
+
+
+def test_host_error_tells_the_two_set_layout(monkeypatch):
+    """Where neither 4 nor 2 sets fit the host budget, the error gives the two-set host tier (the smallest)."""
+    from oomb.planner import _tier
+
+    monkeypatch.delenv("OOMB_OFFLOAD_STAGING_SETS", raising=False)
+    L, n, pool = 28, 8192, 128_600
+    two, _ = _tier(L, n, 1, pool, 10**12, True, None, None, 2)
+    host2 = L * (n - two.resident_pages_per_layer)
+    t, why = _tier(L, n, 1, pool, host2 - 1, True, None, None)
+    assert t is None and f"({two.resident_pages_per_layer:,} of {n:,} per layer now)" in why

@@ -260,7 +260,9 @@ def staging_sets(segment_pages: int | None) -> int:
     Raises:
         ValueError: a bad ``OOMB_OFFLOAD_STAGING_SETS``.
     """
-    return 2 if segment_pages is not None else _env_int("OOMB_OFFLOAD_STAGING_SETS", 2, minimum=2)
+    if segment_pages is not None:
+        return 2
+    return _env_int("OOMB_OFFLOAD_STAGING_SETS", 2, minimum=2, default_text="to let oomb pick 2 to 4 from the GPU pool")
 
 
 MAX_AUTO_STAGING_SETS = 4
@@ -284,26 +286,35 @@ def choose_staging_sets(num_layers: int, pages_per_layer: int, gpu_pages: int, s
 
     Segments: 2. Whole-layer staging: ``OOMB_OFFLOAD_STAGING_SETS`` when set; else ``requested`` when given
     (``OOMBConfig.offload_staging_sets``, or the planner's choice: it falls back to 2 where more sets would
-    overflow the host budget); else the largest ``K`` in
+    overflow the host budget); either must be below ``num_layers`` (K whole-layer buffers of L <= K layers
+    would cost as much as keeping every page on the GPU). Else the largest ``K < num_layers`` in
     ``(MAX_AUTO_STAGING_SETS, ..., 3)`` whose pool still keeps the host tier within ``AUTO_STAGING_HOST_GROWTH``
     (10%) of its size with two sets (``n - R_K <= 1.1 * (n - R_2)``), else 2. Measured on the H200
     (benchmarks/NOTES.md, twelfth session): at 256K tokens with every page offloaded, 4 sets took Stage 2 from
     74.4 to 71.7 s for the same bytes (a layer's dK/dV staging no longer waits behind the write-back of layer
-    ``l + 2``), and the 1M step from 291.8 to 284.4 s at about the same resident pages; the 1M Stage-2 excess grows
-    about linearly with the host pages (~41 s at 3,876 per layer), so +10% host pages (~+4 s) stays below the gain.
+    ``l + 2``), and the 1M step from 291.8 s (2 sets, tenth session) to 284.4 s (4 sets, a pool of about the same
+    resident pages; 279.2 s with the copy kernel's new shape too); the 1M Stage-2 excess grows about linearly with
+    the host pages (~41 s at 3,876 per layer), so +10% host pages (~+4 s) stays below the gain.
 
     Raises:
-        ValueError: a bad ``OOMB_OFFLOAD_STAGING_SETS``.
+        ValueError: a bad ``OOMB_OFFLOAD_STAGING_SETS`` or ``requested`` (not an integer >= 2), or either not
+            below ``num_layers`` with whole-layer staging.
     """
     if segment_pages is not None:
         return 2
-    if os.environ.get("OOMB_OFFLOAD_STAGING_SETS") is not None:
-        return staging_sets(None)
-    if requested is not None:
-        if not isinstance(requested, int) or isinstance(requested, bool) or requested < 2:
-            raise ValueError(f"staging_sets must be an integer >= 2, got {requested!r}")
-        return requested
     L, n = num_layers, pages_per_layer
+    if os.environ.get("OOMB_OFFLOAD_STAGING_SETS") is not None or requested is not None:
+        env = os.environ.get("OOMB_OFFLOAD_STAGING_SETS") is not None
+        if env:
+            K, where = staging_sets(None), "OOMB_OFFLOAD_STAGING_SETS"
+        else:
+            if not isinstance(requested, int) or isinstance(requested, bool) or requested < 2:
+                raise ValueError(f"offload_staging_sets must be an integer >= 2, got {requested!r}")
+            K, where = requested, "offload_staging_sets"
+        if K >= L and L > 2:
+            raise ValueError(f"{where}={K} whole-layer staging buffers for a model of {L} layers cost as much as "
+                             f"keeping every page on the GPU; use 2 to {L - 1}, or leave it unset to let oomb pick")
+        return K
     R2 = _residents(L, n, gpu_pages, 2)
     if R2 < 0 or R2 >= n:  # below the minimum (the caller raises), or nothing to stage
         return 2
@@ -348,9 +359,11 @@ def resident_pages_for_budget(
     if gpu_pages < need:
         what = (f"{K} layers' staging" if segment_pages is None
                 else f"two staging buffers of {_staging(n, 0, segment_pages)} pages")
+        fewer = (", lower offload_staging_sets / OOMB_OFFLOAD_STAGING_SETS (2 needs "
+                 f"{min_gpu_pages(L, n, segment_pages, 2):,})" if segment_pages is None and K > 2 else "")
         raise ValueError(
             f"a GPU page budget of {gpu_pages} pages cannot stage {n} pages per layer: offload needs at least "
-            f"{need} pages on the GPU ({what}); raise gpu_page_budget or shorten the sequence"
+            f"{need} pages on the GPU ({what}); raise gpu_page_budget{fewer} or shorten the sequence"
         )
     if segment_pages is None:
         if L <= K:  # staging K layers costs as much as keeping them all
@@ -1042,8 +1055,9 @@ class _SyncStreams:
         pass
 
 
-def _env_int(name: str, default: int, minimum: int = 1) -> int:
-    """An integer >= ``minimum`` from the environment variable ``name`` (``default`` when unset).
+def _env_int(name: str, default: int, minimum: int = 1, default_text: str | None = None) -> int:
+    """An integer >= ``minimum`` from the environment variable ``name`` (``default`` when unset; ``default_text``
+    says what unsetting it means in the error, else "the default, {default}").
 
     Raises:
         ValueError: a value that is not such an integer (naming the variable).
@@ -1057,7 +1071,8 @@ def _env_int(name: str, default: int, minimum: int = 1) -> int:
         value = minimum - 1
     if value < minimum:
         what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise ValueError(f"{name} must be {what}; got {raw!r} (unset it for the default, {default})")
+        unset = default_text or f"for the default, {default}"
+        raise ValueError(f"{name} must be {what}; got {raw!r} (unset it {unset})")
     return value
 
 
