@@ -1642,7 +1642,8 @@ def _plan(args: argparse.Namespace) -> int:
         raise _usage_from(exc, "see 'oomb plan --help'") from exc
     finally:
         sys.stdout.write(_flag_names(report.getvalue()))
-    _warn_if_offload_moves_nothing(args, args._num_layers)
+    if status == 0:  # a refused plan has said what is wrong with the budget already
+        _warn_if_offload_moves_nothing(args, args._num_layers)
     _warn_if_sparse_is_dense(args)
     return status
 

@@ -677,6 +677,16 @@ def plan(
         attempt = tier_for(seq_len, host=float("inf"), sets=two)[0] if offload is not False else None
         tiering = attempt if attempt is not None and attempt.offload else Tiering(
             offload is True or gpu_page_budget is not None, gpu_page_budget, 0)
+        if (attempt is None or not attempt.offload) and gpu_page_budget is not None and gpu_page_budget < L * n:
+            # The caller's pool is refused (too big for the GPU): show the layout that pool would have.
+            from .engine.offload import _staging, choose_staging_sets, resident_pages_for_budget
+
+            try:
+                K = choose_staging_sets(L, n, gpu_page_budget, SP)
+                R = resident_pages_for_budget(L, n, gpu_page_budget, SP, K)
+                tiering = Tiering(True, L * R + K * _staging(n, R, SP), R, K)
+            except ValueError:  # below the minimum: that problem is already in the list
+                pass
     if machine.gpu_total_bytes == 0:
         problems = ["no CUDA GPU is visible: plan for one with plan(..., machine=Machine(...))"]
     elif fixed > gpu_budget:

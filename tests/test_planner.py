@@ -471,3 +471,19 @@ def test_host_error_tells_the_two_set_layout(monkeypatch):
     host2 = L * (n - two.resident_pages_per_layer)
     t, why = _tier(L, n, 1, pool, host2 - 1, True, None, None)
     assert t is None and f"({two.resident_pages_per_layer:,} of {n:,} per layer now)" in why
+
+
+def test_a_refused_pool_shows_the_layout_it_would_have(monkeypatch):
+    """A --gpu-page-budget too big for the GPU is refused; the table shows what that pool would hold (before: 0
+    resident pages, two staging layers and every page on the host, unlike anything the store would build)."""
+    from oomb import OOMBConfig
+    from oomb.engine.offload import resident_pages_for_budget
+
+    monkeypatch.delenv("OOMB_OFFLOAD_STAGING_SETS", raising=False)
+    cfg = OOMBConfig(sparse=True, page_budget=64, chunk_size=4096, page_size=128)
+    p = plan("qwen2.5-7b", 1 << 20, machine=H200, optimizer=None, checkpoint_layers=True, sparse=cfg, gpu_page_budget=200_000)
+    assert not p.fits and "lower gpu_page_budget" in p.problems[0]
+    t = p.tiering
+    assert t.offload and t.resident_pages_per_layer == resident_pages_for_budget(28, 8192, 200_000, None)
+    assert t.gpu_pages == 28 * t.resident_pages_per_layer + t.staging_sets * (8192 - t.resident_pages_per_layer)
+    assert p.host_kv == 28 * (8192 - t.resident_pages_per_layer) * p.page_bytes
