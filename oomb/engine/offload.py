@@ -12,8 +12,9 @@ engine interface) for sequences whose K/V and dK/dV do not fit on the GPU.
 
 The GPU pool is ``[L*R resident pages | K*W staging slots]``: ``K`` staging
 buffers of ``W`` pages (two with segments; with whole-layer staging
-:func:`choose_staging_sets` takes up to four when the pool affords them). Host pages of one layer are contiguous, so a staging is
-one copy per tensor (K, V, dK, dV), never one copy per page.
+:func:`choose_staging_sets` takes up to four when the pool affords them).
+Host pages of one layer are contiguous, so a staging is one copy per tensor
+(K, V, dK, dV), never one copy per page.
 
 **Segments (default).** The attention takes a layer's past in segments
 (:mod:`oomb.ops.paged_attention`, "Segmented past": one kernel call per segment,
@@ -303,8 +304,8 @@ def choose_staging_sets(num_layers: int, pages_per_layer: int, gpu_pages: int, s
     if segment_pages is not None:
         return 2
     L, n = num_layers, pages_per_layer
-    if os.environ.get("OOMB_OFFLOAD_STAGING_SETS") is not None or requested is not None:
-        env = os.environ.get("OOMB_OFFLOAD_STAGING_SETS") is not None
+    env = os.environ.get("OOMB_OFFLOAD_STAGING_SETS") is not None
+    if env or requested is not None:
         if env:
             K, where = staging_sets(None), "OOMB_OFFLOAD_STAGING_SETS"
         else:
