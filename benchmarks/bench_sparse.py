@@ -112,6 +112,30 @@ def autotuned_configs() -> dict:
     return out
 
 
+def memory_breakdown(engine, args, seq_len: int, peak_gib: float) -> dict:
+    """What the allocator's peak was made of (GiB), to check the planner's activation estimate and reserve: peak
+    reserved (allocated plus the allocator's cache and fragmentation), weights, gradients, the KV store's GPU
+    bytes, the sparse state, the rest of the allocated peak ("activations_measured_gib") and what
+    :func:`oomb.planner.activation_bytes` predicts for it (choose_engine_tiering's argument values)."""
+    from oomb.planner import ModelShape, activation_bytes, sparse_state_bytes
+
+    cfg = engine.config
+    shape = ModelShape.from_config(engine._base.config)
+    params = list(engine.model.parameters())
+    weights = sum(p.numel() * p.element_size() for p in params)
+    grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
+    state = sparse_state_bytes(shape, seq_len, cfg, engine.dtype) if cfg.sparse else 0
+    act = activation_bytes(shape, min(cfg.chunk_size, seq_len), engine.dtype, cfg.checkpoint_layers, engine._backend,
+                           cfg.attention_block_size, cfg.loss_chunk_size, max(seq_len - cfg.chunk_size, 0))
+    store = engine.kv_store
+    gpu_store = store.nbytes + getattr(store, "index_nbytes", 0)  # GPU page buffers (+ block tables)
+    rest = peak_gib * GiB - weights - grads - gpu_store - state
+    return dict(peak_reserved_gib=torch.cuda.max_memory_reserved() / GiB, weights_gib=weights / GiB,
+                grads_gib=grads / GiB, kv_gpu_bytes_gib=gpu_store / GiB, sparse_state_gib=state / GiB,
+                activations_measured_gib=rest / GiB, activations_planned_gib=act["total"] / GiB,
+                gpu_total_gib=torch.cuda.mem_get_info()[1] / GiB)
+
+
 def step(model, args, sparse: bool, backend: str, ids: torch.Tensor, device: torch.device) -> dict:
     _record_union_sizes()
     _UNION_SIZES.clear()
@@ -145,6 +169,8 @@ def step(model, args, sparse: bool, backend: str, ids: torch.Tensor, device: tor
         page_summaries_gib=None if state is None else state.reps.nbytes / GiB,
         rss_gib=rss_gib(),
     )
+    if device.type == "cuda":
+        row.update(memory_breakdown(engine, args, ids.shape[1], row["peak_gib"]))
     row["autotuned"] = autotuned_configs()
     # the store's knobs (stash, shadow, grain, sets, copy kernel) and the allocator's settings
     row["env"] = {k: v for k, v in os.environ.items() if k.startswith("OOMB_") or k == "PYTORCH_CUDA_ALLOC_CONF"}
