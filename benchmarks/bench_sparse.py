@@ -130,10 +130,14 @@ def memory_breakdown(engine, args, seq_len: int, peak_gib: float) -> dict:
     store = engine.kv_store
     gpu_store = store.nbytes + getattr(store, "index_nbytes", 0)  # GPU page buffers (+ block tables)
     rest = peak_gib * GiB - weights - grads - gpu_store - state
-    return dict(peak_reserved_gib=torch.cuda.max_memory_reserved() / GiB, weights_gib=weights / GiB,
+    free, total = torch.cuda.mem_get_info()
+    # GPU memory held outside torch's allocator (CUDA context, library workspaces, kernel modules), after the step
+    outside = total - free - torch.cuda.memory_reserved()
+    return dict(peak_reserved_gib=torch.cuda.max_memory_reserved() / GiB, outside_allocator_gib=outside / GiB,
+                weights_gib=weights / GiB,
                 grads_gib=grads / GiB, kv_gpu_bytes_gib=gpu_store / GiB, sparse_state_gib=state / GiB,
                 activations_measured_gib=rest / GiB, activations_planned_gib=act["total"] / GiB,
-                gpu_total_gib=torch.cuda.mem_get_info()[1] / GiB)
+                gpu_total_gib=total / GiB)
 
 
 def step(model, args, sparse: bool, backend: str, ids: torch.Tensor, device: torch.device) -> dict:
