@@ -543,7 +543,7 @@ def plan(
         sparse: None (dense), or an object with the sparse settings of :class:`oomb.OOMBConfig`
             (``page_budget``, ``sink_pages``, ``local_pages``, ``sparse_score``, ``sparse_block_size``;
             e.g. an ``OOMBConfig(sparse=True, ...)``): its page representatives and selections
-            (:func:`sparse_state_bytes`) and the engine's 4 GiB of extra headroom for sparse runs are
+            (:func:`sparse_state_bytes`) and the engine's extra headroom for sparse runs (:func:`sparse_headroom_bytes`) are
             counted, and offload stages whole layers, as the engine does.
         save_attention: 'off', 'gpu' or 'host' (:class:`oomb.OOMBConfig`): the Stage-1 attention outputs
             (:func:`oomb.engine.saved_attention.saved_attention_bytes`) on the GPU, or on the host plus two
@@ -570,9 +570,9 @@ def plan(
 
         # sparse_state_bytes reads the settings plus ``sparse`` and this plan's page size.
         sparse_cfg = SimpleNamespace(**vars(_sparse_settings(sparse)), sparse=True, page_size=page_size)
-        # As choose_engine_tiering: 4 GiB more headroom (the 1M sparse step of 2026-11-30 ran out without it),
-        # and the sparse attention reads the past through one table, so offload stages whole layers.
-        reserve += 4 * GiB
+        # As choose_engine_tiering: more headroom without per-layer checkpointing (sparse_headroom_bytes), and
+        # the sparse attention reads the past through one table, so offload stages whole layers.
+        reserve += sparse_headroom_bytes(checkpoint_layers)
         offload_segment_pages = "layer"
         from .engine.offload import kv_stash_reserve_bytes
 
@@ -827,6 +827,19 @@ def sparse_state_bytes(shape: "ModelShape", seq_len: int, config: Any, dtype: to
     return reps + L * nb * Hkv * (K + 1) * 4
 
 
+def sparse_headroom_bytes(checkpoint_layers: bool) -> int:
+    """GPU bytes kept free for a sparse run on top of the allocator reserve: 4 GiB without per-layer checkpointing,
+    0 with it.
+
+    Without ``checkpoint_layers`` the first 1M-token sparse + offload step (2026-11-30) ran out of memory in Stage 2
+    with the plain reserve. With it, three H200 steps (Qwen2.5-7B, chunk 4096; 64K, 256K, 1M tokens, 2026-12-02)
+    measured 2.77-2.80 GiB of activations at the peak against 3.48 GiB estimated by :func:`activation_bytes`, and
+    2.6-2.9 GiB of allocator cache above the allocated peak, within the 3% reserve (4.2 GiB) (benchmarks/NOTES.md,
+    "thirteenth session").
+    """
+    return 0 if checkpoint_layers else 4 * GiB
+
+
 def choose_engine_tiering(engine: Any, seq_len: int) -> tuple[bool, int | None, int | None]:
     """(offload, gpu_pages, staging_sets) for an :class:`oomb.Engine` about to allocate its store for ``seq_len``
     tokens (``staging_sets``: for :class:`~oomb.engine.offload.OffloadedKVStore`; None = picked from the pool).
@@ -836,6 +849,7 @@ def choose_engine_tiering(engine: Any, seq_len: int) -> tuple[bool, int | None, 
     budget comes from the memory free NOW (driver free + the allocator's cached bytes), less the gradients not
     yet allocated, one chunk's activations and a reserve. Optimizer states allocated later are not seen:
     callers that know the optimizer (the CLI) should plan with :func:`plan` and pass ``gpu_page_budget``.
+    On CUDA the bytes it read are left in ``engine.tiering`` (for benchmarks and bug reports).
 
     Raises:
         MemoryPlanError: on CUDA, if not even the two staging buffers fit (two segments; two layers with
@@ -868,14 +882,17 @@ def choose_engine_tiering(engine: Any, seq_len: int) -> tuple[bool, int | None, 
     if cfg.sparse:
         # Page representatives and stored selections live on the GPU for the whole step, and the first
         # 1M-token sparse + offload step planned without them (and with the plain reserve) ran out of
-        # memory in Stage 2 (benchmarks/NOTES.md, 2026-11-30): count them and keep 4 GiB more free.
-        reserve += sparse_state_bytes(shape, seq_len, cfg, dtype) + 4 * GiB
+        # memory in Stage 2 (benchmarks/NOTES.md, 2026-11-30): count them, and keep sparse_headroom_bytes free.
+        reserve += sparse_state_bytes(shape, seq_len, cfg, dtype) + sparse_headroom_bytes(cfg.checkpoint_layers)
         from .engine.offload import kv_stash_reserve_bytes
 
         # the K/V stash, when asked for (OOMB_OFFLOAD_KV_STASH_MIB; at most what the store would allocate)
         reserve += kv_stash_reserve_bytes(shape.num_layers, -(-seq_len // cfg.page_size), shape.num_kv_heads,
                                           shape.head_dim, cfg.page_size, dtype)
     pool_budget = free + cached - reserve - missing_grads - act
+    engine.tiering = dict(seq_len=seq_len, free_bytes=int(free), cached_bytes=int(cached),
+                          allocated_bytes=int(torch.cuda.memory_allocated(device)), reserve_bytes=int(reserve),
+                          missing_grad_bytes=int(missing_grads), activation_bytes=int(act), pool_budget_bytes=int(pool_budget))
     L, n = shape.num_layers, -(-seq_len // cfg.page_size)
     pb = _page_bytes(shape, cfg.page_size, dtype)
     host_budget = int(_host_memory()[0] * HOST_FRACTION)

@@ -227,6 +227,9 @@ class Engine:
         self._saved_keep: SavedAttention | None = None  # the last step's buffers, reused by the next
         self._warned_saved_offload = False
         self._backend = "torch"
+        # What choose_engine_tiering read when it sized the GPU pool on CUDA (bytes: free, cached, allocated,
+        # reserve, missing gradients, activations, pool budget); None until then (or on CPU).
+        self.tiering: dict | None = None
 
     # ------------------------------------------------------------------ helpers
     @property
