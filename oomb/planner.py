@@ -531,7 +531,8 @@ def plan(
         lora_rank: LoRA rank on q/k/v/o (0: full fine-tune).
         optimizer: 'adamw' (two fp32 states per trainable parameter, 8 B) or None (no states).
         checkpoint_layers, attention_backend ('torch', 'triton' or 'sdpa'), attention_block_size, loss_chunk_size:
-            as in :class:`oomb.OOMBConfig` ('auto' counts as 'sdpa', what it is on CUDA).
+            as in :class:`oomb.OOMBConfig` ('auto' counts as 'sdpa', what it is on CUDA; with
+            ``sparse`` 'auto' and 'sdpa' count as 'triton', the block-table kernels sparse attention runs).
         offload: True, False or 'auto' (offload only when every page does not fit on the GPU).
         gpu_page_budget: GPU pool in pages with offload (None: the largest that fits).
         offload_segment_pages: offload staging segment in pages; None/'auto': 32K tokens' worth,
@@ -564,6 +565,8 @@ def plan(
     kv_stash = 0
     machine = machine or Machine.detect()
     backend = {"auto": "sdpa"}.get(attention_backend, attention_backend)
+    if sparse is not None and backend == "sdpa":
+        backend = "triton"  # sparse attention reads its pages through the block-table kernels (paged_backend)
     reserve = gpu_reserve_bytes if gpu_reserve_bytes is not None else max(2 * GiB, int(0.03 * machine.gpu_total_bytes))
     if sparse is not None:
         from types import SimpleNamespace
@@ -875,7 +878,15 @@ def choose_engine_tiering(engine: Any, seq_len: int) -> tuple[bool, int | None, 
                         if p.requires_grad and p.grad is None and not (float32_sums and p.dtype in LOW_PRECISION))
     if float32_sums:
         missing_grads += extra_grad_bytes(params)
-    backend = engine._backend
+    # The backend the step will run (engine._backend is only set by step()/evaluate(): reserve() before the
+    # first step read the CPU default 'torch', whose score-sized temporaries are 3.8 GiB more for Qwen2.5-7B at
+    # chunk 4096, and sized the 1M pool of 2026-12-02 that much too small). Sparse attention reads its pages
+    # through the block-table kernels (paged_backend).
+    from .ops.paged_attention import paged_backend, resolve_backend
+
+    backend = resolve_backend(cfg.attention_backend, device)
+    if cfg.sparse:
+        backend = paged_backend(backend, device)
     act = activation_bytes(shape, min(cfg.chunk_size, seq_len), dtype, cfg.checkpoint_layers, backend,
                            cfg.attention_block_size, cfg.loss_chunk_size, max(seq_len - cfg.chunk_size, 0))["total"]
     reserve = max(2 * GiB, int(0.03 * total))

@@ -113,7 +113,7 @@ def add_plan_subcommand(subparsers: Any, **parser_kwargs: Any) -> Any:
     p.add_argument("--no-optimizer", action="store_true", help="leave out AdamW states (memory of the step alone)")
     p.add_argument("--checkpoint-layers", action="store_true", help="per-layer checkpointing inside each chunk")
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton", "sdpa"], default="auto",
-                   help="attention implementation; auto counts as sdpa (what it is on cuda): its model-dtype past dK/dV per call are counted")
+                   help="attention implementation; auto counts as sdpa (what it is on cuda): its model-dtype past dK/dV per call are counted; with --sparse, auto and sdpa count as triton (the kernels sparse attention runs)")
     add_save_attention_argument(p)
     add_grad_accum_dtype_argument(p)
     add_offload_arguments(p)

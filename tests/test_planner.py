@@ -492,3 +492,48 @@ def test_a_refused_pool_shows_the_layout_it_would_have(monkeypatch):
     assert t.offload and t.resident_pages_per_layer == resident_pages_for_budget(28, 8192, 200_000, None)
     assert t.gpu_pages == 28 * t.resident_pages_per_layer + t.staging_sets * (8192 - t.resident_pages_per_layer)
     assert p.host_kv == 28 * (8192 - t.resident_pages_per_layer) * p.page_bytes
+
+
+def test_engine_tiering_sizes_activations_with_the_backend_the_step_runs(monkeypatch):
+    """``Engine.reserve()`` before the first step sized the pool with the CPU default backend ('torch', score-sized
+    temporaries: 7.32 GiB of activations for Qwen2.5-7B at chunk 4096 against 3.48 with the Triton kernels), so the
+    1M sparse step of 2026-12-02 got a pool 3.8 GiB smaller than planned. The estimate now follows the config's
+    backend, and sparse attention counts as the block-table kernels."""
+    from types import SimpleNamespace
+
+    import oomb.ops.paged_attention as pa
+    import oomb.planner as planner
+    from oomb import OOMBConfig
+    from oomb.planner import choose_engine_tiering
+
+    monkeypatch.setattr(pa, "_triton_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(124.5 * GiB), int(139.8 * GiB)))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    monkeypatch.setattr(planner, "_host_memory", lambda: (125 * GiB, 125 * GiB))
+    config = preset_config("qwen2.5-7b")
+    shape = ModelShape.from_config(config)
+    T = 1 << 20
+
+    def tier(cfg):
+        engine = SimpleNamespace(config=cfg, device=torch.device("cuda"), dtype=torch.bfloat16, _base=SimpleNamespace(config=config),
+                                 model=torch.nn.Linear(1, 1, bias=False), _backend="torch", _segment_pages=lambda: "layer")
+        engine.model.weight.grad = torch.zeros(1, 1)  # nothing left to allocate
+        out = choose_engine_tiering(engine, T)
+        return out, engine.tiering
+
+    sparse = OOMBConfig(sparse=True, chunk_size=4096, page_budget=64, checkpoint_layers=True, offload=True)
+    (offload, pages, sets), info = tier(sparse)
+    expected = activation_bytes(shape, 4096, torch.bfloat16, True, "triton", 4096, sparse.loss_chunk_size, T - 4096)
+    assert info["activation_bytes"] == expected["total"] < 4 * GiB
+    assert info["activation_bytes"] < activation_bytes(shape, 4096, torch.bfloat16, True, "torch", 4096,
+                                                       sparse.loss_chunk_size, T - 4096)["total"] - 3 * GiB
+    assert offload and sets == 4 and pages > 0
+    # the budget the pool was cut from adds up
+    assert info["pool_budget_bytes"] == (info["free_bytes"] + info["cached_bytes"] - info["reserve_bytes"]
+                                         - info["missing_grad_bytes"] - info["activation_bytes"])
+    # dense 'auto' is sdpa on CUDA: its past dK/dV temporaries are counted
+    dense = OOMBConfig(chunk_size=4096, checkpoint_layers=True, offload=True)
+    info_dense = tier(dense)[1]
+    assert info_dense["activation_bytes"] == activation_bytes(shape, 4096, torch.bfloat16, True, "sdpa", 4096,
+                                                              dense.loss_chunk_size, T - 4096)["total"]
