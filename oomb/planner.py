@@ -411,7 +411,12 @@ class MemoryPlan:
         if self.segment_pages is None:
             k = self.tiering.staging_sets
             return f"KV staging ({k} layers) + write buffers"
-        return f"KV staging (2 x {self.segment_pages * self.page_size // 1024}K tok) + buffers"
+        # a staging buffer holds min(segment, host pages of a layer) pages (the layout the table's bytes count)
+        n = -(-self.seq_len // self.page_size)
+        pages = max(min(self.segment_pages, n - self.tiering.resident_pages_per_layer), 0)
+        tokens = pages * self.page_size
+        size = f"{tokens // 1024}K" if tokens % 1024 == 0 else f"{tokens:,}"
+        return f"KV staging (2 x {size} tok) + buffers"
 
 
 def _count(n: int) -> str:

@@ -107,6 +107,10 @@ def test_segmented_offload_gpu_memory_is_flat_in_context_length():
     assert p.gpu_pool == p.staging == 512 * pb
     assert p.own_buffers == 2 * 4096 * 512 * 2 * 4 and p.write_buffers == 2 * 4096 * 512 * 2 * 2
     assert "KV staging (2 x 32K tok) + buffers" in p.table()
+    # a buffer holds at most a layer's host pages: one page here (the label said 32K)
+    nearly = plan("qwen2.5-7b", 131072, gpu_page_budget=28 * 1023 + 2, **kw)
+    assert nearly.tiering.resident_pages_per_layer == 1023 and nearly.staging == 2 * pb
+    assert "KV staging (2 x 128 tok) + buffers" in nearly.table()
     res = plan("qwen2.5-7b", 1 << 19, gpu_page_budget=512 + 28 * 100, **kw)
     assert res.tiering.resident_pages_per_layer == 100 and res.gpu_pool == (512 + 28 * 100) * pb
     # The planner's default offload plan at 1M tokens keeps resident pages as the free memory allows.
