@@ -4,6 +4,8 @@
 # pool of 8,192 pages, so pages are offloaded), then the autotune choices (*.autotune.json) packed into
 # $OUT/autotune.tgz so later calls time the same kernel configs.
 # PART=b: the 1M step with the defaults (the engine sizes the pool), TAG names the run.
+# PART=c: only the 64K activation check without --checkpoint-layers (PART=a's second row did not come back: a call
+# returns at most 8 files).
 set -u
 . benchmarks/gpu_common.sh
 gpu_env
@@ -20,5 +22,9 @@ a)
 b)
   OUT=$OUT R=$R T_TEST=0 TAG=${TAG:-_1m_defaults_thirteenth} bash benchmarks/gpu_sparse_1m_one_gpu.sh
   pack_autotune ;;
+c)
+  el "64K sparse offload pool 8192, no per-layer checkpointing"
+  timeout 200 python3 benchmarks/bench_sparse.py --model qwen2.5-7b --lengths 65536 --systems sparse --offload on \
+    --gpu-page-budget 8192 --out "$R" --tag "_64k_act_nockpt" 2>&1 | grep -Ev "$F" | tail -4 ;;
 esac
 el done
