@@ -541,3 +541,59 @@ def test_engine_tiering_sizes_activations_with_the_backend_the_step_runs(monkeyp
     info_dense = tier(dense)[1]
     assert info_dense["activation_bytes"] == activation_bytes(shape, 4096, torch.bfloat16, True, "sdpa", 4096,
                                                               dense.loss_chunk_size, T - 4096)["total"]
+
+
+def test_sparse_plan_counts_auto_and_sdpa_as_the_block_table_kernels():
+    """`oomb plan --sparse` with the default --attention-backend auto (or sdpa) sizes the activations the step has:
+    sparse attention runs the block-table (Triton) kernels, without sdpa's model-dtype past dK/dV; dense 'auto' stays
+    'sdpa'."""
+    from oomb import OOMBConfig
+
+    kw = dict(machine=H200, optimizer=None, checkpoint_layers=True)
+    T = 1 << 20
+    cfg = OOMBConfig(sparse=True, page_budget=64, chunk_size=4096, page_size=128)
+    triton = plan("qwen2.5-7b", T, sparse=cfg, attention_backend="triton", **kw)
+    for name in ("auto", "sdpa"):
+        sp = plan("qwen2.5-7b", T, sparse=cfg, attention_backend=name, **kw)
+        assert sp.activations == triton.activations and sp.gpu_peak == triton.gpu_peak
+    dense_auto = plan("qwen2.5-7b", T, attention_backend="auto", **kw)
+    dense_sdpa = plan("qwen2.5-7b", T, attention_backend="sdpa", **kw)
+    dense_triton = plan("qwen2.5-7b", T, attention_backend="triton", **kw)
+    assert dense_auto.activations == dense_sdpa.activations
+    assert dense_auto.activations["total"] > dense_triton.activations["total"]  # the sdpa temporaries are counted
+
+
+@pytest.mark.parametrize("checkpoint_layers", [True, False])
+def test_saved_attention_check_sizes_sparse_steps_as_the_tiering_does(monkeypatch, checkpoint_layers):
+    """Engine._saved_memory_problem (save_attention on the GPU, CUDA) sized a sparse step's activations with 'sdpa'
+    (past dK/dV temporaries the block-table kernels do not have) and without the sparse headroom that
+    choose_engine_tiering keeps free: both now as the tiering plans."""
+    from types import SimpleNamespace
+
+    import oomb.engine.engine as engine_mod
+    import oomb.ops.paged_attention as pa
+    from oomb import OOMBConfig
+    from oomb.engine.saved_attention import saved_attention_bytes
+    from oomb.planner import sparse_headroom_bytes
+
+    monkeypatch.setattr(pa, "_triton_available", lambda: True)
+    monkeypatch.setattr(engine_mod, "_host_memory", lambda: (125 * GiB, 125 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    config = preset_config("qwen2.5-7b")
+    shape = ModelShape.from_config(config)
+    T, total = 1 << 20, int(139.8 * GiB)
+    cfg = OOMBConfig(sparse=True, chunk_size=4096, page_budget=64, checkpoint_layers=checkpoint_layers,
+                     save_attention="gpu")
+    fake = SimpleNamespace(config=cfg, device=torch.device("cuda"), dtype=torch.bfloat16, _base=SimpleNamespace(config=config),
+                           num_layers=shape.num_layers, head_dim=shape.head_dim, _backend="sdpa")
+    sa = saved_attention_bytes(shape.num_layers, config.num_attention_heads, shape.head_dim, T, 4096, 2, "gpu")["gpu"]
+    act = activation_bytes(shape, 4096, torch.bfloat16, checkpoint_layers, "triton", cfg.attention_block_size,
+                           cfg.loss_chunk_size, T - 4096)["total"]
+    assert act < activation_bytes(shape, 4096, torch.bfloat16, checkpoint_layers, "sdpa", cfg.attention_block_size,
+                                  cfg.loss_chunk_size, T - 4096)["total"]
+    need = sa + act + max(2 * GiB, int(0.03 * total)) + sparse_headroom_bytes(checkpoint_layers)
+    for free, fits in ((need, True), (need - 1, False)):
+        monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None, free=free: (free, total))
+        problem = engine_mod.Engine._saved_memory_problem(fake, "gpu", T)
+        assert (problem is None) == fits, problem

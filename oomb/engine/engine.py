@@ -38,7 +38,8 @@ from ..config import OOMBConfig
 from ..models.hf import UnsupportedModelError, check_model_supported, use_oomb_attention
 from ..ops.paged_attention import paged_attention, paged_attention_forward, paged_backend, resolve_backend
 from ..ops.sparse import SparseAttentionState, sparse_paged_attention, sparse_paged_attention_forward
-from ..planner import HOST_FRACTION, ModelShape, _host_memory, activation_bytes, choose_engine_tiering
+from ..planner import (HOST_FRACTION, ModelShape, _host_memory, activation_bytes, choose_engine_tiering,
+                       sparse_headroom_bytes)
 from .kv_store import PagedKVStore
 from .fused_wgrad import FusedWeightGradAccumulation
 from .grad_accum import Float32GradAccumulator
@@ -327,7 +328,8 @@ class Engine:
         ``torch.OutOfMemoryError`` (GPU) or ``RuntimeError`` (host) here instead of mid-step.
 
         Raises:
-            ValueError: if ``seq_len`` < 2.
+            ValueError: if ``seq_len`` < 2; on CUDA, where the store is sized from the free memory, for
+                ``attention_backend='triton'`` without the Triton kernels (as :meth:`step` would).
         """
         if not isinstance(seq_len, int) or seq_len < 2:
             raise ValueError(f"seq_len must be an integer number of tokens >= 2, got {seq_len!r}")
@@ -432,7 +434,9 @@ class Engine:
         """Why save_attention=``where`` does not fit now (CUDA; the KV store allocated), or None.
 
         Host: its bytes against 75% of the free RAM. GPU: its bytes against the free memory (allocator cache
-        included) less one chunk's activations and the allocator's reserve, as :func:`choose_engine_tiering` plans.
+        included) less one chunk's activations and the allocator's reserve, as :func:`choose_engine_tiering` plans
+        (sparse: activations with the block-table kernels it runs, and :func:`~oomb.planner.sparse_headroom_bytes`
+        kept free; its state is allocated by now).
         """
         sizes = saved_attention_bytes(self.num_layers, self._base.config.num_attention_heads, self.head_dim, T,
                                       self.config.chunk_size, self.dtype.itemsize, where)
@@ -442,10 +446,15 @@ class Engine:
                     f"{host_free / 2**30:.1f} GiB is available ({HOST_FRACTION:.0%} of the free RAM)")
         free, total = torch.cuda.mem_get_info(self.device)
         free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        # the backend the step runs (sparse attention reads its pages through the block-table kernels)
+        backend = paged_backend(self._backend, self.device) if self.config.sparse else self._backend
         act = activation_bytes(ModelShape.from_config(self._base.config), min(self.config.chunk_size, T), self.dtype,
-                               self.config.checkpoint_layers, self._backend, self.config.attention_block_size,
+                               self.config.checkpoint_layers, backend, self.config.attention_block_size,
                                self.config.loss_chunk_size, max(T - self.config.chunk_size, 0))["total"]
-        spare = free - act - max(2 * 2**30, int(0.03 * total))
+        reserve = max(2 * 2**30, int(0.03 * total))
+        if self.config.sparse:
+            reserve += sparse_headroom_bytes(self.config.checkpoint_layers)
+        spare = free - act - reserve
         if sizes["gpu"] > spare:
             return (f"save_attention={where!r} needs {sizes['gpu'] / 2**30:.1f} GiB of GPU memory for {T:,} tokens but "
                     f"{max(spare, 0) / 2**30:.1f} GiB is free after the KV store and one chunk's activations"
