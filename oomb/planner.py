@@ -451,17 +451,20 @@ def _base_gpu(shape, seq_len, chunk_size, dtype, lora_rank, optimizer, checkpoin
 
 def _tier(L: int, n: int, pb: int, pool_budget: int, host_budget: int, offload: bool | str,
           gpu_page_budget: int | None, segment_pages: int | None = None,
-          staging_sets: int | None = None) -> tuple[Tiering | None, str | None]:
+          staging_sets: int | None = None, stash_bytes: int = 0) -> tuple[Tiering | None, str | None]:
     """Choose the tiering for n pages per layer, or (None, why not). ``segment_pages``: the staging
     segment (None: whole-layer staging). ``staging_sets``: requested whole-layer staging sets (None: picked from
-    the pool by :func:`oomb.engine.offload.choose_staging_sets`, and 2 where more would overflow ``host_budget``)."""
+    the pool by :func:`oomb.engine.offload.choose_staging_sets`, and 2 where more would overflow ``host_budget``).
+    ``stash_bytes``: GPU bytes ``pool_budget`` keeps free for the K/V stash, which only an offloading store
+    allocates: the all-on-GPU tiering may use them."""
     from .engine.offload import _staging, choose_staging_sets, min_gpu_pages, resident_pages_for_budget
 
     all_pages = L * n
-    if offload is False or (offload == "auto" and gpu_page_budget is None and all_pages * pb <= pool_budget):
-        if all_pages * pb > pool_budget:
+    room = pool_budget + stash_bytes  # for every page on the GPU (no stash then)
+    if offload is False or (offload == "auto" and gpu_page_budget is None and all_pages * pb <= room):
+        if all_pages * pb > room:
             return None, (f"the KV store needs {all_pages * pb / GiB:.2f} GiB on the GPU but only "
-                          f"{max(pool_budget, 0) / GiB:.2f} GiB of GPU memory is left for it; "
+                          f"{max(room, 0) / GiB:.2f} GiB of GPU memory is left for it; "
                           "turn offload on (offload='auto' or True)")
         return Tiering(False, None, n), None
     if gpu_page_budget is not None:
@@ -626,11 +629,11 @@ def plan(
             return None, (f"save_attention=host needs {saved_host / GiB:.2f} GiB of host memory but the host budget is "
                           f"{host / GiB:.2f} GiB")
         host = host - saved_host
-        t, why = _tier(L, n, pb, pool_budget, host, off, budget, SP, sets)
+        t, why = _tier(L, n, pb, pool_budget, host, off, budget, SP, sets, kv_stash)
         if (t is not None and t.offload) or (t is None and off is not False):
             # The offload layout leaves room for the write and own-gradient buffers; a failure is told
             # with that layout's numbers too (the ones the table shows).
-            t2, why2 = _tier(L, n, pb, pool_budget - wbuf - own_max, host, off, budget, SP, sets)
+            t2, why2 = _tier(L, n, pb, pool_budget - wbuf - own_max, host, off, budget, SP, sets, kv_stash)
             if t is not None or t2 is None:
                 t, why = t2, why2
         return t, why
@@ -695,6 +698,10 @@ def plan(
                 tiering = Tiering(True, L * R + K * _staging(n, R, SP), R, K)
             except ValueError:  # below the minimum: that problem is already in the list
                 pass
+    if not tiering.offload and kv_stash:  # no offload, no stash: its reserve goes back to the budget
+        reserve -= kv_stash
+        gpu_budget = max(machine.gpu_free_bytes - reserve, 0)
+        kv_stash = 0
     if machine.gpu_total_bytes == 0:
         problems = ["no CUDA GPU is visible: plan for one with plan(..., machine=Machine(...))"]
     elif fixed > gpu_budget:
@@ -895,6 +902,7 @@ def choose_engine_tiering(engine: Any, seq_len: int) -> tuple[bool, int | None, 
     act = activation_bytes(shape, min(cfg.chunk_size, seq_len), dtype, cfg.checkpoint_layers, backend,
                            cfg.attention_block_size, cfg.loss_chunk_size, max(seq_len - cfg.chunk_size, 0))["total"]
     reserve = max(2 * GiB, int(0.03 * total))
+    stash = 0
     if cfg.sparse:
         # Page representatives and stored selections live on the GPU for the whole step, and the first
         # 1M-token sparse + offload step planned without them (and with the plain reserve) ran out of
@@ -902,9 +910,11 @@ def choose_engine_tiering(engine: Any, seq_len: int) -> tuple[bool, int | None, 
         reserve += sparse_state_bytes(shape, seq_len, cfg, dtype) + sparse_headroom_bytes(cfg.checkpoint_layers)
         from .engine.offload import kv_stash_reserve_bytes
 
-        # the K/V stash, when asked for (OOMB_OFFLOAD_KV_STASH_MIB; at most what the store would allocate)
-        reserve += kv_stash_reserve_bytes(shape.num_layers, -(-seq_len // cfg.page_size), shape.num_kv_heads,
-                                          shape.head_dim, cfg.page_size, dtype)
+        # the K/V stash, when asked for (OOMB_OFFLOAD_KV_STASH_MIB; at most what the store would allocate); only an
+        # offloading store allocates it (_tier's stash_bytes)
+        stash = kv_stash_reserve_bytes(shape.num_layers, -(-seq_len // cfg.page_size), shape.num_kv_heads,
+                                       shape.head_dim, cfg.page_size, dtype)
+        reserve += stash
     pool_budget = free + cached - reserve - missing_grads - act
     engine.tiering = dict(seq_len=seq_len, free_bytes=int(free), cached_bytes=int(cached),
                           allocated_bytes=int(torch.cuda.memory_allocated(device)), reserve_bytes=int(reserve),
@@ -917,12 +927,12 @@ def choose_engine_tiering(engine: Any, seq_len: int) -> tuple[bool, int | None, 
     SP = resolve_segment_pages(engine._segment_pages(), cfg.page_size)
 
     def tier(pool: int, host: int):
-        t, why = _tier(L, n, pb, pool, host, cfg.offload, None, SP, cfg.offload_staging_sets)
+        t, why = _tier(L, n, pb, pool, host, cfg.offload, None, SP, cfg.offload_staging_sets, stash)
         if t is not None and t.offload:
             wbuf = 4 * cfg.chunk_size * shape.kv_dim * _dtype_size(dtype)
             if SP is not None:  # the own-gradient buffers
                 wbuf += 4 * cfg.chunk_size * shape.kv_dim * (8 if dtype == torch.float64 else 4)
-            t, why = _tier(L, n, pb, pool - wbuf, host, cfg.offload, None, SP, cfg.offload_staging_sets)
+            t, why = _tier(L, n, pb, pool - wbuf, host, cfg.offload, None, SP, cfg.offload_staging_sets, stash)
         return t, why
 
     t = None

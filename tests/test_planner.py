@@ -370,9 +370,33 @@ def test_kv_stash_reserve_is_capped_at_what_the_store_allocates(monkeypatch):
 
     cfg = OOMBConfig(sparse=True, page_budget=64, chunk_size=4096, page_size=128)
     monkeypatch.setenv("OOMB_OFFLOAD_KV_STASH_MIB", "200000")
-    p = plan("qwen2.5-7b", 1 << 17, sparse=cfg, machine=H200, checkpoint_layers=True, optimizer=None)
+    p = plan("qwen2.5-7b", 1 << 17, sparse=cfg, machine=H200, checkpoint_layers=True, optimizer=None, offload=True,
+             gpu_page_budget=2 * 1024)  # every page on the host (a stash is allocated only then)
     assert p.kv_stash_reserved == 26 * 1024 * 4 * 65536  # (L - 2) layers x 1,024 pages x 4 heads x 64 KiB
     assert p.fits
+
+
+def test_kv_stash_is_not_kept_free_when_nothing_is_offloaded(monkeypatch):
+    """Only an offloading store allocates the K/V stash: a plan (or the engine's tiering) that keeps every page on
+    the GPU gives its reserve back, so the stash request cannot push a run that fits on the GPU into offload."""
+    from oomb import OOMBConfig
+
+    cfg = OOMBConfig(sparse=True, page_budget=64, chunk_size=4096, page_size=128)
+    kw = dict(machine=H200, checkpoint_layers=True, optimizer=None)
+    base = plan("qwen2.5-7b", 1 << 17, sparse=cfg, **kw)
+    longest = base.max_seq_len_gpu_only  # the longest context with every page on the GPU, no stash asked for
+    monkeypatch.setenv("OOMB_OFFLOAD_KV_STASH_MIB", "3072")
+    at_limit = plan("qwen2.5-7b", longest, sparse=cfg, **kw)
+    assert not at_limit.tiering.offload and at_limit.fits
+    assert at_limit.kv_stash_reserved == 0 and "K/V stash" not in at_limit.table()
+    assert at_limit.gpu_budget == plan("qwen2.5-7b", longest, sparse=cfg, machine=H200, checkpoint_layers=True,
+                                       optimizer=None, gpu_reserve_bytes=None).gpu_budget
+    assert at_limit.max_seq_len_gpu_only == longest
+    # offloading plans still keep it free
+    off = plan("qwen2.5-7b", 1 << 20, sparse=cfg, **kw)
+    assert off.tiering.offload and off.kv_stash_reserved == 3072 << 20
+    # explicit offload=False: every page on the GPU, nothing reserved for a stash
+    assert plan("qwen2.5-7b", longest, sparse=cfg, offload=False, **kw).kv_stash_reserved == 0
 
 
 def test_sparse_plan_staging_sets_match_the_store(monkeypatch):
