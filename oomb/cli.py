@@ -150,7 +150,7 @@ def _build_parser() -> argparse.ArgumentParser:
 
     w = t.add_argument_group("output")
     w.add_argument("--output-dir", required=True, help="where log.jsonl and the trained model go; must be empty or new unless --overwrite")
-    w.add_argument("--overwrite", action="store_true", help="replace an earlier oomb run in a non-empty --output-dir: what it wrote (log.jsonl, checkpoints/, the files its train_args.json lists) is deleted, anything else kept")
+    w.add_argument("--overwrite", action="store_true", help="replace an earlier oomb run in a non-empty --output-dir: what it wrote (log.jsonl, checkpoints/, the files its train_args.json lists) is moved to DIR/.oomb-replaced and deleted once this run saves its model (a failed or killed run leaves it there); anything else is kept")
     w.add_argument("--save-every", type=int, default=0, help="write a checkpoint to <output-dir>/checkpoints every N steps (the last 2 are kept); 0: only at the end. A checkpoint is also written on SIGINT/SIGTERM")
     w.add_argument(
         "--resume", nargs="?", const="latest", default=None, metavar="latest|PATH",
@@ -457,7 +457,10 @@ def _looks_like_oomb_output(out: Path) -> bool:
     (format, step, fingerprint, files: any tool may write a meta.json), or a log.jsonl whose first line is an
     oomb step record (it has oomb's stage timings, not only a step and a loss, which any training tool may
     log). A bare file of one of those names is not enough (a fresh-user review had --overwrite delete a folder
-    whose only oomb-looking file was someone's log.jsonl)."""
+    whose only oomb-looking file was someone's log.jsonl). A run whose --overwrite stopped before it saved keeps the
+    run it replaced in .oomb-replaced: that counts too."""
+    if out.name != _REPLACED and (out / _REPLACED).is_dir() and _looks_like_oomb_output(out / _REPLACED):
+        return True
     try:
         if "oomb_version" in json.loads((out / "train_args.json").read_text()):
             return True
@@ -830,17 +833,37 @@ def _oomb_outputs(out: Path) -> set[str] | None:
     return names | {"train_args.json"} | {n for n in map(str, listed) if n == Path(n).name and n not in ("", ".", "..")}
 
 
+# Where --overwrite moves the earlier run's outputs until this run has saved its model (then they are deleted): a
+# run that fails or is killed before that leaves the earlier one recoverable (a fresh-user review lost a finished run
+# to a killed --overwrite run, which deleted it at its start).
+_REPLACED = ".oomb-replaced"
+
+
 def _prepare_output(out: Path, overwrite: bool) -> None:
     if out.is_dir() and overwrite:
         ours = _oomb_outputs(out)
+        backup = out / _REPLACED
+        keep_old = backup.is_dir()  # an earlier --overwrite did not finish: what it replaced stays, its own outputs go
+        if not keep_old:
+            backup.mkdir()
         kept = []
         for child in sorted(out.iterdir()):
+            if child.name == _REPLACED:
+                continue
             if ours is not None and child.name not in ours:
                 kept.append(child.name)
+            elif not keep_old:
+                os.replace(child, backup / child.name)
             elif child.is_dir() and not child.is_symlink():
                 shutil.rmtree(child)
             else:
                 child.unlink()
+        if keep_old:
+            print(f"oomb: note: --overwrite deleted the unfinished run in {out}; the run an earlier --overwrite replaced "
+                  f"stays in {backup} until this run saves its model", file=sys.stderr)
+        else:
+            print(f"oomb: note: --overwrite moved the earlier run's outputs to {backup}; they are deleted once this run "
+                  "saves its model", file=sys.stderr)
         if kept:
             print(f"oomb: note: --overwrite replaced the earlier run's outputs in {out} and kept what it did not write: "
                   f"{', '.join(kept)}", file=sys.stderr)
@@ -1292,6 +1315,7 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
         train_args = {k: v for k, v in vars(args).items() if k not in ("command", "_argv")}
         train_args.update(oomb_version=_version(), num_tokens=int(len(tokens)), num_sequences=len(sequences), world_size=W)
         saved = _save(model, tokenizer, out, lora=args.lora_rank > 0, train_args=train_args)
+        shutil.rmtree(out / _REPLACED, ignore_errors=True)  # the run --overwrite replaced: this one is saved now
         elapsed = time.perf_counter() - t_start
         losses = f"loss {first_loss:.4f} -> {last_loss:.4f}" if first_loss is not None else "no steps left to train"
         print(

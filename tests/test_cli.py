@@ -941,3 +941,42 @@ def test_progress_bars_only_on_a_terminal_unless_asked(tmp_path, text_file, caps
     assert "train:" in err and "\r" in err
     assert run_cli([*base, "--output-dir", tmp_path / "c", "--progress", "--no-progress"]) == 2
     assert "--no-progress: not allowed with argument --progress" in capsys.readouterr().err
+
+
+def test_overwrite_keeps_the_earlier_run_until_the_new_one_is_saved(tmp_path, text_file, capsys, monkeypatch):
+    """--overwrite deleted the earlier run at the start, so a run killed or failing before its save lost it (a
+    fresh-user review killed one after two steps: the finished run's model and checkpoint were gone). It now moves
+    the earlier outputs to DIR/.oomb-replaced and deletes them only after the new model is saved."""
+    import oomb.cli as cli
+
+    out = tmp_path / "run"
+    assert run_cli(["train", "--data", text_file, "--output-dir", out, *FAST]) == 0
+    first_model = (out / "model.safetensors").read_bytes()
+    first_log = (out / "log.jsonl").read_text()
+    capsys.readouterr()
+
+    real_save = cli._save
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("simulated crash before the save")
+
+    monkeypatch.setattr(cli, "_save", crash)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_cli(["train", "--data", text_file, "--output-dir", out, "--overwrite", *FAST, "--lr", "1e-3"])
+    backup = out / ".oomb-replaced"
+    assert "moved the earlier run's outputs to" in capsys.readouterr().err
+    assert (backup / "model.safetensors").read_bytes() == first_model and (backup / "log.jsonl").read_text() == first_log
+    assert not (out / "model.safetensors").exists()
+    # a second attempt that fails too: the unfinished run goes, the finished one it replaced stays
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        run_cli(["train", "--data", text_file, "--output-dir", out, "--overwrite", *FAST])
+    assert "stays in" in capsys.readouterr().err
+    assert (backup / "model.safetensors").read_bytes() == first_model
+    # without --overwrite the folder is refused, as any non-empty one
+    assert run_cli(["train", "--data", text_file, "--output-dir", out, *FAST]) == 2
+    capsys.readouterr()
+    # a run that saves: the backup goes
+    monkeypatch.setattr(cli, "_save", real_save)
+    assert run_cli(["train", "--data", text_file, "--output-dir", out, "--overwrite", *FAST]) == 0
+    assert (out / "model.safetensors").is_file() and not backup.exists()
+    assert len((out / "log.jsonl").read_text().splitlines()) == 2
