@@ -359,6 +359,19 @@ def _warn_if_offload_moves_nothing(args: argparse.Namespace, num_layers: int) ->
         f"{pages} to offload", stacklevel=2)
 
 
+def _warn_if_offload_on_keeps_every_page(args: argparse.Namespace, offloads: bool, num_layers: int) -> None:
+    """Warn when --offload on (no --gpu-page-budget) is planned with every KV page on the GPU: they all fit, so
+    the run keeps them there and moves nothing to the host (plan, and train on a GPU; a fresh-user review found
+    the flag ignored without a word)."""
+    if args.offload != "on" or args.gpu_page_budget is not None or offloads:
+        return
+    pages = num_layers * -(-args.seq_len // args.page_size)
+    warnings.warn(
+        f"--offload on: all {pages} KV pages of this run fit on the GPU, so every page stays there and nothing is "
+        f"offloaded to the host (as with --offload auto); pass a --gpu-page-budget below {pages} to keep only part "
+        "of them on the GPU", stacklevel=2)
+
+
 def _last_chunk_past_pages(seq_len: int, chunk_size: int, page_size: int) -> int:
     """Past pages of the last chunk (whole pages: --chunk-size is a multiple of --page-size), the most that any
     chunk's sparse selection chooses from."""
@@ -975,6 +988,7 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
             plan.check()
         except ValueError as exc:
             raise _usage_from(exc, "see 'oomb plan' for what fits") from exc
+        _warn_if_offload_on_keeps_every_page(args, plan.tiering.offload, plan.shape.num_layers)
         if args.offload != "off" and args.gpu_page_budget is None:
             # The plan sizes the GPU page pool with the optimizer states counted; the engine alone would size
             # it before AdamW allocates them.
@@ -1668,6 +1682,7 @@ def _plan(args: argparse.Namespace) -> int:
         sys.stdout.write(_flag_names(report.getvalue()))
     if status == 0:  # a refused plan has said what is wrong with the budget already
         _warn_if_offload_moves_nothing(args, args._num_layers)
+        _warn_if_offload_on_keeps_every_page(args, args._plan_offloads, args._num_layers)
     _warn_if_sparse_is_dense(args)
     return status
 

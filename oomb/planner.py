@@ -1024,4 +1024,5 @@ def run_plan(args: Any) -> int:
     )
     print(p.table())
     args._num_layers = p.shape.num_layers  # for the CLI's warnings about the flags (as oomb train's)
+    args._plan_offloads = bool(p.tiering.offload)
     return 0 if p.fits else 1

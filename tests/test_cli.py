@@ -980,3 +980,19 @@ def test_overwrite_keeps_the_earlier_run_until_the_new_one_is_saved(tmp_path, te
     assert run_cli(["train", "--data", text_file, "--output-dir", out, "--overwrite", *FAST]) == 0
     assert (out / "model.safetensors").is_file() and not backup.exists()
     assert len((out / "log.jsonl").read_text().splitlines()) == 2
+
+
+def test_plan_warns_when_offload_on_keeps_every_page_on_the_gpu(capsys):
+    """`--offload on` where every page fits was planned (and, on a GPU, trained) with no host tier and no word about
+    it (fresh-user review): the plan now warns, and names the flag that makes a host tier."""
+    base = ["plan", "--model", "qwen2.5-7b", "--gpu-gib", "139.8", "--host-gib", "125"]
+    assert run_cli([*base, "--seq-len", "131072", "--offload", "on"]) == 0
+    captured = capsys.readouterr()
+    assert "every page on the GPU" in captured.out
+    assert captured.err.count("oomb: warning: --offload on: all 28672 KV pages of this run fit on the GPU") == 1
+    assert "--gpu-page-budget below 28672" in captured.err
+    # where pages are offloaded, or with --offload auto, or a given pool: no such warning
+    for extra in (["--seq-len", "1048576", "--offload", "on", "--checkpoint-layers"], ["--seq-len", "131072"],
+                  ["--seq-len", "131072", "--offload", "on", "--gpu-page-budget", "8192"]):
+        run_cli([*base, *extra])
+        assert "--offload on: all" not in capsys.readouterr().err
