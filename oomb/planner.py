@@ -357,8 +357,10 @@ class MemoryPlan:
             f"  {'gradients' + (' (float32 sums)' if self.grad_accum_dtype == 'float32' else ''):<40}{g(self.grads)}",
             f"  {'optimizer states':<40}{g(self.optimizer)}",
             f"  {'activations: saved':<40}{g(act['saved'])}",
-            f"  {'activations: attention temporaries':<40}{g(act['attention_temp'])}",
-            f"  {'activations: loss temporaries':<40}{g(act['loss_temp'])}",
+            # the peak holds the larger of the attention and loss temporaries (not both), and the final norm's
+            # and hidden state's gradient bytes ("other"): the rows add up to the predicted peak
+            f"  {self._temporaries_label():<40}{g(max(act['attention_temp'], act['loss_temp']))}",
+            f"  {'activations: other (final norm, grads)':<40}{g(act['other'])}",
             *([f"  {'sparse: page summaries + selections':<40}{g(act['sparse_state'])}"] if "sparse_state" in act else []),
             *([f"  {'attention outputs (save_attention=' + self.save_attention + ')':<40}{g(act['saved_attention'])}"]
               if act.get("saved_attention") else []),
@@ -396,6 +398,13 @@ class MemoryPlan:
         ]
         return "\n".join(rows)
 
+
+    def _temporaries_label(self) -> str:
+        act = self.activations
+        attn, loss = act["attention_temp"], act["loss_temp"]
+        if attn >= loss:
+            return f"temporaries: attention (loss {loss / GiB:.2f})"
+        return f"temporaries: loss (attention {attn / GiB:.2f})"
 
     def _tiering_label(self) -> str:
         t = self.tiering

@@ -621,3 +621,26 @@ def test_saved_attention_check_sizes_sparse_steps_as_the_tiering_does(monkeypatc
         monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None, free=free: (free, total))
         problem = engine_mod.Engine._saved_memory_problem(fake, "gpu", T)
         assert (problem is None) == fits, problem
+
+
+@pytest.mark.parametrize("kw", [
+    dict(seq_len=1 << 20, checkpoint_layers=True, optimizer=None),
+    dict(seq_len=1 << 18, attention_backend="sdpa"),
+    dict(seq_len=1 << 17, attention_backend="torch", offload=False),
+    dict(seq_len=1 << 20, checkpoint_layers=True, optimizer=None, sparse="sparse"),
+    dict(seq_len=1 << 17, save_attention="gpu", checkpoint_layers=True),
+])
+def test_the_plan_table_s_gpu_rows_add_up_to_the_predicted_peak(kw):
+    """The table showed both the attention and the loss temporaries (the peak holds only the larger) and left out
+    the 'other' term, so its rows did not add up to the predicted peak (fresh-user review: 136.46 against 134.82)."""
+    from oomb import OOMBConfig
+
+    kw = dict(kw)
+    if kw.get("sparse") == "sparse":
+        kw["sparse"] = OOMBConfig(sparse=True, page_budget=64, chunk_size=4096, page_size=128)
+    p = plan("qwen2.5-7b", kw.pop("seq_len"), machine=H200, **kw)
+    rows = p.table().split("\n")
+    start = rows.index(next(r for r in rows if r.startswith("GPU")))
+    end = rows.index(next(r for r in rows if "predicted peak" in r))
+    values = [float(r.split()[-1]) for r in rows[start + 1:end]]
+    assert abs(sum(values) - p.gpu_peak / GiB) < 0.01 * len(values), (rows[start:end + 1], p.gpu_peak / GiB)
