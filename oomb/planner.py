@@ -836,7 +836,8 @@ def sparse_state_bytes(shape: "ModelShape", seq_len: int, config: Any, dtype: to
     Representatives: ``L * ceil(T / page_size) * Hkv * D`` values in the accumulation dtype (fp32 for
     half inputs), twice for the 'quest' score (min and max). Selections: int32 ``[nb, Hkv, K]`` page ids
     plus ``[nb, Hkv]`` counts per (chunk, layer), ``nb = ceil(T / sparse_block_size)`` blocks in all,
-    ``K = page_budget + sink_pages + local_pages``. Returns 0 unless ``config.sparse``.
+    ``K = min(page_budget + sink_pages + local_pages, pages - 1)`` (a selection holds at most its past pages:
+    :func:`oomb.ops.sparse.select_pages`). Returns 0 unless ``config.sparse``.
     """
     if not config.sparse:
         return 0
@@ -847,7 +848,7 @@ def sparse_state_bytes(shape: "ModelShape", seq_len: int, config: Any, dtype: to
     reps = L * n_pages * Hkv * D * torch.empty((), dtype=acc_dtype_for(dtype)).element_size()
     reps *= 2 if config.sparse_score == "quest" else 1
     nb = -(-seq_len // config.sparse_block_size)
-    K = config.page_budget + config.sink_pages + config.local_pages
+    K = min(config.page_budget + config.sink_pages + config.local_pages, max(n_pages - 1, 0))
     return reps + L * nb * Hkv * (K + 1) * 4
 
 

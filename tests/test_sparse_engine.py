@@ -189,9 +189,11 @@ def test_grad_error_report(backend):
         sparse_grad_error(model, ids, cfg, budgets=[])
 
 
-@pytest.mark.parametrize("score", ["mean", "quest"])
-def test_planner_sparse_state_bytes_bounds_the_real_state(monkeypatch, score):
-    """The planner's sparse-state bytes equal the representatives' bytes plus a bound on every selection made."""
+@pytest.mark.parametrize("score,page_budget", [("mean", 2), ("quest", 2), ("mean", 100)])
+def test_planner_sparse_state_bytes_bounds_the_real_state(monkeypatch, score, page_budget):
+    """The planner's sparse-state bytes equal the representatives' bytes plus a bound on every selection made; a
+    page budget above the past pages counts only those (a fresh-user review had --page-budget 1000000 planned as
+    427 GiB of selections, refusing runs that fit)."""
     from oomb.planner import ModelShape, sparse_state_bytes
 
     made = []
@@ -204,7 +206,7 @@ def test_planner_sparse_state_bytes_bounds_the_real_state(monkeypatch, score):
 
     monkeypatch.setattr("oomb.ops.sparse.select_pages", spy)
     model = tiny("qwen2", 4, 2, 16)
-    cfg = OOMBConfig(chunk_size=32, page_size=8, sparse=True, page_budget=2, sink_pages=1, local_pages=1,
+    cfg = OOMBConfig(chunk_size=32, page_size=8, sparse=True, page_budget=page_budget, sink_pages=1, local_pages=1,
                      sparse_block_size=16, sparse_score=score)
     engine = Engine(model, cfg)
     T = 160
@@ -215,5 +217,6 @@ def test_planner_sparse_state_bytes_bounds_the_real_state(monkeypatch, score):
     assert made, "no selection was made"
     assert reps + sum(made) <= bound
     L, nb, Hkv = shape.num_layers, -(-T // 16), shape.num_kv_heads
-    assert bound - reps == L * nb * Hkv * (2 + 1 + 1 + 1) * 4  # selections: K ids + a count per row
+    K = min(page_budget + 1 + 1, T // 8 - 1)  # at most the past pages (19 of the 20 pages)
+    assert bound - reps == L * nb * Hkv * (K + 1) * 4  # selections: K ids + a count per row
     assert sparse_state_bytes(shape, T, OOMBConfig(chunk_size=32, page_size=8), torch.float32) == 0
