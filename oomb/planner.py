@@ -1019,6 +1019,10 @@ def run_plan(args: Any) -> int:
     if args.gpu_gib is not None or args.host_gib is not None:
         gpu = int(args.gpu_gib * GiB) if args.gpu_gib is not None else machine.gpu_free_bytes
         host = int(args.host_gib * GiB) if args.host_gib is not None else machine.host_available_bytes
+        if args.host_gib is None and machine.gpu_total_bytes == 0:
+            # planning for another machine (no GPU here): this one's RAM is most likely not that machine's
+            print(f"oomb: note: --host-gib not given, so the host budget comes from this machine's available RAM "
+                  f"({host / GiB:.1f} GiB); pass --host-gib H for the machine you plan for", file=sys.stderr)
         machine = Machine(gpu, max(gpu, machine.gpu_total_bytes if args.gpu_gib is None else gpu), host,
                           max(host, machine.host_total_bytes), "given" if args.gpu_gib is not None else machine.gpu_name)
     offload = {"auto": "auto", "on": True, "off": False}[args.offload]

@@ -996,3 +996,16 @@ def test_plan_warns_when_offload_on_keeps_every_page_on_the_gpu(capsys):
                   ["--seq-len", "131072", "--offload", "on", "--gpu-page-budget", "8192"]):
         run_cli([*base, *extra])
         assert "--offload on: all" not in capsys.readouterr().err
+
+
+def test_plan_notes_whose_host_ram_it_uses_without_host_gib(capsys):
+    """`oomb plan --gpu-gib G` without --host-gib on a machine with no GPU took this machine's RAM as the host
+    budget without a word (fresh-user review: 'DOES NOT FIT ... free host RAM' on a 23 GB laptop)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("the note is for planning on a machine without a GPU")
+    run_cli(["plan", "--model", "qwen2.5-7b", "--seq-len", "65536", "--gpu-gib", "139.8"])
+    assert "oomb: note: --host-gib not given, so the host budget comes from this machine's available RAM" in capsys.readouterr().err
+    run_cli(["plan", "--model", "qwen2.5-7b", "--seq-len", "65536", "--gpu-gib", "139.8", "--host-gib", "120"])
+    assert "--host-gib not given" not in capsys.readouterr().err
