@@ -311,6 +311,7 @@ class MemoryPlan:
     grad_accum_dtype: str = "param"  # 'float32': grads counts the step's float32 gradient sums
     saved_attention_host: int = 0  # host bytes of save_attention="host"
     kv_stash_reserved: int = 0  # GPU bytes kept free for the K/V stash (OOMB_OFFLOAD_KV_STASH_MIB; in the reserve)
+    layout_note: str = ""  # how the table's layout relates to a refused gpu_page_budget
 
     @property
     def fits(self) -> bool:
@@ -412,7 +413,8 @@ class MemoryPlan:
             return "every page on the GPU"
         if t.gpu_pages is None:  # no GPU pool fits (the reason is in problems)
             return "offload, no GPU pool fits"
-        return f"offload, GPU pool {t.gpu_pages:,} pages"
+        note = f" ({self.layout_note})" if self.layout_note else ""
+        return f"offload, GPU pool {t.gpu_pages:,} pages{note}"
 
     def _staging_label(self) -> str:
         if not self.tiering.offload:
@@ -508,6 +510,11 @@ def _tier(L: int, n: int, pb: int, pool_budget: int, host_budget: int, offload: 
         K, host = 2, L * (n - R) * pb
     used = L * R + K * _staging(n, R, segment_pages)
     if host > host_budget:
+        if gpu_page_budget is not None:  # the caller's pool sets the host tier: a larger one keeps more on the GPU
+            return None, (f"the host tier needs {host / GiB:.2f} GiB of pinned memory but the budget is "
+                          f"{host_budget / GiB:.2f} GiB; raise gpu_page_budget ({pages:,} pages keep {R:,} of {n:,} "
+                          "pages per layer on the GPU), leave it out to use the largest pool that fits, shorten the "
+                          "context or free host RAM")
         return None, (f"the host tier needs {host / GiB:.2f} GiB of pinned memory but the budget is "
                       f"{host_budget / GiB:.2f} GiB; shorten the context, free host "
                       f"RAM, or keep more pages on the GPU ({R:,} of {n:,} per layer now) with less GPU memory for "
@@ -688,6 +695,7 @@ def plan(
     n = -(-seq_len // page_size)
     problems: list[str] = []
     tiering, why = tier_for(seq_len, save=save)
+    shown_note = ""  # how the table's layout relates to a refused --gpu-page-budget
     if tiering is None:
         problems.append(why)
         # Show the layout the verdict speaks of: where only the host tier is too small, the offload tiering
@@ -705,8 +713,17 @@ def plan(
                 K = choose_staging_sets(L, n, gpu_page_budget, SP)
                 R = resident_pages_for_budget(L, n, gpu_page_budget, SP, K)
                 tiering = Tiering(True, L * R + K * _staging(n, R, SP), R, K)
-            except ValueError:  # below the minimum: that problem is already in the list
-                pass
+            except ValueError:  # below the minimum (that problem is in the list): show the minimum pool's layout
+                from .engine.offload import min_gpu_pages
+
+                need = min_gpu_pages(L, n, SP, two)
+                K = need // n if SP is None else 2
+                tiering = Tiering(True, need, 0, K)
+                given = f"{gpu_page_budget:,} page" + ("s are" if gpu_page_budget != 1 else " is")
+                shown_note = f"shown at the minimum pool; the given {given} below it"
+        elif (attempt is None or not attempt.offload) and gpu_page_budget is not None:
+            # A refused pool that holds every page (too big for the GPU): every page on the GPU, nothing staged.
+            tiering = Tiering(True, L * n, n, 2)
     if not tiering.offload and kv_stash:  # no offload, no stash: its reserve goes back to the budget
         reserve -= kv_stash
         gpu_budget = max(machine.gpu_free_bytes - reserve, 0)
@@ -716,7 +733,13 @@ def plan(
     elif fixed > gpu_budget:
         problems.insert(0, f"weights, gradients, optimizer states and one chunk's activations need {fixed / GiB:.2f} GiB "
                            f"but {gpu_budget / GiB:.2f} GiB of GPU memory is free (after a {reserve / GiB:.1f} GiB reserve); "
-                           "use LoRA, checkpoint_layers or a smaller chunk_size")
+                           "use LoRA, checkpoint_layers or a smaller chunk_size, or shorten the context")
+    # The fixes the messages name: leave out what this plan already uses (a fresh-user review was told to use
+    # checkpoint_layers with it given).
+    fixes = [f for f, used in (("LoRA", lora_rank > 0), ("checkpoint_layers", checkpoint_layers)) if not used]
+    fixes.append("a smaller chunk_size")
+    phrase = "use " + (", ".join(fixes[:-1]) + " or " + fixes[-1] if len(fixes) > 1 else fixes[0])
+    problems = [p.replace("use LoRA, checkpoint_layers or a smaller chunk_size", phrase) for p in problems]
     from .engine.offload import _staging
 
     own_b = 0
@@ -744,7 +767,7 @@ def plan(
         if tiering.offload else {},
         segment_pages=SP if tiering.offload else None, own_buffers=own_b, host_fraction=host_fraction,
         save_attention=save, saved_attention_host=saved_for(seq_len, save)["host"], save_attention_note=save_note,
-        grad_accum_dtype=grad_accum_dtype, kv_stash_reserved=kv_stash,
+        grad_accum_dtype=grad_accum_dtype, kv_stash_reserved=kv_stash, layout_note=shown_note,
     )
 
 

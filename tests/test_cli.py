@@ -1009,3 +1009,18 @@ def test_plan_notes_whose_host_ram_it_uses_without_host_gib(capsys):
     assert "oomb: note: --host-gib not given, so the host budget comes from this machine's available RAM" in capsys.readouterr().err
     run_cli(["plan", "--model", "qwen2.5-7b", "--seq-len", "65536", "--gpu-gib", "139.8", "--host-gib", "120"])
     assert "--host-gib not given" not in capsys.readouterr().err
+
+
+def test_plan_refusals_name_fixes_that_apply(capsys):
+    """A refused plan named --checkpoint-layers with it given, never named the user's own too-small
+    --gpu-page-budget when that was what overflowed the host tier, and offered only memory flags for a context far
+    too long (fresh-user review)."""
+    base = ["plan", "--model", "qwen2.5-7b", "--gpu-gib", "139.8", "--host-gib", "125", "--sparse"]
+    assert run_cli([*base, "--seq-len", "1048576", "--checkpoint-layers"]) == 1
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "use --lora-rank or a smaller --chunk-size" in out and "--checkpoint-layers or" not in out
+    assert run_cli([*base, "--seq-len", "1048576", "--checkpoint-layers", "--no-optimizer", "--gpu-page-budget", "16384"]) == 1
+    out = capsys.readouterr().out
+    assert "raise --gpu-page-budget (16,384 pages keep 0 of 8,192 pages per layer on the GPU)" in out
+    assert run_cli(["plan", "--model", "qwen2.5-7b", "--gpu-gib", "139.8", "--host-gib", "125", "--seq-len", "100000000000"]) == 1
+    assert "or shorten the context" in capsys.readouterr().out

@@ -644,3 +644,24 @@ def test_the_plan_table_s_gpu_rows_add_up_to_the_predicted_peak(kw):
     end = rows.index(next(r for r in rows if "predicted peak" in r))
     values = [float(r.split()[-1]) for r in rows[start + 1:end]]
     assert abs(sum(values) - p.gpu_peak / GiB) < 0.01 * len(values), (rows[start:end + 1], p.gpu_peak / GiB)
+
+
+def test_a_refused_gpu_page_budget_shows_a_layout_that_exists():
+    """A --gpu-page-budget below the minimum showed 'GPU pool 1 pages' beside 12 GiB of staging, and one holding
+    every page showed that pool with 0 resident pages and every page on the host (fresh-user review). Now: below
+    the minimum, the minimum pool's layout, said so; every page or more, every page on the GPU."""
+    from oomb import OOMBConfig
+
+    cfg = OOMBConfig(sparse=True, page_budget=64, chunk_size=4096, page_size=128)
+    kw = dict(machine=H200, checkpoint_layers=True, optimizer=None, sparse=cfg)
+    T, L, n = 1 << 20, 28, 8192
+    small = plan("qwen2.5-7b", T, gpu_page_budget=1, **kw)
+    assert not small.fits and small.tiering.gpu_pages == 2 * n and small.tiering.resident_pages_per_layer == 0
+    assert "GPU pool 16,384 pages (shown at the minimum pool; the given 1 page is below it)" in small.table()
+    for budget in (L * n, L * n + 5000):
+        big = plan("qwen2.5-7b", T, gpu_page_budget=budget, **kw)
+        assert not big.fits and big.tiering.resident_pages_per_layer == n and big.host_kv == 0
+        assert big.gpu_pool == L * n * big.page_bytes and big.gpu_peak > big.gpu_budget
+    # an accepted budget is shown as given, with no note
+    ok = plan("qwen2.5-7b", T, gpu_page_budget=120000, **kw)
+    assert ok.fits and ok.layout_note == "" and "(shown at" not in ok.table()
