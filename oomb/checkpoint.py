@@ -117,6 +117,13 @@ def _complete_checkpoints(root: Path) -> list[Path]:
 
 
 # ----------------------------------------------------------------------------- save
+def _umask() -> int:
+    """The process umask (read by setting it, then put back)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def save_checkpoint(
     root: str | Path,
     step: int,
@@ -149,6 +156,7 @@ def save_checkpoint(
         shutil.rmtree(debris, ignore_errors=True)
     final = root / f"{_PREFIX}{step:08d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{_PREFIX}{step:08d}-", dir=root))
+    os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700: as any folder the user makes (shared servers)
     try:
         weights = {name: p.detach().to("cpu").contiguous() for name, p in _trainable(model).items()}
         save_file(weights, str(tmp / _WEIGHTS))

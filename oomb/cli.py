@@ -900,7 +900,11 @@ def _save(model, tokenizer, out: Path, lora: bool, train_args: dict) -> list[str
         train_args = dict(train_args, outputs=sorted(os.listdir(tmp) + ["train_args.json"]))
         (tmp / "train_args.json").write_text(json.dumps(train_args, indent=2) + "\n")
         names = sorted(os.listdir(tmp))
+        from .checkpoint import _umask
+
         for name in names:
+            if (tmp / name).is_file():  # transformers writes model.safetensors 0600 (a temp file renamed)
+                os.chmod(tmp / name, 0o666 & ~_umask())
             dst = out / name
             if dst.is_dir() and not dst.is_symlink():
                 shutil.rmtree(dst)

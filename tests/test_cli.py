@@ -1024,3 +1024,20 @@ def test_plan_refusals_name_fixes_that_apply(capsys):
     assert "raise --gpu-page-budget (16,384 pages keep 0 of 8,192 pages per layer on the GPU)" in out
     assert run_cli(["plan", "--model", "qwen2.5-7b", "--gpu-gib", "139.8", "--host-gib", "125", "--seq-len", "100000000000"]) == 1
     assert "or shorten the context" in capsys.readouterr().out
+
+
+def test_saved_files_follow_the_umask(tmp_path, text_file):
+    """model.safetensors came out 0600 (transformers writes a temp file and renames it) and each checkpoint folder
+    0700 (mkdtemp), unreadable to the other users of a shared server (fresh-user review); they follow the umask."""
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        out = tmp_path / "perm"
+        assert run_cli(["train", "--data", text_file, "--output-dir", out, *FAST]) == 0
+    finally:
+        os.umask(old)
+    mode = lambda p: stat.S_IMODE(p.stat().st_mode)  # noqa: E731
+    assert mode(out / "model.safetensors") == 0o644 and mode(out / "config.json") == 0o644
+    ckpts = [p for p in (out / "checkpoints").iterdir() if p.is_dir()]
+    assert ckpts and all(mode(p) == 0o755 for p in ckpts)
