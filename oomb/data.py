@@ -226,7 +226,7 @@ class TokenSequences:
             raise DataError(f"the data has only {n} token(s)", "a training sequence needs at least 2 tokens; give more text")
         if n < seq_len:
             raise DataError(
-                f"the data has {n} tokens, fewer than --seq-len {seq_len}",
+                f"the data has {n:,} tokens, fewer than --seq-len {seq_len:,}",
                 f"give more text or pass --seq-len {n} or less",
             )
         self.tokens = tokens

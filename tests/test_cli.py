@@ -207,7 +207,7 @@ def _bad_inputs(tmp_path, text_file):
         ("folder without text", ["--data", empty_dir], "no .txt or .jsonl"),
         ("bad jsonl", ["--data", bad_jsonl], "not valid JSON"),
         ("one token", ["--data", one_token, "--seq-len", "2"], "only 1 token"),
-        ("shorter than seq-len", ["--data", text_file, "--seq-len", "100000", "--chunk-size", "64", "--page-size", "32"], "fewer than --seq-len 100000"),
+        ("shorter than seq-len", ["--data", text_file, "--seq-len", "100000", "--chunk-size", "64", "--page-size", "32"], "fewer than --seq-len 100,000"),
         ("seq-len 1", ["--data", text_file, "--seq-len", "1"], "at least 2 tokens"),
         ("zero seq-len", ["--data", text_file, "--seq-len", "0"], "--seq-len is 0"),
         ("negative chunk", ["--data", text_file, "--chunk-size", "-64"], "--chunk-size is -64"),
