@@ -665,3 +665,39 @@ def test_a_refused_gpu_page_budget_shows_a_layout_that_exists():
     # an accepted budget is shown as given, with no note
     ok = plan("qwen2.5-7b", T, gpu_page_budget=120000, **kw)
     assert ok.fits and ok.layout_note == "" and "(shown at" not in ok.table()
+
+
+def test_engine_tiering_gives_the_stash_reserve_back_when_every_page_fits(monkeypatch):
+    """choose_engine_tiering keeps OOMB_OFFLOAD_KV_STASH_MIB free only for an offloading store: a length whose pages
+    fit on the GPU only without that reserve runs with every page on the GPU."""
+    from types import SimpleNamespace
+
+    import oomb.ops.paged_attention as pa
+    import oomb.planner as planner
+    from oomb import OOMBConfig
+    from oomb.planner import _page_bytes, choose_engine_tiering
+
+    monkeypatch.setattr(pa, "_triton_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(124.5 * GiB), int(139.8 * GiB)))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    monkeypatch.setattr(planner, "_host_memory", lambda: (125 * GiB, 125 * GiB))
+    config = preset_config("qwen2.5-7b")
+    cfg = OOMBConfig(sparse=True, chunk_size=4096, page_budget=64, checkpoint_layers=True)  # offload 'auto'
+
+    def tier(T):
+        engine = SimpleNamespace(config=cfg, device=torch.device("cuda"), dtype=torch.bfloat16,
+                                 _base=SimpleNamespace(config=config), model=torch.nn.Linear(1, 1, bias=False),
+                                 _backend="torch", _segment_pages=lambda: "layer")
+        engine.model.weight.grad = torch.zeros(1, 1)
+        return choose_engine_tiering(engine, T), engine.tiering
+
+    L, pb = 28, _page_bytes(ModelShape.from_config(config), 128, torch.bfloat16)
+    _, info = tier(1 << 19)
+    T = info["pool_budget_bytes"] // (L * pb) * 128 - 4096  # every page fits, with < 3 GiB to spare
+    (offload, _, _), info = tier(T)
+    assert not offload and info["pool_budget_bytes"] - L * (T // 128) * pb < 3 * GiB
+    monkeypatch.setenv("OOMB_OFFLOAD_KV_STASH_MIB", "3072")
+    (offload, pages, _), info = tier(T)
+    assert L * (T // 128) * pb > info["pool_budget_bytes"]  # without the reserve given back it would offload
+    assert not offload and pages is None
