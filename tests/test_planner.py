@@ -522,16 +522,14 @@ def test_a_refused_pool_shows_the_layout_it_would_have(monkeypatch):
     assert p.host_kv == 28 * (8192 - t.resident_pages_per_layer) * p.page_bytes
 
 
-def test_engine_tiering_sizes_activations_with_the_backend_the_step_runs(monkeypatch):
-    """``Engine.reserve()`` before the first step sized the pool with the CPU default backend ('torch', score-sized
-    temporaries: 7.32 GiB of activations for Qwen2.5-7B at chunk 4096 against 3.48 with the Triton kernels), so the
-    1M sparse step of 2026-12-02 got a pool 3.8 GiB smaller than planned. The estimate now follows the config's
-    backend, and sparse attention counts as the block-table kernels."""
+@pytest.fixture
+def fake_h200_tiering(monkeypatch):
+    """choose_engine_tiering on a pretend H200 (124.5 of 139.8 GiB free, 125 GiB host RAM, Triton importable) for a
+    Qwen2.5-7B-shaped engine whose gradients exist: ``tier(cfg, T) -> ((offload, gpu_pages, sets), engine.tiering)``."""
     from types import SimpleNamespace
 
     import oomb.ops.paged_attention as pa
     import oomb.planner as planner
-    from oomb import OOMBConfig
     from oomb.planner import choose_engine_tiering
 
     monkeypatch.setattr(pa, "_triton_available", lambda: True)
@@ -540,15 +538,29 @@ def test_engine_tiering_sizes_activations_with_the_backend_the_step_runs(monkeyp
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
     monkeypatch.setattr(planner, "_host_memory", lambda: (125 * GiB, 125 * GiB))
     config = preset_config("qwen2.5-7b")
-    shape = ModelShape.from_config(config)
+
+    def tier(cfg, T):
+        engine = SimpleNamespace(config=cfg, device=torch.device("cuda"), dtype=torch.bfloat16,
+                                 _base=SimpleNamespace(config=config), model=torch.nn.Linear(1, 1, bias=False),
+                                 _backend="torch", _segment_pages=lambda: "layer")
+        engine.model.weight.grad = torch.zeros(1, 1)  # nothing left to allocate
+        return choose_engine_tiering(engine, T), engine.tiering
+
+    return tier
+
+
+def test_engine_tiering_sizes_activations_with_the_backend_the_step_runs(fake_h200_tiering):
+    """``Engine.reserve()`` before the first step sized the pool with the CPU default backend ('torch', score-sized
+    temporaries: 7.32 GiB of activations for Qwen2.5-7B at chunk 4096 against 3.48 with the Triton kernels), so the
+    1M sparse step of 2026-12-02 got a pool 3.8 GiB smaller than planned. The estimate now follows the config's
+    backend, and sparse attention counts as the block-table kernels."""
+    from oomb import OOMBConfig
+
+    shape = ModelShape.from_config(preset_config("qwen2.5-7b"))
     T = 1 << 20
 
     def tier(cfg):
-        engine = SimpleNamespace(config=cfg, device=torch.device("cuda"), dtype=torch.bfloat16, _base=SimpleNamespace(config=config),
-                                 model=torch.nn.Linear(1, 1, bias=False), _backend="torch", _segment_pages=lambda: "layer")
-        engine.model.weight.grad = torch.zeros(1, 1)  # nothing left to allocate
-        out = choose_engine_tiering(engine, T)
-        return out, engine.tiering
+        return fake_h200_tiering(cfg, T)
 
     sparse = OOMBConfig(sparse=True, chunk_size=4096, page_budget=64, checkpoint_layers=True, offload=True)
     (offload, pages, sets), info = tier(sparse)
@@ -667,32 +679,18 @@ def test_a_refused_gpu_page_budget_shows_a_layout_that_exists():
     assert ok.fits and ok.layout_note == "" and "(shown at" not in ok.table()
 
 
-def test_engine_tiering_gives_the_stash_reserve_back_when_every_page_fits(monkeypatch):
+def test_engine_tiering_gives_the_stash_reserve_back_when_every_page_fits(fake_h200_tiering, monkeypatch):
     """choose_engine_tiering keeps OOMB_OFFLOAD_KV_STASH_MIB free only for an offloading store: a length whose pages
     fit on the GPU only without that reserve runs with every page on the GPU."""
-    from types import SimpleNamespace
-
-    import oomb.ops.paged_attention as pa
-    import oomb.planner as planner
     from oomb import OOMBConfig
-    from oomb.planner import _page_bytes, choose_engine_tiering
+    from oomb.planner import _page_bytes
 
-    monkeypatch.setattr(pa, "_triton_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(124.5 * GiB), int(139.8 * GiB)))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
-    monkeypatch.setattr(planner, "_host_memory", lambda: (125 * GiB, 125 * GiB))
-    config = preset_config("qwen2.5-7b")
     cfg = OOMBConfig(sparse=True, chunk_size=4096, page_budget=64, checkpoint_layers=True)  # offload 'auto'
 
     def tier(T):
-        engine = SimpleNamespace(config=cfg, device=torch.device("cuda"), dtype=torch.bfloat16,
-                                 _base=SimpleNamespace(config=config), model=torch.nn.Linear(1, 1, bias=False),
-                                 _backend="torch", _segment_pages=lambda: "layer")
-        engine.model.weight.grad = torch.zeros(1, 1)
-        return choose_engine_tiering(engine, T), engine.tiering
+        return fake_h200_tiering(cfg, T)
 
-    L, pb = 28, _page_bytes(ModelShape.from_config(config), 128, torch.bfloat16)
+    L, pb = 28, _page_bytes(ModelShape.from_config(preset_config("qwen2.5-7b")), 128, torch.bfloat16)
     _, info = tier(1 << 19)
     T = info["pool_budget_bytes"] // (L * pb) * 128 - 4096  # every page fits, with < 3 GiB to spare
     (offload, _, _), info = tier(T)
