@@ -724,6 +724,10 @@ def plan(
         elif (attempt is None or not attempt.offload) and gpu_page_budget is not None:
             # A refused pool that holds every page (too big for the GPU): every page on the GPU, nothing staged.
             tiering = Tiering(True, L * n, n, 2)
+    if (not shown_note and gpu_page_budget is not None and tiering.offload and tiering.gpu_pages is not None
+            and tiering.gpu_pages < gpu_page_budget):
+        # the pool uses whole resident pages per layer: the rest of a given budget stays unused
+        shown_note = f"of the {gpu_page_budget:,} given, the rest is less than one more resident page per layer"
     if not tiering.offload and kv_stash:  # no offload, no stash: its reserve goes back to the budget
         reserve -= kv_stash
         gpu_budget = max(machine.gpu_free_bytes - reserve, 0)
