@@ -117,7 +117,7 @@ def memory_breakdown(engine, args, seq_len: int, peak_gib: float) -> dict:
     reserved (allocated plus the allocator's cache and fragmentation), weights, gradients, the KV store's GPU
     bytes, the sparse state, the rest of the allocated peak ("activations_measured_gib") and what
     :func:`oomb.planner.activation_bytes` predicts for it (choose_engine_tiering's argument values)."""
-    from oomb.ops.paged_attention import paged_backend
+    from oomb.ops.paged_attention import step_backend
     from oomb.planner import ModelShape, activation_bytes, sparse_state_bytes
 
     cfg = engine.config
@@ -127,7 +127,7 @@ def memory_breakdown(engine, args, seq_len: int, peak_gib: float) -> dict:
     grads = sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None)
     state = sparse_state_bytes(shape, seq_len, cfg, engine.dtype) if cfg.sparse else 0
     # the backend choose_engine_tiering sizes with (sparse: the block-table kernels behind 'sdpa')
-    backend = paged_backend(engine._backend, engine.device) if cfg.sparse else engine._backend
+    backend = step_backend(cfg, engine.device)
     act = activation_bytes(shape, min(cfg.chunk_size, seq_len), engine.dtype, cfg.checkpoint_layers, backend,
                            cfg.attention_block_size, cfg.loss_chunk_size, max(seq_len - cfg.chunk_size, 0))
     store = engine.kv_store

@@ -931,11 +931,9 @@ def choose_engine_tiering(engine: Any, seq_len: int) -> tuple[bool, int | None, 
     # first step read the CPU default 'torch', whose score-sized temporaries are 3.8 GiB more for Qwen2.5-7B at
     # chunk 4096, and sized the 1M pool of 2026-12-02 that much too small). Sparse attention reads its pages
     # through the block-table kernels (paged_backend).
-    from .ops.paged_attention import paged_backend, resolve_backend
+    from .ops.paged_attention import step_backend
 
-    backend = resolve_backend(cfg.attention_backend, device)
-    if cfg.sparse:
-        backend = paged_backend(backend, device)
+    backend = step_backend(cfg, device)
     act = activation_bytes(shape, min(cfg.chunk_size, seq_len), dtype, cfg.checkpoint_layers, backend,
                            cfg.attention_block_size, cfg.loss_chunk_size, max(seq_len - cfg.chunk_size, 0))["total"]
     reserve = max(2 * GiB, int(0.03 * total))

@@ -36,7 +36,8 @@ from tqdm.auto import tqdm
 
 from ..config import OOMBConfig
 from ..models.hf import UnsupportedModelError, check_model_supported, use_oomb_attention
-from ..ops.paged_attention import paged_attention, paged_attention_forward, paged_backend, resolve_backend
+from ..ops.paged_attention import (paged_attention, paged_attention_forward, paged_backend, resolve_backend,
+                                   step_backend)
 from ..ops.sparse import SparseAttentionState, sparse_paged_attention, sparse_paged_attention_forward
 from ..planner import (HOST_FRACTION, ModelShape, _host_memory, activation_bytes, choose_engine_tiering,
                        sparse_headroom_bytes)
@@ -447,7 +448,7 @@ class Engine:
         free, total = torch.cuda.mem_get_info(self.device)
         free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         # the backend the step runs (sparse attention reads its pages through the block-table kernels)
-        backend = paged_backend(self._backend, self.device) if self.config.sparse else self._backend
+        backend = step_backend(self.config, self.device)
         act = activation_bytes(ModelShape.from_config(self._base.config), min(self.config.chunk_size, T), self.dtype,
                                self.config.checkpoint_layers, backend, self.config.attention_block_size,
                                self.config.loss_chunk_size, max(T - self.config.chunk_size, 0))["total"]

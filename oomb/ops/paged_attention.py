@@ -151,6 +151,18 @@ def paged_backend(backend: str, device: torch.device) -> str:
     return "triton" if device.type == "cuda" and _triton_available() else "torch"
 
 
+def step_backend(config, device: torch.device) -> str:
+    """The backend a step with ``config`` (an :class:`oomb.OOMBConfig`) runs its attention on, for sizing its
+    memory: :func:`resolve_backend` of ``config.attention_backend``, and with ``config.sparse`` the block-table
+    backend behind it (:func:`paged_backend`: sparse attention reads its selected pages through the block table).
+
+    Raises:
+        ValueError: as :func:`resolve_backend`.
+    """
+    backend = resolve_backend(config.attention_backend, device)
+    return paged_backend(backend, device) if config.sparse else backend
+
+
 def _sdpa_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKV, grad: bool) -> bool:
     """Whether the 'sdpa' backend runs this unsegmented call through :mod:`oomb.ops.sdpa_attention`."""
     from .sdpa_attention import sdpa_available
