@@ -108,7 +108,8 @@ def add_plan_subcommand(subparsers: Any, **parser_kwargs: Any) -> Any:
     p.add_argument("--seq-len", type=int, default=131072, help="tokens per training sequence")
     p.add_argument("--chunk-size", type=int, default=4096, help="tokens per chunk")
     p.add_argument("--page-size", type=int, default=128, help="tokens per KV page")
-    p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16", help="parameter dtype")
+    p.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16",
+                   help="parameter dtype (those oomb train runs: float16 would need loss scaling, which it lacks)")
     p.add_argument("--lora-rank", type=int, default=0, help="LoRA rank on q/k/v/o (0: full fine-tune)")
     p.add_argument("--no-optimizer", action="store_true", help="leave out AdamW states (memory of the step alone)")
     p.add_argument("--checkpoint-layers", action="store_true", help="per-layer checkpointing inside each chunk")

@@ -139,6 +139,16 @@ def test_plan_subcommand(capsys):
     _check_refused(run_cli(["plan", "--seq-len", "0"]), capsys, "--seq-len is 0")
 
 
+def test_plan_offers_the_dtypes_train_runs(tmp_path, text_file, capsys):
+    """`oomb plan --dtype` offered float16, which `oomb train` refuses (it has no loss scaling): a plan for a run
+    that cannot be started (fresh-user review). Both refuse it with argparse's list of their choices."""
+    _check_refused(run_cli(["plan", "--model", "tiny", "--gpu-gib", "8", "--dtype", "float16"]), capsys,
+                   "invalid choice: 'float16'")
+    _check_refused(run_cli(["train", "--data", text_file, "--output-dir", tmp_path / "run", *FAST, "--dtype", "float16"]),
+                   capsys, "invalid choice: 'float16'")
+    assert run_cli(["plan", "--model", "tiny", "--gpu-gib", "8", "--host-gib", "8", "--dtype", "float32"]) == 0
+
+
 def test_overwrite_replaces_a_previous_run(tmp_path, text_file, capsys):
     """--overwrite replaces what an earlier oomb run wrote and keeps what it did not (a fresh-user review lost an
     eval report kept in a run folder); train_args.json lists the run's outputs for that."""
