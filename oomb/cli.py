@@ -397,26 +397,32 @@ def _warn_if_sparse_is_dense(args: argparse.Namespace) -> None:
         "drop --sparse", stacklevel=2)
 
 
+def _check_chunk_and_page_size(args: argparse.Namespace) -> None:
+    """--chunk-size and --page-size, in one wording for every subcommand: both positive, the chunk whole pages."""
+    for flag, value in (("--chunk-size", args.chunk_size), ("--page-size", args.page_size)):
+        if value <= 0:
+            raise UsageError(f"{flag} is {value}", f"pass a positive number of tokens for {flag}")
+    if args.chunk_size % args.page_size != 0:
+        near = max(1, round(args.chunk_size / args.page_size)) * args.page_size
+        raise UsageError(
+            f"--chunk-size {args.chunk_size} is not a multiple of --page-size {args.page_size} (a chunk is whole KV pages)",
+            f"pass e.g. --chunk-size {near}, or a --page-size that divides {args.chunk_size}",
+        )
+
+
 def _check_sizes(args: argparse.Namespace) -> None:
     _check_seed(args)
     for flag, value in (
         ("--seq-len", args.seq_len),
-        ("--chunk-size", args.chunk_size),
-        ("--page-size", args.page_size),
         ("--steps", args.steps),
         ("--log-every", args.log_every),
         ("--grad-accum", args.grad_accum),
     ):
         if value <= 0:
             raise UsageError(f"{flag} is {value}", f"pass a positive number for {flag}")
+    _check_chunk_and_page_size(args)
     if args.seq_len < 2:
         raise UsageError(f"--seq-len is {args.seq_len}", "a training sequence needs at least 2 tokens (one input, one target); pass --seq-len 2 or more")
-    if args.chunk_size % args.page_size != 0:
-        near = max(1, round(args.chunk_size / args.page_size)) * args.page_size
-        raise UsageError(
-            f"--chunk-size {args.chunk_size} is not a multiple of --page-size {args.page_size}",
-            f"pass e.g. --chunk-size {near}, or a --page-size that divides {args.chunk_size}",
-        )
     if args.attention_backend == "triton" and args.device != "cuda":
         raise UsageError("--attention-backend triton runs on the GPU only", "pass --device cuda, or --attention-backend torch, sdpa or auto on the CPU")
     if not (args.lr > 0 and math.isfinite(args.lr)):
@@ -1392,13 +1398,11 @@ def _write_json(given: str, data: dict) -> None:
 
 def _check_measure_sizes(args: argparse.Namespace) -> None:
     """--seq-len, --chunk-size, --page-size, --sink-pages, --local-pages and --seed of grad-error and eval."""
-    for flag, value in (("--seq-len", args.seq_len), ("--chunk-size", args.chunk_size), ("--page-size", args.page_size)):
-        if value <= 0:
-            raise UsageError(f"{flag} is {value}", f"pass a positive number for {flag}")
+    if args.seq_len <= 0:
+        raise UsageError(f"--seq-len is {args.seq_len}", "pass a positive number for --seq-len")
+    _check_chunk_and_page_size(args)
     if args.seq_len < 2:
         raise UsageError(f"--seq-len is {args.seq_len}", "pass --seq-len 2 or more")
-    if args.chunk_size % args.page_size != 0:
-        raise UsageError(f"--chunk-size {args.chunk_size} is not a multiple of --page-size {args.page_size}", "pass a --page-size that divides --chunk-size")
     for flag, value in (("--sink-pages", args.sink_pages), ("--local-pages", args.local_pages)):
         if value < 0:
             raise UsageError(f"{flag} has {value}", f"pass 0 or a positive number of pages for {flag}")
@@ -1584,9 +1588,9 @@ _MAX_BENCH_TOKENS = 2**31
 
 def _bench(args: argparse.Namespace) -> int:
     """``oomb bench``: one training step of oomb and of plain HF training per length, as a table."""
-    for flag, value in (("--chunk-size", args.chunk_size), ("--page-size", args.page_size), ("--steps", args.steps)):
-        if value <= 0:
-            raise UsageError(f"{flag} is {value}", f"pass a positive number for {flag}")
+    _check_chunk_and_page_size(args)
+    if args.steps <= 0:
+        raise UsageError(f"--steps is {args.steps}", "pass a positive number for --steps")
     if any(T < 2 for T in args.lengths):
         raise UsageError(f"--lengths has {min(args.lengths)}", "pass token counts of 2 or more")
     if max(args.lengths) > _MAX_BENCH_TOKENS:
@@ -1595,8 +1599,6 @@ def _bench(args: argparse.Namespace) -> int:
         raise UsageError(f"--lengths lists a length twice: {' '.join(map(str, args.lengths))}", "name each length once")
     if args.warmup_len < 0 or args.warmup_len == 1:
         raise UsageError(f"--warmup-len is {args.warmup_len}", "pass 0 (no warm-up) or 2 or more tokens")
-    if args.chunk_size % args.page_size != 0:
-        raise UsageError(f"--chunk-size {args.chunk_size} is not a multiple of --page-size {args.page_size}", "pass a --page-size that divides --chunk-size")
     if args.attention_backend == "triton" and args.device != "cuda":
         raise UsageError("--attention-backend triton runs on the GPU only", "pass --device cuda, or --attention-backend torch, sdpa or auto on the CPU")
     if len(set(args.systems)) != len(args.systems):
@@ -1660,13 +1662,11 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     """``oomb plan``: print the predicted memory of a run; 0 if it fits, 1 if not, 2 on bad input."""
-    for flag, value in (("--seq-len", args.seq_len), ("--chunk-size", args.chunk_size), ("--page-size", args.page_size)):
-        if value <= 0:
-            raise UsageError(f"{flag} is {value}", f"pass a positive number for {flag}")
+    if args.seq_len <= 0:
+        raise UsageError(f"--seq-len is {args.seq_len}", "pass a positive number for --seq-len")
+    _check_chunk_and_page_size(args)
     if args.lora_rank < 0:
         raise UsageError(f"--lora-rank is {args.lora_rank}", "pass 0 for a full fine-tune or a positive LoRA rank")
-    if args.chunk_size % args.page_size != 0:
-        raise UsageError(f"--chunk-size {args.chunk_size} is not a multiple of --page-size {args.page_size}", "pass a --page-size that divides --chunk-size")
     if args.seq_len < 2:
         raise UsageError(f"--seq-len is {args.seq_len}", "pass --seq-len 2 or more")
     for flag, value in (("--gpu-gib", args.gpu_gib), ("--host-gib", args.host_gib)):

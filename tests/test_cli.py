@@ -149,6 +149,29 @@ def test_plan_offers_the_dtypes_train_runs(tmp_path, text_file, capsys):
     assert run_cli(["plan", "--model", "tiny", "--gpu-gib", "8", "--host-gib", "8", "--dtype", "float32"]) == 0
 
 
+@pytest.mark.parametrize("sizes", [["--chunk-size", "100", "--page-size", "32"], ["--chunk-size", "0"], ["--page-size", "-32"]])
+def test_chunk_and_page_size_errors_read_the_same_in_every_subcommand(tmp_path, text_file, capsys, sizes):
+    """`oomb plan` said 'pass a --page-size that divides --chunk-size' where `oomb train` gave a chunk size to pass
+    (fresh-user review): one check words them for train, plan, eval, grad-error and bench, naming the fix."""
+    seq = ["--seq-len", "256"]
+    argvs = [["train", "--data", text_file, "--output-dir", tmp_path / "run", *seq, *sizes],
+             ["plan", "--model", "tiny", "--gpu-gib", "8", *seq, *sizes],
+             ["eval", "--data", text_file, *seq, *sizes],
+             ["grad-error", "--data", text_file, *seq, *sizes],
+             ["bench", "--lengths", "256", *sizes]]
+    errors = set()
+    for argv in argvs:
+        assert run_cli(argv) == 2, argv
+        errors.add(capsys.readouterr().err.strip())
+    assert len(errors) == 1, errors
+    error = errors.pop()
+    if sizes[1] == "100":
+        assert error.startswith("oomb: error: --chunk-size 100 is not a multiple of --page-size 32")
+        assert "pass e.g. --chunk-size 96, or a --page-size that divides 100" in error
+    else:
+        assert f"{sizes[0]} is {sizes[1]}; pass a positive number of tokens for {sizes[0]}" in error
+
+
 def test_overwrite_replaces_a_previous_run(tmp_path, text_file, capsys):
     """--overwrite replaces what an earlier oomb run wrote and keeps what it did not (a fresh-user review lost an
     eval report kept in a run folder); train_args.json lists the run's outputs for that."""
