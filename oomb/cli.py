@@ -243,8 +243,8 @@ def _build_parser() -> argparse.ArgumentParser:
     b.add_argument("--page-size", type=int, default=128, help="oomb: tokens per KV page; --chunk-size must be a multiple of it")
     b.add_argument("--attention-backend", choices=["auto", "torch", "triton", "sdpa"], default="auto", help="oomb: " + _BACKEND_HELP)
     b.add_argument("--save-attention", choices=["off", "gpu", "host"], default="off",
-                   help="oomb: keep Stage 1's attention outputs (on the GPU or in pinned host memory) so the Stage-2 "
-                        "recompute skips its attention forward")
+                   help="oomb: keep Stage 1's attention outputs (on the GPU or in pinned host memory; on the CPU both in ordinary "
+                        "memory) so the Stage-2 recompute skips its attention forward")
     b.add_argument("--checkpoint-layers", action="store_true", help="oomb: per-layer activation checkpointing inside each chunk's recompute")
     b.add_argument("--steps", type=int, default=2, help="steps per system and length (oomb on one engine), the last one timed")
     b.add_argument("--warmup-len", type=int, default=512, help="tokens of one untimed warm-up step per system first (0: none)")
@@ -370,6 +370,17 @@ def _warn_if_offload_on_keeps_every_page(args: argparse.Namespace, offloads: boo
         f"--offload on: all {pages} KV pages of this run fit on the GPU, so every page stays there and nothing is "
         f"offloaded to the host (as with --offload auto); pass a --gpu-page-budget below {pages} to keep only part "
         "of them on the GPU", stacklevel=2)
+
+
+def _warn_if_gpu_saved_attention_on_cpu(args: argparse.Namespace, device) -> None:
+    """Warn that --save-attention gpu on the CPU keeps the outputs in the CPU's memory (the compute device's, as
+    SavedAttention does): the run works, but the flag asked for GPU memory (train and bench; fresh-user review)."""
+    if args.save_attention != "gpu" or device.type == "cuda":
+        return
+    warnings.warn(
+        f"--save-attention gpu with --device {device.type} keeps Stage 1's attention outputs in ordinary CPU memory, as "
+        "--save-attention host does on the CPU (the same run); 'gpu' means GPU memory only with --device cuda",
+        stacklevel=2)
 
 
 def _last_chunk_past_pages(seq_len: int, chunk_size: int, page_size: int) -> int:
@@ -1140,6 +1151,7 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
     if ctx.is_main:  # after every refusal: a warning never comes with an error line
         _warn_if_offload_moves_nothing(args, engine.num_layers)
         _warn_if_sparse_is_dense(args)
+        _warn_if_gpu_saved_attention_on_cpu(args, device)
     return dict(tokenizer=tokenizer, tokens=tokens, sequences=sequences, model=model, engine=engine, params=params,
                 optimizer=optimizer, fingerprint=fingerprint, settings=_resume_settings(args), start_step=start_step,
                 store_summary=_store_summary(store, args.seq_len, args.page_size, t_reserve_s))
@@ -1637,6 +1649,7 @@ def _bench(args: argparse.Namespace) -> int:
     from .ops.paged_attention import resolve_backend
 
     backend = resolve_backend(args.attention_backend, device)
+    _warn_if_gpu_saved_attention_on_cpu(args, device)
     print(f"oomb bench: {args.model} ({sum(p.numel() for p in model.parameters()) / 1e6:,.1f}M parameters, "
           f"{str(dtype).replace('torch.', '')}) on {device}; oomb: chunk {args.chunk_size}, page {args.page_size}, "
           f"attention {backend}, save-attention {args.save_attention}"

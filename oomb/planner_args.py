@@ -65,7 +65,7 @@ def add_save_attention_argument(parser: Any) -> None:
     parser.add_argument("--save-attention", choices=["off", "gpu", "host"], default="off",
                         help="keep Stage 1's attention outputs so the Stage-2 recompute skips its attention forward (same "
                              "gradients, ~22%% less attention work; Hq x head-dim values per token and layer, 7,280 bytes "
-                             "for Qwen2.5-7B in bf16) on the GPU or in pinned host memory; with offload its Stage-2 "
+                             "for Qwen2.5-7B in bf16) on the GPU or in pinned host memory (on the CPU both in ordinary memory); with offload its Stage-2 "
                              "forwards stage no past either; not used with --sparse under offload")
 
 

@@ -871,6 +871,22 @@ def test_oomb_warnings_are_one_line_and_sparse_ignores_segment_pages(tmp_path, t
     assert "warnings.warn(" not in err and "UserWarning" not in err
 
 
+def test_save_attention_gpu_on_the_cpu_says_where_the_outputs_are_kept(tmp_path, text_file, capsys):
+    """`--save-attention gpu --device cpu` was accepted without a word (fresh-user review): the run works, with the
+    outputs in CPU memory (SavedAttention keeps them on the compute device), and one warning says so; 'host' on the
+    CPU and 'gpu' on cuda are what they say and get none. `oomb bench` warns the same."""
+    base = ["train", "--data", text_file, *FAST, "--steps", "1", "--device", "cpu"]
+    assert run_cli([*base, "--output-dir", tmp_path / "gpu", "--save-attention", "gpu"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("oomb: warning: --save-attention gpu with --device cpu keeps Stage 1's attention outputs in "
+                     "ordinary CPU memory") == 1
+    assert run_cli([*base, "--output-dir", tmp_path / "host", "--save-attention", "host"]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert run_cli(["bench", "--lengths", "128", "--systems", "oomb", "--chunk-size", "64", "--page-size", "32",
+                    "--warmup-len", "0", "--steps", "1", "--save-attention", "gpu"]) == 0
+    assert "oomb: warning: --save-attention gpu with --device cpu" in capsys.readouterr().err
+
+
 def test_an_offload_budget_that_holds_every_page_is_warned_about_once(tmp_path, text_file, capsys):
     """`--offload on --gpu-page-budget N` with N at least every page of every layer kept them all on the GPU
     silently (offload moved nothing): one warning per run (not per step) names the pages and the budget; the run
