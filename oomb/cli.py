@@ -21,6 +21,7 @@ import warnings
 from pathlib import Path
 from typing import NoReturn, Sequence
 
+from .planner_args import SMALL_SEGMENT_TOKENS
 from .planner_args import SPARSE_DEFAULTS as _SPARSE_DEFAULTS
 from .planner_args import add_sparse_arguments
 
@@ -381,6 +382,26 @@ def _warn_if_gpu_saved_attention_on_cpu(args: argparse.Namespace, device) -> Non
         f"--save-attention gpu with --device {device.type} keeps Stage 1's attention outputs in ordinary CPU memory, as "
         "--save-attention host does on the CPU (the same run); 'gpu' means GPU memory only with --device cuda",
         stacklevel=2)
+
+
+def _warn_if_offload_segments_are_small(args: argparse.Namespace, offloads: bool) -> None:
+    """Warn when an explicit --offload-segment-pages splits a layer's past into segments smaller than
+    :data:`oomb.planner_args.SMALL_SEGMENT_TOKENS` (train and plan, where the run offloads; sparse attention does not use them).
+    A fresh-user review found --offload-segment-pages 1 accepted without a word."""
+    pages = args.offload_segment_pages
+    if pages is None or not offloads or args.sparse:
+        return
+    floor = max(1, SMALL_SEGMENT_TOKENS // args.page_size)
+    if pages >= min(floor, -(-args.seq_len // args.page_size)):  # or one segment holds a whole layer
+        return
+    from .engine.offload import DEFAULT_SEGMENT_TOKENS, default_segment_pages
+
+    warnings.warn(
+        f"--offload-segment-pages {pages} stages {pages * args.page_size:,} tokens of a layer's past at a time: each "
+        "segment costs its own host-to-device copies and attention call, so segments this small make offload slow; "
+        f"pass {floor} pages ({floor * args.page_size:,} tokens) or more, or leave the flag out for the default, "
+        f"{DEFAULT_SEGMENT_TOKENS:,} tokens' worth ({default_segment_pages(args.page_size)} pages of --page-size "
+        f"{args.page_size})", stacklevel=2)
 
 
 def _last_chunk_past_pages(seq_len: int, chunk_size: int, page_size: int) -> int:
@@ -1152,6 +1173,7 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         _warn_if_offload_moves_nothing(args, engine.num_layers)
         _warn_if_sparse_is_dense(args)
         _warn_if_gpu_saved_attention_on_cpu(args, device)
+        _warn_if_offload_segments_are_small(args, getattr(store, "segment_pages", None) is not None)
     return dict(tokenizer=tokenizer, tokens=tokens, sequences=sequences, model=model, engine=engine, params=params,
                 optimizer=optimizer, fingerprint=fingerprint, settings=_resume_settings(args), start_step=start_step,
                 store_summary=_store_summary(store, args.seq_len, args.page_size, t_reserve_s))
@@ -1701,6 +1723,7 @@ def _plan(args: argparse.Namespace) -> int:
     if status == 0:  # a refused plan has said what is wrong with the budget already
         _warn_if_offload_moves_nothing(args, args._num_layers)
         _warn_if_offload_on_keeps_every_page(args, args._plan_offloads, args._num_layers)
+        _warn_if_offload_segments_are_small(args, args._plan_offloads)
     _warn_if_sparse_is_dense(args)
     return status
 

@@ -12,6 +12,12 @@ from typing import Any
 HOST_FRACTION = 0.75
 """Share of the available host RAM the pinned KV host tier may take (the planner's and the engine's budget)."""
 
+SMALL_SEGMENT_TOKENS = 4096
+"""An --offload-segment-pages below this many tokens' worth (an eighth of the default 32K segment) is warned
+about: each segment costs its own host-to-device copies, attention call and merge, whose fixed cost then
+outweighs the segment's copy and compute time (an estimate from the 32K segment's ~6 ms of copies, not a measured
+cut-off)."""
+
 SPARSE_DEFAULTS = {"page_budget": 64, "sink_pages": 1, "local_pages": 8, "sparse_score": "mean"}
 """Defaults of the sparse options of ``oomb train`` and ``oomb plan`` (``oomb eval``: all but the budget). The
 CLI refuses a value other than these while sparse attention is off: it would be ignored."""
@@ -89,7 +95,9 @@ def add_offload_arguments(parser: Any) -> None:
                              "every page of every layer offloads nothing")
     parser.add_argument("--offload-segment-pages", type=int, default=None,
                         help="with offload: pages per staging segment (the attention reads the past one segment at a "
-                             "time, so GPU memory stays flat in the context length); default: 32768 tokens' worth. "
+                             "time, so GPU memory stays flat in the context length); default: 32768 tokens' worth; below "
+                             f"{SMALL_SEGMENT_TOKENS} tokens' worth a warning says the segments' copies and calls make "
+                             "offload slow. "
                              "Not used by sparse attention, which stages whole layers")
 
 

@@ -887,6 +887,28 @@ def test_save_attention_gpu_on_the_cpu_says_where_the_outputs_are_kept(tmp_path,
     assert "oomb: warning: --save-attention gpu with --device cpu" in capsys.readouterr().err
 
 
+def test_tiny_offload_segments_are_warned_about(tmp_path, text_file, capsys):
+    """`--offload-segment-pages 1` (one host-to-device copy and attention call per page) was accepted without a word
+    (fresh-user review): train and plan warn once below 4,096 tokens' worth and name the default; a segment that
+    holds a whole layer's pages (tiny at FAST: 4 pages of 32 tokens), the default and --sparse are not warned."""
+    base = ["train", "--data", text_file, *FAST, "--steps", "1", "--offload", "on"]
+    assert run_cli([*base, "--output-dir", tmp_path / "one", "--offload-segment-pages", "1"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("oomb: warning: --offload-segment-pages 1 stages 32 tokens of a layer's past at a time") == 1
+    assert "pass 128 pages (4,096 tokens) or more, or leave the flag out for the default, 32,768 tokens' worth" in err
+    assert run_cli([*base, "--output-dir", tmp_path / "four", "--offload-segment-pages", "4"]) == 0
+    assert "warning" not in capsys.readouterr().err
+    plan = ["plan", "--model", "qwen2.5-7b", "--seq-len", "1048576", "--gpu-gib", "139", "--host-gib", "1000",
+            "--checkpoint-layers"]
+    assert run_cli([*plan, "--offload-segment-pages", "16"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("oomb: warning: --offload-segment-pages 16 stages 2,048 tokens") == 1
+    assert "(256 pages of --page-size 128)" in err
+    for extra in ([], ["--offload-segment-pages", "32"]):
+        assert run_cli([*plan, *extra]) == 0
+        assert "--offload-segment-pages" not in capsys.readouterr().err
+
+
 def test_an_offload_budget_that_holds_every_page_is_warned_about_once(tmp_path, text_file, capsys):
     """`--offload on --gpu-page-budget N` with N at least every page of every layer kept them all on the GPU
     silently (offload moved nothing): one warning per run (not per step) names the pages and the budget; the run
