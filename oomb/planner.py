@@ -642,7 +642,7 @@ def plan(
         pool_budget = gpu_budget - fixed
         saved_host = saved_for(T, save)["host"]
         if saved_host > host:  # the no-offload tiering never looks at the host budget
-            return None, (f"save_attention=host needs {saved_host / GiB:.2f} GiB of host memory but the host budget is "
+            return None, (f"saving them needs {saved_host / GiB:.2f} GiB of host memory but the host budget is "
                           f"{host / GiB:.2f} GiB")
         host = host - saved_host
         t, why = _tier(L, n, pb, pool_budget, host, off, budget, SP, sets, kv_stash)
@@ -683,11 +683,12 @@ def plan(
             sa = saved_for(seq_len, save)
             if whole_layers:
                 reason = "offload stages whole layers with sparse attention, where they are not used yet"
-            elif why_save.startswith("save_attention=host"):
+            elif why_save.startswith("saving them needs"):
                 reason = why_save
             else:
                 reason = f"with their {sa['gpu'] / GiB:.2f} GiB on the GPU: {why_save}"
-            save_note = f"save_attention={save}: not kept ({reason}); planned without it, as the engine runs it"
+            save_note = (f"--save-attention {save} (save_attention={save!r}): not kept ({reason}); planned without "
+                         "it, as the engine runs it")
             save = "off"
     elif save != "off":
         save = "off"  # one chunk: nothing to keep

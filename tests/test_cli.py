@@ -860,15 +860,22 @@ def test_a_cpu_run_larger_than_the_ram_is_refused_before_anything_is_built(tmp_p
 
 def test_oomb_warnings_are_one_line_and_sparse_ignores_segment_pages(tmp_path, text_file, capsys):
     """oomb's own warnings print as one 'oomb: warning:' line (not Python's two lines naming the CLI's source);
-    --offload-segment-pages with --sparse says it is not used (sparse offload stages whole layers)."""
+    --offload-segment-pages with --sparse says it is not used (sparse offload stages whole layers), and so does
+    --save-attention, by its flag first (it led with save_attention='gpu', a Python name: fresh-user review)."""
     out = tmp_path / "run"
     argv = ["train", "--data", text_file, "--output-dir", out, *FAST, "--steps", "1", "--sparse", "--offload", "on",
             "--offload-segment-pages", "2", "--save-attention", "gpu"]
     assert run_cli(argv) == 0
     err = capsys.readouterr().err
     assert "oomb: warning: --offload-segment-pages is not used with --sparse" in err
-    assert "oomb: warning: save_attention='gpu' is not used" in err
+    assert ("oomb: warning: --save-attention gpu (OOMBConfig.save_attention='gpu') is not used with an offloaded KV "
+            "store that stages whole layers (--sparse under offload") in err
+    assert "or pass --save-attention off (save_attention='off') to silence this" in err
     assert "warnings.warn(" not in err and "UserWarning" not in err
+    # oomb plan's note on the same case leads with the flag too
+    assert run_cli(["plan", "--model", "qwen2.5-7b", "--seq-len", "1048576", "--gpu-gib", "139", "--host-gib", "1000",
+                    "--checkpoint-layers", "--sparse", "--save-attention", "host"]) == 0
+    assert "\n--save-attention host (save_attention='host'): not kept (offload stages whole layers" in capsys.readouterr().out
 
 
 def test_save_attention_gpu_on_the_cpu_says_where_the_outputs_are_kept(tmp_path, text_file, capsys):

@@ -130,7 +130,7 @@ def test_host_memory_shortage_recomputes_with_a_warning(monkeypatch):
     monkeypatch.setattr(type(engine), "device", property(lambda self: torch.device("cuda")))
     monkeypatch.setattr(eng_mod, "_host_memory", lambda: (1000, 2000))
     store = type("S", (), {})()
-    with pytest.warns(UserWarning, match="save_attention='host' needs .* GiB of host memory"):
+    with pytest.warns(UserWarning, match=r"--save-attention host \(OOMBConfig.save_attention='host'\) needs .* GiB of host memory"):
         engine._ensure_saved(40, store)
     assert engine._saved is None
 
@@ -184,7 +184,7 @@ def test_plan_counts_saved_outputs_and_drops_them_with_offload():
         assert f"attention outputs (save_attention={where})" in p.table()
     # With AdamW states the outputs no longer fit beside every page: planned without them, and said so
     p = plan("qwen2.5-7b", T, machine=m, save_attention="gpu")
-    assert p.save_attention == "off" and "save_attention=gpu: not kept" in p.table()
+    assert p.save_attention == "off" and "--save-attention gpu (save_attention='gpu'): not kept" in p.table()
     assert p.gpu_peak == plan("qwen2.5-7b", T, machine=m).gpu_peak
     # Too little host memory for 'host': not kept, and the host budget is named
     small = Machine(139 * GiB, 141 * GiB, 20 * GiB, 24 * GiB, "given")

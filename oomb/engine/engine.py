@@ -413,11 +413,12 @@ class Engine:
             return
         if isinstance(store, OffloadedKVStore) and not store.supports_saved_attention:
             if not self._warned_saved_offload:
+                # Worded for both readers: the CLI's flags, with the OOMBConfig fields they set.
                 warnings.warn(
-                    f"save_attention={where!r} is not used with an offloaded KV store that stages whole layers (sparse "
-                    "attention; not supported yet): this step recomputes the attention forward in Stage 2. Turn offload "
-                    "off (--offload off) if the pages fit on the GPU, or save_attention off (--save-attention off) to "
-                    "silence this", stacklevel=3)
+                    f"--save-attention {where} (OOMBConfig.save_attention={where!r}) is not used with an offloaded KV "
+                    "store that stages whole layers (--sparse under offload; not supported yet): this step recomputes "
+                    "the attention forward in Stage 2. Turn offload off (--offload off, offload=False) if the pages fit "
+                    "on the GPU, or pass --save-attention off (save_attention='off') to silence this", stacklevel=3)
                 self._warned_saved_offload = True
             return
         keep = self._saved_keep
@@ -443,8 +444,8 @@ class Engine:
                                       self.config.chunk_size, self.dtype.itemsize, where)
         host_free = int(_host_memory()[0] * HOST_FRACTION)
         if sizes["host"] > host_free:
-            return (f"save_attention='host' needs {sizes['host'] / 2**30:.1f} GiB of host memory for {T:,} tokens but "
-                    f"{host_free / 2**30:.1f} GiB is available ({HOST_FRACTION:.0%} of the free RAM)")
+            return (f"--save-attention host (OOMBConfig.save_attention='host') needs {sizes['host'] / 2**30:.1f} GiB of "
+                    f"host memory for {T:,} tokens but {host_free / 2**30:.1f} GiB is available ({HOST_FRACTION:.0%} of the free RAM)")
         free, total = torch.cuda.mem_get_info(self.device)
         free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         # the backend the step runs (sparse attention reads its pages through the block-table kernels)
@@ -457,9 +458,9 @@ class Engine:
             reserve += sparse_headroom_bytes(self.config.checkpoint_layers)
         spare = free - act - reserve
         if sizes["gpu"] > spare:
-            return (f"save_attention={where!r} needs {sizes['gpu'] / 2**30:.1f} GiB of GPU memory for {T:,} tokens but "
-                    f"{max(spare, 0) / 2**30:.1f} GiB is free after the KV store and one chunk's activations"
-                    + (" (save_attention='host' keeps them in host memory)" if where == "gpu" else ""))
+            return (f"--save-attention {where} (OOMBConfig.save_attention={where!r}) needs {sizes['gpu'] / 2**30:.1f} GiB "
+                    f"of GPU memory for {T:,} tokens but {max(spare, 0) / 2**30:.1f} GiB is free after the KV store and "
+                    "one chunk's activations" + (" (--save-attention host keeps them in host memory)" if where == "gpu" else ""))
         return None
 
     @property
