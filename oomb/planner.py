@@ -299,8 +299,8 @@ class MemoryPlan:
     gpu_budget: int
     host_budget: int
     machine: Machine
-    max_seq_len_gpu_only: int
-    max_seq_len_offload: int
+    max_seq_len_gpu_only: int  # longest context with every page on the GPU (in the given gpu_page_budget's pool)
+    max_seq_len_offload: int  # longest context with offload (through the given gpu_page_budget's pool)
     traffic: dict[str, int] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     segment_pages: int | None = None  # offload staging segment in pages (None: whole-layer staging)
@@ -312,6 +312,7 @@ class MemoryPlan:
     saved_attention_host: int = 0  # host bytes of save_attention="host"
     kv_stash_reserved: int = 0  # GPU bytes kept free for the K/V stash (OOMB_OFFLOAD_KV_STASH_MIB; in the reserve)
     layout_note: str = ""  # how the table's layout relates to a refused gpu_page_budget
+    gpu_page_budget: int | None = None  # as given; the largest contexts (max_seq_len_*) are then under this pool
 
     @property
     def fits(self) -> bool:
@@ -392,9 +393,15 @@ class MemoryPlan:
         def most(t: int) -> str:  # the search stops at 2**26 pages per layer
             return f"{t:,}" + (" or more (the search limit)" if t >= ((1 << 26) * self.page_size) // self.chunk_size * self.chunk_size else "")
 
+        if self.gpu_page_budget is None:
+            largest = (f"largest context: {most(self.max_seq_len_gpu_only)} tokens with every page on the GPU, "
+                       f"{most(self.max_seq_len_offload)} with offload")
+        else:  # both under the pool the caller fixed (not the largest pool the GPU could hold)
+            largest = (f"largest context with the given {self.gpu_page_budget:,}-page GPU pool: "
+                       f"{most(self.max_seq_len_gpu_only)} tokens with every page in it, "
+                       f"{most(self.max_seq_len_offload)} with offload")
         rows += [
-            f"largest context: {most(self.max_seq_len_gpu_only)} tokens with every page on the GPU, "
-            f"{most(self.max_seq_len_offload)} with offload",
+            largest,
             "fits" if self.fits else "DOES NOT FIT: " + "; ".join(self.problems),
         ]
         return "\n".join(rows)
@@ -558,7 +565,8 @@ def plan(
             as in :class:`oomb.OOMBConfig` ('auto' counts as 'sdpa', what it is on CUDA; with
             ``sparse`` 'auto' and 'sdpa' count as 'triton', the block-table kernels sparse attention runs).
         offload: True, False or 'auto' (offload only when every page does not fit on the GPU).
-        gpu_page_budget: GPU pool in pages with offload (None: the largest that fits).
+        gpu_page_budget: GPU pool in pages with offload (None: the largest that fits). Given, the largest contexts
+            (``max_seq_len_gpu_only``, ``max_seq_len_offload``) are those of this pool.
         offload_segment_pages: offload staging segment in pages; None/'auto': 32K tokens' worth,
             'layer': whole-layer staging (GPU bytes then grow with the context).
         machine: the memory to fit into; default :meth:`Machine.detect`.
@@ -655,10 +663,18 @@ def plan(
         return t, why
 
     def largest(off) -> int:
+        """The longest context (whole chunks) that fits with offload (``off`` True) or with every page on the GPU;
+        under a given ``gpu_page_budget`` the pool is that one: every page must fit in it, or offload through it."""
+        def fits(T: int) -> bool:
+            if gpu_page_budget is None:
+                return tier_for(T, off, None)[0] is not None
+            t = tier_for(T, True, gpu_page_budget)[0]  # a pool holding every page offloads nothing (R = n)
+            return t is not None and (off or not t.offload)
+
         lo, hi = 0, 1 << 26  # pages per layer
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if tier_for(mid * page_size, off, None)[0] is not None:
+            if fits(mid * page_size):
                 lo = mid
             else:
                 hi = mid - 1
@@ -773,6 +789,7 @@ def plan(
         segment_pages=SP if tiering.offload else None, own_buffers=own_b, host_fraction=host_fraction,
         save_attention=save, saved_attention_host=saved_for(seq_len, save)["host"], save_attention_note=save_note,
         grad_accum_dtype=grad_accum_dtype, kv_stash_reserved=kv_stash, layout_note=shown_note,
+        gpu_page_budget=gpu_page_budget,
     )
 
 

@@ -109,7 +109,8 @@ def add_plan_subcommand(subparsers: Any, **parser_kwargs: Any) -> Any:
         help="predict GPU and host memory of a run and the largest context that fits",
         description="Predict GPU and host memory of one training step before anything is allocated, choose the "
                     "KV tiering (all pages on the GPU, or offload to pinned host memory) and report the largest "
-                    "context that fits this machine (or the one described by --gpu-gib/--host-gib).",
+                    "context that fits this machine (or the one described by --gpu-gib/--host-gib; with --gpu-page-budget, "
+                    "through that GPU pool).",
         **parser_kwargs,
     )
     p.add_argument("--model", default="qwen2.5-7b", help="a preset name or a local Hugging Face model directory")

@@ -129,6 +129,26 @@ def test_largest_context_is_consistent():
     assert g.fits
 
 
+def test_largest_context_is_that_of_a_given_gpu_page_budget():
+    """`oomb plan --gpu-page-budget 20000` at 1M tokens printed 'largest context: 638,976 tokens with every page on the
+    GPU, 1,196,032 with offload' (the largest pool's) beside a verdict that 1M does not fit that pool's host tier: with
+    a given pool, the largest contexts are those of that pool, and the line says so."""
+    kw = dict(machine=H200, optimizer=None, checkpoint_layers=True, gpu_page_budget=20_000)
+    p = plan("qwen2.5-7b", 1 << 20, **kw)
+    free = plan("qwen2.5-7b", 1 << 20, machine=H200, optimizer=None, checkpoint_layers=True)
+    assert not p.fits and p.max_seq_len_offload < 1 << 20 < free.max_seq_len_offload
+    assert plan("qwen2.5-7b", p.max_seq_len_offload, **kw).fits
+    assert not plan("qwen2.5-7b", p.max_seq_len_offload + 2 * 4096, **kw).fits
+    # every page in the 20,000-page pool: 714 per layer (28 layers), in whole chunks
+    assert p.max_seq_len_gpu_only == 714 * 128 // 4096 * 4096 < free.max_seq_len_gpu_only
+    inside = plan("qwen2.5-7b", p.max_seq_len_gpu_only, **kw)
+    assert inside.fits and not inside.tiering.offload
+    assert plan("qwen2.5-7b", p.max_seq_len_gpu_only + 4096, **kw).tiering.offload
+    assert (f"largest context with the given 20,000-page GPU pool: {p.max_seq_len_gpu_only:,} tokens with every page "
+            f"in it, {p.max_seq_len_offload:,} with offload") in p.table()
+    assert "largest context: " in free.table() and "given" not in free.table().splitlines()[-2]
+
+
 def test_impossible_runs_are_refused_clearly():
     small = Machine(gpu_free_bytes=24 * GiB, gpu_total_bytes=24 * GiB, host_available_bytes=64 * GiB, host_total_bytes=64 * GiB)
     with pytest.raises(MemoryPlanError, match=r"weights, gradients, optimizer states .* need .* GiB .* use LoRA"):
