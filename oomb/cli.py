@@ -1125,7 +1125,7 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
     optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=fused)
     fingerprint = _fingerprint(args, tokens, dtype, ctx.world_size)
 
-    start_step = 0
+    start_step, finished = 0, False
     if args.resume is not None:
         ckpt_root = out / "checkpoints"
         path = find_latest(ckpt_root) if args.resume == "latest" else Path(args.resume).expanduser()
@@ -1169,6 +1169,7 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
             for note in notes:
                 print(f"oomb: note: {note}", file=sys.stderr)
             print(f"oomb: resuming from {path} (step {start_step})", file=sys.stderr)
+        finished = start_step == args.steps and _saved_model_of(out, path, start_step)
     if ctx.is_main:  # after every refusal: a warning never comes with an error line
         _warn_if_offload_moves_nothing(args, engine.num_layers)
         _warn_if_sparse_is_dense(args)
@@ -1176,7 +1177,26 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         _warn_if_offload_segments_are_small(args, getattr(store, "segment_pages", None) is not None)
     return dict(tokenizer=tokenizer, tokens=tokens, sequences=sequences, model=model, engine=engine, params=params,
                 optimizer=optimizer, fingerprint=fingerprint, settings=_resume_settings(args), start_step=start_step,
+                finished=finished,
                 store_summary=_store_summary(store, args.seq_len, args.page_size, t_reserve_s))
+
+
+def _saved_model_of(out: Path, path: Path, step: int) -> bool:
+    """Whether ``out`` holds the saved model of its checkpoint ``path`` at ``step``, the newest of out/checkpoints:
+    its train_args.json (written last by :func:`_save`) is of a run of ``step`` steps and every file it lists is
+    there. Then a --resume with --steps ``step`` has nothing to do."""
+    ckpt_root = (out / "checkpoints").resolve()
+    if path.resolve().parent != ckpt_root or any(
+            p.is_dir() and p.name.startswith("step-") and p.name > path.name for p in ckpt_root.iterdir()):
+        return False
+    try:
+        train_args = json.loads((out / "train_args.json").read_text())
+    except (OSError, ValueError):
+        return False
+    if not (isinstance(train_args, dict) and "oomb_version" in train_args and train_args.get("steps") == step):
+        return False
+    listed = train_args.get("outputs")
+    return isinstance(listed, list) and all((out / str(n)).exists() for n in listed)
 
 
 def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> int:
@@ -1192,6 +1212,13 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
     main_rank = ctx.is_main
     log_path = out / "log.jsonl"
     ckpt_root = out / "checkpoints"
+    if run["finished"]:
+        # The checkpoint, log and model are those of --steps already: rewriting them (same content) would only
+        # change their times.
+        if main_rank:
+            print(f"oomb: done: no steps left to train (the checkpoint is at --steps {args.steps} and {out} holds its "
+                  "saved model); nothing was written", file=sys.stderr)
+        return 0
     if main_rank:
         # ---- every check passed: from here on we write.
         _prepare_output(out, args.overwrite)

@@ -404,3 +404,21 @@ def test_a_signal_during_grad_accum_stops_at_the_sequence_boundary(tmp_path, tex
     monkeypatch.setattr(Engine, "step", real_step)
     assert run_cli([*argv, "--output-dir", run, "--resume", "latest"]) == 0
     assert losses(run) == losses(straight)
+
+
+def test_resume_of_a_finished_run_writes_nothing(tmp_path, text_file, capsys):
+    """--resume with no steps left to train leaves every file as it was (it rewrote the last checkpoint,
+    train_args.json and the model with the same content)."""
+    out = tmp_path / "run"
+    argv = ["train", "--data", text_file, *FAST, "--steps", "2", "--output-dir", out]
+    assert run_cli(argv) == 0
+    before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()}
+    time.sleep(0.01)  # a rewrite would show in the times as well as in the listing
+    capsys.readouterr()
+    assert run_cli([*argv, "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert "no steps left to train" in err and "nothing was written" in err, err
+    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()} == before
+    # with more --steps it trains on
+    assert run_cli([*argv[:-4], "--steps", "3", "--output-dir", out, "--resume"]) == 0
+    assert [s for s, _ in losses(out)] == [1, 2, 3]
