@@ -1138,6 +1138,8 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
                                                                        f" (step-NNNNNNNN under {ckpt_root})"))
         _check_resume_fingerprint(read_settings(path, "fingerprint"), fingerprint, path)
         notes = _check_resume_settings(args, read_settings(path), path)
+        if args.resume == "latest":
+            notes += _broken_latest_pointer(ckpt_root, path)
         try:
             start_step, extra = load_checkpoint(path, model, optimizer, None, fingerprint)
         except CheckpointError as exc:
@@ -1179,6 +1181,20 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
                 optimizer=optimizer, fingerprint=fingerprint, settings=_resume_settings(args), start_step=start_step,
                 finished=finished,
                 store_summary=_store_summary(store, args.seq_len, args.page_size, t_reserve_s))
+
+
+def _broken_latest_pointer(ckpt_root: Path, used: Path) -> list[str]:
+    """A note when checkpoints/latest names no complete checkpoint (find_latest then takes the newest one there):
+    the run does not resume silently from another step than the pointer says."""
+    pointer = ckpt_root / "latest"
+    try:
+        named = pointer.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return []
+    if used.name == named:
+        return []
+    return [f"--resume latest: {pointer} names {named!r}, which is not a complete checkpoint; resuming from the "
+            f"newest one there, {used.name}"]
 
 
 def _saved_model_of(out: Path, path: Path, step: int) -> bool:

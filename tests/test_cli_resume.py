@@ -422,3 +422,18 @@ def test_resume_of_a_finished_run_writes_nothing(tmp_path, text_file, capsys):
     # with more --steps it trains on
     assert run_cli([*argv[:-4], "--steps", "3", "--output-dir", out, "--resume"]) == 0
     assert [s for s, _ in losses(out)] == [1, 2, 3]
+
+
+def test_resume_through_a_broken_latest_pointer_says_which_checkpoint_it_used(tmp_path, text_file, capsys):
+    """checkpoints/latest naming a folder that is not there: --resume latest still takes the newest checkpoint,
+    and says so in one note (it passed over the pointer silently)."""
+    out = tmp_path / "run"
+    argv = ["train", "--data", text_file, *FAST, "--steps", "2", "--save-every", "1", "--output-dir", out]
+    assert run_cli(argv) == 0
+    (out / "checkpoints" / "latest").write_text("step-00000009\n")
+    capsys.readouterr()
+    assert run_cli([*argv[:-6], "--steps", "3", "--output-dir", out, "--resume"]) == 0
+    err = capsys.readouterr().err
+    note = [line for line in err.splitlines() if "step-00000009" in line]
+    assert len(note) == 1 and note[0].startswith("oomb: note: --resume latest: ") and "step-00000002" in note[0], err
+    assert [s for s, _ in losses(out)] == [1, 2, 3]
