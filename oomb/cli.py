@@ -152,7 +152,7 @@ def _build_parser() -> argparse.ArgumentParser:
     w = t.add_argument_group("output")
     w.add_argument("--output-dir", required=True, help="where log.jsonl and the trained model go; must be empty or new unless --overwrite")
     w.add_argument("--overwrite", action="store_true", help="replace an earlier oomb run in a non-empty --output-dir: what it wrote (log.jsonl, checkpoints/, the files its train_args.json lists) is moved to DIR/.oomb-replaced and deleted once this run saves its model (a failed or killed run leaves it there); anything else is kept")
-    w.add_argument("--save-every", type=int, default=0, help="write a checkpoint to <output-dir>/checkpoints every N steps (the last 2 are kept); 0: only at the end. A checkpoint is also written on SIGINT/SIGTERM")
+    w.add_argument("--save-every", type=int, default=0, help="write a checkpoint to <output-dir>/checkpoints every N steps (the last 2 are kept); 0: only at the end. A checkpoint is also written on SIGINT/SIGTERM once training has started (before it: exit 130, nothing written)")
     w.add_argument(
         "--resume", nargs="?", const="latest", default=None, metavar="latest|PATH",
         help=(
@@ -1228,6 +1228,8 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
     main_rank = ctx.is_main
     log_path = out / "log.jsonl"
     ckpt_root = out / "checkpoints"
+    signals = getattr(args, "_signals", None) or _StartupSignals()  # (_run called without main(): none)
+    signals.defer()  # a signal during setup: stop here, before anything is written
     if run["finished"]:
         # The checkpoint, log and model are those of --steps already: rewriting them (same content) would only
         # change their times.
@@ -1245,6 +1247,9 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
             os.replace(tmp, log_path)
         elif not start_step and log_path.is_file():
             log_path.unlink()
+    # A signal while the output was prepared: stop before training. The same command runs again (an empty
+    # --output-dir is new; with --overwrite, the earlier run stays in .oomb-replaced).
+    signals.check()
     n_trainable = sum(p.numel() for p in params)
     n_total = sum(p.numel() for p in model.parameters())
     warmup = args.warmup_steps if args.warmup_steps is not None else args.steps // 10
@@ -1297,6 +1302,12 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
             "checkpoint and stopping (send it again to stop at once WITHOUT saving)"
         ) if main_rank else None
         with GracefulStop(notice=notice) as stop, tqdm(total=args.steps, initial=start_step, desc="train", unit="step", disable=not show, file=sys.stderr) as bar:
+            # GracefulStop takes the signals over from _StartupSignals: on exit it restores the handlers from before
+            # oomb's (a Ctrl-C while the model is saved interrupts it), and a signal since the check above stops the
+            # run after its first step, as any signal during training does.
+            stop._previous.update(signals.previous)
+            if signals.signum is not None:
+                stop._handle(signals.signum, None)
             for step in range(start_step + 1, args.steps + 1):
                 lr = _lr_at(step, args, warmup)
                 for group in optimizer.param_groups:
@@ -1414,7 +1425,7 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
 
     if main_rank:
         checkpoint(args.steps)
-        train_args = {k: v for k, v in vars(args).items() if k not in ("command", "_argv")}
+        train_args = {k: v for k, v in vars(args).items() if k not in ("command", "_argv", "_signals")}
         train_args.update(oomb_version=_version(), num_tokens=int(len(tokens)), num_sequences=len(sequences), world_size=W)
         saved = _save(model, tokenizer, out, lora=args.lora_rank > 0, train_args=train_args)
         shutil.rmtree(out / _REPLACED, ignore_errors=True)  # the run --overwrite replaced: this one is saved now
@@ -1786,17 +1797,74 @@ def _show_warning(message, category, filename, lineno, file=None, line=None):
 _DEFAULT_SHOWWARNING = warnings.showwarning
 
 
+class _StartupSignals:
+    """SIGINT/SIGTERM of ``oomb train`` from its start until the training loop's GracefulStop takes them over.
+
+    During setup (imports, data, model: nothing written yet) a signal raises KeyboardInterrupt at once ("oomb:
+    interrupted", exit 130) and is also recorded: a KeyboardInterrupt raised while Python runs a finalizer
+    (``__del__``) is printed as "Exception ignored" and dropped, and a fresh-user review saw the run then train to
+    its end. :meth:`check` stops on a recorded one. From :meth:`defer` on (the output directory is being written)
+    a signal is only recorded, so that moving an earlier run aside (--overwrite) is never cut in two.
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.deferred = False
+        self.previous: dict = {}
+
+    def install(self) -> "_StartupSignals":
+        import signal
+
+        for s in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self.previous[s] = signal.signal(s, self._handle)
+            except ValueError:  # not the main thread (main() called from one): Python's own handling
+                pass
+        return self
+
+    def _handle(self, signum, frame) -> None:  # noqa: ARG002 - signal API
+        if self.signum is None:
+            self.signum = signum
+        if not self.deferred:
+            raise KeyboardInterrupt
+
+    def defer(self) -> None:
+        """From here on the output is written: a signal is recorded, and stops the run at the next :meth:`check`."""
+        self.deferred = True
+        self.check()
+
+    def check(self) -> None:
+        if self.signum is not None:
+            raise KeyboardInterrupt
+
+    def restore(self) -> None:
+        import signal
+
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+        self.previous = {}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``oomb`` command. Returns 0; exits with status 2 on bad input."""
-    with warnings.catch_warnings():
-        warnings.showwarning = _show_warning
-        return _main(argv)
+    """Entry point of the ``oomb`` command. Returns 0; exits with status 2 on bad input, 130 on an interrupt."""
+    signals = _StartupSignals()
+    try:
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            return _main(argv, signals)
+    except KeyboardInterrupt:  # at any moment, the imports of torch and transformers included
+        print("oomb: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        signals.restore()
 
 
-def _main(argv: Sequence[str] | None) -> int:
+def _main(argv: Sequence[str] | None, signals: _StartupSignals) -> int:
     parser = _build_parser()
     args = parser.parse_args(argv)
     args._argv = [str(a) for a in (argv if argv is not None else sys.argv[1:])]
+    if args.command == "train":  # before the heavy imports: a signal during them is never lost
+        args._signals = signals.install()
     from .engine.offload import check_env
 
     try:
@@ -1816,9 +1884,6 @@ def _main(argv: Sequence[str] | None) -> int:
             return _bench(args)
     except UsageError as exc:
         _fail(f"{exc.problem}; {exc.fix}", 1 if isinstance(exc, _RunError) else 2)
-    except KeyboardInterrupt:
-        print("oomb: interrupted", file=sys.stderr)
-        return 130
     parser.error(f"unknown command {args.command!r}")  # pragma: no cover - argparse rejects it first
 
 

@@ -437,3 +437,124 @@ def test_resume_through_a_broken_latest_pointer_says_which_checkpoint_it_used(tm
     note = [line for line in err.splitlines() if "step-00000009" in line]
     assert len(note) == 1 and note[0].startswith("oomb: note: --resume latest: ") and "step-00000002" in note[0], err
     assert [s for s, _ in losses(out)] == [1, 2, 3]
+
+
+def _signal_in_a_finalizer(signum):
+    """An object whose ``__del__`` gets ``signum``: Python drops a KeyboardInterrupt raised there ("Exception
+    ignored in ..."), as a fresh-user review saw a Ctrl-C at startup dropped and the run train to its end."""
+
+    class Finalized:
+        def __del__(self):
+            signal.raise_signal(signum)  # the handler runs inside raise_signal: deterministic
+
+    Finalized()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the dropped KeyboardInterrupt
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_a_ctrl_c_during_setup_stops_the_run_even_where_python_drops_it(tmp_path, text_file, capsys, monkeypatch, overwrite):
+    """SIGINT while `oomb train` sets up (here inside a finalizer, whose KeyboardInterrupt Python drops): exit 130
+    with one line, nothing trained or written, an earlier run (--overwrite) untouched, and the same command then
+    runs."""
+    import oomb.data
+
+    out = tmp_path / "run"
+    argv = ["train", "--data", text_file, *FAST, "--steps", "2", "--output-dir", out] + (["--overwrite"] if overwrite else [])
+    if overwrite:
+        assert run_cli(argv) == 0
+    before = _files(out) if overwrite else None
+    real = oomb.data.load_tokenizer
+
+    def load_tokenizer(*a, **k):
+        _signal_in_a_finalizer(signal.SIGINT)
+        return real(*a, **k)
+
+    monkeypatch.setattr(oomb.data, "load_tokenizer", load_tokenizer)
+    capsys.readouterr()
+    assert run_cli(argv) == 130
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == "oomb: interrupted" and "step" not in err, err
+    if overwrite:
+        assert _files(out) == before
+    else:
+        assert not out.exists() or not any(out.iterdir())
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # main() restored Python's handler
+    monkeypatch.setattr(oomb.data, "load_tokenizer", real)
+    assert run_cli(argv) == 0
+    assert [s for s, _ in losses(out)] == [1, 2]
+
+
+def test_a_ctrl_c_while_the_output_is_prepared_stops_before_training(tmp_path, text_file, capsys, monkeypatch):
+    """SIGINT while --overwrite moves the earlier run aside: the move finishes (never cut in two), the run stops
+    before its first step (exit 130), the earlier run is whole in .oomb-replaced and the same command runs."""
+    import oomb.cli
+
+    out = tmp_path / "run"
+    argv = ["train", "--data", text_file, *FAST, "--steps", "2", "--output-dir", out, "--overwrite"]
+    assert run_cli(argv) == 0
+    before = _files(out)
+    real = oomb.cli._prepare_output
+
+    def prepare_output(*a, **k):
+        signal.raise_signal(signal.SIGINT)
+        return real(*a, **k)
+
+    monkeypatch.setattr(oomb.cli, "_prepare_output", prepare_output)
+    capsys.readouterr()
+    assert run_cli(argv) == 130
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == "oomb: interrupted", err
+    assert _files(out / ".oomb-replaced") == before
+    assert not (out / "log.jsonl").exists() and not (out / "checkpoints").exists()
+    monkeypatch.setattr(oomb.cli, "_prepare_output", real)
+    assert run_cli(argv) == 0
+    assert not (out / ".oomb-replaced").exists() and [s for s, _ in losses(out)] == [1, 2]
+
+
+def test_sigterm_during_setup_prints_one_line(tmp_path, text_file):
+    """SIGTERM before training starts: 'oomb: interrupted' and exit 130, as SIGINT (it killed the process)."""
+    out = tmp_path / "run"
+    script = (
+        "import signal, sys\n"
+        "import oomb.data\n"
+        "from oomb.cli import main\n"
+        "real = oomb.data.load_tokenizer\n"
+        "def load_tokenizer(*a, **k):\n"
+        "    signal.raise_signal(signal.SIGTERM)\n"
+        "    return real(*a, **k)\n"
+        "oomb.data.load_tokenizer = load_tokenizer\n"
+        f"sys.exit(main({['train', '--data', str(text_file), *FAST, '--steps', '2', '--output-dir', str(out)]!r}))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    assert proc.returncode == 130 and proc.stderr.strip() == "oomb: interrupted", (proc.returncode, proc.stderr[-2000:])
+    assert not out.exists()
+
+
+def test_a_ctrl_c_at_any_moment_of_the_command_prints_one_line(tmp_path, monkeypatch, capsys):
+    """KeyboardInterrupt while the arguments are read, while torch is imported (check_env) and while `python -m
+    oomb` imports oomb.cli: 'oomb: interrupted', exit 130, no traceback."""
+    import oomb.cli
+    import oomb.engine.offload
+
+    def interrupt(*a, **k):
+        raise KeyboardInterrupt
+
+    for target, name in ((oomb.engine.offload, "check_env"), (oomb.cli._Parser, "parse_args")):
+        with monkeypatch.context() as m:
+            m.setattr(target, name, interrupt)
+            assert run_cli(["plan", "--seq-len", "4096"]) == 130
+        assert capsys.readouterr().err == "oomb: interrupted\n"
+    script = (
+        "import builtins, runpy\n"
+        "real = builtins.__import__\n"
+        "def interrupted_import(name, globals=None, locals=None, fromlist=(), level=0):\n"
+        "    if level == 1 and name == 'cli':  # oomb/__main__.py's 'from .cli import main'\n"
+        "        raise KeyboardInterrupt\n"
+        "    return real(name, globals, locals, fromlist, level)\n"
+        "builtins.__import__ = interrupted_import\n"
+        "runpy.run_module('oomb', run_name='__main__')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script, "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    assert proc.returncode == 130 and proc.stderr == "oomb: interrupted\n", (proc.returncode, proc.stderr)
