@@ -368,6 +368,14 @@ class GracefulStop:
                 pass
         return self
 
+    def take_over(self, previous: dict, pending: int | None = None) -> None:
+        """Continue from an earlier handler of the same signals (inside the ``with``): on exit restore ``previous``
+        (signal -> the handler from before the earlier one) instead of that handler, and act on a signal it
+        recorded but did not act on (``pending``) as on one received now."""
+        self._previous.update({s: h for s, h in previous.items() if s in self._previous})
+        if pending is not None:
+            self._handle(pending, None)
+
     def __exit__(self, *exc) -> None:
         for s, handler in self._previous.items():
             signal.signal(s, handler)

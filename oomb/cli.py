@@ -1305,9 +1305,7 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
             # GracefulStop takes the signals over from _StartupSignals: on exit it restores the handlers from before
             # oomb's (a Ctrl-C while the model is saved interrupts it), and a signal since the check above stops the
             # run after its first step, as any signal during training does.
-            stop._previous.update(signals.previous)
-            if signals.signum is not None:
-                stop._handle(signals.signum, None)
+            stop.take_over(signals.previous, signals.signum)
             for step in range(start_step + 1, args.steps + 1):
                 lr = _lr_at(step, args, warmup)
                 for group in optimizer.param_groups:

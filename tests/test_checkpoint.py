@@ -154,6 +154,22 @@ def test_graceful_stop_says_what_the_first_signal_does(capsys):
             os.kill(os.getpid(), signal.SIGINT)
 
 
+def test_graceful_stop_takes_over_an_earlier_handler_and_its_pending_signal():
+    """take_over: on exit the handler from before the earlier one is back (not the earlier one), and a signal the
+    earlier one recorded counts as received (oomb train's startup handler hands over to the training loop's)."""
+    before = signal.getsignal(signal.SIGTERM)
+    startup = lambda signum, frame: None  # noqa: E731 - the earlier handler, installed over `before`
+    signal.signal(signal.SIGTERM, startup)
+    try:
+        with GracefulStop() as stop:
+            assert stop.requested is None
+            stop.take_over({signal.SIGTERM: before}, signal.SIGTERM)
+            assert stop.requested == signal.SIGTERM
+        assert signal.getsignal(signal.SIGTERM) is before
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def test_saving_an_earlier_step_keeps_the_new_checkpoint(tmp_path):
     """A run resumed from an earlier checkpoint saves steps below those already in the folder: the new
     checkpoint must survive pruning and `latest` must point at it (pruning by position deleted it)."""
