@@ -146,7 +146,7 @@ def _build_parser() -> argparse.ArgumentParser:
     o.add_argument("--lr-schedule", choices=["cosine", "constant"], default="cosine", help="after the warm-up: cosine decay to 10%% of --lr at the last step, or constant --lr")
     o.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up steps (both schedules); default: 10%% of --steps")
     o.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the gradient norm to this (0: no clipping)")
-    o.add_argument("--lora-rank", type=int, default=0, help="LoRA rank on q/k/v/o projections (peft); 0: full fine-tune")
+    o.add_argument("--lora-rank", type=int, default=0, help="LoRA rank on q/k/v/o projections (peft); 0: full fine-tune; at most the projections' smaller size")
     o.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha; default: 2 x --lora-rank")
 
     w = t.add_argument_group("output")
@@ -1013,6 +1013,11 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
     except (UnknownModelError, UnsupportedModelError) as exc:
         raise _usage_from(exc, "use a Qwen2/2.5, Llama 2/3, Mistral or Qwen3 causal LM (see 'oomb train --help')") from exc
     _check_vocab(int(tokens.max()), int(model_config.vocab_size), args.model)
+    from .planner_args import lora_rank_problem
+
+    lora_problem = lora_rank_problem(model_config, args.lora_rank, args.model)
+    if lora_problem:
+        raise UsageError(*lora_problem)
     if device.type != "cuda":
         _check_cpu_memory(args, model_config, dtype)
     if device.type != "cuda" and args.offload == "auto":

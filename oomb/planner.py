@@ -1049,9 +1049,12 @@ def run_plan(args: Any) -> int:
     import sys
 
     from .models.presets import load_config
-    from .planner_args import context_length_warning
+    from .planner_args import context_length_warning, lora_rank_problem
 
     config = load_config(args.model)  # an unknown model is the first thing to say
+    lora_problem = lora_rank_problem(config, args.lora_rank, args.model)
+    if lora_problem:
+        raise ValueError("; ".join(lora_problem))
     machine = Machine.detect()
     if args.gpu_gib is None and machine.gpu_total_bytes == 0:
         raise ValueError("no CUDA GPU is visible, so there is no GPU memory to plan for; pass --gpu-gib G and --host-gib H "

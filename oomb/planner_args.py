@@ -52,6 +52,22 @@ def context_length_warning(config: Any, seq_len: int, model: str) -> str | None:
             f"{limit}) or use a --seq-len of {limit:,} or less")
 
 
+def lora_rank_problem(config: Any, rank: int, model: str) -> tuple[str, str] | None:
+    """(problem, fix) when LoRA rank ``rank`` exceeds the smaller dimension of every layer it adapts (the q/k/v/o
+    projections of model ``model``'s ``config``): such an adapter has more parameters than the full update it can
+    express, and trains far slower for nothing (fresh-user review: --lora-rank 99999 on tiny gave 358M trainable
+    parameters for a 4.9M model). None otherwise. One check for ``oomb train`` and ``oomb plan``."""
+    h, heads = config.hidden_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or h // heads
+    q, kv = heads * head_dim, (getattr(config, "num_key_value_heads", None) or heads) * head_dim
+    limit = max(min(h, q), min(h, kv))
+    if rank <= limit:
+        return None
+    layers = f"q/o projections {h} x {q}" + (f", k/v {h} x {kv}" if kv != q else ", k/v alike")
+    return (f"--lora-rank {rank} is larger than the layers it adapts ({layers} in model {model!r})",
+            f"pass a rank of at most {limit} (8-64 is usual), or --lora-rank 0 for a full fine-tune")
+
+
 def add_sparse_arguments(parser, when: str = "with --sparse", budget: bool = True) -> None:
     """--page-budget (when ``budget``), --sink-pages, --local-pages and --sparse-score, defaults from
     :data:`SPARSE_DEFAULTS`, for train, plan, eval and grad-error alike; ``when`` names the flag that turns

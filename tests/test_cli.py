@@ -761,6 +761,18 @@ def test_options_that_would_be_ignored_are_refused(tmp_path, text_file, capsys, 
     assert not out.exists()
 
 
+def test_lora_rank_larger_than_the_adapted_layers_is_refused(tmp_path, text_file, capsys):
+    """A fresh-user review found --lora-rank 99999 on tiny (hidden size 128) accepted: 358M trainable parameters
+    for a 4.9M model and 68 s steps. tiny's q/o projections are 128 x 128 and its k/v 128 x 64."""
+    out = tmp_path / "run"
+    fragment = "--lora-rank 99999 is larger than the layers it adapts (q/o projections 128 x 128, k/v 128 x 64"
+    _check_refused(run_cli(["train", "--data", text_file, "--output-dir", out, *FAST, "--lora-rank", "99999"]), capsys, fragment)
+    assert not out.exists()
+    _check_refused(run_cli(["plan", "--model", "tiny", "--gpu-gib", "8", "--host-gib", "8", "--lora-rank", "129"]), capsys,
+                   "pass a rank of at most 128 (8-64 is usual)")
+    assert run_cli(["plan", "--model", "tiny", "--gpu-gib", "8", "--host-gib", "8", "--lora-rank", "128"]) == 0
+
+
 def test_sparse_with_only_sink_and_local_pages_is_allowed(tmp_path, text_file, capsys):
     out = tmp_path / "run"
     assert run_cli(["train", "--data", text_file, "--output-dir", out, *FAST, "--steps", "1", "--sparse", "--page-budget", "0"]) == 0
