@@ -645,6 +645,7 @@ _FLAG_NAMES = [
      "plan for a GPU machine with --gpu-gib and --host-gib (its free GPU memory and available host RAM, in GiB)"),
     ("plan(..., machine=Machine(...))", "oomb plan --gpu-gib and --host-gib"),
     ("turn offload on (offload='auto' or True)", "turn offload on (--offload auto, or on)"),
+    ("attention_backend='triton'", "--attention-backend triton"),
 ]
 _PARAM_FLAGS = ("offload_segment_pages", "gpu_page_budget", "checkpoint_layers", "seq_len", "chunk_size", "page_size",
                 "page_budget", "sink_pages", "local_pages", "lora_rank", "rope_theta")

@@ -313,6 +313,7 @@ class MemoryPlan:
     kv_stash_reserved: int = 0  # GPU bytes kept free for the K/V stash (OOMB_OFFLOAD_KV_STASH_MIB; in the reserve)
     layout_note: str = ""  # how the table's layout relates to a refused gpu_page_budget
     gpu_page_budget: int | None = None  # as given; the largest contexts (max_seq_len_*) are then under this pool
+    tiering_found: bool = True  # False: no tiering fits (the table shows the layout the verdict speaks of)
 
     @property
     def fits(self) -> bool:
@@ -417,7 +418,9 @@ class MemoryPlan:
     def _tiering_label(self) -> str:
         t = self.tiering
         if not t.offload:
-            return "every page on the GPU"
+            # a refused plan shows the pages on the GPU but does not claim they fit there (a fresh-user review read
+            # 'every page on the GPU' next to a 286,102 GiB KV row)
+            return "every page on the GPU" if self.tiering_found else "none fits (shown: every page on the GPU)"
         if t.gpu_pages is None:  # no GPU pool fits (the reason is in problems)
             return "offload, no GPU pool fits"
         note = f" ({self.layout_note})" if self.layout_note else ""
@@ -465,6 +468,22 @@ def _base_gpu(shape, seq_len, chunk_size, dtype, lora_rank, optimizer, checkpoin
     act = activation_bytes(shape, min(chunk_size, seq_len), dtype, checkpoint_layers, attention_backend,
                            attention_block_size, loss_chunk_size, max(seq_len - chunk_size, 0), lora_rank)
     return n_params, trainable, weights, grads, optim, act
+
+
+def _grown_with_context(act: dict[str, int], short: tuple, gpu_budget: int) -> list[str]:
+    """The GPU rows of ``act`` (one chunk's activations and temporaries at the planned context) that grow with the
+    context, by name, where they are why the fixed GPU part does not fit: ``short`` (``(parts, bytes)`` of the
+    same plan at a one-chunk context) fits ``gpu_budget``. Empty otherwise (the usual fixes then help)."""
+    short_act, short_bytes = short[0][5], short[1]
+    if short_bytes > gpu_budget:
+        return []
+    temp = lambda a: max(a["attention_temp"], a["loss_temp"])  # noqa: E731 (the peak holds the larger one)
+    names = [name for name, grew in (
+        ("attention temporaries", temp(act) > temp(short_act)),
+        ("sparse page summaries and selections", act.get("sparse_state", 0) > short_act.get("sparse_state", 0)),
+        ("saved attention outputs", act.get("saved_attention", 0) > short_act.get("saved_attention", 0)),
+    ) if grew]
+    return names
 
 
 def _tier(L: int, n: int, pb: int, pool_budget: int, host_budget: int, offload: bool | str,
@@ -589,6 +608,7 @@ def plan(
     Returns:
         :class:`MemoryPlan`; ``plan.fits`` / ``plan.check()`` say whether it fits.
     """
+    kwargs = dict(locals())  # the arguments, to plan an alternative the verdict may suggest
     shape = model if isinstance(model, ModelShape) else ModelShape.from_config(model)
     name = model if isinstance(model, str) else shape.model_type
     dtype = _parse_dtype(dtype)
@@ -713,6 +733,7 @@ def plan(
     problems: list[str] = []
     tiering, why = tier_for(seq_len, save=save)
     shown_note = ""  # how the table's layout relates to a refused --gpu-page-budget
+    tiering_found = tiering is not None
     if tiering is None:
         problems.append(why)
         # Show the layout the verdict speaks of: where only the host tier is too small, the offload tiering
@@ -749,8 +770,24 @@ def plan(
         reserve -= kv_stash
         gpu_budget = max(machine.gpu_free_bytes - reserve, 0)
         kv_stash = 0
+    longest_gpu, longest_off = largest(False), largest(True)
+    grown = _grown_with_context(act, fixed_for(min(seq_len, chunk_size), save), gpu_budget) if fixed > gpu_budget else []
     if machine.gpu_total_bytes == 0:
         problems = ["no CUDA GPU is visible: plan for one with plan(..., machine=Machine(...))"]
+    elif grown:
+        # One chunk's context would fit: what does not is what grows with the context (a fresh-user review was told
+        # that the weights and states need 23842 GiB, the attention temporaries at 1e11 tokens, and to use LoRA).
+        longest = max(longest_gpu, longest_off)
+        fix = (f"shorten the context to {longest:,} tokens or fewer (the longest that fits"
+               + (" with offload)" if longest_off > longest_gpu else ")") if longest else "shorten the context")
+        if (backend == "sdpa" and "attention temporaries" in grown and L * n * pb <= gpu_budget + host_budget
+                and kwargs["attention_backend"] != "triton"):  # (a whole plan only where the KV store could fit)
+            if plan(**dict(kwargs, attention_backend="triton")).fits:
+                fix += ", or use attention_backend='triton' (its attention temporaries do not grow with the context)"
+        problems = [f"at {seq_len:,} tokens one chunk's {' and '.join(grown)} grow with the context: with the weights, "
+                    f"gradients, optimizer states and activations they need {fixed / GiB:.2f} GiB but "
+                    f"{gpu_budget / GiB:.2f} GiB of GPU memory is free (after a {reserve / GiB:.1f} GiB reserve), and the "
+                    f"KV store needs {L * n * pb / GiB:,.2f} GiB on top (GPU and host); {fix}"]
     elif fixed > gpu_budget:
         problems.insert(0, f"weights, gradients, optimizer states and one chunk's activations need {fixed / GiB:.2f} GiB "
                            f"but {gpu_budget / GiB:.2f} GiB of GPU memory is free (after a {reserve / GiB:.1f} GiB reserve); "
@@ -781,7 +818,7 @@ def plan(
         gpu_pool=gpu_pool, write_buffers=wb, host_kv=host_kv, gpu_peak=gpu_peak,
         host_peak=host_kv + saved_for(seq_len, save)["host"],
         gpu_budget=gpu_budget, host_budget=host_budget, machine=machine,
-        max_seq_len_gpu_only=largest(False), max_seq_len_offload=largest(True), problems=problems,
+        max_seq_len_gpu_only=longest_gpu, max_seq_len_offload=longest_off, problems=problems,
         traffic=offload_traffic(shape, seq_len, chunk_size, page_size, tiering.resident_pages_per_layer, dtype,
                                 segment_pages=SP, checkpoint_layers=checkpoint_layers,
                                 saved_attention=save != "off" and SP is not None, staging_sets=tiering.staging_sets)
@@ -789,7 +826,7 @@ def plan(
         segment_pages=SP if tiering.offload else None, own_buffers=own_b, host_fraction=host_fraction,
         save_attention=save, saved_attention_host=saved_for(seq_len, save)["host"], save_attention_note=save_note,
         grad_accum_dtype=grad_accum_dtype, kv_stash_reserved=kv_stash, layout_note=shown_note,
-        gpu_page_budget=gpu_page_budget,
+        gpu_page_budget=gpu_page_budget, tiering_found=tiering_found,
     )
 
 
