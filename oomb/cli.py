@@ -29,6 +29,9 @@ __all__ = ["main"]
 
 _LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 _EVAL_MAX_WINDOWS = 16
+_LONG_WARMUP = 10_000
+"""A default warm-up (10% of --steps) longer than this many steps is noted: longer than the warm-ups of published
+LLM training runs (~2,000 steps), so most likely a --steps meant as 'until I stop it'."""
 _BACKEND_HELP = ("attention over the paged KV cache: torch (PyTorch reference), triton (the paged Triton kernels), "
                  "sdpa (PyTorch's fused attention -- cuDNN on cuda, the flash kernel on cpu -- where a layer's past "
                  "lies contiguously in the page pool, the paged kernels for offloaded, sparse and packed-document "
@@ -144,7 +147,7 @@ def _build_parser() -> argparse.ArgumentParser:
     o.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
     o.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     o.add_argument("--lr-schedule", choices=["cosine", "constant"], default="cosine", help="after the warm-up: cosine decay to 10%% of --lr at the last step, or constant --lr")
-    o.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up steps (both schedules); default: 10%% of --steps")
+    o.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up steps (both schedules); default: 10%% of --steps (noted above 10,000)")
     o.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the gradient norm to this (0: no clipping)")
     o.add_argument("--lora-rank", type=int, default=0, help="LoRA rank on q/k/v/o projections (peft); 0: full fine-tune; at most the projections' smaller size")
     o.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha; default: 2 x --lora-rank")
@@ -1262,6 +1265,11 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
     if main_rank and args.warmup_steps is not None and args.warmup_steps >= args.steps:
         print(f"oomb: note: --warmup-steps {args.warmup_steps} >= --steps {args.steps}: the learning rate never "
               f"reaches --lr {args.lr:g}", file=sys.stderr)
+    if main_rank and args.warmup_steps is None and warmup > _LONG_WARMUP:
+        # --steps 99999999999999999999 (a run to stop with Ctrl-C) warmed up at a learning rate of ~0 for as long as
+        # anyone could run it (fresh-user review)
+        print(f"oomb: note: the default warm-up is 10% of --steps {args.steps:,}: {warmup:,} steps before the learning "
+              f"rate reaches --lr {args.lr:g}; pass --warmup-steps (e.g. 1000) for a long or open-ended run", file=sys.stderr)
     show = main_rank and not args.no_progress and (args.progress or sys.stderr.isatty())
     K, W = args.grad_accum, ctx.world_size
     stream = _SequenceStream(sequences)

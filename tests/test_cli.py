@@ -773,6 +773,28 @@ def test_lora_rank_larger_than_the_adapted_layers_is_refused(tmp_path, text_file
     assert run_cli(["plan", "--model", "tiny", "--gpu-gib", "8", "--host-gib", "8", "--lora-rank", "128"]) == 0
 
 
+def test_a_default_warmup_longer_than_anyone_runs_is_noted(tmp_path, text_file, capsys, monkeypatch):
+    """--steps 99999999999999999999 was accepted without a word and its default warm-up (10% of --steps) kept the
+    learning rate ~0 for as long as anyone could run (fresh-user review)."""
+    import oomb.cli
+
+    class Stop(Exception):
+        pass
+
+    def stop(*args):
+        raise Stop
+
+    monkeypatch.setattr(oomb.cli, "_lr_at", stop)  # the first step: everything before it has run
+    with pytest.raises(Stop):
+        run_cli(["train", "--data", text_file, "--output-dir", tmp_path / "run", *FAST, "--steps", "99999999999999999999"])
+    assert ("oomb: note: the default warm-up is 10% of --steps 99,999,999,999,999,999,999: 9,999,999,999,999,999,999 "
+            "steps before the learning rate reaches --lr") in capsys.readouterr().err
+    for extra in (["--steps", "100000"], ["--steps", "99999999999999999999", "--warmup-steps", "100"]):
+        with pytest.raises(Stop):
+            run_cli(["train", "--data", text_file, "--output-dir", tmp_path / "run", "--overwrite", *FAST, *extra])
+        assert "default warm-up" not in capsys.readouterr().err
+
+
 def test_sparse_with_only_sink_and_local_pages_is_allowed(tmp_path, text_file, capsys):
     out = tmp_path / "run"
     assert run_cli(["train", "--data", text_file, "--output-dir", out, *FAST, "--steps", "1", "--sparse", "--page-budget", "0"]) == 0
