@@ -27,6 +27,12 @@ TEXT = (
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _python(script: str, *args: str, timeout: float = 300, cwd: str | None = None) -> subprocess.CompletedProcess:
+    """Run ``script`` in a fresh Python that imports this checkout's oomb (output captured as text)."""
+    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd, env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
+
+
 @pytest.fixture
 def text_file(tmp_path):
     f = tmp_path / "text.txt"
@@ -289,8 +295,7 @@ def test_sigkill_while_writing_a_checkpoint_then_resume(tmp_path, text_file):
         "ck.torch.save = dying_save\n"
         f"sys.exit(main({[str(a) for a in argv] + ['--output-dir', str(killed)]!r}))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    proc = _python(script)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     ckpts = killed / "checkpoints"
     assert (ckpts / "latest").read_text().strip() == "step-00000001"
@@ -525,8 +530,7 @@ def test_sigterm_during_setup_prints_one_line(tmp_path, text_file):
         "oomb.data.load_tokenizer = load_tokenizer\n"
         f"sys.exit(main({['train', '--data', str(text_file), *FAST, '--steps', '2', '--output-dir', str(out)]!r}))\n"
     )
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    proc = _python(script)
     assert proc.returncode == 130 and proc.stderr.strip() == "oomb: interrupted", (proc.returncode, proc.stderr[-2000:])
     assert not out.exists()
 
@@ -555,6 +559,5 @@ def test_a_ctrl_c_at_any_moment_of_the_command_prints_one_line(tmp_path, monkeyp
         "builtins.__import__ = interrupted_import\n"
         "runpy.run_module('oomb', run_name='__main__')\n"
     )
-    proc = subprocess.run([sys.executable, "-c", script, "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    proc = _python(script, "--help", timeout=60, cwd=ROOT)
     assert proc.returncode == 130 and proc.stderr == "oomb: interrupted\n", (proc.returncode, proc.stderr)
