@@ -200,8 +200,7 @@ def main(argv=None):
     }
 
     def engine_for(offload, budget):
-        cfg = OOMBConfig(chunk_size=args.chunk_size, page_size=args.page_size, attention_backend=args.attention_backend,
-                         checkpoint_layers=args.checkpoint_layers, offload=offload, gpu_page_budget=budget)
+        cfg = OOMBConfig(chunk_size=args.chunk_size, page_size=args.page_size, attention_backend=args.attention_backend, checkpoint_layers=args.checkpoint_layers, offload=OffloadConfig(mode=offload, gpu_page_budget=budget))
         return Engine(model, cfg)
 
     def ids_of(T):

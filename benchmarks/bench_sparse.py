@@ -68,12 +68,7 @@ def rss_gib() -> float:
 
 def engine_config(args, sparse: bool, backend: str) -> OOMBConfig:
     offload = {"auto": "auto", "on": True, "off": False}[args.offload]
-    cfg = OOMBConfig(
-        chunk_size=args.chunk_size, page_size=args.page_size, attention_backend=backend, offload=offload,
-        checkpoint_layers=args.checkpoint_layers, sparse=True, page_budget=args.page_budget,
-        sink_pages=args.sink_pages, local_pages=args.local_pages, sparse_block_size=args.block_size,
-        sparse_score=args.score, gpu_page_budget=args.gpu_page_budget,
-    )
+    cfg = OOMBConfig(chunk_size=args.chunk_size, page_size=args.page_size, attention_backend=backend, checkpoint_layers=args.checkpoint_layers, sparse=SparseConfig(page_budget=args.page_budget, sink_pages=args.sink_pages, local_pages=args.local_pages, block_size=args.block_size, score=args.score), offload=OffloadConfig(mode=offload, gpu_page_budget=args.gpu_page_budget))
     return cfg if sparse else cfg.dense()  # OOMBConfig refuses sparse options with sparse=False
 
 

@@ -164,9 +164,7 @@ def main(argv=None) -> int:
     budget = args.gpu_page_budget
     if args.min_pool:
         budget = min_gpu_pages(L, -(-args.length // 128), None)
-    cfg = OOMBConfig(chunk_size=args.chunk_size, page_size=128, attention_backend="triton", offload=True,
-                     checkpoint_layers=True, sparse=True, page_budget=args.page_budget, sink_pages=1, local_pages=8,
-                     gpu_page_budget=budget)
+    cfg = OOMBConfig(chunk_size=args.chunk_size, page_size=128, attention_backend="triton", checkpoint_layers=True, sparse=SparseConfig(page_budget=args.page_budget, sink_pages=1, local_pages=8), offload=OffloadConfig(mode="on", gpu_page_budget=budget))
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     warm = Engine(model, cfg)

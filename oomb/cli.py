@@ -21,22 +21,21 @@ import warnings
 from pathlib import Path
 from typing import NoReturn, Sequence
 
-from .planner_args import SMALL_SEGMENT_TOKENS
-from .planner_args import SPARSE_DEFAULTS as _SPARSE_DEFAULTS
-from .planner_args import add_sparse_arguments
+from .config import ConfigError, SparseConfig
+from .config.engine import SMALL_SEGMENT_TOKENS
+
+_SPARSE_DEFAULTS = {"page_budget": SparseConfig.page_budget, "sink_pages": SparseConfig.sink_pages,
+                    "local_pages": SparseConfig.local_pages, "sparse_score": SparseConfig.score}
+"""The flags of the sparse options and their defaults (those of :class:`oomb.config.SparseConfig`)."""
 
 __all__ = ["main"]
 
 _LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 _EVAL_MAX_WINDOWS = 16
+"""``oomb eval`` without --num-windows: every whole window of the data, at most this many."""
 _LONG_WARMUP = 10_000
 """A default warm-up (10% of --steps) longer than this many steps is noted: longer than the warm-ups of published
 LLM training runs (~2,000 steps), so most likely a --steps meant as 'until I stop it'."""
-_BACKEND_HELP = ("attention over the paged KV cache: torch (PyTorch reference), triton (the paged Triton kernels), "
-                 "sdpa (PyTorch's fused attention -- cuDNN on cuda, the flash kernel on cpu -- where a layer's past "
-                 "lies contiguously in the page pool, the paged kernels for offloaded, sparse and packed-document "
-                 "calls; on cuda not bitwise reproducible), or auto (sdpa on cuda, torch on cpu)")
-"""``oomb eval`` without --num-windows: every whole window of the data, at most this many."""
 
 
 class UsageError(Exception):
@@ -97,7 +96,64 @@ def _version() -> str:
         return __version__
 
 
-def _build_parser() -> argparse.ArgumentParser:
+_DESCRIPTIONS = {
+    "train": (
+        "train a model on long token sequences",
+        "Train a causal LM with oomb's chunk-recurrent step. Defaults: the 'tiny' preset on the bundled Austen corpus "
+        "and tokenizer, on CPU. Writes <output-dir>/log.jsonl (one JSON line per step) and the final model (or LoRA "
+        "adapter) and tokenizer as safetensors.",
+    ),
+    "plan": (
+        "predict GPU and host memory of a run and the largest context that fits",
+        "Predict GPU and host memory of one training step before anything is allocated, choose the KV tiering (all "
+        "pages on the GPU, or offload to pinned host memory) and report the largest context that fits this machine "
+        "(or the one described by --gpu-gib/--host-gib; with --gpu-page-budget, through that GPU pool). It takes "
+        "the flags and --config file of 'oomb train' and plans the run they describe.",
+    ),
+    "grad-error": (
+        "measure the gradient error of sparse attention against dense on one sequence",
+        "Run one dense step and one sparse step per page budget on the same sequence (the first of the seeded data "
+        "order) and print the relative gradient error ||g_sparse - g_dense|| / ||g_dense|| per parameter kind (or "
+        "per parameter). Nothing is trained or written, except --json.",
+    ),
+    "eval": (
+        "held-out loss at long context, dense and with sparse attention",
+        "Evaluate the mean token loss of a model on consecutive, non-overlapping --seq-len token windows of the data, "
+        "in file order (not shuffled: two runs read the same tokens), once with dense attention and once per sparse "
+        "page budget. Prints a Markdown table (loss, perplexity, change vs dense, tokens, seconds); nothing is "
+        "trained or written, except --json. Pass held-out text as --data: the default is the training corpus.",
+    ),
+    "bench": (
+        "time one training step of oomb next to plain Hugging Face training",
+        "Time one training step (forward + backward, no optimizer) of oomb's chunk-recurrent engine next to plain "
+        "Hugging Face training of the same model -- SDPA attention over the whole sequence, per-layer gradient "
+        "checkpointing, chunked cross-entropy -- on the same random tokens, per --lengths. Prints seconds, tokens/s, "
+        "oomb's speed relative to hf, the peak GPU memory and the first step's seconds; a step out of memory is a "
+        "row, and the run goes on. Both systems are timed at their --steps'th step on the same sequence (oomb on one "
+        "engine): the first allocates memory and builds kernels (oomb also its page store), which a training run "
+        "pays once. Nothing is trained or written, except --json.",
+    ),
+}
+_HELP = {
+    "grad-error": {"--sink-pages": "sparse runs: first pages of the sequence always attended (attention sink); 0 allowed",
+                   "--local-pages": "sparse runs: latest past pages always attended; 0 allowed",
+                   "--sparse-score": "sparse runs: page score (mean key, or Quest's min/max bound)"},
+    "eval": {"--sink-pages": "with --budgets: first pages of the sequence always attended (attention sink); 0 allowed",
+             "--local-pages": "with --budgets: latest past pages always attended; 0 allowed",
+             "--sparse-score": "with --budgets: page score (mean key, or Quest's min/max bound)"},
+}
+"""Where a field's docstring reads wrong for one command (eval and grad-error make their own sparse runs)."""
+
+META_FLAGS = ("--help", "--version", "--config", "--print-config")
+"""The only flags that are not configuration fields: they say what to do with the configuration."""
+
+
+def _build_parser(suppress: bool = False) -> argparse.ArgumentParser:
+    """The ``oomb`` parser, every subcommand's flags generated from the configuration fields
+    (:func:`oomb.config.flags.add_flags`). With ``suppress`` no defaults are set, so that the namespace holds
+    only the flags given on the command line."""
+    from .config.flags import add_flags
+
     parser = _Parser(
         prog="oomb",
         description="Chunk-recurrent long-context training of Hugging Face causal LMs (paged KV cache).",
@@ -105,203 +161,31 @@ def _build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"oomb {_version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
-
-    t = sub.add_parser(
-        "train",
-        help="train a model on long token sequences",
-        description=(
-            "Train a causal LM with oomb's chunk-recurrent step. Defaults: the 'tiny' preset on the bundled "
-            "Austen corpus and tokenizer, on CPU. Writes <output-dir>/log.jsonl (one JSON line per step) and the "
-            "final model (or LoRA adapter) and tokenizer as safetensors."
-        ),
-        formatter_class=_HelpFormatter,
-    )
-    g = t.add_argument_group("model and data")
-    g.add_argument("--model", default="tiny", help="a preset name (tiny, tiny-llama, tiny-mistral, tiny-qwen3, qwen2.5-0.5b, qwen2.5-7b; random weights) or a local Hugging Face model directory; a bare preset name always means the preset, so write a local folder of that name as a path (./tiny)")
-    g.add_argument("--data", default=None, help="a text file, a .jsonl file (a \"text\" field per line) or a folder of .txt/.jsonl files; default: the bundled Austen corpus")
-    g.add_argument("--tokenizer", default=None, help="a local Hugging Face tokenizer folder; default: the bundled 32K SentencePiece tokenizer")
-    g.add_argument("--seq-len", type=int, default=2048, help="tokens per training sequence (one sequence per micro-step: --grad-accum of them per step, per rank)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the random weights of a preset, the LoRA init and the data order")
-    g.add_argument("--rope-theta", type=float, default=None, help="set the model's RoPE base frequency (saved in config.json)")
-    g.add_argument("--rope-scaling", default=None, metavar="SPEC", help="Hugging Face RoPE scaling as key=value pairs, e.g. 'type=yarn,factor=4,original_max_position_embeddings=32768' (types: linear, dynamic, yarn, llama3, ...; saved in config.json)")
-
-    e = t.add_argument_group("engine")
-    e.add_argument("--chunk-size", type=int, default=512, help="tokens per chunk; activation memory scales with this, not with --seq-len")
-    e.add_argument("--page-size", type=int, default=128, help="tokens per KV page; --chunk-size must be a multiple of it")
-    e.add_argument("--attention-backend", choices=["auto", "torch", "triton", "sdpa"], default="auto", help=_BACKEND_HELP)
-    e.add_argument("--sparse", action="store_true", help="page-level top-K sparse attention: each block of queries attends to --page-budget selected past pages plus the sink and local pages (all of its past, i.e. dense, where they cover it: a warning says so)")
-    add_sparse_arguments(e)
-    e.add_argument("--document-mask", action="store_true", help="attention and positions stay within each document (documents end at the tokenizer's EOS token); default: one causal stream across documents")
-    e.add_argument("--checkpoint-layers", action="store_true", help="per-layer activation checkpointing inside each chunk's recompute")
-    from .planner_args import add_grad_accum_dtype_argument, add_offload_arguments, add_plan_subcommand, add_save_attention_argument
-
-    add_save_attention_argument(e)
-    add_grad_accum_dtype_argument(e)
-    add_offload_arguments(e)
-    e.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to train")
-    e.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="parameter dtype; auto: bfloat16 on cuda, float32 on cpu")
-
-    o = t.add_argument_group("optimisation")
-    o.add_argument("--steps", type=int, default=30, help="optimizer steps (--grad-accum sequences each, on every rank)")
-    o.add_argument("--grad-accum", type=int, default=1, help="sequences per optimizer step (per rank); the loss is the mean over all their valid tokens")
-    o.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
-    o.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
-    o.add_argument("--lr-schedule", choices=["cosine", "constant"], default="cosine", help="after the warm-up: cosine decay to 10%% of --lr at the last step, or constant --lr")
-    o.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up steps (both schedules); default: 10%% of --steps (noted above 10,000)")
-    o.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the gradient norm to this (0: no clipping)")
-    o.add_argument("--lora-rank", type=int, default=0, help="LoRA rank on q/k/v/o projections (peft); 0: full fine-tune; at most the projections' smaller size")
-    o.add_argument("--lora-alpha", type=float, default=None, help="LoRA alpha; default: 2 x --lora-rank")
-
-    w = t.add_argument_group("output")
-    w.add_argument("--output-dir", required=True, help="where log.jsonl and the trained model go; must be empty or new unless --overwrite")
-    w.add_argument("--overwrite", action="store_true", help="replace an earlier oomb run in a non-empty --output-dir: what it wrote (log.jsonl, checkpoints/, the files its train_args.json lists) is moved to DIR/.oomb-replaced and deleted once this run saves its model (a failed or killed run leaves it there); anything else is kept")
-    w.add_argument("--save-every", type=int, default=0, help="write a checkpoint to <output-dir>/checkpoints every N steps (the last 2 are kept); 0: only at the end. A checkpoint is also written on SIGINT/SIGTERM once training has started (before it: exit 130, nothing written)")
-    w.add_argument(
-        "--resume", nargs="?", const="latest", default=None, metavar="latest|PATH",
-        help=(
-            "continue the run in --output-dir from its latest checkpoint or from the checkpoint folder PATH (a "
-            "checkpoint of another folder only into a new or empty --output-dir; that folder is left as it is); "
-            "--model, --seq-len, --data, --tokenizer, --seed, --lora-rank/--lora-alpha, --grad-accum, --dtype, "
-            "--document-mask, --rope-theta/--rope-scaling, --weight-decay, --sparse and its options (with "
-            "--sparse also --chunk-size and --page-size) and the number of ranks must be those of the run; "
-            "--steps, --lr, the schedule and --max-grad-norm may change"
-        ),
-    )
-    w.add_argument("--log-every", type=int, default=1, help="print a loss line every N steps (log.jsonl gets every step)")
-    bars = w.add_mutually_exclusive_group()
-    bars.add_argument("--no-progress", action="store_true", help="hide the progress bars (default when stderr is not a terminal)")
-    bars.add_argument("--progress", action="store_true",
-                      help="show the progress bars even when stderr is not a terminal (a log file gets their updates)")
-
-    add_plan_subcommand(sub, formatter_class=_HelpFormatter)
-
-    q = sub.add_parser(
-        "grad-error",
-        help="measure the gradient error of sparse attention against dense on one sequence",
-        description=(
-            "Run one dense step and one sparse step per page budget on the same sequence (the first of the seeded "
-            "data order) and print the relative gradient error ||g_sparse - g_dense|| / ||g_dense|| per parameter kind "
-            "(or per parameter). Nothing is trained or written, except --json."
-        ),
-        formatter_class=_HelpFormatter,
-    )
-    q.add_argument("--model", default="tiny", help="a preset name or a local Hugging Face model directory (as in 'oomb train'; a local folder named like a preset is written ./NAME)")
-    q.add_argument("--data", default=None, help="as in 'oomb train'; default: the bundled Austen corpus")
-    q.add_argument("--tokenizer", default=None, help="a local Hugging Face tokenizer folder; default: the --model folder's tokenizer if it has one, else the bundled tokenizer")
-    q.add_argument("--seq-len", type=int, default=2048, help="tokens of the measured sequence")
-    q.add_argument("--chunk-size", type=int, default=512, help="tokens per chunk")
-    q.add_argument("--page-size", type=int, default=128, help="tokens per KV page; --chunk-size must be a multiple of it")
-    q.add_argument("--budgets", type=int, nargs="+", default=[4, 16, 64], help="page budgets to measure")
-    add_sparse_arguments(q, when="sparse runs", budget=False)
-    q.add_argument("--attention-backend", choices=["auto", "torch", "triton", "sdpa"], default="auto", help=_BACKEND_HELP + "; torch avoids compiling float32 kernels for a short float32 measurement")
-    q.add_argument("--by", choices=["kind", "parameter"], default="kind", help="rows of the table: parameter kinds (q_proj, mlp, ...) or every parameter")
-    q.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to run")
-    q.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="parameter dtype; auto: bfloat16 on cuda, float32 on cpu")
-    q.add_argument("--seed", type=int, default=0, help="seed of the random weights of a preset and of the data order")
-    q.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON to PATH (new, empty, or an earlier 'oomb grad-error' report: any other existing file is refused)")
-
-    v = sub.add_parser(
-        "eval",
-        help="held-out loss at long context, dense and with sparse attention",
-        description=(
-            "Evaluate the mean token loss of a model on consecutive, non-overlapping --seq-len token windows of the "
-            "data, in file order (not shuffled: two runs read the same tokens), once with dense attention and once per "
-            "sparse page budget. Prints a Markdown table (loss, perplexity, change vs dense, tokens, seconds); nothing "
-            "is trained or written, except --json. Pass held-out text as --data: the default is the training corpus."
-        ),
-        formatter_class=_HelpFormatter,
-    )
-    v.add_argument("--model", default="tiny", help="a preset name (random weights) or a local Hugging Face model directory, e.g. the --output-dir of 'oomb train' (a local folder named like a preset is written ./NAME)")
-    v.add_argument("--data", default=None, help="as in 'oomb train'; default: the bundled Austen corpus")
-    v.add_argument("--tokenizer", default=None, help="a local Hugging Face tokenizer folder; default: the --model folder's tokenizer if it has one (an 'oomb train' output does), else the bundled tokenizer")
-    v.add_argument("--seq-len", type=int, default=2048, help="tokens per evaluation window (the context length)")
-    v.add_argument("--num-windows", type=int, default=None, help=f"windows to evaluate, from the start of the data; default: every whole window, at most {_EVAL_MAX_WINDOWS}")
-    v.add_argument("--chunk-size", type=int, default=512, help="tokens per chunk")
-    v.add_argument("--page-size", type=int, default=128, help="tokens per KV page; --chunk-size must be a multiple of it")
-    v.add_argument("--budgets", type=int, nargs="+", default=None, metavar="B", help="sparse page budgets to evaluate (pages per query block and KV head, each >= 0, besides the sink and local pages); default: dense only. The dense row is always included")
-    add_sparse_arguments(v, when="with --budgets", budget=False)
-    v.add_argument("--attention-backend", choices=["auto", "torch", "triton", "sdpa"], default="auto", help=_BACKEND_HELP)
-    add_offload_arguments(v)
-    v.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to run")
-    v.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="parameter dtype; auto: bfloat16 on cuda, float32 on cpu")
-    v.add_argument("--seed", type=int, default=0, help="seed of the random weights of a preset")
-    v.add_argument("--json", default=None, metavar="PATH", help="also write the report (with the per-window losses) as JSON to PATH (new, empty, or an earlier 'oomb eval' report: any other existing file is refused)")
-    b = sub.add_parser(
-        "bench",
-        help="time one training step of oomb next to plain Hugging Face training",
-        description=(
-            "Time one training step (forward + backward, no optimizer) of oomb's chunk-recurrent engine next to plain "
-            "Hugging Face training of the same model -- SDPA attention over the whole sequence, per-layer gradient "
-            "checkpointing, chunked cross-entropy -- on the same random tokens, per --lengths. Prints seconds, "
-            "tokens/s, oomb's speed relative to hf, the peak GPU memory and the first step's seconds; a step out of "
-            "memory is a row, and the run goes on. Both systems are timed at their --steps'th step on the same "
-            "sequence (oomb on one engine): the first allocates memory and builds kernels (oomb also its page "
-            "store), which a training run pays once. Nothing is trained or written, except --json."
-        ),
-        formatter_class=_HelpFormatter,
-    )
-    b.add_argument("--model", default="tiny", help="a preset name (random weights) or a local Hugging Face model directory (a local folder named like a preset is written ./NAME)")
-    b.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096], metavar="T", help="tokens per sequence, one measurement each")
-    b.add_argument("--systems", nargs="+", choices=["hf", "oomb"], default=["hf", "oomb"], help="what to time, in this order")
-    b.add_argument("--chunk-size", type=int, default=512, help="oomb: tokens per chunk")
-    b.add_argument("--page-size", type=int, default=128, help="oomb: tokens per KV page; --chunk-size must be a multiple of it")
-    b.add_argument("--attention-backend", choices=["auto", "torch", "triton", "sdpa"], default="auto", help="oomb: " + _BACKEND_HELP)
-    b.add_argument("--save-attention", choices=["off", "gpu", "host"], default="off",
-                   help="oomb: keep Stage 1's attention outputs (on the GPU or in pinned host memory; on the CPU both in ordinary "
-                        "memory) so the Stage-2 recompute skips its attention forward")
-    b.add_argument("--checkpoint-layers", action="store_true", help="oomb: per-layer activation checkpointing inside each chunk's recompute")
-    b.add_argument("--steps", type=int, default=2, help="steps per system and length (oomb on one engine), the last one timed")
-    b.add_argument("--warmup-len", type=int, default=512, help="tokens of one untimed warm-up step per system first (0: none)")
-    b.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where to run")
-    b.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto", help="parameter dtype; auto: bfloat16 on cuda, float32 on cpu")
-    b.add_argument("--seed", type=int, default=0, help="seed of the random weights of a preset and of the tokens")
-    b.add_argument("--json", default=None, metavar="PATH", help="also write the rows and settings as JSON to PATH (new, empty, or an earlier 'oomb bench' report: any other existing file is refused)")
+    for command, (short, description) in _DESCRIPTIONS.items():
+        p = sub.add_parser(command, help=short, description=description, formatter_class=_HelpFormatter)
+        p.add_argument("--config", default=None if not suppress else argparse.SUPPRESS, metavar="FILE",
+                       help="read the settings from this YAML file (sections model, data, engine, train, output, ...; "
+                            "see --print-config); flags given override it")
+        p.add_argument("--print-config", action="store_true", default=False if not suppress else argparse.SUPPRESS,
+                       help="print the effective configuration (defaults, --config file, flags) as YAML that "
+                            "--config reads back, and exit")
+        add_flags(p, command, suppress=suppress, help_overrides=_HELP.get(command))
     return parser
 
 
 # ---------------------------------------------------------------- checks
 
 
-_SEED_LIMIT = 2**32
-
-
-def _check_sparse_flags(args: argparse.Namespace, enabled: bool, enabler: str = "--sparse",
-                        names: Sequence[str] = tuple(_SPARSE_DEFAULTS), how: str | None = None) -> None:
-    """The sparse options ``names`` (of ``page_budget``, ``sink_pages``, ``local_pages``, ``sparse_score``) of
-    train and plan (sparse attention ``enabled`` by --sparse) and eval (by --budgets, which has no --page-budget):
-    no negative page count; none set while sparse attention is off (it would be silently ignored); and, with it
-    on, not a setting that attends to no past page (fresh-user reviews). ``how``: the fix's way to turn
-    sparse attention on (default: add ``enabler``)."""
-    for name in ("page_budget", "sink_pages", "local_pages"):
-        flag, value = f"--{name.replace('_', '-')}", getattr(args, name, 0)
-        if name in names and value < 0:
-            raise UsageError(f"{flag} is {value}", f"pass 0 or a positive number of pages for {flag}")
+def _check_sparse_flags(args: argparse.Namespace, enabled: bool, enabler: str, names: Sequence[str], how: str) -> None:
+    """eval's sparse options (``names``), which only its ``enabler`` (--budgets) uses: none set while it is not
+    given (it would be silently ignored)."""
     if not enabled:
         given = [f"--{k.replace('_', '-')}" for k in names if getattr(args, k) != _SPARSE_DEFAULTS[k]]
         if given:
             raise UsageError(
                 f"{' and '.join(given)} {'sets' if len(given) == 1 else 'set'} sparse attention but {enabler} is not given",
-                f"{how or 'add ' + enabler}, or leave them out for dense attention",
+                f"{how}, or leave them out for dense attention",
             )
-    elif "page_budget" in names and args.page_budget + args.sink_pages + args.local_pages == 0:
-        raise UsageError(
-            f"{enabler} with --page-budget 0, --sink-pages 0 and --local-pages 0 attends to no past page "
-            "(every chunk would see only itself)",
-            "give at least one of them a positive number of pages",
-        )
-
-
-def _check_sparse_and_lora_flags(args: argparse.Namespace) -> None:
-    """Options that would be silently ignored, or a sparse setting that attends to no past (fresh-user review)."""
-    _check_sparse_flags(args, args.sparse)
-    if args.lora_alpha is not None and args.lora_rank == 0:
-        raise UsageError("--lora-alpha scales a LoRA adapter but --lora-rank is 0 (a full fine-tune)",
-                         "add --lora-rank R, or leave --lora-alpha out")
-
-
-def _check_seed(args: argparse.Namespace) -> None:
-    if not 0 <= args.seed < _SEED_LIMIT:
-        raise UsageError(f"--seed is {args.seed}", f"pass an integer from 0 to {_SEED_LIMIT - 1}")
 
 
 def _check_cpu_memory(args: argparse.Namespace, model_config: object, dtype: "torch.dtype") -> None:
@@ -331,16 +215,7 @@ def _check_cpu_memory(args: argparse.Namespace, model_config: object, dtype: "to
 
 
 def _check_offload_flags(args: argparse.Namespace) -> None:
-    """--gpu-page-budget and --offload-segment-pages (train and plan)."""
-    if args.gpu_page_budget is not None and args.gpu_page_budget <= 0:
-        raise UsageError(f"--gpu-page-budget is {args.gpu_page_budget}", "pass a positive number of pages, or leave it out")
-    if args.gpu_page_budget is not None and args.offload == "off":
-        raise UsageError("--gpu-page-budget sizes the GPU tier of offload but --offload is off", "pass --offload on (or auto), or leave --gpu-page-budget out")
-    if args.offload_segment_pages is not None and args.offload_segment_pages <= 0:
-        raise UsageError(f"--offload-segment-pages is {args.offload_segment_pages}", "pass a positive number of pages, or leave it out")
-    if args.offload_segment_pages is not None and args.offload == "off":
-        raise UsageError("--offload-segment-pages sizes the staging of offload but --offload is off",
-                         "pass --offload on (or auto), or leave --offload-segment-pages out")
+    """--offload-segment-pages with --sparse is not used (train and plan): a warning."""
     if args.offload_segment_pages is not None and getattr(args, "sparse", False):
         warnings.warn("--offload-segment-pages is not used with --sparse: sparse attention reads the past through one "
                       "block table, so offload stages whole layers (leave the flag out)", stacklevel=2)
@@ -389,7 +264,7 @@ def _warn_if_gpu_saved_attention_on_cpu(args: argparse.Namespace, device) -> Non
 
 def _warn_if_offload_segments_are_small(args: argparse.Namespace, offloads: bool) -> None:
     """Warn when an explicit --offload-segment-pages splits a layer's past into segments smaller than
-    :data:`oomb.planner_args.SMALL_SEGMENT_TOKENS` (train and plan, where the run offloads; sparse attention does not use them).
+    :data:`oomb.config.engine.SMALL_SEGMENT_TOKENS` (train and plan, where the run offloads; sparse attention does not use them).
     A fresh-user review found --offload-segment-pages 1 accepted without a word."""
     pages = args.offload_segment_pages
     if pages is None or not offloads or args.sparse:
@@ -432,54 +307,10 @@ def _warn_if_sparse_is_dense(args: argparse.Namespace) -> None:
         "drop --sparse", stacklevel=2)
 
 
-def _check_chunk_and_page_size(args: argparse.Namespace) -> None:
-    """--chunk-size and --page-size, in one wording for every subcommand: both positive, the chunk whole pages."""
-    for flag, value in (("--chunk-size", args.chunk_size), ("--page-size", args.page_size)):
-        if value <= 0:
-            raise UsageError(f"{flag} is {value}", f"pass a positive number of tokens for {flag}")
-    if args.chunk_size % args.page_size != 0:
-        near = max(1, round(args.chunk_size / args.page_size)) * args.page_size
-        raise UsageError(
-            f"--chunk-size {args.chunk_size} is not a multiple of --page-size {args.page_size} (a chunk is whole KV pages)",
-            f"pass e.g. --chunk-size {near}, or a --page-size that divides {args.chunk_size}",
-        )
-
-
 def _check_sizes(args: argparse.Namespace) -> None:
-    _check_seed(args)
-    for flag, value in (
-        ("--seq-len", args.seq_len),
-        ("--steps", args.steps),
-        ("--log-every", args.log_every),
-        ("--grad-accum", args.grad_accum),
-    ):
-        if value <= 0:
-            raise UsageError(f"{flag} is {value}", f"pass a positive number for {flag}")
-    _check_chunk_and_page_size(args)
-    if args.seq_len < 2:
-        raise UsageError(f"--seq-len is {args.seq_len}", "a training sequence needs at least 2 tokens (one input, one target); pass --seq-len 2 or more")
-    if args.attention_backend == "triton" and args.device != "cuda":
-        raise UsageError("--attention-backend triton runs on the GPU only", "pass --device cuda, or --attention-backend torch, sdpa or auto on the CPU")
-    if not (args.lr > 0 and math.isfinite(args.lr)):
-        raise UsageError(f"--lr is {args.lr}", "pass a positive learning rate, e.g. --lr 3e-4")
-    if args.weight_decay < 0 or not math.isfinite(args.weight_decay):
-        raise UsageError(f"--weight-decay is {args.weight_decay}", "pass 0 or a positive number")
-    if args.max_grad_norm < 0 or not math.isfinite(args.max_grad_norm):
-        raise UsageError(f"--max-grad-norm is {args.max_grad_norm}", "pass 0 (no clipping) or a positive number")
+    """The checks of ``oomb train`` that need more than one section (the configuration checked each value)."""
+    _check_backend_device(args)
     _check_offload_flags(args)
-    if args.lora_rank < 0:
-        raise UsageError(f"--lora-rank is {args.lora_rank}", "pass 0 for a full fine-tune or a positive LoRA rank")
-    if args.lora_alpha is not None and args.lora_alpha <= 0:
-        raise UsageError(f"--lora-alpha is {args.lora_alpha}", "pass a positive number (default: 2 x --lora-rank)")
-    _check_sparse_and_lora_flags(args)
-    if args.warmup_steps is not None and args.warmup_steps < 0:
-        raise UsageError(f"--warmup-steps is {args.warmup_steps}", "pass 0 or a positive number of steps")
-    if args.save_every < 0:
-        raise UsageError(f"--save-every is {args.save_every}", "pass 0 (a checkpoint only at the end) or a positive number of steps")
-    if args.resume is not None and args.overwrite:
-        raise UsageError("--resume continues the run in --output-dir but --overwrite would delete it", "pass one of --resume and --overwrite")
-    if args.rope_theta is not None and not (args.rope_theta > 0 and math.isfinite(args.rope_theta)):
-        raise UsageError(f"--rope-theta is {args.rope_theta}", "pass a positive base frequency, e.g. --rope-theta 1000000")
     args.rope_scaling_dict = None
     if args.rope_scaling is not None:
         from .models.rope import parse_rope_scaling
@@ -490,6 +321,11 @@ def _check_sizes(args: argparse.Namespace) -> None:
             raise _usage_from(exc, "pass e.g. --rope-scaling type=yarn,factor=4,original_max_position_embeddings=32768") from exc
         if not args.rope_scaling_dict:
             raise UsageError("--rope-scaling is empty", "pass e.g. --rope-scaling type=linear,factor=4")
+
+
+def _check_backend_device(args: argparse.Namespace) -> None:
+    if args.attention_backend == "triton" and args.device != "cuda":
+        raise UsageError("--attention-backend triton runs on the GPU only", "pass --device cuda, or --attention-backend torch, sdpa or auto on the CPU")
 
 
 def _is_within(path: Path, root: Path) -> bool:
@@ -569,6 +405,9 @@ def _check_writable_dir_path(flag: str, given: str, path: Path) -> None:
 
 
 def _check_output_dir(args: argparse.Namespace) -> Path:
+    if args.output_dir is None:
+        raise UsageError("oomb train needs --output-dir (or output.dir in --config FILE)",
+                         "pass --output-dir DIR, a folder that is new or empty")
     if not str(args.output_dir).strip():
         raise UsageError("--output-dir is empty", "pass a directory path that is new or empty")
     out = Path(args.output_dir).expanduser().resolve()
@@ -995,7 +834,6 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
     import torch
 
     from .checkpoint import CheckpointError, find_latest, load_checkpoint, read_settings, set_rng_state
-    from .config import OOMBConfig
     from .data import BUNDLED_CORPUS, DataError, TokenSequences, load_documents, load_tokenizer, tokenize_documents
     from .models.presets import UnknownModelError, build_model, check_config_supported, load_config
     from . import Engine, UnsupportedModelError
@@ -1017,7 +855,7 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
     except (UnknownModelError, UnsupportedModelError) as exc:
         raise _usage_from(exc, "use a Qwen2/2.5, Llama 2/3, Mistral or Qwen3 causal LM (see 'oomb train --help')") from exc
     _check_vocab(int(tokens.max()), int(model_config.vocab_size), args.model)
-    from .planner_args import lora_rank_problem
+    from .models.limits import lora_rank_problem
 
     lora_problem = lora_rank_problem(model_config, args.lora_rank, args.model)
     if lora_problem:
@@ -1029,8 +867,9 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
             if value is not None:
                 raise UsageError(f"{flag} sizes offload, which --offload auto never uses on the CPU",
                                  f"pass --offload on to run the offloaded store on the CPU, or leave {flag} out")
-    engine_kwargs = {"offload": {"auto": "auto", "on": True, "off": False}[args.offload], "gpu_page_budget": args.gpu_page_budget,
-                     "offload_segment_pages": args.offload_segment_pages}
+    from dataclasses import replace
+
+    cfg = args.job.engine
     if device.type == "cuda":
         # Predict the GPU and host memory of the run before allocating anything (DESIGN.md §4 sizes).
         from .planner import plan_for_train_args
@@ -1041,31 +880,15 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         except ValueError as exc:
             raise _usage_from(exc, "see 'oomb plan' for what fits") from exc
         _warn_if_offload_on_keeps_every_page(args, plan.tiering.offload, plan.shape.num_layers)
+        settings = plan.engine_settings()
         if args.offload != "off" and args.gpu_page_budget is None:
             # The plan sizes the GPU page pool with the optimizer states counted; the engine alone would size
             # it before AdamW allocates them.
-            engine_kwargs.update(plan.engine_settings())
+            cfg = replace(cfg, offload=replace(cfg.offload, **settings))
         elif args.offload != "off":  # the user's pool: the staging sets the plan checked against the host budget
-            engine_kwargs["offload_staging_sets"] = plan.engine_settings()["offload_staging_sets"]
-    try:
-        cfg = OOMBConfig(
-            chunk_size=args.chunk_size,
-            page_size=args.page_size,
-            attention_backend=args.attention_backend,
-            checkpoint_layers=args.checkpoint_layers,
-            sparse=args.sparse,
-            page_budget=args.page_budget,
-            sink_pages=args.sink_pages,
-            local_pages=args.local_pages,
-            sparse_score=args.sparse_score,
-            save_attention=args.save_attention,
-            grad_accum_dtype=args.grad_accum_dtype,
-            **engine_kwargs,
-        )
-    except ValueError as exc:
-        raise _usage_from(exc, "fix the engine options (see 'oomb train --help')") from exc
+            cfg = replace(cfg, offload=replace(cfg.offload, staging_sets=settings["staging_sets"]))
 
-    if args.no_progress or not ctx.is_main or not (args.progress or sys.stderr.isatty()):
+    if args.progress is False or not ctx.is_main or not (args.progress or sys.stderr.isatty()):
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
@@ -1082,7 +905,7 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
             set_rope(model, rope_theta=args.rope_theta, rope_scaling=args.rope_scaling_dict)
         except ValueError as exc:
             raise _usage_from(exc, "see --rope-theta and --rope-scaling in 'oomb train --help'") from exc
-    from .planner_args import context_length_warning
+    from .models.limits import context_length_warning
 
     warning = context_length_warning(model.config, args.seq_len, args.model)  # after --rope-scaling, as oomb plan
     if warning and ctx.is_main:
@@ -1270,7 +1093,7 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
         # anyone could run it (fresh-user review)
         print(f"oomb: note: the default warm-up is 10% of --steps {args.steps:,}: {warmup:,} steps before the learning "
               f"rate reaches --lr {args.lr:g}; pass --warmup-steps (e.g. 1000) for a long or open-ended run", file=sys.stderr)
-    show = main_rank and not args.no_progress and (args.progress or sys.stderr.isatty())
+    show = main_rank and args.progress is not False and (args.progress or sys.stderr.isatty())
     K, W = args.grad_accum, ctx.world_size
     stream = _SequenceStream(sequences)
     if main_rank:
@@ -1437,7 +1260,7 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
 
     if main_rank:
         checkpoint(args.steps)
-        train_args = {k: v for k, v in vars(args).items() if k not in ("command", "_argv", "_signals")}
+        train_args = {k: v for k, v in vars(args).items() if k not in ("command", "job") and not k.startswith("_")}
         train_args.update(oomb_version=_version(), num_tokens=int(len(tokens)), num_sequences=len(sequences), world_size=W)
         saved = _save(model, tokenizer, out, lora=args.lora_rank > 0, train_args=train_args)
         shutil.rmtree(out / _REPLACED, ignore_errors=True)  # the run --overwrite replaced: this one is saved now
@@ -1494,19 +1317,6 @@ def _write_json(given: str, data: dict) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(data, indent=2) + "\n")
     os.replace(tmp, path)
-
-
-def _check_measure_sizes(args: argparse.Namespace) -> None:
-    """--seq-len, --chunk-size, --page-size, --sink-pages, --local-pages and --seed of grad-error and eval."""
-    if args.seq_len <= 0:
-        raise UsageError(f"--seq-len is {args.seq_len}", "pass a positive number for --seq-len")
-    _check_chunk_and_page_size(args)
-    if args.seq_len < 2:
-        raise UsageError(f"--seq-len is {args.seq_len}", "pass --seq-len 2 or more")
-    for flag, value in (("--sink-pages", args.sink_pages), ("--local-pages", args.local_pages)):
-        if value < 0:
-            raise UsageError(f"{flag} has {value}", f"pass 0 or a positive number of pages for {flag}")
-    _check_seed(args)
 
 
 def _measure_tokenizer_path(args: argparse.Namespace) -> str | None:
@@ -1573,25 +1383,14 @@ def _note_dense_budgets(args: argparse.Namespace, budgets: Sequence[int], result
 
 def _grad_error(args: argparse.Namespace) -> int:
     """``oomb grad-error``: the sparse-vs-dense gradient error table of one sequence."""
-    _check_measure_sizes(args)
-    if args.attention_backend == "triton" and args.device != "cuda":
-        raise UsageError("--attention-backend triton runs on the GPU only", "pass --device cuda, or --attention-backend torch, sdpa or auto on the CPU")
-    for b in args.budgets:
-        if b < 0:
-            raise UsageError(f"--budgets has {b}", "pass 0 or a positive number of pages for --budgets")
+    _check_backend_device(args)
     _check_budgets_see_a_past(args)
     _check_json_arg(args, _GRAD_ERROR_REPORT_KEYS, "grad-error")
-    from .config import OOMBConfig
     from .data import DataError, TokenSequences
     from .sparse_quality import sparse_grad_error
 
     device, dtype = _resolve_device_dtype(args)
-    try:
-        cfg = OOMBConfig(chunk_size=args.chunk_size, page_size=args.page_size, sparse=True, sink_pages=args.sink_pages,
-                         local_pages=args.local_pages, sparse_score=args.sparse_score,
-                         attention_backend=args.attention_backend)
-    except ValueError as exc:
-        raise _usage_from(exc, "fix the engine options (see 'oomb grad-error --help')") from exc
+    cfg = args.job.engine  # its sparse section: the sink, local and score settings of the budgets' runs
     tokens = _load_tokens(args, _measure_tokenizer_path(args))
     try:
         sequences = TokenSequences(tokens, args.seq_len, seed=args.seed)
@@ -1613,34 +1412,19 @@ def _grad_error(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     """``oomb eval``: mean loss on consecutive --seq-len windows, dense and per sparse page budget."""
-    _check_measure_sizes(args)
     args.budgets = args.budgets or []
     _check_sparse_flags(args, bool(args.budgets), "--budgets", ("sink_pages", "local_pages", "sparse_score"),
                         how="add --budgets with the page budgets to evaluate (e.g. --budgets 16 64)")
-    for b in args.budgets:
-        if b < 0:
-            raise UsageError(f"--budgets has {b}", "pass 0 or a positive number of pages for --budgets (the dense row is always included)")
     _check_budgets_see_a_past(args)
-    if args.num_windows is not None and args.num_windows < 1:
-        raise UsageError(f"--num-windows is {args.num_windows}", "pass 1 or more, or leave it out for every window")
-    if args.attention_backend == "triton" and args.device != "cuda":
-        raise UsageError("--attention-backend triton runs on the GPU only", "pass --device cuda, or --attention-backend torch, sdpa or auto on the CPU")
-    _check_offload_flags(args)
+    _check_backend_device(args)
     _check_json_arg(args, _EVAL_REPORT_KEYS, "eval")
     budgets = list(dict.fromkeys(args.budgets))  # in the given order, each once
     import torch
 
-    from .config import OOMBConfig
     from .evaluation import evaluate_windows
 
     device, dtype = _resolve_device_dtype(args)
-    try:
-        cfg = OOMBConfig(chunk_size=args.chunk_size, page_size=args.page_size, attention_backend=args.attention_backend,
-                         sparse=bool(budgets), sink_pages=args.sink_pages, local_pages=args.local_pages, sparse_score=args.sparse_score,
-                         offload={"auto": "auto", "on": True, "off": False}[args.offload], gpu_page_budget=args.gpu_page_budget,
-                         offload_segment_pages=args.offload_segment_pages)
-    except ValueError as exc:
-        raise _usage_from(exc, "fix the engine options (see 'oomb eval --help')") from exc
+    cfg = args.job.engine if budgets else args.job.engine.dense()
     # Windows are checked before any weight is read.
     tokenizer_path = _measure_tokenizer_path(args)
     tokens = _load_tokens(args, tokenizer_path)
@@ -1688,36 +1472,26 @@ _MAX_BENCH_TOKENS = 2**31
 
 def _bench(args: argparse.Namespace) -> int:
     """``oomb bench``: one training step of oomb and of plain HF training per length, as a table."""
-    _check_chunk_and_page_size(args)
-    if args.steps <= 0:
-        raise UsageError(f"--steps is {args.steps}", "pass a positive number for --steps")
     if any(T < 2 for T in args.lengths):
         raise UsageError(f"--lengths has {min(args.lengths)}", "pass token counts of 2 or more")
     if max(args.lengths) > _MAX_BENCH_TOKENS:
         raise UsageError(f"--lengths has {max(args.lengths):,}", f"pass at most {_MAX_BENCH_TOKENS:,} tokens (2**31)")
     if len(set(args.lengths)) != len(args.lengths):
         raise UsageError(f"--lengths lists a length twice: {' '.join(map(str, args.lengths))}", "name each length once")
-    if args.warmup_len < 0 or args.warmup_len == 1:
+    if args.warmup_len == 1:
         raise UsageError(f"--warmup-len is {args.warmup_len}", "pass 0 (no warm-up) or 2 or more tokens")
-    if args.attention_backend == "triton" and args.device != "cuda":
-        raise UsageError("--attention-backend triton runs on the GPU only", "pass --device cuda, or --attention-backend torch, sdpa or auto on the CPU")
+    _check_backend_device(args)
     if len(set(args.systems)) != len(args.systems):
         raise UsageError(f"--systems lists a system twice: {' '.join(args.systems)}", "name each of hf and oomb at most once")
-    _check_seed(args)
     _check_json_arg(args, _BENCH_REPORT_KEYS, "bench")
     import torch
 
     from .bench import bench_rows, bench_table
-    from .config import OOMBConfig
     from .models.presets import UnknownModelError, build_model, check_config_supported, load_config
     from . import UnsupportedModelError
 
     device, dtype = _resolve_device_dtype(args)
-    try:
-        cfg = OOMBConfig(chunk_size=args.chunk_size, page_size=args.page_size, attention_backend=args.attention_backend,
-                         save_attention=args.save_attention, checkpoint_layers=args.checkpoint_layers)
-    except ValueError as exc:
-        raise _usage_from(exc, "fix the engine options (see 'oomb bench --help')") from exc
+    cfg = args.job.engine
     try:
         model_config = load_config(args.model)
         check_config_supported(model_config)
@@ -1763,25 +1537,16 @@ def _bench(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     """``oomb plan``: print the predicted memory of a run; 0 if it fits, 1 if not, 2 on bad input."""
-    if args.seq_len <= 0:
-        raise UsageError(f"--seq-len is {args.seq_len}", "pass a positive number for --seq-len")
-    _check_chunk_and_page_size(args)
-    if args.lora_rank < 0:
-        raise UsageError(f"--lora-rank is {args.lora_rank}", "pass 0 for a full fine-tune or a positive LoRA rank")
-    if args.seq_len < 2:
-        raise UsageError(f"--seq-len is {args.seq_len}", "pass --seq-len 2 or more")
-    for flag, value in (("--gpu-gib", args.gpu_gib), ("--host-gib", args.host_gib)):
-        if value is not None and not (value > 0 and math.isfinite(value)):
-            raise UsageError(f"{flag} is {value}", f"pass a positive number of GiB for {flag}, or leave it out to use this machine's")
     _check_offload_flags(args)
-    _check_sparse_flags(args, args.sparse)  # as oomb train: ignored sparse options, negative pages, no past at all
     import contextlib
     import io
 
     report = io.StringIO()
     try:
         with contextlib.redirect_stdout(report):  # the planner's advice names Python parameters; print flags
-            status = args.func(args)
+            from .planner import run_plan
+
+            status = run_plan(args)
     except ValueError as exc:  # MemoryPlanError, UnknownModelError, UnsupportedModelError, config errors
         raise _usage_from(exc, "see 'oomb plan --help'") from exc
     finally:
@@ -1872,31 +1637,77 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None, signals: _StartupSignals) -> int:
+    argv = [str(a) for a in (argv if argv is not None else sys.argv[1:])]
     parser = _build_parser()
-    args = parser.parse_args(argv)
-    args._argv = [str(a) for a in (argv if argv is not None else sys.argv[1:])]
-    if args.command == "train":  # before the heavy imports: a signal during them is never lost
-        args._signals = signals.install()
-    from .engine.offload import check_env
+    parsed = parser.parse_args(argv)
+    command = parsed.command
+    if command == "train":  # before the heavy imports: a signal during them is never lost
+        signals.install()
+    try:
+        job, file_keys = _job_config(command, argv, parsed.config)
+        if parsed.print_config:
+            from .config.io import dump_yaml
 
-    try:
-        check_env()  # the OOMB_* environment knobs, before anything is loaded
-    except ValueError as exc:
-        _fail(str(exc), 2)
-    try:
-        if args.command == "train":
+            sys.stdout.write(dump_yaml(job, command))
+            return 0
+        args = _namespace(command, job)
+        args._argv = argv
+        if command == "train":
+            args._signals = signals
             return _train(args)
-        if args.command == "plan":
+        if command == "plan":
             return _plan(args)
-        if args.command == "grad-error":
+        if command == "grad-error":
             return _grad_error(args)
-        if args.command == "eval":
+        if command == "eval":
             return _eval(args)
-        if args.command == "bench":
+        if command == "bench":
             return _bench(args)
     except UsageError as exc:
         _fail(f"{exc.problem}; {exc.fix}", 1 if isinstance(exc, _RunError) else 2)
-    parser.error(f"unknown command {args.command!r}")  # pragma: no cover - argparse rejects it first
+    parser.error(f"unknown command {command!r}")  # pragma: no cover - argparse rejects it first
+
+
+def _job_config(command: str, argv: Sequence[str], config_file: str | None):
+    """The :class:`oomb.config.JobConfig` of ``command``: defaults, then the ``--config`` file, then the flags
+    given; and the set of the file's keys. A bad value is a :class:`UsageError` naming the flag (or the file's key,
+    where the value came from the file)."""
+    from .config.flags import command_fields, flag_name, job_from_values
+    from .config.io import read_yaml
+
+    given = vars(_build_parser(suppress=True).parse_args(argv))
+    dests = {ff.dest for ff in command_fields(command)}
+    given = {k: v for k, v in given.items() if k in dests}
+    file_keys: set[str] = set()
+    try:
+        file_values = read_yaml(config_file) if config_file is not None else {}
+    except ConfigError as exc:
+        raise UsageError(exc.problem, exc.fix) from exc
+    for section, values in file_values.items():
+        file_keys |= {f"{section}.{k}" for k in (values or {})}
+    try:
+        job = job_from_values(command, given, file_values)
+    except ConfigError as exc:
+        from_file = f"{exc.section}.{exc.key}" in file_keys and not any(
+            ff.dest in given for ff in command_fields(command) if ff.section == exc.section and ff.name == exc.key)
+
+        def name(field: str) -> str:
+            if from_file:
+                return f"{exc.section}.{field} (in {config_file})" if field == exc.key else f"{exc.section}.{field}"
+            return flag_name(command, exc.section, field) or field
+
+        raise UsageError(*exc.parts(name)) from exc
+    return job, file_keys
+
+
+def _namespace(command: str, job) -> argparse.Namespace:
+    """The flat namespace of ``job`` the command handlers read (one attribute per flag), with the job itself."""
+    from .config.flags import namespace_of
+
+    args = namespace_of(command, job)
+    args.command = command
+    args.job = job
+    return args
 
 
 if __name__ == "__main__":  # pragma: no cover

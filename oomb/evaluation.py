@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .config import OOMBConfig
+from .config import OOMBConfig, SparseConfig
 from .engine.engine import Engine
 from .sparse_quality import dense_like_sparse
 
@@ -205,15 +205,16 @@ def evaluate_windows(
     T = int(windows[0].shape[-1])
     if window_starts is None:
         window_starts = [i * T for i in range(len(windows))]
-    report = EvalReport(seq_len=T, page_size=config.page_size, sink_pages=config.sink_pages, local_pages=config.local_pages,
-                        sparse_score=config.sparse_score, window_starts=list(window_starts))
+    sparse = config.sparse or SparseConfig()
+    report = EvalReport(seq_len=T, page_size=config.page_size, sink_pages=sparse.sink_pages, local_pages=sparse.local_pages,
+                        sparse_score=sparse.score, window_starts=list(window_starts))
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     try:
         for budget in [None, *budgets]:
             cfg = (dense_like_sparse(config, device) if budget is None
-                   else dataclasses.replace(config, sparse=True, page_budget=budget))
+                   else dataclasses.replace(config, sparse=dataclasses.replace(sparse, page_budget=budget)))
             engine = Engine(model, cfg)
             row = EvalRow(mode="dense" if budget is None else "sparse", budget=budget)
             t0 = time.perf_counter()

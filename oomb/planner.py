@@ -63,7 +63,7 @@ from typing import Any
 
 import torch
 
-from .planner_args import HOST_FRACTION, add_offload_arguments, add_plan_subcommand  # noqa: F401 (the CLI's arguments)
+from .config.engine import HOST_FRACTION
 
 __all__ = [
     "Machine",
@@ -337,13 +337,13 @@ class MemoryPlan:
         return self
 
     def engine_settings(self) -> dict:
-        """``OOMBConfig`` keyword arguments for the chosen tiering: ``{"offload": bool, "gpu_page_budget": int | None,
-        "offload_staging_sets": int | None}`` (the sets only for whole-layer staging; the store takes this K
-        instead of picking it from the pool again)."""
+        """:class:`~oomb.config.OffloadConfig` fields for the chosen tiering: ``{"mode": "on" | "off",
+        "gpu_page_budget": int | None, "staging_sets": int | None}`` (the sets only for whole-layer staging; the
+        store takes this K instead of picking it from the pool again)."""
         t = self.tiering
         whole = t.offload and self.segment_pages is None
-        return {"offload": bool(t.offload), "gpu_page_budget": t.gpu_pages if t.offload else None,
-                "offload_staging_sets": t.staging_sets if whole else None}
+        return {"mode": "on" if t.offload else "off", "gpu_page_budget": t.gpu_pages if t.offload else None,
+                "staging_sets": t.staging_sets if whole else None}
 
     def table(self) -> str:
         """A plain-text breakdown (GiB) for printing."""
@@ -592,9 +592,8 @@ def plan(
         gpu_reserve_bytes: GPU bytes kept free for the CUDA allocator's fragmentation and library
             workspaces; default max(2 GiB, 3% of the GPU).
         host_fraction: share of available host RAM the pinned host tier may take.
-        sparse: None (dense), or an object with the sparse settings of :class:`oomb.OOMBConfig`
-            (``page_budget``, ``sink_pages``, ``local_pages``, ``sparse_score``, ``sparse_block_size``;
-            e.g. an ``OOMBConfig(sparse=True, ...)``): its page representatives and selections
+        sparse: None (dense), or a :class:`oomb.config.SparseConfig` (or an OOMBConfig with one): its page
+            representatives and selections
             (:func:`sparse_state_bytes`) and the engine's extra headroom for sparse runs (:func:`sparse_headroom_bytes`) are
             counted, and offload stages whole layers, as the engine does.
         save_attention: 'off', 'gpu' or 'host' (:class:`oomb.OOMBConfig`): the Stage-1 attention outputs
@@ -624,7 +623,7 @@ def plan(
         from types import SimpleNamespace
 
         # sparse_state_bytes reads the settings plus ``sparse`` and this plan's page size.
-        sparse_cfg = SimpleNamespace(**vars(_sparse_settings(sparse)), sparse=True, page_size=page_size)
+        sparse_cfg = SimpleNamespace(sparse=_sparse_settings(sparse), page_size=page_size)
         # As choose_engine_tiering: more headroom without per-layer checkpointing (sparse_headroom_bytes), and
         # the sparse attention reads the past through one table, so offload stages whole layers.
         reserve += sparse_headroom_bytes(checkpoint_layers)
@@ -928,9 +927,10 @@ def sparse_state_bytes(shape: "ModelShape", seq_len: int, config: Any, dtype: to
     L, Hkv, D = shape.num_layers, shape.num_kv_heads, shape.head_dim
     n_pages = -(-seq_len // config.page_size)
     reps = L * n_pages * Hkv * D * torch.empty((), dtype=acc_dtype_for(dtype)).element_size()
-    reps *= 2 if config.sparse_score == "quest" else 1
-    nb = -(-seq_len // config.sparse_block_size)
-    K = min(config.page_budget + config.sink_pages + config.local_pages, max(n_pages - 1, 0))
+    sp = config.sparse
+    reps *= 2 if sp.score == "quest" else 1
+    nb = -(-seq_len // sp.block_size)
+    K = min(sp.page_budget + sp.sink_pages + sp.local_pages, max(n_pages - 1, 0))
     return reps + L * nb * Hkv * (K + 1) * 4
 
 
@@ -963,13 +963,14 @@ def choose_engine_tiering(engine: Any, seq_len: int) -> tuple[bool, int | None, 
             sparse attention), or the host tier does not.
     """
     cfg = engine.config
-    if cfg.offload is False:
+    off = cfg.offload
+    if off.mode == "off":
         return False, None, None
-    if cfg.gpu_page_budget is not None:
-        return True, cfg.gpu_page_budget, cfg.offload_staging_sets
+    if off.gpu_page_budget is not None:
+        return True, off.gpu_page_budget, off.staging_sets
     device = engine.device
     if device.type != "cuda":
-        return (cfg.offload is True), None, cfg.offload_staging_sets
+        return off.mode == "on", None, off.staging_sets
     shape = ModelShape.from_config(engine._base.config)
     dtype = engine.dtype
     free, total = torch.cuda.mem_get_info(device)
@@ -1017,12 +1018,12 @@ def choose_engine_tiering(engine: Any, seq_len: int) -> tuple[bool, int | None, 
     SP = resolve_segment_pages(engine._segment_pages(), cfg.page_size)
 
     def tier(pool: int, host: int):
-        t, why = _tier(L, n, pb, pool, host, cfg.offload, None, SP, cfg.offload_staging_sets, stash)
+        t, why = _tier(L, n, pb, pool, host, off.enabled, None, SP, off.staging_sets, stash)
         if t is not None and t.offload:
             wbuf = 4 * cfg.chunk_size * shape.kv_dim * _dtype_size(dtype)
             if SP is not None:  # the own-gradient buffers
                 wbuf += 4 * cfg.chunk_size * shape.kv_dim * (8 if dtype == torch.float64 else 4)
-            t, why = _tier(L, n, pb, pool - wbuf, host, cfg.offload, None, SP, cfg.offload_staging_sets, stash)
+            t, why = _tier(L, n, pb, pool - wbuf, host, off.enabled, None, SP, off.staging_sets, stash)
         return t, why
 
     t = None
@@ -1040,7 +1041,7 @@ def choose_engine_tiering(engine: Any, seq_len: int) -> tuple[bool, int | None, 
         t, why = tier(pool_budget, host_budget)
     if t is None:
         raise MemoryPlanError(f"{seq_len:,} tokens do not fit: {why}")
-    if cfg.offload is True and not t.offload:
+    if off.mode == "on" and not t.offload:
         return True, L * n, None  # asked for offload but everything fits: one tier, no host pages
     return t.offload, t.gpu_pages, (t.staging_sets if t.offload else None)
 
@@ -1064,15 +1065,20 @@ def plan_for_train_args(args: Any, dtype: torch.dtype, machine: Machine | None =
 
 
 def _sparse_settings(args: Any) -> Any:
-    """The sparse settings of ``args`` (parsed ``oomb train`` / ``oomb plan`` arguments, or an OOMBConfig),
-    OOMBConfig's defaults for any it lacks, as a namespace."""
-    from types import SimpleNamespace
+    """The :class:`~oomb.config.SparseConfig` of ``args``: a SparseConfig, an OOMBConfig's ``sparse``, or parsed
+    ``oomb train`` / ``oomb plan`` arguments (``page_budget``, ``sink_pages``, ``local_pages``, ``sparse_score``;
+    the defaults for any they lack)."""
+    from .config import OOMBConfig, SparseConfig
 
-    from .config import OOMBConfig
-
-    default = OOMBConfig()  # for settings a caller's namespace does not carry
-    names = ("page_budget", "sink_pages", "local_pages", "sparse_score", "sparse_block_size")
-    return SimpleNamespace(**{n: getattr(args, n, getattr(default, n)) for n in names})
+    if isinstance(args, SparseConfig):
+        return args
+    if isinstance(args, OOMBConfig):
+        return args.sparse or SparseConfig()
+    default = SparseConfig()
+    return SparseConfig(page_budget=getattr(args, "page_budget", default.page_budget),
+                        sink_pages=getattr(args, "sink_pages", default.sink_pages),
+                        local_pages=getattr(args, "local_pages", default.local_pages),
+                        score=getattr(args, "sparse_score", default.score))
 
 
 def run_plan(args: Any) -> int:
@@ -1086,7 +1092,7 @@ def run_plan(args: Any) -> int:
     import sys
 
     from .models.presets import load_config
-    from .planner_args import context_length_warning, lora_rank_problem
+    from .models.limits import context_length_warning, lora_rank_problem
 
     config = load_config(args.model)  # an unknown model is the first thing to say
     lora_problem = lora_rank_problem(config, args.lora_rank, args.model)
@@ -1110,7 +1116,9 @@ def run_plan(args: Any) -> int:
                           max(host, machine.host_total_bytes), "given" if args.gpu_gib is not None else machine.gpu_name)
     offload = {"auto": "auto", "on": True, "off": False}[args.offload]
     p = plan(
-        args.model, args.seq_len, chunk_size=args.chunk_size, page_size=args.page_size, dtype=args.dtype,
+        # 'auto' is bfloat16 on a GPU, the machine a plan is for
+        args.model, args.seq_len, chunk_size=args.chunk_size, page_size=args.page_size,
+        dtype="bfloat16" if args.dtype == "auto" else args.dtype,
         lora_rank=args.lora_rank, optimizer=None if args.no_optimizer else "adamw",
         checkpoint_layers=args.checkpoint_layers,
         attention_backend=args.attention_backend,

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import OOMBConfig
+from .config import OOMBConfig, SparseConfig
 from .engine.engine import Engine
 from .ops.paged_attention import paged_backend, resolve_backend
 
@@ -156,7 +156,7 @@ def sparse_grad_error(
             report.dense_norm[n] = float(g.norm())
             p.grad = None
         for b in budgets:
-            cfg = dataclasses.replace(config, sparse=True, page_budget=b)
+            cfg = dataclasses.replace(config, sparse=dataclasses.replace(config.sparse or SparseConfig(), page_budget=b))
             out = Engine(model, cfg).step(input_ids, labels, cu_seqlens=cu_seqlens)
             report.sparse_loss[b] = out.loss
             for n, p in params:

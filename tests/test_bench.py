@@ -9,6 +9,7 @@ import torch
 
 import oomb.bench as ob
 from oomb import OOMBConfig
+from configs import engine_config
 from oomb.cli import main
 
 from test_engine import tiny
@@ -68,7 +69,7 @@ def test_out_of_memory_is_a_row_and_the_run_goes_on(monkeypatch):
         raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
 
     monkeypatch.setattr(ob.Engine, "step", oom)
-    rows = ob.bench_rows(model, [32, 48], OOMBConfig(chunk_size=16, page_size=8, attention_backend="torch"),
+    rows = ob.bench_rows(model, [32, 48], engine_config(chunk_size=16, page_size=8, attention_backend="torch"),
                          systems=["oomb", "hf"], steps=1)
     # ordered by length, then system; each oomb row is an error row, each hf row a measurement
     assert [(r["tokens"], r["system"], r.get("error")) for r in rows] == [
@@ -81,7 +82,7 @@ def test_out_of_memory_is_a_row_and_the_run_goes_on(monkeypatch):
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 8 bytes")
 
     monkeypatch.setattr(ob.Engine, "step", cpu_alloc_failure)
-    rows = ob.bench_rows(model, [32], OOMBConfig(chunk_size=16, page_size=8, attention_backend="torch"),
+    rows = ob.bench_rows(model, [32], engine_config(chunk_size=16, page_size=8, attention_backend="torch"),
                          systems=["oomb"], steps=1)
     assert rows[0]["error"] == "out of memory"
 
@@ -90,13 +91,13 @@ def test_out_of_memory_is_a_row_and_the_run_goes_on(monkeypatch):
 
     monkeypatch.setattr(ob.Engine, "step", other_error)
     with pytest.raises(RuntimeError, match="a real bug"):
-        ob.bench_rows(model, [32], OOMBConfig(chunk_size=16, page_size=8, attention_backend="torch"), systems=["oomb"])
+        ob.bench_rows(model, [32], engine_config(chunk_size=16, page_size=8, attention_backend="torch"), systems=["oomb"])
     with pytest.raises(ValueError, match="systems"):
-        ob.bench_rows(model, [32], OOMBConfig(), systems=["deepspeed"])
+        ob.bench_rows(model, [32], engine_config(), systems=["deepspeed"])
     with pytest.raises(ValueError, match="lengths"):
-        ob.bench_rows(model, [1], OOMBConfig())
+        ob.bench_rows(model, [1], engine_config())
     with pytest.raises(ValueError, match="lengths"):
-        ob.bench_rows(model, [8, 8], OOMBConfig())
+        ob.bench_rows(model, [8, 8], engine_config())
 
 
 def test_stage2_rate_reads_the_timed_steps_bar(tmp_path):

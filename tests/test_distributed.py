@@ -10,6 +10,7 @@ import torch
 import torch.multiprocessing as mp
 
 from oomb import Engine, OOMBConfig
+from configs import engine_config
 from oomb.distributed import RankFailedError, agree_ok, all_reduce_gradients, global_sum, init_from_env
 
 VOCAB = 101
@@ -46,7 +47,7 @@ def _worker(rank, world, port, out_dir, bad_rank):
     try:
         model = _model()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        engine = Engine(model, OOMBConfig(chunk_size=8, page_size=4, attention_backend="torch"))
+        engine = Engine(model, engine_config(chunk_size=8, page_size=4, attention_backend="torch"))
         ids, labels = _data()[rank]
         if rank == bad_rank:
             ids = ids.clone()
@@ -91,7 +92,7 @@ def test_two_ranks_equal_single_process(tmp_path):
     # Single process, both sequences, normalised by the total valid tokens.
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    engine = Engine(model, OOMBConfig(chunk_size=8, page_size=4, attention_backend="torch"))
+    engine = Engine(model, engine_config(chunk_size=8, page_size=4, attention_backend="torch"))
     data = _data()
     n_total = sum(int((lab[0, 1:] != -100).sum()) for _, lab in data)
     for ids, lab in data:

@@ -19,6 +19,8 @@ from transformers import (
 )
 
 from oomb import Engine, OOMBConfig, UnsupportedModelError
+from oomb.config import SparseConfig
+from configs import engine_config
 from oomb.engine.kv_store import PagedKVStore
 
 VOCAB = 101
@@ -85,7 +87,7 @@ def run_parity(model, T, chunk, page, labels_fn=None, dtype=torch.float64, seed=
     ref_loss = reference_step(ref, input_ids, labels)
 
     cfg.setdefault("attention_backend", "torch")
-    engine = Engine(model, OOMBConfig(chunk_size=chunk, page_size=page, **cfg))
+    engine = Engine(model, engine_config(chunk_size=chunk, page_size=page, **cfg))
     if shuffle_pages:
         gen = torch.Generator().manual_seed(seed + 1)
         orig_reset = PagedKVStore.reset
@@ -186,7 +188,7 @@ def test_two_steps_accumulate_and_pages_released():
     model = tiny("qwen2").double()
     ref = clone_model(model)
     ids = torch.randint(0, VOCAB, (1, 30))
-    engine = Engine(model, OOMBConfig(chunk_size=8, page_size=4, attention_backend="torch"))
+    engine = Engine(model, engine_config(chunk_size=8, page_size=4, attention_backend="torch"))
     engine.step(ids)
     store = engine.kv_store
     assert store.num_free_pages == store.num_pages  # every page back after the step
@@ -201,7 +203,7 @@ def test_evaluate_matches_reference():
     model = tiny("qwen3").double()
     ref = clone_model(model)
     ids = torch.randint(0, VOCAB, (1, 35))
-    engine = Engine(model, OOMBConfig(chunk_size=8, page_size=4, attention_backend="torch"))
+    engine = Engine(model, engine_config(chunk_size=8, page_size=4, attention_backend="torch"))
     loss = engine.evaluate(ids)
     ref_loss = reference_step(ref, ids, ids)
     assert abs(loss - ref_loss) <= 1e-10 * ref_loss
@@ -212,7 +214,7 @@ def _saved_bytes_per_chunk(T, chunk=16, page=8):
     """Peak bytes of tensors saved for backward while one Stage-2 chunk is alive."""
     torch.manual_seed(0)
     model = tiny("qwen2", 4, 2, layers=2).double()
-    engine = Engine(model, OOMBConfig(chunk_size=chunk, page_size=page, attention_backend="torch"))
+    engine = Engine(model, engine_config(chunk_size=chunk, page_size=page, attention_backend="torch"))
     live = {"now": 0, "peak": 0}
     pool_storages = set()
 
@@ -257,7 +259,7 @@ def test_activation_memory_does_not_grow_with_length():
 
 def test_bad_inputs():
     model = tiny("qwen2").double()
-    engine = Engine(model, OOMBConfig(chunk_size=8, page_size=4, attention_backend="torch"))
+    engine = Engine(model, engine_config(chunk_size=8, page_size=4, attention_backend="torch"))
     with pytest.raises(ValueError, match="batch size 2"):
         engine.step(torch.zeros(2, 10, dtype=torch.long))
     with pytest.raises(ValueError, match="at least 2"):
@@ -272,7 +274,7 @@ def test_bad_inputs():
 
 def _tiny_engine():
     model = tiny("qwen2", layers=1).double()
-    return model, Engine(model, OOMBConfig(chunk_size=8, page_size=4, attention_backend="torch"))
+    return model, Engine(model, engine_config(chunk_size=8, page_size=4, attention_backend="torch"))
 
 
 @pytest.mark.parametrize("bad", [-1, -101, VOCAB, VOCAB + 50])
@@ -344,7 +346,7 @@ def test_frozen_model_step_refused_evaluate_fine():
 )
 def test_bad_config(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        OOMBConfig(**kwargs)
+        engine_config(**kwargs)
 
 
 def test_unsupported_architectures():
@@ -363,7 +365,7 @@ def test_unsupported_architectures():
 
 def test_generation_still_works_after_wrapping():
     model = tiny("qwen2").eval()
-    Engine(model, OOMBConfig(chunk_size=8, page_size=4))
+    Engine(model, engine_config(chunk_size=8, page_size=4))
     ids = torch.randint(0, VOCAB, (1, 5))
     out = model.generate(ids, max_new_tokens=3, do_sample=False)
     assert out.shape == (1, 8)
@@ -378,7 +380,7 @@ def test_loss_normalizer_two_sequences_equal_joint_mean():
     b = torch.randint(0, VOCAB, (1, 21))
     lb = b.clone()
     lb[0, :10] = -100
-    engine = Engine(model, OOMBConfig(chunk_size=8, page_size=4, attention_backend="torch"))
+    engine = Engine(model, engine_config(chunk_size=8, page_size=4, attention_backend="torch"))
     n_total = 29 + (20 - 9)
     engine.step(a, loss_normalizer=n_total)
     engine.step(b, lb, loss_normalizer=n_total)
@@ -429,14 +431,14 @@ def packed_parity(family, lengths, chunk, page, backend="torch", dtype=torch.flo
         total = total + F.cross_entropy(logits, t, ignore_index=-100, reduction="sum")
     (total / n_valid).backward()
 
-    engine = Engine(model, OOMBConfig(chunk_size=chunk, page_size=page, attention_backend=backend))
+    engine = Engine(model, engine_config(chunk_size=chunk, page_size=page, attention_backend=backend))
     out = engine.step(ids, cu_seqlens=cu)
     return out, total.item() / n_valid, n_valid, max_rel_grad_error(model, ref), engine.evaluate(ids, cu_seqlens=cu)
 
 
 @pytest.mark.parametrize("cu", [[0, 5, 5, 10], [1, 10], [0, 9], [0, 6, 4, 10]])
 def test_bad_cu_seqlens(cu):
-    engine = Engine(tiny("qwen2").double(), OOMBConfig(chunk_size=8, page_size=4, attention_backend="torch"))
+    engine = Engine(tiny("qwen2").double(), engine_config(chunk_size=8, page_size=4, attention_backend="torch"))
     with pytest.raises(ValueError, match="cu_seqlens must start at 0"):
         engine.step(torch.zeros(1, 10, dtype=torch.long), cu_seqlens=torch.tensor(cu))
 
@@ -455,7 +457,7 @@ def test_rope_scaling_types_match_full_sequence(rope):
 
 
 def test_reserve_allocates_the_store_up_front():
-    engine = Engine(tiny("qwen2").double(), OOMBConfig(chunk_size=8, page_size=4, attention_backend="torch"))
+    engine = Engine(tiny("qwen2").double(), engine_config(chunk_size=8, page_size=4, attention_backend="torch"))
     store = engine.reserve(30)
     assert store.num_pages == 2 * 8 and engine.kv_store is store
     with pytest.raises(ValueError, match="seq_len must be"):
@@ -463,7 +465,7 @@ def test_reserve_allocates_the_store_up_front():
 
 
 def test_count_valid_tokens_matches_step():
-    engine = Engine(tiny("qwen2").double(), OOMBConfig(chunk_size=8, page_size=4, attention_backend="torch"))
+    engine = Engine(tiny("qwen2").double(), engine_config(chunk_size=8, page_size=4, attention_backend="torch"))
     ids = torch.randint(0, VOCAB, (1, 20))
     labels = ids.clone()
     labels[0, 5:9] = -100
@@ -472,19 +474,19 @@ def test_count_valid_tokens_matches_step():
     assert n == engine.step(ids, labels, cu_seqlens=cu).num_valid_tokens == 19 - 4 - 1
 
 
-def test_sparse_options_without_sparse_are_refused_as_the_cli_does():
-    """OOMBConfig(page_budget=16) trained dense and silently ignored the budget; like `oomb train`'s
-    _check_sparse_flags it is refused unless sparse=True. The defaults (one table, shared with the CLI) pass."""
-    from oomb.planner_args import SPARSE_DEFAULTS
+def test_sparse_options_live_in_their_section_and_are_checked_there():
+    """Sparse options exist only inside a SparseConfig (sparse=None is dense), so none can be set and silently
+    ignored; the section checks its values; dense() drops it and keeps the rest."""
+    from oomb.config import ConfigError
 
-    with pytest.raises(ValueError, match=r"page_budget=16 sets sparse attention but sparse is False.*pass sparse=True"):
-        OOMBConfig(page_budget=16)
-    with pytest.raises(ValueError, match=r"sink_pages=0 and sparse_score='quest' set sparse attention.*"
-                                         r"\(sink_pages=1, sparse_score='mean'\)"):
-        OOMBConfig(sink_pages=0, sparse_score="quest")
-    OOMBConfig(**SPARSE_DEFAULTS)  # the defaults, given explicitly, are not an error
-    cfg = OOMBConfig(sparse=True, page_budget=16, local_pages=2, sparse_score="quest")
-    assert {k: getattr(OOMBConfig(), k) for k in SPARSE_DEFAULTS} == SPARSE_DEFAULTS
+    assert OOMBConfig().sparse is None and OOMBConfig(sparse=True).sparse == SparseConfig()
+    with pytest.raises(ConfigError, match=r"page_budget is -1; pass 0 or a positive number of pages"):
+        SparseConfig(page_budget=-1)
+    with pytest.raises(ConfigError, match=r"score is 'max'; pass one of 'mean', 'quest'"):
+        SparseConfig(score="max")
+    with pytest.raises(ConfigError, match=r"attends to no past page"):
+        SparseConfig(page_budget=0, sink_pages=0, local_pages=0)
+    cfg = OOMBConfig(sparse=SparseConfig(page_budget=16, local_pages=2, score="quest"))
     dense = cfg.dense()
-    assert not dense.sparse and all(getattr(dense, k) == v for k, v in SPARSE_DEFAULTS.items())
+    assert dense.sparse is None and cfg.sparse.page_budget == 16
     assert dense.chunk_size == cfg.chunk_size

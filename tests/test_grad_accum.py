@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from oomb import Engine, OOMBConfig
+from configs import engine_config
 from oomb.engine import engine as engine_mod
 from oomb.engine.grad_accum import Float32GradAccumulator, extra_grad_bytes
 from oomb.planner import plan
@@ -37,7 +38,7 @@ def bf16_case():
 
 def _chunked(base, ids, mode, chunk=4):
     m = clone_model(base).bfloat16()
-    Engine(m, OOMBConfig(chunk_size=chunk, page_size=chunk, attention_backend="torch", grad_accum_dtype=mode)).step(ids)
+    Engine(m, engine_config(chunk_size=chunk, page_size=chunk, attention_backend="torch", grad_accum_dtype=mode)).step(ids)
     return m
 
 
@@ -58,7 +59,7 @@ def test_grads_are_param_dtype_hooks_removed_and_sequences_accumulate(bf16_case)
     gradients (a gradient-accumulation step over two sequences)."""
     base, ids, _, _ = bf16_case
     m = clone_model(base).bfloat16()
-    eng = Engine(m, OOMBConfig(chunk_size=64, page_size=64, attention_backend="torch", grad_accum_dtype="float32"))
+    eng = Engine(m, engine_config(chunk_size=64, page_size=64, attention_backend="torch", grad_accum_dtype="float32"))
     eng.step(ids)
     once = {n: p.grad.clone() for n, p in m.named_parameters()}
     for p in m.parameters():
@@ -76,7 +77,7 @@ def test_float32_parameters_are_untouched():
     grads = []
     for mode in ("param", "float32"):
         m = clone_model(base)
-        Engine(m, OOMBConfig(chunk_size=8, page_size=4, attention_backend="torch", grad_accum_dtype=mode)).step(ids)
+        Engine(m, engine_config(chunk_size=8, page_size=4, attention_backend="torch", grad_accum_dtype=mode)).step(ids)
         grads.append([p.grad for p in m.parameters()])
     for a, b in zip(*grads):
         assert torch.equal(a, b)
@@ -97,7 +98,7 @@ def test_error_in_stage2_removes_hooks_and_keeps_partial_grads(monkeypatch, bf16
         return real(*a, **k)
 
     monkeypatch.setattr(engine_mod, "chunked_cross_entropy_sum", failing)
-    eng = Engine(m, OOMBConfig(chunk_size=128, page_size=128, attention_backend="torch", grad_accum_dtype="float32"))
+    eng = Engine(m, engine_config(chunk_size=128, page_size=128, attention_backend="torch", grad_accum_dtype="float32"))
     with pytest.raises(RuntimeError, match="boom"):
         eng.step(ids)
     for p in m.parameters():
@@ -107,7 +108,7 @@ def test_error_in_stage2_removes_hooks_and_keeps_partial_grads(monkeypatch, bf16
 
 def test_config_and_planner():
     with pytest.raises(ValueError, match="grad_accum_dtype"):
-        OOMBConfig(grad_accum_dtype="bf16")
+        engine_config(grad_accum_dtype="bf16")
     from oomb.planner import Machine
 
     machine = Machine(80 * 2**30, 80 * 2**30, 200 * 2**30, 200 * 2**30, "test")

@@ -12,6 +12,8 @@ import pytest
 import torch
 
 from oomb import Engine, OOMBConfig
+from oomb.config import SparseConfig, OffloadConfig
+from configs import engine_config
 from oomb.engine.kv_store import PagedKVStore
 from oomb.engine import offload
 from oomb.engine.offload import OffloadedKVStore, min_gpu_pages, resident_pages_for_budget
@@ -29,7 +31,7 @@ def _no_offload_env(monkeypatch):
 
 def _step(model, ids, trace=False, **cfg):
     cfg.setdefault("attention_backend", "torch")
-    engine = Engine(model, OOMBConfig(**cfg))
+    engine = Engine(model, engine_config(**cfg))
     if trace:
         orig = engine._ensure_store
 
@@ -96,8 +98,8 @@ def test_packed_documents_and_two_steps_reuse_the_store():
     ids = torch.randint(0, VOCAB, (1, 34))
     cu = torch.tensor([0, 13, 14, 31, 34])
     cfg = dict(chunk_size=8, page_size=4, attention_backend="torch")
-    e_ref = Engine(m_ref, OOMBConfig(offload=False, **cfg))
-    e_off = Engine(m_off, OOMBConfig(offload=True, **cfg))
+    e_ref = Engine(m_ref, engine_config(offload=False, **cfg))
+    e_off = Engine(m_off, engine_config(offload=True, **cfg))
     for _ in range(2):
         out_ref = e_ref.step(ids, cu_seqlens=cu)
         out_off = e_off.step(ids, cu_seqlens=cu)
@@ -370,8 +372,7 @@ def test_pages_released_as_stage2_passes_their_chunk(segment_pages, monkeypatch)
     torch.manual_seed(0)
     L, C, S, T = 3, 8, 4, 30
     model = tiny("qwen2", layers=L)
-    engine = Engine(model, OOMBConfig(chunk_size=C, page_size=S, attention_backend="torch", offload=True,
-                                      offload_segment_pages=None if segment_pages == "layer" else segment_pages))
+    engine = Engine(model, OOMBConfig(chunk_size=C, page_size=S, attention_backend="torch", offload=OffloadConfig(mode="on", segment_pages=None if segment_pages == "layer" else segment_pages)))
     seen = []
     orig = OffloadedKVStore.release_from
 
@@ -399,20 +400,20 @@ def test_pages_released_as_stage2_passes_their_chunk(segment_pages, monkeypatch)
 
 def test_bad_budget_and_config():
     model = tiny("qwen2", layers=3)
-    engine = Engine(model, OOMBConfig(chunk_size=8, page_size=4, attention_backend="torch", gpu_page_budget=5))
+    engine = Engine(model, OOMBConfig(chunk_size=8, page_size=4, attention_backend="torch", offload=OffloadConfig(gpu_page_budget=5)))
     with pytest.raises(ValueError, match="offload needs at least 16 pages"):
         engine.step(torch.randint(0, VOCAB, (1, 30)))
-    with pytest.raises(ValueError, match="offload must be True, False or 'auto'"):
-        OOMBConfig(offload="yes")
-    with pytest.raises(ValueError, match="gpu_page_budget must be a positive"):
-        OOMBConfig(gpu_page_budget=0)
-    with pytest.raises(ValueError, match="cannot be set with offload=False"):
-        OOMBConfig(offload=False, gpu_page_budget=100)
-    assert OOMBConfig(offload="on").offload is True and OOMBConfig(offload="off").offload is False
+    with pytest.raises(ValueError, match="mode is 'yes'; pass one of 'auto', 'on', 'off'"):
+        OOMBConfig(offload=OffloadConfig(mode="yes"))
+    with pytest.raises(ValueError, match="gpu_page_budget is 0; pass a positive number of pages"):
+        OOMBConfig(offload=OffloadConfig(gpu_page_budget=0))
+    with pytest.raises(ValueError, match="gpu_page_budget sizes the GPU tier of offload but mode is off"):
+        OOMBConfig(offload=OffloadConfig(mode="off", gpu_page_budget=100))
+    assert OffloadConfig(mode=True).mode == "on" and OffloadConfig(mode=False).mode == "off"  # the Python spellings
 
 
 def test_auto_on_cpu_keeps_every_page_on_the_device():
-    engine = Engine(tiny("qwen2", layers=3), OOMBConfig(chunk_size=8, page_size=4, attention_backend="torch"))
+    engine = Engine(tiny("qwen2", layers=3), engine_config(chunk_size=8, page_size=4, attention_backend="torch"))
     engine.step(torch.randint(0, VOCAB, (1, 20)))
     assert type(engine.kv_store) is PagedKVStore
 
@@ -543,8 +544,8 @@ def test_segmented_packed_documents_evaluate_and_two_steps(sp, monkeypatch):
     ids = torch.randint(0, VOCAB, (1, 42))
     cu = torch.tensor([0, 13, 14, 31, 42])  # documents start mid-page; a one-token document
     cfg = dict(chunk_size=8, page_size=4, attention_backend="torch")
-    e_ref = Engine(m_ref, OOMBConfig(offload=False, **cfg))
-    e_off = Engine(m_off, OOMBConfig(offload=True, offload_segment_pages=sp, **cfg))
+    e_ref = Engine(m_ref, engine_config(offload=False, **cfg))
+    e_off = Engine(m_off, engine_config(offload=True, offload_segment_pages=sp, **cfg))
     for _ in range(2):
         out_ref = e_ref.step(ids, cu_seqlens=cu)
         out_off = e_off.step(ids, cu_seqlens=cu)
@@ -611,10 +612,10 @@ def test_gpu_bytes_flat_in_context_length():
 def test_segment_pages_knob_is_validated():
     with pytest.raises(ValueError, match="segment_pages must be a positive number of pages"):
         OffloadedKVStore(2, 1, 4, 4, 32, torch.float32, "cpu", chunk_size=8, segment_pages=0)
-    with pytest.raises(ValueError, match="offload_segment_pages must be a positive number"):
-        OOMBConfig(offload_segment_pages=-3)
-    with pytest.raises(ValueError, match="cannot be set with offload=False"):
-        OOMBConfig(offload=False, offload_segment_pages=8)
+    with pytest.raises(ValueError, match="segment_pages is -3; pass a positive number of pages"):
+        OOMBConfig(offload=OffloadConfig(segment_pages=-3))
+    with pytest.raises(ValueError, match="segment_pages sizes the staging of offload but mode is off"):
+        OOMBConfig(offload=OffloadConfig(mode="off", segment_pages=8))
     assert offload.default_segment_pages(128) == 256 and offload.default_segment_pages(65536) == 1
     # Two buffers of min(segment, n) pages is the least a budget can be; resident pages beyond.
     assert min_gpu_pages(28, 1000, 256) == 512 and min_gpu_pages(28, 100, 256) == 200
@@ -648,6 +649,7 @@ import json, sys
 import torch
 sys.path.insert(0, sys.argv[1])
 from oomb import Engine, OOMBConfig
+from configs import engine_config
 from test_engine import VOCAB, clone_model, tiny
 rows = []
 for family, heads, kv_heads, sp, ckpt, cu in [("qwen2", 4, 2, 1, True, None), ("llama", 7, 1, 3, False, [0, 13, 14, 33])]:
@@ -657,8 +659,8 @@ for family, heads, kv_heads, sp, ckpt, cu in [("qwen2", 4, 2, 1, True, None), ("
     ids = torch.randint(0, VOCAB, (1, 33))
     cfg = dict(chunk_size=8, page_size=4, attention_backend="triton", checkpoint_layers=ckpt)
     cu_t = None if cu is None else torch.tensor(cu)
-    out_ref = Engine(m_ref, OOMBConfig(offload=False, **cfg)).step(ids, cu_seqlens=cu_t)
-    e_off = Engine(m_off, OOMBConfig(offload=True, offload_segment_pages=sp, **cfg))
+    out_ref = Engine(m_ref, engine_config(offload=False, **cfg)).step(ids, cu_seqlens=cu_t)
+    e_off = Engine(m_off, engine_config(offload=True, offload_segment_pages=sp, **cfg))
     out_off = e_off.step(ids, cu_seqlens=cu_t)
     err = max(((a.grad - b.grad).abs().max() / a.grad.abs().max()).item()
               for a, b in zip(m_ref.parameters(), m_off.parameters()))
@@ -726,8 +728,8 @@ def _sparse_pair(monkeypatch, ids, budget, cu=None, spy=None, exact_unions=True,
     m_ref = tiny("qwen2", 4, 2, layers=layers).double()
     m_off = clone_model(m_ref)
     cfg = dict(SPARSE, attention_backend="torch", **cfg)
-    e_ref = Engine(m_ref, OOMBConfig(offload=False, **cfg))
-    e_off = Engine(m_off, OOMBConfig(offload=True, gpu_page_budget=budget, **cfg))
+    e_ref = Engine(m_ref, engine_config(offload=False, **cfg))
+    e_off = Engine(m_off, engine_config(offload=True, gpu_page_budget=budget, **cfg))
     out_ref = e_ref.step(ids, cu_seqlens=cu)
     out_off = e_off.step(ids, cu_seqlens=cu)
     assert streams and streams[0].max_queued >= 2
@@ -843,7 +845,7 @@ def _selections(monkeypatch, ids, cu, **cfg):
     with monkeypatch.context() as mp:
         mp.setattr(SparseAttentionState, "release", lambda self, start: None)
         torch.manual_seed(3)
-        engine = Engine(tiny("qwen2", 4, 2, layers=3).double(), OOMBConfig(offload=False, attention_backend="torch", **cfg))
+        engine = Engine(tiny("qwen2", 4, 2, layers=3).double(), engine_config(offload=False, attention_backend="torch", **cfg))
         engine.step(ids, cu_seqlens=cu)
     return engine.sparse_state.selections
 
@@ -1472,8 +1474,7 @@ def test_engine_passes_offload_staging_sets_to_the_store(monkeypatch):
     OOMB_OFFLOAD_STAGING_SETS still overrides it."""
     monkeypatch.delenv("OOMB_OFFLOAD_STAGING_SETS", raising=False)
     m = tiny("qwen2", 4, 2, layers=6).double()
-    cfg = OOMBConfig(chunk_size=8, page_size=4, offload=True, sparse=True, page_budget=1, sink_pages=1, local_pages=0,
-                     offload_staging_sets=3)
+    cfg = OOMBConfig(chunk_size=8, page_size=4, sparse=SparseConfig(page_budget=1, sink_pages=1, local_pages=0), offload=OffloadConfig(mode="on", staging_sets=3))
     e = Engine(m, cfg)
     e.reserve(44)
     assert e.kv_store.staging_sets == 3 and e.kv_store.gpu_pool_pages == 3 * 11

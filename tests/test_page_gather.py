@@ -306,10 +306,11 @@ else:
     raise SystemExit("no error")
 from transformers import AutoModelForCausalLM
 from oomb import Engine, OOMBConfig
+from configs import engine_config
 from oomb.models.presets import preset_config
 torch.manual_seed(0)
 model = AutoModelForCausalLM.from_config(preset_config("tiny")).double()
-engine = Engine(model, OOMBConfig(chunk_size=8, page_size=4, offload=True, sparse=True, page_budget=1, sink_pages=1,
+engine = Engine(model, engine_config(chunk_size=8, page_size=4, offload=True, sparse=True, page_budget=1, sink_pages=1,
                                   local_pages=1, sparse_block_size=4, attention_backend="torch"))
 out = engine.step(torch.randint(0, 100, (1, 48)))
 assert engine.kv_store.stage_grain == "head" and any(engine.kv_store._heads_used), "head grain not used"

@@ -7,6 +7,8 @@ import re
 
 import pytest
 import torch
+from oomb.cli import _build_parser
+from oomb.config import OffloadConfig, SparseConfig
 from transformers import AutoModelForCausalLM
 
 from oomb.models.presets import preset_config, preset_names
@@ -16,8 +18,6 @@ from oomb.planner import (
     MemoryPlanError,
     ModelShape,
     activation_bytes,
-    add_plan_subcommand,
-    add_offload_arguments,
     choose_tiering,
     offload_traffic,
     plan,
@@ -232,11 +232,10 @@ def test_choose_tiering():
 
 
 def test_plan_subcommand(capsys):
-    parser = argparse.ArgumentParser()
-    add_plan_subcommand(parser.add_subparsers(dest="command"))
+    parser = _build_parser()
     args = parser.parse_args(["plan", "--model", "qwen2.5-7b", "--seq-len", "1048576", "--checkpoint-layers",
                               "--no-optimizer", "--gpu-gib", "139.3", "--host-gib", "120"])
-    assert args.func(args) == 0
+    assert run_plan(args) == 0
     out = capsys.readouterr().out
     assert "predicted peak" in out and "offload, GPU pool" in out and "largest context" in out
     args = parser.parse_args(["plan", "--model", "qwen2.5-7b", "--seq-len", "4194304", "--gpu-gib", "139.3", "--host-gib", "120"])
@@ -245,29 +244,31 @@ def test_plan_subcommand(capsys):
 
 
 def test_train_arguments_map_to_a_plan_and_engine_settings():
-    parser = argparse.ArgumentParser()
-    for name, default in (("--model", "qwen2.5-7b"), ("--seq-len", 1 << 20), ("--chunk-size", 4096), ("--page-size", 128),
-                          ("--attention-backend", "auto"), ("--lora-rank", 16)):
-        parser.add_argument(name, default=default, type=type(default))
-    parser.add_argument("--checkpoint-layers", action="store_true")
-    add_offload_arguments(parser)
-    args = parser.parse_args(["--checkpoint-layers"])
+    from oomb.cli import _build_parser
+
+    base = ["train", "--output-dir", "unused", "--model", "qwen2.5-7b", "--seq-len", str(1 << 20), "--chunk-size", "4096",
+            "--lora-rank", "16"]
+
+    def parse(*extra):
+        return _build_parser().parse_args([*base, *extra])
+
+    args = parse("--checkpoint-layers")
     p = plan_for_train_args(args, torch.bfloat16, machine=H200).check()
     settings = p.engine_settings()
-    assert settings["offload"] is True and settings["gpu_page_budget"] == p.tiering.gpu_pages
-    assert settings["offload_staging_sets"] is None  # segments: always two buffers
+    assert settings["mode"] == "on" and settings["gpu_page_budget"] == p.tiering.gpu_pages
+    assert settings["staging_sets"] is None  # segments: always two buffers
     assert p.optimizer == 8 * p.trainable_params
     assert p.segment_pages == 256
-    seg = plan_for_train_args(parser.parse_args(["--checkpoint-layers", "--offload-segment-pages", "64"]), torch.bfloat16,
+    seg = plan_for_train_args(parse("--checkpoint-layers", "--offload-segment-pages", "64"), torch.bfloat16,
                               machine=H200)
     assert seg.segment_pages == 64 and seg.staging == 2 * 64 * seg.page_bytes
-    args = parser.parse_args(["--checkpoint-layers"])
+    args = parse("--checkpoint-layers")
     args.sparse = True  # the engine stages whole layers for sparse attention: so does its plan
     assert plan_for_train_args(args, torch.bfloat16, machine=H200).segment_pages is None
-    args = parser.parse_args(["--seq-len", "65536", "--offload", "off"])
+    args = parse("--seq-len", "65536", "--offload", "off")
     assert plan_for_train_args(args, torch.bfloat16, machine=H200).engine_settings() == {
-        "offload": False, "gpu_page_budget": None, "offload_staging_sets": None}
-    args = parser.parse_args(["--offload", "off", "--checkpoint-layers"])
+        "mode": "off", "gpu_page_budget": None, "staging_sets": None}
+    args = parse("--offload", "off", "--checkpoint-layers")
     with pytest.raises(MemoryPlanError, match="turn offload on"):
         plan_for_train_args(args, torch.bfloat16, machine=H200).check()
 
@@ -282,7 +283,7 @@ def test_sparse_plan_counts_the_sparse_state_and_stages_whole_layers(capsys):
     kw = dict(machine=H200, optimizer=None, checkpoint_layers=True)
     T = 1 << 20
     dense = plan("qwen2.5-7b", T, **kw)
-    cfg = OOMBConfig(sparse=True, page_budget=64, chunk_size=4096, page_size=128)
+    cfg = OOMBConfig(chunk_size=4096, page_size=128, sparse=SparseConfig(page_budget=64))
     sp = plan("qwen2.5-7b", T, sparse=cfg, **kw)
     state = sparse_state_bytes(ModelShape.from_config(preset_config("qwen2.5-7b")), T, cfg, torch.bfloat16)
     assert state > 0 and sp.activations["sparse_state"] == state
@@ -294,8 +295,7 @@ def test_sparse_plan_counts_the_sparse_state_and_stages_whole_layers(capsys):
             == plan("qwen2.5-7b", T, **kw_nockpt).gpu_budget - 4 * GiB)
     assert sp.tiering.offload and sp.segment_pages is None and dense.segment_pages is not None
     assert "sparse: page summaries + selections" in sp.table()
-    parser = argparse.ArgumentParser()
-    add_plan_subcommand(parser.add_subparsers(dest="command"))
+    parser = _build_parser()
     args = parser.parse_args(["plan", "--model", "qwen2.5-7b", "--seq-len", str(T), "--sparse", "--checkpoint-layers",
                               "--no-optimizer", "--gpu-gib", "139.3", "--host-gib", "120"])
     run_plan(args)
@@ -318,7 +318,7 @@ def test_plan_warns_when_the_length_exceeds_the_model_s_positions(tmp_path, caps
     from transformers import Qwen2Config
 
     from oomb.cli import main
-    from oomb.planner_args import context_length_warning
+    from oomb.models.limits import context_length_warning
 
     d = tmp_path / "short-model"
     Qwen2Config(vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -342,7 +342,7 @@ def test_sparse_offload_never_counts_saved_attention():
     only memory would have dropped them."""
     from oomb import OOMBConfig
 
-    cfg = OOMBConfig(sparse=True, page_budget=64, chunk_size=4096, page_size=128)
+    cfg = OOMBConfig(chunk_size=4096, page_size=128, sparse=SparseConfig(page_budget=64))
     small_host = Machine(gpu_free_bytes=int(139.3 * GiB), gpu_total_bytes=int(139.8 * GiB), host_available_bytes=100 * GiB,
                          host_total_bytes=100 * GiB)
     for kw in (dict(machine=small_host, offload=True), dict(machine=H200, optimizer=None, checkpoint_layers=True)):
@@ -368,7 +368,7 @@ def test_kv_stash_is_kept_free_and_shown(monkeypatch):
     pool shrinks) and the table says so; dense plans do not (no stash is allocated for them)."""
     from oomb import OOMBConfig
 
-    cfg = OOMBConfig(sparse=True, page_budget=64, chunk_size=4096, page_size=128)
+    cfg = OOMBConfig(chunk_size=4096, page_size=128, sparse=SparseConfig(page_budget=64))
     kw = dict(machine=H200, checkpoint_layers=True, optimizer=None, offload=True)
     base = plan("qwen2.5-7b", 1 << 20, sparse=cfg, **kw)
     dense = plan("qwen2.5-7b", 1 << 20, **kw)
@@ -388,7 +388,7 @@ def test_kv_stash_reserve_is_capped_at_what_the_store_allocates(monkeypatch):
     """A stash request larger than every tile of every layer reserves only those tiles' bytes."""
     from oomb import OOMBConfig
 
-    cfg = OOMBConfig(sparse=True, page_budget=64, chunk_size=4096, page_size=128)
+    cfg = OOMBConfig(chunk_size=4096, page_size=128, sparse=SparseConfig(page_budget=64))
     monkeypatch.setenv("OOMB_OFFLOAD_KV_STASH_MIB", "200000")
     p = plan("qwen2.5-7b", 1 << 17, sparse=cfg, machine=H200, checkpoint_layers=True, optimizer=None, offload=True,
              gpu_page_budget=2 * 1024)  # every page on the host (a stash is allocated only then)
@@ -401,7 +401,7 @@ def test_kv_stash_is_not_kept_free_when_nothing_is_offloaded(monkeypatch):
     the GPU gives its reserve back, so the stash request cannot push a run that fits on the GPU into offload."""
     from oomb import OOMBConfig
 
-    cfg = OOMBConfig(sparse=True, page_budget=64, chunk_size=4096, page_size=128)
+    cfg = OOMBConfig(chunk_size=4096, page_size=128, sparse=SparseConfig(page_budget=64))
     kw = dict(machine=H200, checkpoint_layers=True, optimizer=None)
     base = plan("qwen2.5-7b", 1 << 17, sparse=cfg, **kw)
     longest = base.max_seq_len_gpu_only  # the longest context with every page on the GPU, no stash asked for
@@ -480,20 +480,20 @@ def test_more_staging_sets_give_way_to_the_host_budget(monkeypatch):
     refused, why = _tier(L, n, 1, pool, host2, True, None, None, 4)
     assert refused is None and "host tier" in why
     plan_tight = plan("qwen2.5-7b", 1 << 20, machine=H200, optimizer=None, checkpoint_layers=True, sparse=True)
-    assert plan_tight.engine_settings()["offload_staging_sets"] == plan_tight.tiering.staging_sets
+    assert plan_tight.engine_settings()["staging_sets"] == plan_tight.tiering.staging_sets
 
 
 def test_offload_staging_sets_config():
     from oomb import OOMBConfig
 
-    assert OOMBConfig(sparse=True, offload_staging_sets=3).offload_staging_sets == 3
+    assert OOMBConfig(sparse=SparseConfig(), offload=OffloadConfig(staging_sets=3)).offload_staging_sets == 3
     for bad in (1, 0, 2.5, True, "4"):
         with pytest.raises(ValueError, match="offload_staging_sets must be an integer >= 2"):
-            OOMBConfig(sparse=True, offload_staging_sets=bad)
+            OOMBConfig(sparse=SparseConfig(), offload=OffloadConfig(staging_sets=bad))
     with pytest.raises(ValueError, match="cannot be set with offload=False"):
-        OOMBConfig(sparse=True, offload=False, offload_staging_sets=3)
+        OOMBConfig(sparse=SparseConfig(), offload=OffloadConfig(mode="off", staging_sets=3))
     with pytest.raises(ValueError, match="only sparse attention uses"):
-        OOMBConfig(offload=True, offload_staging_sets=3)
+        OOMBConfig(offload=OffloadConfig(mode="on", staging_sets=3))
 
 
 def test_staging_sets_not_below_the_layers_are_refused(monkeypatch):
@@ -533,7 +533,7 @@ def test_a_refused_pool_shows_the_layout_it_would_have(monkeypatch):
     from oomb.engine.offload import resident_pages_for_budget
 
     monkeypatch.delenv("OOMB_OFFLOAD_STAGING_SETS", raising=False)
-    cfg = OOMBConfig(sparse=True, page_budget=64, chunk_size=4096, page_size=128)
+    cfg = OOMBConfig(chunk_size=4096, page_size=128, sparse=SparseConfig(page_budget=64))
     p = plan("qwen2.5-7b", 1 << 20, machine=H200, optimizer=None, checkpoint_layers=True, sparse=cfg, gpu_page_budget=200_000)
     assert not p.fits and "lower gpu_page_budget" in p.problems[0]
     t = p.tiering
@@ -582,7 +582,7 @@ def test_engine_tiering_sizes_activations_with_the_backend_the_step_runs(fake_h2
     def tier(cfg):
         return fake_h200_tiering(cfg, T)
 
-    sparse = OOMBConfig(sparse=True, chunk_size=4096, page_budget=64, checkpoint_layers=True, offload=True)
+    sparse = OOMBConfig(chunk_size=4096, checkpoint_layers=True, sparse=SparseConfig(page_budget=64), offload=OffloadConfig(mode="on"))
     (offload, pages, sets), info = tier(sparse)
     expected = activation_bytes(shape, 4096, torch.bfloat16, True, "triton", 4096, sparse.loss_chunk_size, T - 4096)
     assert info["activation_bytes"] == expected["total"] < 4 * GiB
@@ -593,7 +593,7 @@ def test_engine_tiering_sizes_activations_with_the_backend_the_step_runs(fake_h2
     assert info["pool_budget_bytes"] == (info["free_bytes"] + info["cached_bytes"] - info["reserve_bytes"]
                                          - info["missing_grad_bytes"] - info["activation_bytes"])
     # dense 'auto' is sdpa on CUDA: its past dK/dV temporaries are counted
-    dense = OOMBConfig(chunk_size=4096, checkpoint_layers=True, offload=True)
+    dense = OOMBConfig(chunk_size=4096, checkpoint_layers=True, offload=OffloadConfig(mode="on"))
     info_dense = tier(dense)[1]
     assert info_dense["activation_bytes"] == activation_bytes(shape, 4096, torch.bfloat16, True, "sdpa", 4096,
                                                               dense.loss_chunk_size, T - 4096)["total"]
@@ -607,7 +607,7 @@ def test_sparse_plan_counts_auto_and_sdpa_as_the_block_table_kernels():
 
     kw = dict(machine=H200, optimizer=None, checkpoint_layers=True)
     T = 1 << 20
-    cfg = OOMBConfig(sparse=True, page_budget=64, chunk_size=4096, page_size=128)
+    cfg = OOMBConfig(chunk_size=4096, page_size=128, sparse=SparseConfig(page_budget=64))
     triton = plan("qwen2.5-7b", T, sparse=cfg, attention_backend="triton", **kw)
     for name in ("auto", "sdpa"):
         sp = plan("qwen2.5-7b", T, sparse=cfg, attention_backend=name, **kw)
@@ -639,8 +639,7 @@ def test_saved_attention_check_sizes_sparse_steps_as_the_tiering_does(monkeypatc
     config = preset_config("qwen2.5-7b")
     shape = ModelShape.from_config(config)
     T, total = 1 << 20, int(139.8 * GiB)
-    cfg = OOMBConfig(sparse=True, chunk_size=4096, page_budget=64, checkpoint_layers=checkpoint_layers,
-                     save_attention="gpu")
+    cfg = OOMBConfig(chunk_size=4096, checkpoint_layers=checkpoint_layers, save_attention="gpu", sparse=SparseConfig(page_budget=64))
     fake = SimpleNamespace(config=cfg, device=torch.device("cuda"), dtype=torch.bfloat16, _base=SimpleNamespace(config=config),
                            num_layers=shape.num_layers, head_dim=shape.head_dim, _backend="sdpa")
     sa = saved_attention_bytes(shape.num_layers, config.num_attention_heads, shape.head_dim, T, 4096, 2, "gpu")["gpu"]
@@ -669,7 +668,7 @@ def test_the_plan_table_s_gpu_rows_add_up_to_the_predicted_peak(kw):
 
     kw = dict(kw)
     if kw.get("sparse") == "sparse":
-        kw["sparse"] = OOMBConfig(sparse=True, page_budget=64, chunk_size=4096, page_size=128)
+        kw["sparse"] = OOMBConfig(chunk_size=4096, page_size=128, sparse=SparseConfig(page_budget=64))
     p = plan("qwen2.5-7b", kw.pop("seq_len"), machine=H200, **kw)
     rows = p.table().split("\n")
     start = rows.index(next(r for r in rows if r.startswith("GPU")))
@@ -684,7 +683,7 @@ def test_a_refused_gpu_page_budget_shows_a_layout_that_exists():
     the minimum, the minimum pool's layout, said so; every page or more, every page on the GPU."""
     from oomb import OOMBConfig
 
-    cfg = OOMBConfig(sparse=True, page_budget=64, chunk_size=4096, page_size=128)
+    cfg = OOMBConfig(chunk_size=4096, page_size=128, sparse=SparseConfig(page_budget=64))
     kw = dict(machine=H200, checkpoint_layers=True, optimizer=None, sparse=cfg)
     T, L, n = 1 << 20, 28, 8192
     small = plan("qwen2.5-7b", T, gpu_page_budget=1, **kw)
@@ -710,7 +709,7 @@ def test_engine_tiering_gives_the_stash_reserve_back_when_every_page_fits(fake_h
     from oomb import OOMBConfig
     from oomb.planner import _page_bytes
 
-    cfg = OOMBConfig(sparse=True, chunk_size=4096, page_budget=64, checkpoint_layers=True)  # offload 'auto'
+    cfg = OOMBConfig(chunk_size=4096, checkpoint_layers=True, sparse=SparseConfig(page_budget=64))  # offload 'auto'
 
     def tier(T):
         return fake_h200_tiering(cfg, T)

@@ -7,6 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM, BertConfig, Qwen2Config, Qwen2ForCausalLM
 
 from oomb import Engine, OOMBConfig, UnsupportedModelError
+from configs import engine_config
 from oomb.data import load_tokenizer
 from oomb.models.presets import PRESETS, UnknownModelError, build_model, preset_config, preset_names
 
@@ -46,7 +47,7 @@ def test_tiny_presets_train_with_the_engine(name):
     torch.manual_seed(0)
     model = build_model(name)
     assert model.training and model.dtype == torch.float32
-    engine = Engine(model, OOMBConfig(chunk_size=32, page_size=16))
+    engine = Engine(model, engine_config(chunk_size=32, page_size=16))
     ids = torch.randint(0, model.config.vocab_size, (1, 80))
     out = engine.step(ids)
     assert abs(out.loss - torch.log(torch.tensor(32000.0)).item()) < 0.5  # random init: ~ln(vocab)

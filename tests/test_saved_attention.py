@@ -9,13 +9,15 @@ import torch
 import oomb.ops.paged_attention as pa
 import oomb.ops.sparse as sp
 from oomb import Engine, OOMBConfig
+from oomb.config import SparseConfig
+from configs import engine_config
 from oomb.engine.saved_attention import SavedAttention, saved_attention_bytes
 from test_engine import VOCAB, clone_model, tiny
 
 
 def _step(model, ids, cu=None, steps=1, **cfg):
     cfg.setdefault("attention_backend", "torch")
-    engine = Engine(model, OOMBConfig(**cfg))
+    engine = Engine(model, engine_config(**cfg))
     out = None
     for i in range(steps):
         model.zero_grad(set_to_none=True)
@@ -87,8 +89,8 @@ def test_saved_outputs_reused_over_steps_and_a_new_length():
     torch.manual_seed(3)
     model = tiny("qwen2", 4, 2).double()
     twin = clone_model(model)
-    e_save = Engine(model, OOMBConfig(chunk_size=8, page_size=4, attention_backend="torch", save_attention="host"))
-    e_ref = Engine(twin, OOMBConfig(chunk_size=8, page_size=4, attention_backend="torch"))
+    e_save = Engine(model, engine_config(chunk_size=8, page_size=4, attention_backend="torch", save_attention="host"))
+    e_ref = Engine(twin, engine_config(chunk_size=8, page_size=4, attention_backend="torch"))
     kept = []
     for T in (40, 40, 24):
         ids = torch.randint(0, VOCAB, (1, T))
@@ -126,7 +128,7 @@ def test_host_memory_shortage_recomputes_with_a_warning(monkeypatch):
     import oomb.engine.engine as eng_mod
 
     model = tiny("qwen2").double()
-    engine = Engine(model, OOMBConfig(chunk_size=8, page_size=4, attention_backend="torch", save_attention="host"))
+    engine = Engine(model, engine_config(chunk_size=8, page_size=4, attention_backend="torch", save_attention="host"))
     monkeypatch.setattr(type(engine), "device", property(lambda self: torch.device("cuda")))
     monkeypatch.setattr(eng_mod, "_host_memory", lambda: (1000, 2000))
     store = type("S", (), {})()
@@ -136,8 +138,8 @@ def test_host_memory_shortage_recomputes_with_a_warning(monkeypatch):
 
 
 def test_bad_setting_and_missing_chunk_raise():
-    with pytest.raises(ValueError, match="save_attention must be 'off', 'gpu' or 'host'"):
-        OOMBConfig(save_attention="cpu")
+    with pytest.raises(ValueError, match="save_attention is 'cpu'; pass one of 'off', 'gpu', 'host'"):
+        engine_config(save_attention="cpu")
     saved = SavedAttention("gpu", 2, 3, torch.device("cpu"))
     with pytest.raises(RuntimeError, match="no saved attention output for chunk 0"):
         saved.load(0, 0)
@@ -197,7 +199,7 @@ def test_plan_counts_saved_outputs_and_drops_them_with_offload():
     kept = plan("qwen2.5-7b", T, machine=m, offload=True, save_attention="host")
     assert kept.tiering.offload and kept.save_attention == "host"
     assert kept.traffic["h2d_bytes"] < off.traffic["h2d_bytes"]
-    sparse = OOMBConfig(sparse=True)
+    sparse = OOMBConfig(sparse=SparseConfig())
     p = plan("qwen2.5-7b", T, machine=m, offload=True, save_attention="host", sparse=sparse)
     assert p.save_attention == "off" and "stages whole layers" in p.table()
 

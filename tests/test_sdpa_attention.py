@@ -13,6 +13,7 @@ import torch
 
 import oomb.ops.sdpa_attention as sa
 from oomb import Engine, OOMBConfig
+from configs import engine_config
 from oomb.engine.kv_store import PagedKVStore
 from oomb.ops.attention_ref import paged_attention_bwd_ref, paged_attention_fwd_ref
 from oomb.ops.paged_attention import paged_backend, resolve_backend
@@ -102,7 +103,7 @@ def test_backend_names():
     assert paged_backend("triton", torch.device("cpu")) == "triton"
     assert paged_backend("torch", torch.device("cuda")) == "torch"
     with pytest.raises(ValueError, match="attention_backend must be one of"):
-        OOMBConfig(attention_backend="cudnn")
+        engine_config(attention_backend="cudnn")
 
 
 def test_store_hands_each_layer_consecutive_pages():
@@ -254,7 +255,7 @@ def test_autocast_bf16_queries_over_a_float32_store_use_the_paged_path(monkeypat
     for backend in ("torch", "sdpa"):
         torch.manual_seed(2)
         model = tiny("qwen2", 4, 2)
-        engine = Engine(model, OOMBConfig(chunk_size=16, page_size=8, attention_backend=backend))
+        engine = Engine(model, engine_config(chunk_size=16, page_size=8, attention_backend=backend))
         with torch.autocast("cpu", dtype=torch.bfloat16):
             losses.append(engine.step(torch.randint(0, VOCAB, (1, 48), generator=torch.Generator().manual_seed(0))).loss)
         assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from oomb import Engine, OOMBConfig
+from oomb.config import SparseConfig
+from configs import engine_config
 from oomb.models.hf import use_oomb_attention
 from oomb.ops import sparse as sparse_ops
 from oomb.ops.sparse import SparseAttentionState, selection_mask
@@ -15,7 +17,7 @@ from tests.test_engine import VOCAB, clone_model, tiny
 
 def _step(model, ids, cu=None, **cfg):
     cfg.setdefault("attention_backend", "torch")
-    engine = Engine(model, OOMBConfig(**cfg))
+    engine = Engine(model, engine_config(**cfg))
     out = engine.step(ids, cu_seqlens=cu)
     return out, engine
 
@@ -158,8 +160,7 @@ def test_evaluate_sparse_matches_step_loss():
     torch.manual_seed(5)
     model = tiny("qwen2").double()
     ids = torch.randint(0, VOCAB, (1, 37))
-    engine = Engine(model, OOMBConfig(chunk_size=8, page_size=4, attention_backend="torch", sparse=True, page_budget=1,
-                                      local_pages=0, sparse_block_size=4))
+    engine = Engine(model, OOMBConfig(chunk_size=8, page_size=4, attention_backend="torch", sparse=SparseConfig(page_budget=1, local_pages=0, block_size=4)))
     loss = engine.evaluate(ids)
     assert engine.sparse_state.selections == {}
     assert abs(engine.step(ids).loss - loss) <= 1e-12 * loss
@@ -175,8 +176,7 @@ def test_grad_error_report(backend):
     ids = torch.randint(0, VOCAB, (1, 48))
     for p in model.parameters():
         p.grad = torch.ones_like(p)  # restored afterwards
-    cfg = OOMBConfig(chunk_size=8, page_size=4, attention_backend=backend, sparse=True, sink_pages=1, local_pages=1,
-                     sparse_block_size=4)
+    cfg = OOMBConfig(chunk_size=8, page_size=4, attention_backend=backend, sparse=SparseConfig(sink_pages=1, local_pages=1, block_size=4))
     report = sparse_grad_error(model, ids, cfg, budgets=[0, 2, 12])
     assert all((p.grad == 1).all() for p in model.parameters())
     assert report.rel_error(12) == 0.0 and report.sparse_loss[12] == report.dense_loss  # 12 pages cover the past
@@ -206,8 +206,7 @@ def test_planner_sparse_state_bytes_bounds_the_real_state(monkeypatch, score, pa
 
     monkeypatch.setattr("oomb.ops.sparse.select_pages", spy)
     model = tiny("qwen2", 4, 2, 16)
-    cfg = OOMBConfig(chunk_size=32, page_size=8, sparse=True, page_budget=page_budget, sink_pages=1, local_pages=1,
-                     sparse_block_size=16, sparse_score=score)
+    cfg = OOMBConfig(chunk_size=32, page_size=8, sparse=SparseConfig(page_budget=page_budget, sink_pages=1, local_pages=1, block_size=16, score=score))
     engine = Engine(model, cfg)
     T = 160
     engine.step(torch.randint(0, VOCAB, (1, T), generator=torch.Generator().manual_seed(0)))
@@ -219,4 +218,4 @@ def test_planner_sparse_state_bytes_bounds_the_real_state(monkeypatch, score, pa
     L, nb, Hkv = shape.num_layers, -(-T // 16), shape.num_kv_heads
     K = min(page_budget + 1 + 1, T // 8 - 1)  # at most the past pages (19 of the 20 pages)
     assert bound - reps == L * nb * Hkv * (K + 1) * 4  # selections: K ids + a count per row
-    assert sparse_state_bytes(shape, T, OOMBConfig(chunk_size=32, page_size=8), torch.float32) == 0
+    assert sparse_state_bytes(shape, T, engine_config(chunk_size=32, page_size=8), torch.float32) == 0

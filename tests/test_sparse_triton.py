@@ -13,6 +13,8 @@ import importlib
 import pytest
 import torch
 
+from configs import engine_config
+
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install 'oomb[triton]')")
 
 from oomb.ops.sparse import page_representatives, select_pages, sparse_attention_bwd_ref, sparse_attention_fwd_ref  # noqa: E402
@@ -134,8 +136,8 @@ def test_engine_step_triton_equals_torch_sparse():
     twin = clone_model(model)
     ids = torch.randint(0, VOCAB, (1, 44)).to(DEVICE)
     cfg = dict(chunk_size=16, page_size=4, sparse=True, page_budget=2, sink_pages=1, local_pages=0, sparse_block_size=8)
-    ref = Engine(model, OOMBConfig(attention_backend="torch", **cfg)).step(ids)
-    engine = Engine(twin, OOMBConfig(attention_backend="triton", **cfg))
+    ref = Engine(model, engine_config(attention_backend="torch", **cfg)).step(ids)
+    engine = Engine(twin, engine_config(attention_backend="triton", **cfg))
     got = engine.step(ids)
     assert abs(got.loss - ref.loss) <= 1e-5 * ref.loss
     for (name, a), b in zip(model.named_parameters(), twin.parameters()):

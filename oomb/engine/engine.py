@@ -340,8 +340,8 @@ class Engine:
         S = self.config.page_size
         store = self._store
         reuse = store is not None and store.fits(T) and store.dtype == self.dtype and store.device == self.device
-        if reuse and self.config.offload != "auto":
-            reuse = isinstance(store, OffloadedKVStore) == self.config.offload
+        if reuse and self.config.offload.mode != "auto":
+            reuse = isinstance(store, OffloadedKVStore) == (self.config.offload.mode == "on")
         if not reuse:
             self._store = None  # drop the old pool before allocating the new one
             offload, gpu_pages, sets = choose_engine_tiering(self, T)
@@ -372,7 +372,7 @@ class Engine:
         """The offload staging segment: whole layers for sparse attention (one block table), else the config's."""
         if self.config.sparse:
             return "layer"
-        return self.config.offload_segment_pages or "auto"
+        return self.config.offload.segment_pages or "auto"
 
     def _ensure_sparse(self, T: int, stage2: bool = True) -> None:
         """Fresh page representatives and selections for a sequence of T tokens (config.sparse), else None.

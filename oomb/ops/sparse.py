@@ -680,7 +680,7 @@ class SparseAttentionState:
         self.config = config
         self.reps = PageRepresentatives(
             num_layers, num_kv_heads, head_dim, -(-seq_len // config.page_size), config.page_size,
-            config.sparse_score, acc_dtype_for(dtype), device,
+            config.sparse.score, acc_dtype_for(dtype), device,
         )
         self.selections: dict[tuple[int, int], PageSelection] = {}
         self.retain_selections = retain_selections
@@ -709,12 +709,12 @@ class SparseAttentionState:
         key = (start, layer)
         sel = self.selections.get(key)
         if sel is None:
-            cfg = self.config
+            cfg, sp = self.config, self.config.sparse
             n = -(-start // cfg.page_size)
             with torch.no_grad():
                 sel = select_pages(
-                    q, self.reps.layer(layer, n), start, cfg.page_size, cfg.page_budget, cfg.sink_pages,
-                    cfg.local_pages, cfg.sparse_block_size, cfg.sparse_score, q_doc_start,
+                    q, self.reps.layer(layer, n), start, cfg.page_size, sp.page_budget, sp.sink_pages,
+                    sp.local_pages, sp.block_size, sp.score, q_doc_start,
                 )
             self.selections[key] = sel
             if record_pages and self.track_pages:

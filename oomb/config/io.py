@@ -1,0 +1,122 @@
+"""Configuration files: read a YAML file of configuration sections, write the effective configuration back.
+
+A file holds the sections of :class:`~oomb.config.job.JobConfig` by name, the engine's sparse, offload and
+kernels sections inside ``engine``::
+
+    model: {name: qwen2.5-7b, device: cuda}
+    data: {seq_len: 131072}
+    engine:
+      chunk_size: 4096
+      sparse: {page_budget: 64}     # null (or absent): dense attention
+      offload: {mode: auto}
+    train: {steps: 100, lr: 1.0e-5}
+    output: {dir: runs/7b}
+
+A file may hold sections or fields a command does not use (the same file serves ``oomb train`` and ``oomb
+plan``); a key that is no field of its section is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+from .flags import COMMANDS, SECTIONS, command_fields, _section
+from .job import JobConfig
+
+__all__ = ["dump_yaml", "read_yaml"]
+
+_NESTED = {"engine": ("sparse", "offload", "kernels")}
+
+
+def read_yaml(path: str | Path) -> dict[str, dict[str, Any] | None]:
+    """{section path: {field: value}} of the YAML file ``path`` (``engine.sparse`` may map to None: dense).
+
+    Raises:
+        ConfigError: a file that cannot be read or parsed, a top level that is not a mapping, an unknown
+            section or key (naming it, and the keys it could be), or a section that is not a mapping.
+    """
+    import yaml
+
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError("config", f"--config {str(p)!r} cannot be read ({exc.strerror or exc})",
+                          "pass the path of a YAML file") from exc
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        where = getattr(exc, "problem_mark", None)
+        at = f" at line {where.line + 1}" if where is not None else ""
+        raise ConfigError("config", f"--config {str(p)!r} is not valid YAML{at}",
+                          "fix the file (sections of 'key: value' lines, as --print-config writes)") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError("config", f"--config {str(p)!r} holds a {type(data).__name__}, not sections",
+                          "write sections such as 'engine:' with 'key: value' lines under them (see --print-config)")
+    out: dict[str, dict[str, Any] | None] = {}
+    _read_section(data, "", out)
+    return out
+
+
+def _read_section(data: dict, prefix: str, out: dict) -> None:
+    tops = [s for s in SECTIONS if "." not in s] if not prefix else [f"{prefix}.{n}" for n in _NESTED.get(prefix, ())]
+    for key, value in data.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if path not in SECTIONS or path not in tops and prefix == "":
+            known = ", ".join(s.rsplit(".", 1)[-1] for s in tops)
+            raise ConfigError(path, f"unknown section {path!r} in the configuration file",
+                              f"use the sections {known}")
+        if value is None and path == "engine.sparse":
+            out[path] = None
+            continue
+        if not isinstance(value, dict):
+            raise ConfigError(path, f"section {path!r} is {value!r}, not a mapping of keys to values",
+                              "write its settings as 'key: value' lines indented under it")
+        names = {f.name for f in dataclasses.fields(SECTIONS[path])}
+        nested = set(_NESTED.get(path, ()))
+        values = {}
+        for k, v in value.items():
+            if k in nested:
+                _read_section({k: v}, path, out)
+            elif k in names:
+                values[k] = v
+            else:
+                import difflib
+
+                near = difflib.get_close_matches(str(k), sorted(names - nested), n=1)
+                hint = f"did you mean {path}.{near[0]}? " if near else ""
+                raise ConfigError(str(k), f"unknown key {path}.{k} in the configuration file",
+                                  f"{hint}the keys of {path} are {', '.join(sorted(names - nested))}", section=path)
+        out[path] = values
+
+
+def dump_yaml(job: JobConfig, command: str) -> str:
+    """The effective configuration of ``command`` as YAML that ``--config`` reads back: every field the command
+    uses (its flags' fields, and those without a flag of the sections it uses), section by section."""
+    import yaml
+
+    used: dict[str, list[str]] = {}
+    for ff in command_fields(command):
+        used.setdefault(ff.section, []).append(ff.name)
+    for section, names in COMMANDS[command]:
+        if names is None:  # whole sections: their flag-less fields too
+            for f in dataclasses.fields(SECTIONS[section]):
+                if f.name not in used.setdefault(section, []) and not (section == "engine" and f.name in _NESTED["engine"]):
+                    used[section].append(f.name)
+    tree: dict[str, Any] = {}
+    for section, names in used.items():
+        if section == "engine.sparse" and job.engine.sparse is None and command in ("train", "plan"):
+            tree.setdefault("engine", {})["sparse"] = None
+            continue
+        obj = _section(job, section)
+        values = {n: getattr(obj, n) for n in names if not (section == "engine" and n == "sparse")}
+        node = tree
+        for part in section.split("."):
+            node = node.setdefault(part, {})
+        node.update(values)
+    return yaml.safe_dump(tree, sort_keys=False, default_flow_style=False)

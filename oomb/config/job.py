@@ -1,0 +1,323 @@
+"""Settings of an ``oomb`` run around the engine: model, data, training, output, and each measuring command.
+
+One dataclass per concern, each field declared once with its default, its docstring and its check; the
+``oomb`` flags are generated from them (:mod:`oomb.config.flags`) and a YAML file holds the same fields in
+sections (``model:``, ``data:``, ``engine:``, ``train:``, ``output:``, ...; :mod:`oomb.config.io`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import List, Literal, Optional
+
+from . import _checks as check
+from .engine import OOMBConfig
+from .errors import ConfigError
+from .meta import flag
+
+__all__ = [
+    "BenchConfig", "DataConfig", "EvalConfig", "GradErrorConfig", "JobConfig", "ModelConfig", "OutputConfig",
+    "PlanConfig", "TrainConfig", "SEED_LIMIT",
+]
+
+SEED_LIMIT = 2**32
+"""Seeds are integers from 0 to SEED_LIMIT - 1 (what numpy and torch accept alike)."""
+
+Device = Literal["cpu", "cuda"]
+Dtype = Literal["auto", "float32", "bfloat16"]
+
+
+def _in(section: str):
+    def wrap(fn):
+        def post_init(self) -> None:
+            try:
+                fn(self)
+            except ConfigError as exc:
+                exc.section = exc.section or section
+                raise
+        return post_init
+    return wrap
+
+
+@dataclass
+class ModelConfig:
+    """The model: which one, its dtype and device, and what of it is trained."""
+
+    name: str = field(default="tiny", metadata=flag("--model"))
+    """A preset (tiny, tiny-llama, tiny-mistral, tiny-qwen3, qwen2.5-0.5b, qwen2.5-7b; random weights) or a
+    local Hugging Face model directory; nothing is downloaded. A bare preset name always means the preset, so
+    write a local folder of that name as a path (./tiny)."""
+
+    device: Device = "cpu"
+    """Where to run."""
+
+    dtype: Dtype = "auto"
+    """Parameter dtype; auto: bfloat16 on cuda, float32 on cpu."""
+
+    seed: int = 0
+    """Seed of the random weights of a preset, the LoRA init, the data order and the benchmark tokens."""
+
+    rope_theta: Optional[float] = None
+    """Set the model's RoPE base frequency (saved in config.json)."""
+
+    rope_scaling: Optional[str] = field(default=None, metadata=flag("--rope-scaling", metavar="SPEC"))
+    """Hugging Face RoPE scaling as key=value pairs, e.g.
+    'type=yarn,factor=4,original_max_position_embeddings=32768' (types: linear, dynamic, yarn, llama3, ...;
+    saved in config.json)."""
+
+    lora_rank: int = 0
+    """LoRA rank on the q/k/v/o projections (peft); 0: full fine-tune; at most the projections' smaller
+    size."""
+
+    lora_alpha: Optional[float] = None
+    """LoRA alpha; default: 2 x lora_rank."""
+
+    @_in("model")
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError("name", f"{{name}} is {self.name!r}", "pass a preset name or a model folder")
+        check.choice("device", self.device, ("cpu", "cuda"))
+        check.choice("dtype", self.dtype, ("auto", "float32", "bfloat16"))
+        if not check.is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT:
+            raise ConfigError("seed", f"{{seed}} is {self.seed!r}", f"pass an integer from 0 to {SEED_LIMIT - 1}")
+        if self.rope_theta is not None:
+            check.positive_float("rope_theta", self.rope_theta, "pass a positive base frequency, e.g. {rope_theta} 1000000")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, str):
+            raise ConfigError("rope_scaling", f"{{rope_scaling}} is {self.rope_scaling!r}",
+                              "pass key=value pairs, e.g. type=yarn,factor=4,original_max_position_embeddings=32768")
+        check.nonnegative_int("lora_rank", self.lora_rank, zero="0 for a full fine-tune", unit="")
+        if self.lora_alpha is not None:
+            check.positive_float("lora_alpha", self.lora_alpha, "pass a positive number (default: 2 x {lora_rank})")
+            if self.lora_rank == 0:
+                raise ConfigError("lora_alpha", "{lora_alpha} scales a LoRA adapter but {lora_rank} is 0 (a full fine-tune)",
+                                  "set {lora_rank} R, or leave {lora_alpha} out")
+
+
+@dataclass
+class DataConfig:
+    """The training or evaluation text and how it becomes token sequences."""
+
+    path: Optional[str] = field(default=None, metadata=flag("--data"))
+    """A text file, a .jsonl file (a "text" field per line, each line a document), or a folder (its *.txt and
+    *.jsonl files, sorted by name); default: the bundled Austen corpus."""
+
+    tokenizer: Optional[str] = None
+    """A local Hugging Face tokenizer folder; default: a model folder's own tokenizer where the command uses
+    one (eval, grad-error), else the bundled 32K SentencePiece tokenizer."""
+
+    seq_len: int = 2048
+    """Tokens per sequence: the documents are joined into one token stream (EOS between documents) and cut into
+    sequences of this length (training: served in a seeded random order; eval: consecutive windows)."""
+
+    document_mask: bool = False
+    """Attention and positions stay within each document (documents end at the tokenizer's EOS token); default:
+    one causal stream across documents."""
+
+    @_in("data")
+    def __post_init__(self) -> None:
+        if not check.is_int(self.seq_len) or self.seq_len < 2:
+            raise ConfigError("seq_len", f"{{seq_len}} is {self.seq_len!r}",
+                              "a sequence needs at least 2 tokens (one input, one target); pass {seq_len} 2 or more")
+        check.boolean("document_mask", self.document_mask)
+
+
+@dataclass
+class TrainConfig:
+    """The optimizer and its schedule."""
+
+    steps: int = 30
+    """Optimizer steps (grad_accum sequences each, on every rank)."""
+
+    grad_accum: int = 1
+    """Sequences per optimizer step (per rank); the loss is the mean over all their valid tokens."""
+
+    lr: float = 3e-3
+    """Peak AdamW learning rate."""
+
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+
+    lr_schedule: Literal["cosine", "constant"] = "cosine"
+    """After the warm-up: cosine decay to 10% of lr at the last step, or a constant lr."""
+
+    warmup_steps: Optional[int] = None
+    """Linear warm-up steps (both schedules); default: 10% of steps (noted above 10,000)."""
+
+    max_grad_norm: float = 1.0
+    """Clip the gradient norm to this (0: no clipping)."""
+
+    @_in("train")
+    def __post_init__(self) -> None:
+        check.positive_int("steps", self.steps)
+        check.positive_int("grad_accum", self.grad_accum)
+        check.positive_float("lr", self.lr, "pass a positive learning rate, e.g. {lr} 3e-4")
+        check.nonnegative_float("weight_decay", self.weight_decay, "pass 0 or a positive number")
+        check.choice("lr_schedule", self.lr_schedule, ("cosine", "constant"))
+        if self.warmup_steps is not None:
+            check.nonnegative_int("warmup_steps", self.warmup_steps, "steps")
+        check.nonnegative_float("max_grad_norm", self.max_grad_norm, "pass 0 (no clipping) or a positive number")
+
+
+@dataclass
+class OutputConfig:
+    """Where a training run writes, and what it prints."""
+
+    dir: Optional[str] = field(default=None, metadata=flag("--output-dir"))
+    """Where log.jsonl, checkpoints and the trained model go; must be empty or new unless overwrite."""
+
+    overwrite: bool = False
+    """Replace an earlier oomb run in a non-empty output dir: what it wrote (log.jsonl, checkpoints/, the files
+    its train_args.json lists) is moved to DIR/.oomb-replaced and deleted once this run saves its model (a
+    failed or killed run leaves it there); anything else is kept."""
+
+    save_every: int = 0
+    """Write a checkpoint to <output-dir>/checkpoints every N steps (the last 2 are kept); 0: only at the end. A
+    checkpoint is also written on SIGINT/SIGTERM once training has started (before it: exit 130, nothing
+    written)."""
+
+    resume: Optional[str] = field(default=None, metadata=flag("--resume", metavar="latest|PATH", optional_const="latest"))
+    """Continue the run in the output dir from its latest checkpoint ('latest') or from the checkpoint folder
+    PATH (a checkpoint of another folder only into a new or empty output dir; that folder is left as it is). The
+    model, seq_len, data, tokenizer, seed, LoRA settings, grad_accum, dtype, document_mask, RoPE settings,
+    weight_decay, sparse attention and its options (with it also chunk_size and page_size) and the number of
+    ranks must be those of the run; steps, lr, the schedule and max_grad_norm may change."""
+
+    log_every: int = 1
+    """Print a loss line every N steps (log.jsonl gets every step)."""
+
+    progress: Optional[bool] = None
+    """Progress bars: shown (true), hidden (false), or None: shown when stderr is a terminal."""
+
+    @_in("output")
+    def __post_init__(self) -> None:
+        check.boolean("overwrite", self.overwrite)
+        check.nonnegative_int("save_every", self.save_every, "steps", zero="0 (a checkpoint only at the end)")
+        check.positive_int("log_every", self.log_every)
+        if self.resume is not None and self.overwrite:
+            raise ConfigError("resume", "{resume} continues the run in {dir} but {overwrite} would delete it",
+                              "pass one of {resume} and {overwrite}")
+        if self.progress is not None:
+            check.boolean("progress", self.progress)
+
+
+@dataclass
+class PlanConfig:
+    """``oomb plan``: the machine to plan for and what the step keeps besides the engine."""
+
+    gpu_gib: Optional[float] = None
+    """Plan for this much free GPU memory (GiB) instead of this machine's (needed where no CUDA GPU is
+    visible)."""
+
+    host_gib: Optional[float] = None
+    """Plan for this much available host RAM (GiB) instead of this machine's; the pinned KV host tier may take
+    75% of it."""
+
+    no_optimizer: bool = False
+    """Leave out the AdamW states (memory of the step alone)."""
+
+    @_in("plan")
+    def __post_init__(self) -> None:
+        for key in ("gpu_gib", "host_gib"):
+            value = getattr(self, key)
+            if value is not None and (not check.is_number(value) or not (value > 0 and math.isfinite(value))):
+                raise ConfigError(key, f"{{{key}}} is {value!r}",
+                                  f"pass a positive number of GiB for {{{key}}}, or leave it out to use this machine's")
+        check.boolean("no_optimizer", self.no_optimizer)
+
+
+def _budgets(key: str, budgets) -> None:
+    if budgets is None:
+        return
+    if not isinstance(budgets, (list, tuple)) or not budgets or not all(check.is_int(b) for b in budgets):
+        raise ConfigError(key, f"{{{key}}} is {budgets!r}", "pass one or more whole numbers of pages")
+    for b in budgets:
+        if b < 0:
+            raise ConfigError(key, f"{{{key}}} has {b}", "pass page budgets of 0 or more")
+
+
+@dataclass
+class EvalConfig:
+    """``oomb eval``: which windows, and which sparse page budgets beside dense."""
+
+    num_windows: Optional[int] = None
+    """Windows to evaluate, from the start of the data; default: every whole window, at most 16."""
+
+    budgets: Optional[List[int]] = field(default=None, metadata=flag("--budgets", metavar="B"))
+    """Sparse page budgets to evaluate (pages per query block and KV head, each >= 0, besides the sink and local
+    pages); default: dense only. The dense row is always included."""
+
+    json: Optional[str] = field(default=None, metadata=flag("--json", metavar="PATH"))
+    """Also write the report (with the per-window losses) as JSON to PATH (new, empty, or an earlier 'oomb eval'
+    report: any other existing file is refused)."""
+
+    @_in("eval")
+    def __post_init__(self) -> None:
+        if self.num_windows is not None:
+            check.positive_int("num_windows", self.num_windows, "windows")
+        _budgets("budgets", self.budgets)
+
+
+@dataclass
+class GradErrorConfig:
+    """``oomb grad-error``: the page budgets measured and how the table is cut."""
+
+    budgets: List[int] = field(default_factory=lambda: [4, 16, 64], metadata=flag("--budgets", metavar="B"))
+    """Page budgets to measure."""
+
+    by: Literal["kind", "parameter"] = "kind"
+    """Rows of the table: parameter kinds (q_proj, mlp, ...) or every parameter."""
+
+    json: Optional[str] = field(default=None, metadata=flag("--json", metavar="PATH"))
+    """Also write the report as JSON to PATH (new, empty, or an earlier 'oomb grad-error' report: any other
+    existing file is refused)."""
+
+    @_in("grad_error")
+    def __post_init__(self) -> None:
+        _budgets("budgets", self.budgets)
+        check.choice("by", self.by, ("kind", "parameter"))
+
+
+@dataclass
+class BenchConfig:
+    """``oomb bench``: the lengths and systems timed."""
+
+    lengths: List[int] = field(default_factory=lambda: [2048, 4096], metadata=flag("--lengths", metavar="T"))
+    """Tokens per sequence, one measurement each."""
+
+    systems: List[Literal["hf", "oomb"]] = field(default_factory=lambda: ["hf", "oomb"])
+    """What to time, in this order."""
+
+    steps: int = 2
+    """Steps per system and length (oomb on one engine), the last one timed."""
+
+    warmup_len: int = 512
+    """Tokens of one untimed warm-up step per system first (0: none)."""
+
+    json: Optional[str] = field(default=None, metadata=flag("--json", metavar="PATH"))
+    """Also write the rows and settings as JSON to PATH (new, empty, or an earlier 'oomb bench' report: any
+    other existing file is refused)."""
+
+    @_in("bench")
+    def __post_init__(self) -> None:
+        if not isinstance(self.lengths, (list, tuple)) or not self.lengths or not all(check.is_int(t) for t in self.lengths):
+            raise ConfigError("lengths", f"{{lengths}} is {self.lengths!r}", "pass one or more token counts")
+        for s in self.systems:
+            check.choice("systems", s, ("hf", "oomb"))
+        check.positive_int("steps", self.steps)
+        check.nonnegative_int("warmup_len", self.warmup_len, "tokens", zero="0 (no warm-up)")
+
+
+@dataclass
+class JobConfig:
+    """Everything one ``oomb`` command runs with; a YAML file holds these sections under the same names."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    engine: OOMBConfig = field(default_factory=OOMBConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    grad_error: GradErrorConfig = field(default_factory=GradErrorConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
