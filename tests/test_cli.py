@@ -141,7 +141,7 @@ def test_plan_subcommand(capsys):
 
 def test_plan_offers_the_dtypes_train_runs(tmp_path, text_file, capsys):
     """`oomb plan --dtype` offered float16, which `oomb train` refuses (it has no loss scaling): a plan for a run
-    that cannot be started (fresh-user review). Both refuse it with argparse's list of their choices."""
+    that cannot be started. Both refuse it with argparse's list of their choices."""
     _check_refused(run_cli(["plan", "--model", "tiny", "--gpu-gib", "8", "--dtype", "float16"]), capsys,
                    "invalid choice: 'float16'")
     _check_refused(run_cli(["train", "--data", text_file, "--output-dir", tmp_path / "run", *FAST, "--dtype", "float16"]),
@@ -152,7 +152,7 @@ def test_plan_offers_the_dtypes_train_runs(tmp_path, text_file, capsys):
 @pytest.mark.parametrize("sizes", [["--chunk-size", "100", "--page-size", "32"], ["--chunk-size", "0"], ["--page-size", "-32"]])
 def test_chunk_and_page_size_errors_read_the_same_in_every_subcommand(tmp_path, text_file, capsys, sizes):
     """`oomb plan` said 'pass a --page-size that divides --chunk-size' where `oomb train` gave a chunk size to pass
-    (fresh-user review): one check words them for train, plan, eval, grad-error and bench, naming the fix."""
+    : one check words them for train, plan, eval, grad-error and bench, naming the fix."""
     seq = ["--seq-len", "256"]
     argvs = [["train", "--data", text_file, "--output-dir", tmp_path / "run", *seq, *sizes],
              ["plan", "--model", "tiny", "--gpu-gib", "8", *seq, *sizes],
@@ -173,7 +173,7 @@ def test_chunk_and_page_size_errors_read_the_same_in_every_subcommand(tmp_path, 
 
 
 def test_overwrite_replaces_a_previous_run(tmp_path, text_file, capsys):
-    """--overwrite replaces what an earlier oomb run wrote and keeps what it did not (a fresh-user review lost an
+    """--overwrite replaces what an earlier oomb run wrote and keeps what it did not (a user lost an
     eval report kept in a run folder); train_args.json lists the run's outputs for that."""
     out = tmp_path / "run"
     out.mkdir()
@@ -418,7 +418,7 @@ def test_readme_commands_are_the_ones_ci_runs():
 def test_learning_rate_schedule(steps, warmup):
     import argparse
 
-    from oomb.cli import _lr_at
+    from oomb.cli.train import _lr_at
 
     args = argparse.Namespace(lr=1.0, steps=steps)
     lrs = [_lr_at(s, args, warmup) for s in range(1, steps + 1)]
@@ -440,7 +440,7 @@ def test_a_diverging_run_stops_with_status_1_and_one_line(tmp_path, text_file, c
 
 
 def test_document_bounds_split_after_each_eos():
-    from oomb.cli import _document_bounds
+    from oomb.cli.inputs import _document_bounds
 
     ids = torch.tensor([[5, 6, 2, 7, 8, 9, 2, 4]])
     assert _document_bounds(ids, 2).tolist() == [0, 3, 7, 8]
@@ -471,7 +471,7 @@ def test_sparse_run_equals_dense_while_the_past_fits_and_differs_when_it_does_no
     assert loss("--sparse", "--page-budget", "0", "--local-pages", "0", "--sink-pages", "1") != pytest.approx(dense, rel=1e-6)
 
 
-# ---------------------------------------------------------------- fresh-user findings
+# ---------------------------------------------------------------- input checks
 
 
 def _previous_run(tmp_path):
@@ -503,7 +503,7 @@ def test_overwrite_refuses_a_folder_that_is_not_an_oomb_output(tmp_path, text_fi
     before = snapshot(src)
     _check_refused(run_cli(["train", "--data", text_file, "--output-dir", src, "--overwrite", *FAST]), capsys, "does not look like an oomb output")
     assert snapshot(src) == before
-    # files that merely carry oomb's names do not make it an oomb output (a fresh-user review had a
+    # files that merely carry oomb's names do not make it an oomb output (a user had a
     # thesis deleted next to a log.jsonl of its own)
     (src / "log.jsonl").write_text("{}\n")
     (src / "checkpoints").mkdir()
@@ -589,7 +589,7 @@ def test_grad_error_json_folder_is_refused_before_measuring(tmp_path, text_file,
 
 
 def test_grad_error_json_replaces_only_an_earlier_report(tmp_path, text_file, capsys):
-    from oomb.cli import _GRAD_ERROR_REPORT_KEYS
+    from oomb.cli.measure import _GRAD_ERROR_REPORT_KEYS
 
     js = tmp_path / "report.json"
     argv = ["grad-error", "--data", text_file, "--seq-len", "128", "--chunk-size", "64", "--page-size", "16",
@@ -660,7 +660,7 @@ def test_plan_validates_sparse_options_as_train_does(tmp_path, text_file, capsys
 
 
 def test_cli_errors_name_flags_not_python_names(tmp_path, text_file, capsys):
-    from oomb.cli import _flag_names
+    from oomb.cli.checks import _flag_names
 
     assert _flag_names("need 9 pages on the GPU; raise gpu_page_budget or shorten the sequence") == \
         "need 9 pages on the GPU; raise --gpu-page-budget or shorten the sequence"
@@ -731,7 +731,7 @@ def test_plan_without_a_gpu_needs_the_machine_sizes(capsys, monkeypatch):
 
 
 def test_help_version_and_argument_errors_do_not_import_torch():
-    """Building the parser needs no torch/transformers (a fresh-user review timed `oomb --version` at 6-20 s)."""
+    """Building the parser needs no torch/transformers (a user timed `oomb --version` at 6-20 s)."""
     code = (
         "import sys, oomb.cli as c\n"
         "for a in (['--help'], ['train', '--help'], ['plan', '--help'], ['eval', '--help'], ['grad-error', '--help'],"
@@ -754,7 +754,7 @@ def test_help_version_and_argument_errors_do_not_import_torch():
     (["--lora-alpha", "16"], "--lora-alpha scales a LoRA adapter but --lora-rank is 0"),
 ])
 def test_options_that_would_be_ignored_are_refused(tmp_path, text_file, capsys, extra, fragment):
-    """A fresh-user review found these accepted and silently ignored (or, for the all-zero sparse setting,
+    """A user found these accepted and silently ignored (or, for the all-zero sparse setting,
     training without any past)."""
     out = tmp_path / "run"
     _check_refused(run_cli(["train", "--data", text_file, "--output-dir", out, *FAST, *extra]), capsys, fragment)
@@ -762,7 +762,7 @@ def test_options_that_would_be_ignored_are_refused(tmp_path, text_file, capsys, 
 
 
 def test_lora_rank_larger_than_the_adapted_layers_is_refused(tmp_path, text_file, capsys):
-    """A fresh-user review found --lora-rank 99999 on tiny (hidden size 128) accepted: 358M trainable parameters
+    """A user found --lora-rank 99999 on tiny (hidden size 128) accepted: 358M trainable parameters
     for a 4.9M model and 68 s steps. tiny's q/o projections are 128 x 128 and its k/v 128 x 64."""
     out = tmp_path / "run"
     fragment = "--lora-rank 99999 is larger than the layers it adapts (q/o projections 128 x 128, k/v 128 x 64"
@@ -775,8 +775,8 @@ def test_lora_rank_larger_than_the_adapted_layers_is_refused(tmp_path, text_file
 
 def test_a_default_warmup_longer_than_anyone_runs_is_noted(tmp_path, text_file, capsys, monkeypatch):
     """--steps 99999999999999999999 was accepted without a word and its default warm-up (10% of --steps) kept the
-    learning rate ~0 for as long as anyone could run (fresh-user review)."""
-    import oomb.cli
+    learning rate ~0 for as long as anyone could run."""
+    import oomb.cli.train
 
     class Stop(Exception):
         pass
@@ -784,7 +784,7 @@ def test_a_default_warmup_longer_than_anyone_runs_is_noted(tmp_path, text_file, 
     def stop(*args):
         raise Stop
 
-    monkeypatch.setattr(oomb.cli, "_lr_at", stop)  # the first step: everything before it has run
+    monkeypatch.setattr(oomb.cli.train, "_lr_at", stop)  # the first step: everything before it has run
     with pytest.raises(Stop):
         run_cli(["train", "--data", text_file, "--output-dir", tmp_path / "run", *FAST, "--steps", "99999999999999999999"])
     assert ("oomb: note: the default warm-up is 10% of --steps 99,999,999,999,999,999,999: 9,999,999,999,999,999,999 "
@@ -806,7 +806,7 @@ def test_warmup_longer_than_the_run_is_noted(tmp_path, text_file, capsys):
 
 
 def test_repeated_data_is_noted(tmp_path, text_file, capsys):
-    """More sequences drawn than the data holds: said once, with the number of passes (fresh-user review)."""
+    """More sequences drawn than the data holds: said once, with the number of passes."""
     assert run_cli(["train", "--data", text_file, "--output-dir", tmp_path / "run", *FAST, "--steps", "40"]) == 0
     err = capsys.readouterr().err
     assert "the data is repeated" in err and "40 steps x 1 sequences = 40 sequences from" in err
@@ -835,7 +835,7 @@ def test_help_shows_zero_defaults_of_numeric_options(capsys):
     for flag in ("--seed", "--lora-rank", "--save-every"):
         assert entries[flag].endswith("(default: 0)"), entries[flag]
     assert entries["--weight-decay"].endswith("(default: 0.0)"), entries["--weight-decay"]
-    for flag in ("--sparse", "--overwrite", "--no-progress", "--warmup-steps", "--data"):
+    for flag in ("--sparse", "--overwrite", "--progress", "--warmup-steps", "--data"):
         assert "(default:" not in entries[flag], entries[flag]
     assert run_cli(["plan", "--help"]) == 0
     entries = _help_entries(capsys.readouterr().out)
@@ -859,7 +859,7 @@ def test_train_warns_when_seq_len_exceeds_the_model_s_positions(tmp_path, text_f
 
 def test_overwrite_with_an_empty_log_deletes_only_an_empty_run(tmp_path, text_file, capsys):
     """An empty log.jsonl is what a run stopped in its first step leaves; --overwrite may replace that, but
-    not anything kept next to it, not even under checkpoints/ (a fresh-user review lost a file that way)."""
+    not anything kept next to it, not even under checkpoints/ (a user lost a file that way)."""
     out = tmp_path / "run"
     (out / "checkpoints" / "mydata").mkdir(parents=True)
     (out / "log.jsonl").write_text("")
@@ -895,7 +895,7 @@ def test_a_cpu_run_larger_than_the_ram_is_refused_before_anything_is_built(tmp_p
 def test_oomb_warnings_are_one_line_and_sparse_ignores_segment_pages(tmp_path, text_file, capsys):
     """oomb's own warnings print as one 'oomb: warning:' line (not Python's two lines naming the CLI's source);
     --offload-segment-pages with --sparse says it is not used (sparse offload stages whole layers), and so does
-    --save-attention, by its flag first (it led with save_attention='gpu', a Python name: fresh-user review)."""
+    --save-attention, by its flag first (it led with save_attention='gpu', a Python name)."""
     out = tmp_path / "run"
     argv = ["train", "--data", text_file, "--output-dir", out, *FAST, "--steps", "1", "--sparse", "--offload", "on",
             "--offload-segment-pages", "2", "--save-attention", "gpu"]
@@ -913,7 +913,7 @@ def test_oomb_warnings_are_one_line_and_sparse_ignores_segment_pages(tmp_path, t
 
 
 def test_save_attention_gpu_on_the_cpu_says_where_the_outputs_are_kept(tmp_path, text_file, capsys):
-    """`--save-attention gpu --device cpu` was accepted without a word (fresh-user review): the run works, with the
+    """`--save-attention gpu --device cpu` was accepted without a word: the run works, with the
     outputs in CPU memory (SavedAttention keeps them on the compute device), and one warning says so; 'host' on the
     CPU and 'gpu' on cuda are what they say and get none. `oomb bench` warns the same."""
     base = ["train", "--data", text_file, *FAST, "--steps", "1", "--device", "cpu"]
@@ -930,7 +930,7 @@ def test_save_attention_gpu_on_the_cpu_says_where_the_outputs_are_kept(tmp_path,
 
 def test_tiny_offload_segments_are_warned_about(tmp_path, text_file, capsys):
     """`--offload-segment-pages 1` (one host-to-device copy and attention call per page) was accepted without a word
-    (fresh-user review): train and plan warn once below 4,096 tokens' worth and name the default; a segment that
+    : train and plan warn once below 4,096 tokens' worth and name the default; a segment that
     holds a whole layer's pages (tiny at FAST: 4 pages of 32 tokens), the default and --sparse are not warned."""
     base = ["train", "--data", text_file, *FAST, "--steps", "1", "--offload", "on"]
     assert run_cli([*base, "--output-dir", tmp_path / "one", "--offload-segment-pages", "1"]) == 0
@@ -1011,27 +1011,27 @@ def test_a_one_chunk_sparse_run_is_warned_about(tmp_path, text_file, capsys):
             "to choose from, so the sparse selection keeps every page") in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("name,value,says", [
-    ("OOMB_OFFLOAD_STAGE_GRAIN", "tile", "must be 'head' or 'page'"),
-    ("OOMB_OFFLOAD_STAGE1_SHADOW", "2", "must be '0' or '1'"),
-    ("OOMB_OFFLOAD_COPY_STREAMS", "3", "must be '1' or '2'"),
-    ("OOMB_FUSED_WGRAD", "off", "must be '0' or '1'"),
-    ("OOMB_OFFLOAD_KV_STASH_MIB", "-1", "must be an integer >= 0"),
-    ("OOMB_OFFLOAD_STAGING_SETS", "1", "must be an integer >= 2"),
-    ("OOMB_PAGE_GATHER_PROGRAMS", "0", "must be a positive integer"),
-    ("OOMB_PAGE_GATHER_WARPS", "6", "must be a power of two"),
-    ("OOMB_PAGE_GATHER_ELEMS", "x", "must be a power of two"),
+@pytest.mark.parametrize("flag,value,says", [
+    ("--offload-stage-grain", "tile", "invalid choice: 'tile'"),
+    ("--offload-copy-streams", "3", "invalid choice: 3"),
+    ("--offload-kv-stash-mib", "-1", "--offload-kv-stash-mib is -1"),
+    ("--offload-staging-sets", "1", "--offload-staging-sets is 1"),
+    ("--page-gather-programs", "0", "--page-gather-programs is 0"),
+    ("--page-gather-warps", "6", "--page-gather-warps is 6"),
+    ("--page-gather-elems", "x", "--page-gather-elems: invalid int value: 'x'"),
 ])
-def test_bad_environment_knobs_fail_before_anything_loads(tmp_path, text_file, capsys, monkeypatch, name, value, says):
-    """Every OOMB_* knob is checked when the command starts, also for a run that would not use it (dense, no
-    offload): one line naming the variable, exit 2, no output directory."""
-    monkeypatch.setenv(name, value)
+def test_bad_offload_and_kernel_settings_fail_before_anything_loads(tmp_path, text_file, capsys, flag, value, says):
+    """The offload and kernel settings are checked when the command starts, also for a run that would not use
+    them (dense, no offload): one line naming the flag, exit 2, no output directory."""
     out = tmp_path / "run"
-    for argv in (["train", "--data", text_file, "--output-dir", out, *FAST], ["plan", "--model", "tiny", "--seq-len", "128",
-                                                                              "--gpu-gib", "8", "--host-gib", "16"]):
+    runs = [["train", "--data", text_file, "--output-dir", out, *FAST, "--sparse", flag, value]]
+    if not flag.startswith("--page-gather"):  # oomb plan has no kernel settings
+        runs.append(["plan", "--model", "tiny", "--seq-len", "128", "--gpu-gib", "8", "--host-gib", "16", "--sparse",
+                     flag, value])
+    for argv in runs:
         assert run_cli(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and err[0].startswith(f"oomb: error: {name} {says}"), err
+        assert len(err) == 1 and err[0].startswith("oomb: error: ") and says in err[0], err
     assert not out.exists()
 
 
@@ -1043,7 +1043,7 @@ def test_empty_output_dir_is_named_as_empty(text_file, capsys):
 
 def test_progress_bars_only_on_a_terminal_unless_asked(tmp_path, text_file, capsys):
     """Progress bars filled log files with carriage-return updates: they are shown only when stderr is a terminal,
-    or with --progress; --progress and --no-progress together are refused by the parser."""
+    or with --progress; of --progress and --no-progress the last one given counts."""
     base = ["train", "--data", text_file, "--seq-len", "128", "--chunk-size", "64", "--page-size", "32", "--steps", "2"]
     assert run_cli([*base, "--output-dir", tmp_path / "a"]) == 0  # capsys: stderr is not a terminal
     err = capsys.readouterr().err
@@ -1051,15 +1051,15 @@ def test_progress_bars_only_on_a_terminal_unless_asked(tmp_path, text_file, caps
     assert run_cli([*base, "--output-dir", tmp_path / "b", "--progress"]) == 0
     err = capsys.readouterr().err
     assert "train:" in err and "\r" in err
-    assert run_cli([*base, "--output-dir", tmp_path / "c", "--progress", "--no-progress"]) == 2
-    assert "--no-progress: not allowed with argument --progress" in capsys.readouterr().err
+    assert run_cli([*base, "--output-dir", tmp_path / "c", "--progress", "--no-progress"]) == 0
+    assert "\r" not in capsys.readouterr().err
 
 
 def test_overwrite_keeps_the_earlier_run_until_the_new_one_is_saved(tmp_path, text_file, capsys, monkeypatch):
-    """--overwrite deleted the earlier run at the start, so a run killed or failing before its save lost it (a
-    fresh-user review killed one after two steps: the finished run's model and checkpoint were gone). It now moves
+    """--overwrite deleted the earlier run at the start, so a run killed or failing before its save lost it (a user
+    killed one after two steps: the finished run's model and checkpoint were gone). It now moves
     the earlier outputs to DIR/.oomb-replaced and deletes them only after the new model is saved."""
-    import oomb.cli as cli
+    import oomb.cli.train as cli
 
     out = tmp_path / "run"
     assert run_cli(["train", "--data", text_file, "--output-dir", out, *FAST]) == 0
@@ -1096,7 +1096,7 @@ def test_overwrite_keeps_the_earlier_run_until_the_new_one_is_saved(tmp_path, te
 
 def test_plan_warns_when_offload_on_keeps_every_page_on_the_gpu(capsys):
     """`--offload on` where every page fits was planned (and, on a GPU, trained) with no host tier and no word about
-    it (fresh-user review): the plan now warns, and names the flag that makes a host tier."""
+    it: the plan now warns, and names the flag that makes a host tier."""
     base = ["plan", "--model", "qwen2.5-7b", "--gpu-gib", "139.8", "--host-gib", "125"]
     assert run_cli([*base, "--seq-len", "131072", "--offload", "on"]) == 0
     captured = capsys.readouterr()
@@ -1112,7 +1112,7 @@ def test_plan_warns_when_offload_on_keeps_every_page_on_the_gpu(capsys):
 
 def test_plan_notes_whose_host_ram_it_uses_without_host_gib(capsys):
     """`oomb plan --gpu-gib G` without --host-gib on a machine with no GPU took this machine's RAM as the host
-    budget without a word (fresh-user review: 'DOES NOT FIT ... free host RAM' on a 23 GB laptop)."""
+    budget without a word (: 'DOES NOT FIT ... free host RAM' on a 23 GB laptop)."""
     import torch
 
     if torch.cuda.is_available():
@@ -1126,7 +1126,7 @@ def test_plan_notes_whose_host_ram_it_uses_without_host_gib(capsys):
 def test_plan_refusals_name_fixes_that_apply(capsys):
     """A refused plan named --checkpoint-layers with it given, never named the user's own too-small
     --gpu-page-budget when that was what overflowed the host tier, and offered only memory flags for a context far
-    too long (fresh-user review)."""
+    too long."""
     base = ["plan", "--model", "qwen2.5-7b", "--gpu-gib", "139.8", "--host-gib", "125", "--sparse"]
     assert run_cli([*base, "--seq-len", "1048576", "--checkpoint-layers"]) == 1
     out = capsys.readouterr().out
@@ -1144,7 +1144,7 @@ def test_plan_refusal_names_what_grows_with_the_context(capsys):
     """At --seq-len 99999999999 oomb plan said the weights, gradients, optimizer states and one chunk's activations
     need 23842.02 GiB (that is the attention temporaries, which grow with the context), 'tiering: every page on the
     GPU' beside a 286,102 GiB KV row, and suggested --lora-rank and --checkpoint-layers, which cannot help
-    (fresh-user review)."""
+    ."""
     base = ["plan", "--model", "tiny", "--gpu-gib", "80", "--host-gib", "100"]
     assert run_cli([*base, "--seq-len", "99999999999"]) == 1
     out = capsys.readouterr().out
@@ -1167,7 +1167,7 @@ def test_plan_refusal_names_what_grows_with_the_context(capsys):
 
 def test_saved_files_follow_the_umask(tmp_path, text_file):
     """model.safetensors came out 0600 (transformers writes a temp file and renames it) and each checkpoint folder
-    0700 (mkdtemp), unreadable to the other users of a shared server (fresh-user review); they follow the umask."""
+    0700 (mkdtemp), unreadable to the other users of a shared server; they follow the umask."""
     import stat
 
     old = os.umask(0o022)

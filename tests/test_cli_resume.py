@@ -14,7 +14,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from oomb.cli import _lr_at, _resume_command, main
+from oomb.cli import main
+from oomb.cli.resume import _resume_command
+from oomb.cli.train import _lr_at
 
 FAST = ["--seq-len", "64", "--chunk-size", "32", "--page-size", "16", "--no-progress"]
 TEXT = (
@@ -446,7 +448,7 @@ def test_resume_through_a_broken_latest_pointer_says_which_checkpoint_it_used(tm
 
 def _signal_in_a_finalizer(signum):
     """An object whose ``__del__`` gets ``signum``: Python drops a KeyboardInterrupt raised there ("Exception
-    ignored in ..."), as a fresh-user review saw a Ctrl-C at startup dropped and the run train to its end."""
+    ignored in ..."), as a user saw a Ctrl-C at startup dropped and the run train to its end."""
 
     class Finalized:
         def __del__(self):
@@ -492,26 +494,26 @@ def test_a_ctrl_c_during_setup_stops_the_run_even_where_python_drops_it(tmp_path
 def test_a_ctrl_c_while_the_output_is_prepared_stops_before_training(tmp_path, text_file, capsys, monkeypatch):
     """SIGINT while --overwrite moves the earlier run aside: the move finishes (never cut in two), the run stops
     before its first step (exit 130), the earlier run is whole in .oomb-replaced and the same command runs."""
-    import oomb.cli
+    import oomb.cli.train
 
     out = tmp_path / "run"
     argv = ["train", "--data", text_file, *FAST, "--steps", "2", "--output-dir", out, "--overwrite"]
     assert run_cli(argv) == 0
     before = _files(out)
-    real = oomb.cli._prepare_output
+    real = oomb.cli.train._prepare_output
 
     def prepare_output(*a, **k):
         signal.raise_signal(signal.SIGINT)
         return real(*a, **k)
 
-    monkeypatch.setattr(oomb.cli, "_prepare_output", prepare_output)
+    monkeypatch.setattr(oomb.cli.train, "_prepare_output", prepare_output)
     capsys.readouterr()
     assert run_cli(argv) == 130
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1] == "oomb: interrupted", err
     assert _files(out / ".oomb-replaced") == before
     assert not (out / "log.jsonl").exists() and not (out / "checkpoints").exists()
-    monkeypatch.setattr(oomb.cli, "_prepare_output", real)
+    monkeypatch.setattr(oomb.cli.train, "_prepare_output", real)
     assert run_cli(argv) == 0
     assert not (out / ".oomb-replaced").exists() and [s for s, _ in losses(out)] == [1, 2]
 
@@ -536,15 +538,15 @@ def test_sigterm_during_setup_prints_one_line(tmp_path, text_file):
 
 
 def test_a_ctrl_c_at_any_moment_of_the_command_prints_one_line(tmp_path, monkeypatch, capsys):
-    """KeyboardInterrupt while the arguments are read, while torch is imported (check_env) and while `python -m
-    oomb` imports oomb.cli: 'oomb: interrupted', exit 130, no traceback."""
-    import oomb.cli
-    import oomb.engine.offload
+    """KeyboardInterrupt while the arguments are read, while the planner runs (torch imported) and while `python
+    -m oomb` imports oomb.cli: 'oomb: interrupted', exit 130, no traceback."""
+    import oomb.cli.parser
+    import oomb.planner
 
     def interrupt(*a, **k):
         raise KeyboardInterrupt
 
-    for target, name in ((oomb.engine.offload, "check_env"), (oomb.cli._Parser, "parse_args")):
+    for target, name in ((oomb.planner, "run_plan"), (oomb.cli.parser._Parser, "parse_args")):
         with monkeypatch.context() as m:
             m.setattr(target, name, interrupt)
             assert run_cli(["plan", "--seq-len", "4096"]) == 130

@@ -123,7 +123,7 @@ def test_windows_are_consecutive_deterministic_and_capped(tmp_path, text_file, t
         assert w.shape == (1, S) and w.dtype == torch.int64
         assert torch.equal(w[0], torch.from_numpy(tokens[i * S : (i + 1) * S]))
     # default: every whole window, at most the cap (a note says how many there are)
-    import oomb.cli as cli
+    import oomb.cli.measure as cli
 
     monkeypatch.setattr(cli, "_EVAL_MAX_WINDOWS", 2)
     a = run_eval(tmp_path, ["--data", text_file, *SMALL], "a.json")
@@ -138,7 +138,7 @@ def test_windows_are_consecutive_deterministic_and_capped(tmp_path, text_file, t
 
 def test_json_replaces_only_an_earlier_eval_report(tmp_path, text_file, capsys):
     """--json PATH overwrote any file; now only an earlier eval report (or an empty file) is replaced."""
-    from oomb.cli import _EVAL_REPORT_KEYS
+    from oomb.cli.measure import _EVAL_REPORT_KEYS
 
     argv = ["--data", text_file, *SMALL, "--num-windows", "1"]
     notes = tmp_path / "notes.json"

@@ -44,11 +44,12 @@ SECTIONS: dict[str, type] = {
 
 _ENGINE_CORE = ("chunk_size", "page_size", "attention_backend", "checkpoint_layers", "save_attention",
                 "grad_accum_dtype", "sparse")
+_ENGINE_TRAIN = _ENGINE_CORE + ("loss_chunk_size", "attention_block_size")
 _ALL = None
 
 COMMANDS: dict[str, list[tuple[str, tuple[str, ...] | None]]] = {
     "train": [
-        ("model", _ALL), ("data", _ALL), ("engine", _ENGINE_CORE), ("engine.sparse", _ALL),
+        ("model", _ALL), ("data", _ALL), ("engine", _ENGINE_TRAIN), ("engine.sparse", _ALL),
         ("engine.offload", _ALL), ("engine.kernels", _ALL), ("train", _ALL), ("output", _ALL),
     ],
     "plan": [

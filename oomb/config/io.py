@@ -103,11 +103,11 @@ def dump_yaml(job: JobConfig, command: str) -> str:
     used: dict[str, list[str]] = {}
     for ff in command_fields(command):
         used.setdefault(ff.section, []).append(ff.name)
-    for section, names in COMMANDS[command]:
-        if names is None:  # whole sections: their flag-less fields too
-            for f in dataclasses.fields(SECTIONS[section]):
-                if f.name not in used.setdefault(section, []) and not (section == "engine" and f.name in _NESTED["engine"]):
-                    used[section].append(f.name)
+    for section, names in COMMANDS[command]:  # the fields without a flag of the sections the command uses
+        all_names = [f.name for f in dataclasses.fields(SECTIONS[section])]
+        for name in (all_names if names is None else names):
+            if name not in used.setdefault(section, []) and not (section == "engine" and name in _NESTED["engine"]):
+                used[section].append(name)
     tree: dict[str, Any] = {}
     for section, names in used.items():
         if section == "engine.sparse" and job.engine.sparse is None and command in ("train", "plan"):

@@ -1,0 +1,225 @@
+"""Checks of a job's settings against each other and the machine (device, memory, offload, sparse) before anything
+is loaded; warnings where a setting would do nothing."""
+
+from __future__ import annotations
+
+import argparse
+import warnings
+from typing import Sequence
+
+from ..config import SparseConfig
+from ..config.engine import SMALL_SEGMENT_TOKENS
+from .errors import UsageError, _one_line
+
+_SPARSE_DEFAULTS = {"page_budget": SparseConfig.page_budget, "sink_pages": SparseConfig.sink_pages,
+                    "local_pages": SparseConfig.local_pages, "sparse_score": SparseConfig.score}
+"""The flags of the sparse options and their defaults (those of :class:`oomb.config.SparseConfig`)."""
+
+
+# ---------------------------------------------------------------- checks
+
+
+def _check_sparse_flags(args: argparse.Namespace, enabled: bool, enabler: str, names: Sequence[str], how: str) -> None:
+    """eval's sparse options (``names``), which only its ``enabler`` (--budgets) uses: none set while it is not
+    given (it would be silently ignored)."""
+    if not enabled:
+        given = [f"--{k.replace('_', '-')}" for k in names if getattr(args, k) != _SPARSE_DEFAULTS[k]]
+        if given:
+            raise UsageError(
+                f"{' and '.join(given)} {'sets' if len(given) == 1 else 'set'} sparse attention but {enabler} is not given",
+                f"{how}, or leave them out for dense attention",
+            )
+
+
+def _check_cpu_memory(args: argparse.Namespace, model_config: object, dtype: "torch.dtype") -> None:
+    """Refuse a CPU run whose weights, gradients and AdamW states alone exceed the available RAM (a lower
+    bound: activations and the KV store come on top), before any weight is allocated."""
+    from ..planner import ModelShape, _base_gpu, _host_memory
+
+    shape = ModelShape.from_config(model_config)
+    n = shape.num_params()
+
+    def need(rank: int) -> int:  # as oomb plan counts them
+        _, _, weights, grads, optim, _ = _base_gpu(
+            shape, min(args.chunk_size, args.seq_len), args.chunk_size, dtype, rank, "adamw", args.checkpoint_layers,
+            "torch", 4096, 1024, args.grad_accum_dtype)
+        return weights + grads + optim
+
+    available = _host_memory()[0]
+    if need(args.lora_rank) <= available:
+        return
+    lora = not args.lora_rank and need(8) <= available
+    raise UsageError(
+        f"--model {args.model} ({n / 1e9:.2f}B parameters) needs at least {need(args.lora_rank) / 2**30:.1f} GiB of memory "
+        f"on the CPU for its weights, {'adapter ' if args.lora_rank else ''}gradients and AdamW states, but "
+        f"{available / 2**30:.1f} GiB is available",
+        (f"use --lora-rank 8 (~{need(8) / 2**30:.1f} GiB), " if lora else "use ") + "a smaller --model (e.g. tiny), or --device cuda",
+    )
+
+
+def _check_offload_flags(args: argparse.Namespace) -> None:
+    """--offload-segment-pages with --sparse is not used (train and plan): a warning."""
+    if args.offload_segment_pages is not None and getattr(args, "sparse", False):
+        warnings.warn("--offload-segment-pages is not used with --sparse: sparse attention reads the past through one "
+                      "block table, so offload stages whole layers (leave the flag out)", stacklevel=2)
+
+
+def _warn_if_offload_moves_nothing(args: argparse.Namespace, num_layers: int) -> None:
+    """Warn (once, where the run is set up) when an explicit --gpu-page-budget holds every KV page of the run:
+    the offloaded store then keeps all of them in its GPU tier and moves nothing to the host (train, eval and
+    plan)."""
+    budget = args.gpu_page_budget
+    per_layer = -(-args.seq_len // args.page_size)
+    pages = num_layers * per_layer  # as OffloadedKVStore.pages_needed
+    if budget is None or args.offload == "off" or budget < pages:
+        return
+    drop = "--gpu-page-budget" if args.offload != "on" else "--offload on and --gpu-page-budget"
+    warnings.warn(
+        f"--gpu-page-budget {budget} holds all {pages} KV pages of this run ({num_layers} layers x {per_layer} pages of "
+        f"--seq-len {args.seq_len} / --page-size {args.page_size}), so every page stays on the GPU and offload moves "
+        f"nothing to the host at this length; drop {drop} to run without offload, or pass a --gpu-page-budget below "
+        f"{pages} to offload", stacklevel=2)
+
+
+def _warn_if_offload_on_keeps_every_page(args: argparse.Namespace, offloads: bool, num_layers: int) -> None:
+    """Warn when --offload on (no --gpu-page-budget) is planned with every KV page on the GPU: they all fit, so
+    the run keeps them there and moves nothing to the host (plan, and train on a GPU; a user found
+    the flag ignored without a word)."""
+    if args.offload != "on" or args.gpu_page_budget is not None or offloads:
+        return
+    pages = num_layers * -(-args.seq_len // args.page_size)
+    warnings.warn(
+        f"--offload on: all {pages} KV pages of this run fit on the GPU, so every page stays there and nothing is "
+        f"offloaded to the host (as with --offload auto); pass a --gpu-page-budget below {pages} to keep only part "
+        "of them on the GPU", stacklevel=2)
+
+
+def _warn_if_gpu_saved_attention_on_cpu(args: argparse.Namespace, device) -> None:
+    """Warn that --save-attention gpu on the CPU keeps the outputs in the CPU's memory (the compute device's, as
+    SavedAttention does): the run works, but the flag asked for GPU memory (train and bench)."""
+    if args.save_attention != "gpu" or device.type == "cuda":
+        return
+    warnings.warn(
+        f"--save-attention gpu with --device {device.type} keeps Stage 1's attention outputs in ordinary CPU memory, as "
+        "--save-attention host does on the CPU (the same run); 'gpu' means GPU memory only with --device cuda",
+        stacklevel=2)
+
+
+def _warn_if_offload_segments_are_small(args: argparse.Namespace, offloads: bool) -> None:
+    """Warn when an explicit --offload-segment-pages splits a layer's past into segments smaller than
+    :data:`oomb.config.engine.SMALL_SEGMENT_TOKENS` (train and plan, where the run offloads; sparse attention does not use them).
+    A user found --offload-segment-pages 1 accepted without a word."""
+    pages = args.offload_segment_pages
+    if pages is None or not offloads or args.sparse:
+        return
+    floor = max(1, SMALL_SEGMENT_TOKENS // args.page_size)
+    if pages >= min(floor, -(-args.seq_len // args.page_size)):  # or one segment holds a whole layer
+        return
+    from ..engine.offload import DEFAULT_SEGMENT_TOKENS, default_segment_pages
+
+    warnings.warn(
+        f"--offload-segment-pages {pages} stages {pages * args.page_size:,} tokens of a layer's past at a time: each "
+        "segment costs its own host-to-device copies and attention call, so segments this small make offload slow; "
+        f"pass {floor} pages ({floor * args.page_size:,} tokens) or more, or leave the flag out for the default, "
+        f"{DEFAULT_SEGMENT_TOKENS:,} tokens' worth ({default_segment_pages(args.page_size)} pages of --page-size "
+        f"{args.page_size})", stacklevel=2)
+
+
+def _last_chunk_past_pages(seq_len: int, chunk_size: int, page_size: int) -> int:
+    """Past pages of the last chunk (whole pages: --chunk-size is a multiple of --page-size), the most that any
+    chunk's sparse selection chooses from."""
+    return (seq_len - 1) // chunk_size * chunk_size // page_size
+
+
+def _warn_if_sparse_is_dense(args: argparse.Namespace) -> None:
+    """Warn (once) when --sparse's --page-budget + --sink-pages + --local-pages cover every past page of the last
+    chunk: every chunk's selection is then all of its past, so attention is exactly dense (train and plan; eval and
+    grad-error note it per budget)."""
+    if not args.sparse:
+        return
+    kept = args.page_budget + args.sink_pages + args.local_pages
+    past = _last_chunk_past_pages(args.seq_len, args.chunk_size, args.page_size)
+    if kept < past:
+        return
+    why = (f"--page-budget {args.page_budget} + --sink-pages {args.sink_pages} + --local-pages {args.local_pages} = "
+           f"{kept} pages cover all {past} past pages of the last chunk" if past else
+           f"the sequence is one chunk (--chunk-size {args.chunk_size}), which has no past page to choose from")
+    warnings.warn(
+        f"--sparse at --seq-len {args.seq_len}: {why}, so the sparse selection keeps every page and attention is "
+        "dense (correct, just not sparse); use a longer --seq-len, a smaller --page-budget or --local-pages, or "
+        "drop --sparse", stacklevel=2)
+
+
+def _check_sizes(args: argparse.Namespace) -> None:
+    """The checks of ``oomb train`` that need more than one section (the configuration checked each value)."""
+    _check_backend_device(args)
+    _check_offload_flags(args)
+    args.rope_scaling_dict = None
+    if args.rope_scaling is not None:
+        from ..models.rope import parse_rope_scaling
+
+        try:
+            args.rope_scaling_dict = parse_rope_scaling(args.rope_scaling)
+        except ValueError as exc:
+            raise _usage_from(exc, "pass e.g. --rope-scaling type=yarn,factor=4,original_max_position_embeddings=32768") from exc
+        if not args.rope_scaling_dict:
+            raise UsageError("--rope-scaling is empty", "pass e.g. --rope-scaling type=linear,factor=4")
+
+
+def _check_backend_device(args: argparse.Namespace) -> None:
+    if args.attention_backend == "triton" and args.device != "cuda":
+        raise UsageError("--attention-backend triton runs on the GPU only", "pass --device cuda, or --attention-backend torch, sdpa or auto on the CPU")
+
+
+def _resolve_device_dtype(args: argparse.Namespace):
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda was given but no CUDA GPU is available to PyTorch", "pass --device cpu, or install a CUDA build of torch")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype)
+    if dtype is None:
+        dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    return torch.device(args.device), dtype
+
+
+_FLAG_NAMES = [
+    ("use LoRA, checkpoint_layers or a smaller chunk_size", "use --lora-rank, --checkpoint-layers or a smaller --chunk-size"),
+    ("use a smaller chunk, LoRA or checkpoint_layers", "use a smaller --chunk-size, --lora-rank or --checkpoint-layers"),
+    ("use LoRA", "use --lora-rank"),  # the planner's fixes without the flags a plan already has
+    ("plan for one with plan(..., machine=Machine(...))",
+     "plan for a GPU machine with --gpu-gib and --host-gib (its free GPU memory and available host RAM, in GiB)"),
+    ("plan(..., machine=Machine(...))", "oomb plan --gpu-gib and --host-gib"),
+    ("turn offload on (offload='auto' or True)", "turn offload on (--offload auto, or on)"),
+    ("attention_backend='triton'", "--attention-backend triton"),
+]
+_PARAM_FLAGS = ("offload_segment_pages", "gpu_page_budget", "checkpoint_layers", "seq_len", "chunk_size", "page_size",
+                "page_budget", "sink_pages", "local_pages", "lora_rank", "rope_theta")
+
+
+def _flag_names(text: str) -> str:
+    """A library message as the CLI user reads it: Python parameter names become the flags that set them."""
+    import re
+
+    for old, new in _FLAG_NAMES:
+        text = text.replace(old, new)
+    return re.sub(r"(?<![\w/.-])(" + "|".join(_PARAM_FLAGS) + r")(?![\w/-]|\.\w)", lambda m: "--" + m.group(1).replace("_", "-"), text)
+
+
+def _usage_from(exc: Exception, default_fix: str) -> UsageError:
+    """Split a library error 'problem; fix' into a UsageError (or add ``default_fix``), with flag names."""
+    problem, sep, fix = _flag_names(_one_line(str(exc))).partition("; ")
+    return UsageError(problem, fix if sep else default_fix)
+
+
+def _check_vocab(max_id: int, vocab: int, model_name: str) -> None:
+    if max_id >= vocab:
+        raise UsageError(
+            f"the data has token id {max_id} but model {model_name!r} has a vocabulary of {vocab} ids",
+            "use the tokenizer that belongs to the model (--tokenizer) or a model whose vocabulary covers it",
+        )
+
+
+def _preset_names() -> list[str]:
+    from ..models.presets import preset_names
+
+    return preset_names()

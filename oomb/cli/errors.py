@@ -1,0 +1,28 @@
+"""How a bad input ends the program: :class:`UsageError` (exit status 2) and its run-time kin (status 1), one line on stderr."""
+
+from __future__ import annotations
+
+import sys
+from typing import NoReturn
+
+
+class UsageError(Exception):
+    """A bad input: ``problem`` and ``fix`` are printed on one line; exit status 2."""
+
+    def __init__(self, problem: str, fix: str) -> None:
+        super().__init__(f"{problem}; {fix}")
+        self.problem = problem
+        self.fix = fix
+
+
+class _RunError(UsageError):
+    """Training failed after it started (out of memory, diverged): one line, exit status 1."""
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+def _fail(message: str, status: int = 2) -> NoReturn:
+    print(f"oomb: error: {_one_line(message)}", file=sys.stderr)
+    raise SystemExit(status)

@@ -1,0 +1,122 @@
+"""Tokens, windows, models and JSON reports shared by the subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+from .checks import _check_vocab, _usage_from
+from .errors import UsageError
+
+
+def _document_bounds(input_ids, eos_id: int):
+    """cu_seqlens of the documents in ``input_ids [1, T]``: a document ends after each ``eos_id`` token.
+
+    Returns an int64 tensor ``[num_docs + 1]`` (0 first, T last, strictly increasing).
+    """
+    import torch
+
+    ids = input_ids.view(-1)
+    T = ids.numel()
+    ends = (torch.nonzero(ids[:-1] == eos_id).view(-1) + 1).tolist()
+    return torch.tensor([0, *ends, T], dtype=torch.int64)
+
+
+def _vocab_size(model) -> int:
+    emb = model.get_input_embeddings()
+    n = getattr(emb, "num_embeddings", None)
+    return int(n if n is not None else model.config.vocab_size)
+
+
+def _is_report(path: Path, keys: frozenset) -> bool:
+    """Whether the file ``path`` is empty or a JSON object with every one of ``keys`` (an earlier report)."""
+    try:
+        text = path.read_text()
+        if not text.strip():
+            return True
+        data = json.loads(text)
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(data, dict) and keys <= data.keys()
+
+
+def _check_json_arg(args: argparse.Namespace, report_keys: frozenset, command: str) -> None:
+    """--json PATH (grad-error, eval, bench) can be written: not a folder, in an existing folder we may write to, and
+    new, empty or an earlier ``oomb <command>`` report (recognised by ``report_keys``), never another file."""
+    if args.json is None:
+        return
+    json_path = Path(args.json).expanduser().resolve()
+    if json_path.is_dir():
+        raise UsageError(f"--json {args.json!r} is a folder", "pass a file path, e.g. --json report.json")
+    if not json_path.parent.is_dir():
+        raise UsageError(f"--json {args.json!r}: its folder does not exist", "pass a path in an existing folder")
+    if not os.access(json_path.parent, os.W_OK | os.X_OK) or (json_path.exists() and not os.access(json_path, os.W_OK)):
+        raise UsageError(f"--json {args.json!r} cannot be written", "pass a path you can write to")
+    if json_path.exists() and not _is_report(json_path, report_keys):
+        raise UsageError(
+            f"--json {args.json!r} exists and is not an earlier 'oomb {command}' report, so writing would destroy it",
+            "pass a new file path, or delete that file first if it is not needed",
+        )
+
+
+def _write_json(given: str, data: dict) -> None:
+    """Write ``data`` to the --json path atomically (a temporary file beside it, then renamed)."""
+    path = Path(given).expanduser()
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _measure_tokenizer_path(args: argparse.Namespace) -> str | None:
+    """--tokenizer, else the --model folder when it holds a tokenizer (an 'oomb train' output), else None (bundled)."""
+    if args.tokenizer is not None:
+        return args.tokenizer
+    from ..models.presets import _is_local_model_dir
+
+    if _is_local_model_dir(args.model) and any(os.path.isfile(os.path.join(args.model, n)) for n in ("tokenizer.json", "tokenizer_config.json")):
+        return args.model
+    return None
+
+
+def _load_tokens(args: argparse.Namespace, tokenizer_path: str | None):
+    """The --data token stream of grad-error and eval: int64 ``[N]``, EOS between documents."""
+    from ..data import (
+        BUNDLED_CORPUS,
+        DataError,
+        load_documents,
+        load_tokenizer,
+        tokenize_documents,
+    )
+
+    try:
+        tokenizer = load_tokenizer(tokenizer_path)
+        return tokenize_documents(load_documents(args.data), tokenizer, cache=args.data is None or Path(args.data).resolve() == BUNDLED_CORPUS)
+    except DataError as exc:
+        raise UsageError(exc.problem, exc.fix) from exc
+
+
+def _load_model(args: argparse.Namespace, tokens, device, dtype, command: str):
+    """The --model of grad-error and eval (a preset seeded by --seed, or a local folder), its config and
+    vocabulary checked against ``tokens`` before any weight is read."""
+    import torch
+
+    from .. import UnsupportedModelError
+    from ..models.presets import (
+        UnknownModelError,
+        build_model,
+        check_config_supported,
+        load_config,
+    )
+
+    try:
+        model_config = load_config(args.model)
+        check_config_supported(model_config)
+        _check_vocab(int(tokens.max()), int(model_config.vocab_size), args.model)
+        torch.manual_seed(args.seed)
+        model = build_model(args.model, dtype=dtype, device=device)
+    except (UnknownModelError, UnsupportedModelError) as exc:
+        raise _usage_from(exc, f"use a Qwen2/2.5, Llama 2/3, Mistral or Qwen3 causal LM (see 'oomb {command} --help')") from exc
+    _check_vocab(int(tokens.max()), _vocab_size(model), args.model)
+    return model

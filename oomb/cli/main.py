@@ -1,0 +1,75 @@
+"""The entry point of the ``oomb`` command."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from typing import Sequence
+
+from .errors import UsageError, _fail, _RunError
+from .measure import _bench, _eval, _grad_error
+from .parser import _build_parser, _job_config, _namespace
+from .plan import _plan
+from .signals import _StartupSignals
+from .train import _train
+
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    """``warnings.showwarning`` of the CLI: oomb's own warnings as one ``oomb: warning: ...`` line (no source
+    line, which names the CLI's code, not the user's input); other libraries' warnings as Python prints them."""
+    if os.path.abspath(filename).startswith(_PACKAGE_DIR) and issubclass(category, UserWarning):
+        print(f"oomb: warning: {message}", file=sys.stderr if file is None else file)
+    else:
+        _DEFAULT_SHOWWARNING(message, category, filename, lineno, file, line)
+
+
+_DEFAULT_SHOWWARNING = warnings.showwarning
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``oomb`` command. Returns 0; exits with status 2 on bad input, 130 on an interrupt."""
+    signals = _StartupSignals()
+    try:
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            return _main(argv, signals)
+    except KeyboardInterrupt:  # at any moment, the imports of torch and transformers included
+        print("oomb: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        signals.restore()
+
+
+def _main(argv: Sequence[str] | None, signals: _StartupSignals) -> int:
+    argv = [str(a) for a in (argv if argv is not None else sys.argv[1:])]
+    parser = _build_parser()
+    parsed = parser.parse_args(argv)
+    command = parsed.command
+    if command == "train":  # before the heavy imports: a signal during them is never lost
+        signals.install()
+    try:
+        job, file_keys = _job_config(command, argv, parsed.config)
+        if parsed.print_config:
+            from ..config.io import dump_yaml
+
+            sys.stdout.write(dump_yaml(job, command))
+            return 0
+        args = _namespace(command, job)
+        args._argv = argv
+        if command == "train":
+            args._signals = signals
+            return _train(args)
+        if command == "plan":
+            return _plan(args)
+        if command == "grad-error":
+            return _grad_error(args)
+        if command == "eval":
+            return _eval(args)
+        if command == "bench":
+            return _bench(args)
+    except UsageError as exc:
+        _fail(f"{exc.problem}; {exc.fix}", 1 if isinstance(exc, _RunError) else 2)
+    parser.error(f"unknown command {command!r}")  # pragma: no cover - argparse rejects it first

@@ -1,0 +1,269 @@
+"""The output folder of ``oomb train``: refusing one that holds other data, replacing an earlier run only once the new
+one is saved, and writing the model (or adapter) atomically."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from .errors import UsageError
+
+
+def _is_within(path: Path, root: Path) -> bool:
+    try:
+        path.relative_to(root)
+        return True
+    except ValueError:
+        return False
+
+
+_OOMB_LOG_KEYS = frozenset({"step", "loss", "stage1_seconds", "stage2_seconds"})
+"""Keys of every log.jsonl record ``oomb train`` writes. A log line with only "step" and "loss" may be any
+tool's; the stage timings are oomb's own."""
+
+
+def _looks_like_oomb_output(out: Path) -> bool:
+    """Whether ``out`` holds an earlier oomb run (what --overwrite may delete): a train_args.json that oomb
+    wrote, a checkpoints/ folder with a checkpoint in it whose meta.json has the keys oomb's checkpoints write
+    (format, step, fingerprint, files: any tool may write a meta.json), or a log.jsonl whose first line is an
+    oomb step record (it has oomb's stage timings, not only a step and a loss, which any training tool may
+    log). A bare file of one of those names is not enough (a user had --overwrite delete a folder
+    whose only oomb-looking file was someone's log.jsonl). A run whose --overwrite stopped before it saved keeps the
+    run it replaced in .oomb-replaced: that counts too."""
+    if out.name != _REPLACED and (out / _REPLACED).is_dir() and _looks_like_oomb_output(out / _REPLACED):
+        return True
+    try:
+        if "oomb_version" in json.loads((out / "train_args.json").read_text()):
+            return True
+    except (OSError, ValueError, TypeError):
+        pass
+    ckpts = out / "checkpoints"
+    if ckpts.is_dir():
+        from ..checkpoint import is_checkpoint_meta
+
+        if any(p.is_dir() and is_checkpoint_meta(p / "meta.json") for p in ckpts.iterdir()):
+            return True
+    try:
+        with open(out / "log.jsonl") as f:
+            line = f.readline()
+    except OSError:
+        return False
+    if not line:
+        # A run stopped in its first step leaves an empty log.jsonl and nothing else. Deleting that (and an
+        # empty checkpoints/ folder) loses nothing; anything else next to an empty log could be anyone's (files kept
+        # under checkpoints/ next to an empty log.jsonl must survive --overwrite).
+        return all((p.name == "log.jsonl" and p.is_file()) or (p.name == "checkpoints" and p.is_dir() and not any(p.iterdir()))
+                   for p in out.iterdir())
+    try:
+        first = json.loads(line)
+    except ValueError:
+        return False
+    return isinstance(first, dict) and _OOMB_LOG_KEYS <= first.keys()
+
+
+def _check_writable_dir_path(flag: str, given: str, path: Path) -> None:
+    """``path`` (a directory to create or use) can be made: its nearest existing ancestor is a writable directory.
+
+    Probes by creating and removing an empty temporary directory there (os.access is not enough for root,
+    or on /proc-like file systems); nothing else is written.
+    """
+    import tempfile
+
+    ancestor = path
+    while not ancestor.exists():
+        if ancestor.parent == ancestor:
+            break
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise UsageError(f"{flag} {given!r}: {str(ancestor)!r} is a file, not a folder", f"pass a {flag} whose parent folders are folders")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".oomb-probe-", dir=ancestor))
+    except OSError as exc:
+        raise UsageError(
+            f"{flag} {given!r}: cannot create folders in {str(ancestor)!r} ({exc.strerror or exc})",
+            f"pass a {flag} in a folder you can write to",
+        ) from exc
+
+
+def _check_output_dir(args: argparse.Namespace) -> Path:
+    if args.output_dir is None:
+        raise UsageError("oomb train needs --output-dir (or output.dir in --config FILE)",
+                         "pass --output-dir DIR, a folder that is new or empty")
+    if not str(args.output_dir).strip():
+        raise UsageError("--output-dir is empty", "pass a directory path that is new or empty")
+    out = Path(args.output_dir).expanduser().resolve()
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--output-dir {args.output_dir!r} is a file", "pass a directory path that is new or empty")
+    _check_writable_dir_path("--output-dir", args.output_dir, out)
+    if args.resume is not None:
+        if args.resume == "latest" and not (out / "checkpoints").is_dir():
+            raise UsageError(
+                f"--resume: --output-dir {args.output_dir!r} has no checkpoints folder",
+                "pass the --output-dir of the run to continue, or start without --resume",
+            )
+        ckpt = Path(args.resume).expanduser().resolve() if args.resume != "latest" else None
+        if ckpt is not None and ckpt.is_dir() and ckpt.parent != (out / "checkpoints").resolve() \
+                and out.is_dir() and any(out.iterdir()):
+            # Continuing there would mix two runs: its log.jsonl rewritten, its checkpoints pruned, its model replaced.
+            raise UsageError(
+                f"--resume {args.resume!r} is not a checkpoint of --output-dir {args.output_dir!r} (it is in "
+                f"{str(ckpt.parent)!r}) and that --output-dir is not empty: continuing there would mix two runs' "
+                "logs, checkpoints and models",
+                "pass the --output-dir the checkpoint belongs to, or a new or empty --output-dir to continue it there "
+                "(the checkpoint's own folder is left as it is)",
+            )
+        return out
+    if out.is_dir() and any(out.iterdir()):
+        if not args.overwrite:
+            from ..checkpoint import find_latest
+
+            latest = find_latest(out / "checkpoints") if (out / "checkpoints").is_dir() else None
+            if latest is not None and not (out / "train_args.json").exists():
+                raise UsageError(
+                    f"--output-dir {args.output_dir!r} holds an oomb run that stopped before its end "
+                    f"(last checkpoint {latest.name})",
+                    "pass --resume to continue it, --overwrite to discard it, or a new directory",
+                )
+            raise UsageError(
+                f"--output-dir {args.output_dir!r} exists and is not empty",
+                "pass a new directory, or --overwrite to replace its contents",
+            )
+        # --overwrite deletes the directory's contents: refuse where that would delete inputs or the work tree.
+        protected = [(Path.cwd().resolve(), "the working directory"), (Path.home().resolve(), "your home directory")]
+        for flag, p in (("--data", args.data), ("--tokenizer", args.tokenizer), ("--model", args.model)):
+            if p is not None and os.path.exists(p):
+                protected.append((Path(p).resolve(), f"the {flag} input"))
+        for p, what in protected:
+            if _is_within(p, out):
+                raise UsageError(
+                    f"--output-dir {args.output_dir!r} contains {str(p)!r} ({what}), which --overwrite would delete",
+                    "pass an output directory of its own",
+                )
+        # Only an earlier oomb run is replaced: never the contents of some other folder (a source tree, ...).
+        if not _looks_like_oomb_output(out):
+            raise UsageError(
+                f"--overwrite: --output-dir {str(out)!r} is not empty and does not look like an oomb output "
+                "(no train_args.json written by oomb, no oomb checkpoint, no log.jsonl of oomb train step records in it)",
+                "remove its contents by hand if they are not needed, or pick another --output-dir",
+            )
+    return out
+
+
+def _oomb_outputs(out: Path) -> set[str] | None:
+    """Names of the entries of ``out`` that an earlier ``oomb train`` wrote (what --overwrite deletes): its
+    log.jsonl, checkpoints/ and save debris, and the files its train_args.json lists under "outputs". None
+    means every entry: a train_args.json of an oomb that did not list its outputs yet."""
+    names = {"log.jsonl", ".log.jsonl.tmp", "checkpoints"} | {p.name for p in out.glob(".oomb-save-*")}
+    try:
+        train_args = json.loads((out / "train_args.json").read_text())
+    except (OSError, ValueError, TypeError):
+        return names
+    if not (isinstance(train_args, dict) and "oomb_version" in train_args):
+        return names
+    listed = train_args.get("outputs")
+    if not isinstance(listed, list):
+        return None
+    return names | {"train_args.json"} | {n for n in map(str, listed) if n == Path(n).name and n not in ("", ".", "..")}
+
+
+# Where --overwrite moves the earlier run's outputs until this run has saved its model (then they are deleted): a
+# run that fails or is killed before that leaves the earlier one recoverable (a user lost a finished run
+# to a killed --overwrite run, which deleted it at its start).
+_REPLACED = ".oomb-replaced"
+
+
+def _prepare_output(out: Path, overwrite: bool) -> None:
+    if out.is_dir() and overwrite:
+        ours = _oomb_outputs(out)
+        backup = out / _REPLACED
+        keep_old = backup.is_dir()  # an earlier --overwrite did not finish: what it replaced stays, its own outputs go
+        if not keep_old:
+            backup.mkdir()
+        kept = []
+        for child in sorted(out.iterdir()):
+            if child.name == _REPLACED:
+                continue
+            if ours is not None and child.name not in ours:
+                kept.append(child.name)
+            elif not keep_old:
+                os.replace(child, backup / child.name)
+            elif child.is_dir() and not child.is_symlink():
+                shutil.rmtree(child)
+            else:
+                child.unlink()
+        if keep_old:
+            print(f"oomb: note: --overwrite deleted the unfinished run in {out}; the run an earlier --overwrite replaced "
+                  f"stays in {backup} until this run saves its model", file=sys.stderr)
+        else:
+            print(f"oomb: note: --overwrite moved the earlier run's outputs to {backup}; they are deleted once this run "
+                  "saves its model", file=sys.stderr)
+        if kept:
+            print(f"oomb: note: --overwrite replaced the earlier run's outputs in {out} and kept what it did not write: "
+                  f"{', '.join(kept)}", file=sys.stderr)
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _save(model, tokenizer, out: Path, lora: bool, train_args: dict) -> list[str]:
+    """Write model (or adapter) + tokenizer + train_args.json to a temp dir in ``out``, then move them in."""
+    tmp = out / f".oomb-save-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    try:
+        if lora:
+            model.save_pretrained(str(tmp), safe_serialization=True)
+        else:
+            model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        # The list of what this run wrote lets a later --overwrite delete exactly that (_oomb_outputs).
+        train_args = dict(train_args, outputs=sorted(os.listdir(tmp) + ["train_args.json"]))
+        (tmp / "train_args.json").write_text(json.dumps(train_args, indent=2) + "\n")
+        names = sorted(os.listdir(tmp))
+        from ..checkpoint import _umask
+
+        for name in names:
+            if (tmp / name).is_file():  # transformers writes model.safetensors 0600 (a temp file renamed)
+                os.chmod(tmp / name, 0o666 & ~_umask())
+            dst = out / name
+            if dst.is_dir() and not dst.is_symlink():
+                shutil.rmtree(dst)
+            os.replace(tmp / name, dst)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return names
+
+
+def _broken_latest_pointer(ckpt_root: Path, used: Path) -> list[str]:
+    """A note when checkpoints/latest names no complete checkpoint (find_latest then takes the newest one there):
+    the run does not resume silently from another step than the pointer says."""
+    pointer = ckpt_root / "latest"
+    try:
+        named = pointer.read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return []
+    if used.name == named:
+        return []
+    return [f"--resume latest: {pointer} names {named!r}, which is not a complete checkpoint; resuming from the "
+            f"newest one there, {used.name}"]
+
+
+def _saved_model_of(out: Path, path: Path, step: int) -> bool:
+    """Whether ``out`` holds the saved model of its checkpoint ``path`` at ``step``, the newest of out/checkpoints:
+    its train_args.json (written last by :func:`_save`) is of a run of ``step`` steps and every file it lists is
+    there. Then a --resume with --steps ``step`` has nothing to do."""
+    ckpt_root = (out / "checkpoints").resolve()
+    if path.resolve().parent != ckpt_root or any(
+            p.is_dir() and p.name.startswith("step-") and p.name > path.name for p in ckpt_root.iterdir()):
+        return False
+    try:
+        train_args = json.loads((out / "train_args.json").read_text())
+    except (OSError, ValueError):
+        return False
+    if not (isinstance(train_args, dict) and "oomb_version" in train_args and train_args.get("steps") == step):
+        return False
+    listed = train_args.get("outputs")
+    return isinstance(listed, list) and all((out / str(n)).exists() for n in listed)

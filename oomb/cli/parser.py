@@ -1,0 +1,169 @@
+"""The argument parser, generated from the configuration fields (:mod:`oomb.config.flags`), and the
+:class:`oomb.config.JobConfig` built from the defaults, the ``--config`` file and the flags given."""
+
+from __future__ import annotations
+
+import argparse
+from typing import NoReturn, Sequence
+
+from ..config import ConfigError
+from .errors import UsageError, _fail
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (``oomb: error: ...; see --help``) instead of usage + message."""
+
+    def error(self, message: str) -> NoReturn:  # noqa: D102 - argparse API
+        _fail(f"{message}; run '{self.prog} --help' for the options")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show '(default: X)' only where there is a meaningful default: not for None, nor for flags (store_true,
+    whose default False only means 'off'). A numeric 0 is shown (``0 in (None, False)`` is true in Python, which
+    hid --seed's, --lora-rank's and --save-every's defaults)."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        # argparse wraps at hyphens too, which cut flag names in two ('--chunk-' / 'size').
+        import textwrap
+
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is argparse.SUPPRESS or isinstance(action.default, bool) \
+                or action.nargs == 0:  # flags: store_true/store_false/store_const
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("oomb")
+    except Exception:  # pragma: no cover - not installed
+        from .. import __version__
+
+        return __version__
+
+
+_DESCRIPTIONS = {
+    "train": (
+        "train a model on long token sequences",
+        "Train a causal LM with oomb's chunk-recurrent step. Defaults: the 'tiny' preset on the bundled Austen corpus "
+        "and tokenizer, on CPU. Writes <output-dir>/log.jsonl (one JSON line per step) and the final model (or LoRA "
+        "adapter) and tokenizer as safetensors.",
+    ),
+    "plan": (
+        "predict GPU and host memory of a run and the largest context that fits",
+        "Predict GPU and host memory of one training step before anything is allocated, choose the KV tiering (all "
+        "pages on the GPU, or offload to pinned host memory) and report the largest context that fits this machine "
+        "(or the one described by --gpu-gib/--host-gib; with --gpu-page-budget, through that GPU pool). It takes "
+        "the flags and --config file of 'oomb train' and plans the run they describe.",
+    ),
+    "grad-error": (
+        "measure the gradient error of sparse attention against dense on one sequence",
+        "Run one dense step and one sparse step per page budget on the same sequence (the first of the seeded data "
+        "order) and print the relative gradient error ||g_sparse - g_dense|| / ||g_dense|| per parameter kind (or "
+        "per parameter). Nothing is trained or written, except --json.",
+    ),
+    "eval": (
+        "held-out loss at long context, dense and with sparse attention",
+        "Evaluate the mean token loss of a model on consecutive, non-overlapping --seq-len token windows of the data, "
+        "in file order (not shuffled: two runs read the same tokens), once with dense attention and once per sparse "
+        "page budget. Prints a Markdown table (loss, perplexity, change vs dense, tokens, seconds); nothing is "
+        "trained or written, except --json. Pass held-out text as --data: the default is the training corpus.",
+    ),
+    "bench": (
+        "time one training step of oomb next to plain Hugging Face training",
+        "Time one training step (forward + backward, no optimizer) of oomb's chunk-recurrent engine next to plain "
+        "Hugging Face training of the same model -- SDPA attention over the whole sequence, per-layer gradient "
+        "checkpointing, chunked cross-entropy -- on the same random tokens, per --lengths. Prints seconds, tokens/s, "
+        "oomb's speed relative to hf, the peak GPU memory and the first step's seconds; a step out of memory is a "
+        "row, and the run goes on. Both systems are timed at their --steps'th step on the same sequence (oomb on one "
+        "engine): the first allocates memory and builds kernels (oomb also its page store), which a training run "
+        "pays once. Nothing is trained or written, except --json.",
+    ),
+}
+_HELP = {
+    "grad-error": {"--sink-pages": "sparse runs: first pages of the sequence always attended (attention sink); 0 allowed",
+                   "--local-pages": "sparse runs: latest past pages always attended; 0 allowed",
+                   "--sparse-score": "sparse runs: page score (mean key, or Quest's min/max bound)"},
+    "eval": {"--sink-pages": "with --budgets: first pages of the sequence always attended (attention sink); 0 allowed",
+             "--local-pages": "with --budgets: latest past pages always attended; 0 allowed",
+             "--sparse-score": "with --budgets: page score (mean key, or Quest's min/max bound)"},
+}
+"""Where a field's docstring reads wrong for one command (eval and grad-error make their own sparse runs)."""
+
+META_FLAGS = ("--help", "--version", "--config", "--print-config")
+"""The only flags that are not configuration fields: they say what to do with the configuration."""
+
+
+def _build_parser(suppress: bool = False) -> argparse.ArgumentParser:
+    """The ``oomb`` parser, every subcommand's flags generated from the configuration fields
+    (:func:`oomb.config.flags.add_flags`). With ``suppress`` no defaults are set, so that the namespace holds
+    only the flags given on the command line."""
+    from ..config.flags import add_flags
+
+    parser = _Parser(
+        prog="oomb",
+        description="Chunk-recurrent long-context training of Hugging Face causal LMs (paged KV cache).",
+    )
+    parser.add_argument("--version", action="version", version=f"oomb {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    for command, (short, description) in _DESCRIPTIONS.items():
+        p = sub.add_parser(command, help=short, description=description, formatter_class=_HelpFormatter)
+        p.add_argument("--config", default=None if not suppress else argparse.SUPPRESS, metavar="FILE",
+                       help="read the settings from this YAML file (sections model, data, engine, train, output, ...; "
+                            "see --print-config); flags given override it")
+        p.add_argument("--print-config", action="store_true", default=False if not suppress else argparse.SUPPRESS,
+                       help="print the effective configuration (defaults, --config file, flags) as YAML that "
+                            "--config reads back, and exit")
+        add_flags(p, command, suppress=suppress, help_overrides=_HELP.get(command))
+    return parser
+
+
+def _job_config(command: str, argv: Sequence[str], config_file: str | None):
+    """The :class:`oomb.config.JobConfig` of ``command``: defaults, then the ``--config`` file, then the flags
+    given; and the set of the file's keys. A bad value is a :class:`UsageError` naming the flag (or the file's key,
+    where the value came from the file)."""
+    from ..config.flags import command_fields, flag_name, job_from_values
+    from ..config.io import read_yaml
+
+    given = vars(_build_parser(suppress=True).parse_args(argv))
+    dests = {ff.dest for ff in command_fields(command)}
+    given = {k: v for k, v in given.items() if k in dests}
+    file_keys: set[str] = set()
+    try:
+        file_values = read_yaml(config_file) if config_file is not None else {}
+    except ConfigError as exc:
+        raise UsageError(exc.problem, exc.fix) from exc
+    for section, values in file_values.items():
+        file_keys |= {f"{section}.{k}" for k in (values or {})}
+    try:
+        job = job_from_values(command, given, file_values)
+    except ConfigError as exc:
+        from_file = f"{exc.section}.{exc.key}" in file_keys and not any(
+            ff.dest in given for ff in command_fields(command) if ff.section == exc.section and ff.name == exc.key)
+
+        told: set[str] = set()
+
+        def name(field: str) -> str:
+            if from_file:
+                where = f" (in {config_file})" if field == exc.key and field not in told else ""
+                told.add(field)
+                return f"{exc.section}.{field}{where}"
+            return flag_name(command, exc.section, field) or field
+
+        raise UsageError(*exc.parts(name)) from exc
+    return job, file_keys
+
+
+def _namespace(command: str, job) -> argparse.Namespace:
+    """The flat namespace of ``job`` the command handlers read (one attribute per flag), with the job itself."""
+    from ..config.flags import namespace_of
+
+    args = namespace_of(command, job)
+    args.command = command
+    args.job = job
+    return args

@@ -1,0 +1,124 @@
+"""``oomb train --resume``: the fingerprint of a run (data, model, settings) saved with each checkpoint and checked
+when it resumes."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+from typing import Sequence
+
+from .checks import _preset_names
+from .errors import UsageError
+
+
+def _resume_command(argv: Sequence[str]) -> str:
+    """The command line that continues this run: the same arguments with ``--resume latest``."""
+    import shlex
+
+    rest: list[str] = []
+    skip = False
+    for i, a in enumerate(argv):
+        if skip:
+            skip = False
+            continue
+        if a == "--overwrite" or a.startswith("--resume="):
+            continue
+        if a == "--resume":
+            skip = i + 1 < len(argv) and not argv[i + 1].startswith("-")
+            continue
+        rest.append(a)
+    return "oomb " + shlex.join([*rest, "--resume", "latest"])
+
+
+def _fingerprint(args: argparse.Namespace, tokens, dtype, world_size: int) -> dict:
+    """What a checkpoint's run and the resuming run must share (see --resume in --help)."""
+    import hashlib
+
+    return {
+        "model": args.model if args.model in _preset_names() or not os.path.isdir(args.model) else str(Path(args.model).resolve()),
+        "seq_len": args.seq_len,
+        "data_sha256": hashlib.sha256(tokens.tobytes()).hexdigest(),
+        "tokenizer": args.tokenizer and str(Path(args.tokenizer).resolve()),
+        "seed": args.seed,
+        "lora_rank": args.lora_rank,
+        "lora_alpha": args.lora_alpha,
+        "grad_accum": args.grad_accum,
+        "dtype": str(dtype).replace("torch.", ""),
+        "document_mask": args.document_mask,
+        "rope_theta": args.rope_theta,
+        "rope_scaling": args.rope_scaling_dict,
+        "world_size": world_size,
+    }
+
+
+_FINGERPRINT_FLAGS = {
+    "model": "--model", "seq_len": "--seq-len", "tokenizer": "--tokenizer", "seed": "--seed", "lora_rank": "--lora-rank",
+    "lora_alpha": "--lora-alpha", "grad_accum": "--grad-accum", "dtype": "--dtype", "document_mask": "--document-mask",
+    "rope_theta": "--rope-theta", "rope_scaling": "--rope-scaling",
+}
+
+
+def _check_resume_fingerprint(saved: dict | None, now: dict, path: Path) -> None:
+    """Refuse a --resume whose checkpoint's run differs in a fingerprint fact, naming flags and both values
+    (load_checkpoint checks the same facts with their internal names; this says it the CLI's way)."""
+    if saved is None:
+        return  # unreadable meta.json: load_checkpoint names the file
+    differ = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+    if not differ:
+        return
+
+    def show(v):
+        return "(not given)" if v is None else ("on" if v is True else "off" if v is False else v)
+
+    parts = []
+    for k in differ:
+        if k == "data_sha256":
+            parts.append("the --data tokens differ")
+        elif k == "world_size":
+            parts.append(f"{saved.get(k)} ranks there, {now.get(k)} here")
+        else:
+            parts.append(f"{_FINGERPRINT_FLAGS.get(k, k)} {show(saved.get(k))} there, {show(now.get(k))} here")
+    raise UsageError(
+        f"--resume: {path} is a checkpoint of another run ({'; '.join(parts)})",
+        "resume with that run's settings, or start a new run without --resume in another --output-dir",
+    )
+
+
+_RESUME_SETTINGS = ("sparse", "page_budget", "sink_pages", "local_pages", "sparse_score", "chunk_size", "page_size")
+"""Engine settings saved with every checkpoint (meta.json "settings") and compared on --resume: a different
+sparse attention changes the gradients (refused); a different chunk or page size changes them only with
+--sparse (the selection is per chunk and page), while dense attention is exact at any (a note)."""
+
+
+def _resume_settings(args: argparse.Namespace) -> dict:
+    return {k: getattr(args, k) for k in _RESUME_SETTINGS}
+
+
+def _setting_text(name: str, value) -> str:
+    if name == "sparse":
+        return "--sparse" if value else "no --sparse"
+    return f"--{name.replace('_', '-')} {value}"
+
+
+def _check_resume_settings(args: argparse.Namespace, saved: dict | None, path: Path) -> list[str]:
+    """Refuse a --resume whose checkpoint was trained with other engine settings that change the training
+    (``_RESUME_SETTINGS``); return notes on the harmless differences (and on a checkpoint that recorded none)."""
+    if saved is None:
+        return [f"--resume: {path} records no engine settings (an older oomb wrote it): check that --sparse, "
+                "its options, --chunk-size and --page-size are the run's, as they are not checked"]
+    now = _resume_settings(args)
+    sparse = bool(saved.get("sparse")) or args.sparse
+    differ = [k for k in _RESUME_SETTINGS if k in saved and saved[k] != now[k]]
+    refused = [k for k in differ if sparse or k not in ("chunk_size", "page_size")]
+    if refused:
+        was = ", ".join(_setting_text(k, saved[k]) for k in refused)
+        raise UsageError(
+            f"--resume: {path} was trained with {was} but this command has "
+            f"{', '.join(_setting_text(k, now[k]) for k in refused)}, which would silently change the training",
+            f"continue it with the checkpoint's settings ({was}), or start a new run without --resume in another "
+            "--output-dir",
+        )
+    return [f"--resume: {path} was trained with {', '.join(_setting_text(k, saved[k]) for k in differ)}; this run "
+            f"has {', '.join(_setting_text(k, now[k]) for k in differ)}: dense attention gives the same gradients at "
+            "any chunk and page size (up to rounding), so it continues"] if differ else []

@@ -1,0 +1,255 @@
+"""``oomb train`` before its first step: model, tokenizer, adapter, engine, optimizer, schedule and checkpoint to
+resume from."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import warnings
+from pathlib import Path
+
+from .checks import (
+    _check_cpu_memory,
+    _check_vocab,
+    _usage_from,
+    _warn_if_gpu_saved_attention_on_cpu,
+    _warn_if_offload_moves_nothing,
+    _warn_if_offload_on_keeps_every_page,
+    _warn_if_offload_segments_are_small,
+    _warn_if_sparse_is_dense,
+)
+from .inputs import _vocab_size
+from .errors import UsageError, _one_line
+from .output import _broken_latest_pointer, _saved_model_of
+from .resume import (
+    _check_resume_fingerprint,
+    _check_resume_settings,
+    _fingerprint,
+    _resume_settings,
+)
+
+_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+_LONG_WARMUP = 10_000
+"""A default warm-up (10% of --steps) longer than this many steps is noted: longer than the warm-ups of published
+LLM training runs (~2,000 steps), so most likely a --steps meant as 'until I stop it'."""
+
+
+def _store_summary(store, seq_len: int, page_size: int, seconds: float) -> str:
+    """One line on the KV store ``oomb train`` allocated: where the pages live and what it cost."""
+    def size(b: int) -> str:
+        return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
+
+    host = getattr(store, "host_nbytes", 0)
+    dev = store.device.type
+    if not host:
+        return f"KV store: every page on the {dev.upper()} ({size(store.nbytes)})"
+    n = -(-seq_len // page_size)
+    sets = f"{store.staging_sets} whole-layer staging sets, " if getattr(store, "segment_pages", 0) is None else ""
+    return (f"KV store: offload, {store.resident_pages_per_layer:,} of {n:,} pages per layer resident, {sets}"
+            f"{size(store.nbytes)} {dev.upper()} pool + {size(host)} "
+            f"{'pinned ' if dev == 'cuda' else ''}host memory (allocated once, in {seconds:.1f} s)")
+
+
+def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
+    """Every check, the model, engine and optimizer, and the checkpoint to resume from: nothing written yet."""
+    import torch
+
+    from .. import Engine, UnsupportedModelError
+    from ..checkpoint import (
+        CheckpointError,
+        find_latest,
+        load_checkpoint,
+        read_settings,
+        set_rng_state,
+    )
+    from ..data import (
+        BUNDLED_CORPUS,
+        DataError,
+        TokenSequences,
+        load_documents,
+        load_tokenizer,
+        tokenize_documents,
+    )
+    from ..models.presets import (
+        UnknownModelError,
+        build_model,
+        check_config_supported,
+        load_config,
+    )
+
+    try:
+        tokenizer = load_tokenizer(args.tokenizer)
+        docs = load_documents(args.data)
+        tokens = tokenize_documents(docs, tokenizer, cache=args.data is None or Path(args.data).resolve() == BUNDLED_CORPUS)
+        sequences = TokenSequences(tokens, args.seq_len, seed=args.seed)
+    except DataError as exc:
+        raise UsageError(exc.problem, exc.fix) from exc
+    if args.document_mask and tokenizer.eos_token_id is None:
+        raise UsageError("--document-mask splits documents at the EOS token but the tokenizer has none", "use a tokenizer with an eos_token, or leave --document-mask out")
+
+    # The model's config is checked before any weight is read or initialised.
+    try:
+        model_config = load_config(args.model)
+        check_config_supported(model_config)
+    except (UnknownModelError, UnsupportedModelError) as exc:
+        raise _usage_from(exc, "use a Qwen2/2.5, Llama 2/3, Mistral or Qwen3 causal LM (see 'oomb train --help')") from exc
+    _check_vocab(int(tokens.max()), int(model_config.vocab_size), args.model)
+    from ..models.limits import lora_rank_problem
+
+    lora_problem = lora_rank_problem(model_config, args.lora_rank, args.model)
+    if lora_problem:
+        raise UsageError(*lora_problem)
+    if device.type != "cuda":
+        _check_cpu_memory(args, model_config, dtype)
+    if device.type != "cuda" and args.offload == "auto":
+        for flag, value in (("--gpu-page-budget", args.gpu_page_budget), ("--offload-segment-pages", args.offload_segment_pages)):
+            if value is not None:
+                raise UsageError(f"{flag} sizes offload, which --offload auto never uses on the CPU",
+                                 f"pass --offload on to run the offloaded store on the CPU, or leave {flag} out")
+    from dataclasses import replace
+
+    cfg = args.job.engine
+    if device.type == "cuda":
+        # Predict the GPU and host memory of the run before allocating anything (DESIGN.md §4 sizes).
+        from ..planner import plan_for_train_args
+
+        try:
+            plan = plan_for_train_args(args, dtype)
+            plan.check()
+        except ValueError as exc:
+            raise _usage_from(exc, "see 'oomb plan' for what fits") from exc
+        _warn_if_offload_on_keeps_every_page(args, plan.tiering.offload, plan.shape.num_layers)
+        settings = plan.engine_settings()
+        if args.offload != "off" and args.gpu_page_budget is None:
+            # The plan sizes the GPU page pool with the optimizer states counted; the engine alone would size
+            # it before AdamW allocates them.
+            cfg = replace(cfg, offload=replace(cfg.offload, **settings))
+        elif args.offload != "off":  # the user's pool: the staging sets the plan checked against the host budget
+            cfg = replace(cfg, offload=replace(cfg.offload, staging_sets=settings["staging_sets"]))
+
+    if args.progress is False or not ctx.is_main or not (args.progress or sys.stderr.isatty()):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    torch.manual_seed(args.seed)
+    try:
+        model = build_model(args.model, dtype=dtype, device=device)
+    except (UnknownModelError, UnsupportedModelError) as exc:
+        raise _usage_from(exc, "use a Qwen2/2.5, Llama 2/3, Mistral or Qwen3 causal LM (see 'oomb train --help')") from exc
+    _check_vocab(int(tokens.max()), _vocab_size(model), args.model)
+    if args.rope_theta is not None or args.rope_scaling_dict:
+        from ..models.rope import set_rope
+
+        try:
+            set_rope(model, rope_theta=args.rope_theta, rope_scaling=args.rope_scaling_dict)
+        except ValueError as exc:
+            raise _usage_from(exc, "see --rope-theta and --rope-scaling in 'oomb train --help'") from exc
+    from ..models.limits import context_length_warning
+
+    warning = context_length_warning(model.config, args.seq_len, args.model)  # after --rope-scaling, as oomb plan
+    if warning and ctx.is_main:
+        print(warning, file=sys.stderr)
+
+    if args.lora_rank > 0:
+        from peft import LoraConfig, get_peft_model
+
+        names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
+        missing = [t for t in _LORA_TARGETS if t not in names]
+        if missing:
+            raise UsageError(f"model {args.model!r} has no {', '.join(missing)} modules for LoRA", "pass --lora-rank 0 for a full fine-tune")
+        lora_cfg = LoraConfig(
+            r=args.lora_rank,
+            lora_alpha=args.lora_alpha if args.lora_alpha is not None else 2 * args.lora_rank,
+            lora_dropout=0.0,
+            target_modules=_LORA_TARGETS,
+            task_type="CAUSAL_LM",
+        )
+        with warnings.catch_warnings():
+            # peft (0.21) reads the model's is_gradient_checkpointing, which transformers 5.x deprecates with a
+            # FutureWarning (renamed is_activation_checkpointing); oomb itself does not read it.
+            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+            model = get_peft_model(model, lora_cfg)
+
+    try:
+        engine = Engine(model, cfg)
+    except ValueError as exc:  # UnsupportedModelError is a ValueError
+        raise _usage_from(exc, "use a Qwen2/2.5, Llama 2/3, Mistral or Qwen3 causal LM with full attention") from exc
+
+    # Allocate the KV store for --seq-len now, so that a run that does not fit (GPU page budget, host
+    # memory, GPU memory) is refused before the output directory is touched.
+    reserve = getattr(engine, "reserve", None) or engine._ensure_store
+    t_reserve = time.perf_counter()
+    try:
+        store = reserve(args.seq_len)
+    except ValueError as exc:  # MemoryPlanError and page-budget errors
+        raise _usage_from(exc, "see 'oomb plan --help' to size the run") from exc
+    except torch.OutOfMemoryError as exc:
+        raise UsageError(
+            f"the KV store for --seq-len {args.seq_len} does not fit in GPU memory",
+            "use a shorter --seq-len, --offload on, --checkpoint-layers or --lora-rank (see 'oomb plan')",
+        ) from exc
+
+    t_reserve_s = time.perf_counter() - t_reserve
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    fused = device.type == "cuda"
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=fused)
+    fingerprint = _fingerprint(args, tokens, dtype, ctx.world_size)
+
+    start_step, finished = 0, False
+    if args.resume is not None:
+        ckpt_root = out / "checkpoints"
+        path = find_latest(ckpt_root) if args.resume == "latest" else Path(args.resume).expanduser()
+        if path is None:
+            raise UsageError(f"--resume latest: {ckpt_root} holds no complete checkpoint", "start without --resume (with --overwrite)")
+        if not path.is_dir():
+            latest = find_latest(ckpt_root) if ckpt_root.is_dir() else None
+            raise UsageError(f"--resume {args.resume}: {path} is not a checkpoint folder",
+                             "pass 'latest' or a checkpoint folder" + (f" such as {latest}" if latest is not None else
+                                                                       f" (step-NNNNNNNN under {ckpt_root})"))
+        _check_resume_fingerprint(read_settings(path, "fingerprint"), fingerprint, path)
+        notes = _check_resume_settings(args, read_settings(path), path)
+        if args.resume == "latest":
+            notes += _broken_latest_pointer(ckpt_root, path)
+        try:
+            start_step, extra = load_checkpoint(path, model, optimizer, None, fingerprint)
+        except CheckpointError as exc:
+            problem, sep, fix = _one_line(exc).rpartition("; ")
+            raise UsageError(problem, fix) if sep else UsageError(fix, "resume from another checkpoint") from exc
+        # AdamW's state carries the run's weight decay and would silently replace --weight-decay.
+        saved_wd = optimizer.param_groups[0].get("weight_decay")
+        if saved_wd is not None and saved_wd != args.weight_decay:
+            raise UsageError(
+                f"--resume: {path} was trained with --weight-decay {saved_wd:g} but this command has --weight-decay "
+                f"{args.weight_decay:g}, which would silently change the training",
+                f"continue it with --weight-decay {saved_wd:g}, or start a new run without --resume in another --output-dir",
+            )
+        if path.resolve().parent != (out / "checkpoints").resolve():
+            notes.append(f"--resume: {path} is a checkpoint of another folder ({path.resolve().parent}); the run "
+                         f"continues in {out}, whose log.jsonl starts at step {start_step + 1}, and that folder is "
+                         "left as it is")
+        else:
+            later = sorted(p.name for p in path.parent.iterdir() if p.is_dir() and p.name.startswith("step-") and p.name > path.name)
+            if later:
+                notes.append(f"--resume: {path.name} is not the newest checkpoint here: the steps after {start_step} are "
+                             f"trained again, log.jsonl's lines after step {start_step} are dropped, and {', '.join(later)} "
+                             "stay until this run saves the same step (then replaced)")
+        if "rng" in extra:
+            set_rng_state(extra["rng"])
+        if start_step > args.steps:
+            raise UsageError(f"--resume: {path} is at step {start_step}, past --steps {args.steps}", f"pass --steps {start_step} or more")
+        if ctx.is_main:
+            for note in notes:
+                print(f"oomb: note: {note}", file=sys.stderr)
+            print(f"oomb: resuming from {path} (step {start_step})", file=sys.stderr)
+        finished = start_step == args.steps and _saved_model_of(out, path, start_step)
+    if ctx.is_main:  # after every refusal: a warning never comes with an error line
+        _warn_if_offload_moves_nothing(args, engine.num_layers)
+        _warn_if_sparse_is_dense(args)
+        _warn_if_gpu_saved_attention_on_cpu(args, device)
+        _warn_if_offload_segments_are_small(args, getattr(store, "segment_pages", None) is not None)
+    return dict(tokenizer=tokenizer, tokens=tokens, sequences=sequences, model=model, engine=engine, params=params,
+                optimizer=optimizer, fingerprint=fingerprint, settings=_resume_settings(args), start_step=start_step,
+                finished=finished,
+                store_summary=_store_summary(store, args.seq_len, args.page_size, t_reserve_s))

@@ -1,0 +1,131 @@
+"""The typed configuration: each field checked once, flags generated from it, YAML files read and written back."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from oomb.cli import main
+from oomb.config import ConfigError, KernelConfig, OffloadConfig, OOMBConfig, SparseConfig
+
+
+def _run(argv, capsys):
+    """(exit status, stdout, stderr) of ``oomb argv``."""
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _refused(argv, capsys, *parts):
+    code, out, err = _run(argv, capsys)
+    assert code == 2, (code, err)
+    assert err.count("\n") == 1 and err.startswith("oomb: error: "), err
+    for p in parts:
+        assert p in err, (p, err)
+    return err
+
+
+# ---------------------------------------------------------------- the dataclasses
+
+
+@pytest.mark.parametrize("make, names", [
+    (lambda: OOMBConfig(chunk_size=1000), "chunk_size"),
+    (lambda: OOMBConfig(page_size=0), "page_size"),
+    (lambda: OOMBConfig(attention_backend="flash"), "attention_backend"),
+    (lambda: SparseConfig(page_budget=-1), "page_budget"),
+    (lambda: SparseConfig(page_budget=0, sink_pages=0, local_pages=0), "page_budget"),
+    (lambda: OffloadConfig(copy_streams=3), "copy_streams"),
+    (lambda: OffloadConfig(mode="off", gpu_page_budget=100), "gpu_page_budget"),
+    (lambda: KernelConfig(page_gather_warps=3), "page_gather_warps"),
+    (lambda: KernelConfig(autotune="some"), "autotune"),
+    (lambda: OOMBConfig(offload=OffloadConfig(staging_sets=3)), "staging_sets"),
+])
+def test_a_bad_value_names_its_field(make, names):
+    with pytest.raises(ConfigError) as info:
+        make()
+    assert info.value.key == names
+    assert names in str(info.value)
+
+
+def test_sections_and_shorthands():
+    cfg = OOMBConfig(sparse=True, offload=OffloadConfig(mode=True))
+    assert cfg.sparse == SparseConfig() and cfg.offload.mode == "on" and cfg.offload.enabled is True
+    assert cfg.dense().sparse is None and OOMBConfig().sparse is None
+    assert OOMBConfig(page_size=64, attention_block_size=100).attention_block_size == 128  # whole pages
+
+
+# ---------------------------------------------------------------- --print-config and --config
+
+
+def test_print_config_round_trips_and_flags_override_the_file(tmp_path, capsys):
+    code, first, _ = _run(["train", "--sparse", "--page-budget", "16", "--chunk-size", "1024", "--output-dir",
+                           tmp_path / "run", "--print-config"], capsys)
+    assert code == 0
+    tree = yaml.safe_load(first)
+    assert tree["engine"]["chunk_size"] == 1024 and tree["engine"]["sparse"]["page_budget"] == 16
+    assert {"loss_chunk_size", "attention_block_size"} <= set(tree["engine"])  # fields without a flag too
+    f = tmp_path / "run.yaml"
+    f.write_text(first)
+    code, again, _ = _run(["train", "--config", f, "--print-config"], capsys)
+    assert code == 0 and again == first
+    code, over, _ = _run(["train", "--config", f, "--chunk-size", "2048", "--print-config"], capsys)
+    assert yaml.safe_load(over)["engine"]["chunk_size"] == 2048
+    assert yaml.safe_load(over)["engine"]["sparse"]["page_budget"] == 16  # the rest still from the file
+
+
+def test_plan_and_train_read_the_same_file_and_share_defaults(tmp_path, capsys):
+    f = tmp_path / "run.yaml"
+    f.write_text("engine:\n  chunk_size: 2048\n  sparse: {page_budget: 8}\n  offload: {mode: 'on'}\n"
+                 "  kernels: {autotune: first}\ndata: {seq_len: 8192}\noutput: {dir: out}\n")
+    trees = {}
+    for command in ("train", "plan"):
+        code, out, err = _run([command, "--config", f, "--print-config"], capsys)
+        assert code == 0, err
+        trees[command] = yaml.safe_load(out)
+    for key in ("chunk_size", "page_size", "attention_backend", "checkpoint_layers", "sparse", "offload"):
+        assert trees["train"]["engine"][key] == trees["plan"]["engine"][key], key
+    assert trees["plan"]["data"]["seq_len"] == trees["train"]["data"]["seq_len"] == 8192
+    # with no file and no flags: the same engine too (a plan with default flags describes the default run)
+    defaults = {c: yaml.safe_load(_run([c, *extra, "--print-config"], capsys)[1])
+                for c, extra in (("train", ["--output-dir", tmp_path / "d"]), ("plan", []))}
+    for key in ("chunk_size", "page_size", "attention_backend", "sparse", "offload"):
+        assert defaults["train"]["engine"][key] == defaults["plan"]["engine"][key], key
+    assert defaults["train"]["data"]["seq_len"] == defaults["plan"]["data"]["seq_len"]
+
+
+def test_a_bad_file_gets_one_line_naming_the_key(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("engine:\n  chunk_sise: 512\n")
+    _refused(["train", "--config", bad, "--output-dir", tmp_path / "o"], capsys, "engine.chunk_sise",
+             "did you mean engine.chunk_size")
+    bad.write_text("engine:\n  chunk_size: abc\n")
+    err = _refused(["train", "--config", bad, "--output-dir", tmp_path / "o"], capsys, "engine.chunk_size", str(bad))
+    assert err.count(str(bad)) == 1
+    bad.write_text("engine:\n  offload: {copy_streams: 3}\n")
+    _refused(["plan", "--config", bad], capsys, "engine.offload.copy_streams", "1, 2")
+    bad.write_text("trainer: {steps: 3}\n")
+    _refused(["train", "--config", bad, "--output-dir", tmp_path / "o"], capsys, "unknown section 'trainer'")
+    bad.write_text("engine: [1, 2]\n")
+    _refused(["train", "--config", bad, "--output-dir", tmp_path / "o"], capsys, "'engine'", "not a mapping")
+    bad.write_text("engine: {chunk_size: [\n")
+    _refused(["train", "--config", bad, "--output-dir", tmp_path / "o"], capsys, "not valid YAML")
+    _refused(["train", "--config", tmp_path / "missing.yaml", "--output-dir", tmp_path / "o"], capsys,
+             "cannot be read")
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_flag_overrides_a_bad_value_of_the_file_and_is_named_itself(tmp_path, capsys):
+    f = tmp_path / "run.yaml"
+    f.write_text("engine:\n  chunk_size: 1000\n")
+    code, out, err = _run(["train", "--config", f, "--chunk-size", "1024", "--output-dir", tmp_path / "o",
+                           "--print-config"], capsys)
+    assert code == 0, err
+    _refused(["train", "--config", f, "--chunk-size", "1000", "--output-dir", tmp_path / "o"], capsys,
+             "--chunk-size 1000")
+
+
+def test_train_without_an_output_dir_names_the_flag_and_the_key(capsys):
+    _refused(["train"], capsys, "--output-dir", "output.dir")
