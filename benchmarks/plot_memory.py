@@ -5,10 +5,10 @@ Reads committed H200 results (same GPU, torch 2.11, transformers 5.17, triton 3.
 
 * oomb + offload, fixed GPU page pool (two 32K-token staging segments), dense, chunk 4096:
   ``offload_dense_memory_vs_length_h200.json`` (bench_offload.py part a);
-* oomb, every page on the GPU: ``step_qwen2.5-7b_2026-11-29_triton.json`` and part b of
+* oomb, every page on the GPU: ``dense_step_memory_vs_hf_h200.json`` and part b of
   ``offload_dense_128k_overhead_h200x2.json`` (128K);
 * oomb sparse + offload at 1,048,576 tokens: ``sparse_step_1m_offload_h200x2.json``;
-* HF (SDPA + per-layer checkpointing + chunked CE): ``step_qwen2.5-7b_2026-11-29_triton.json``
+* HF (SDPA + per-layer checkpointing + chunked CE): ``dense_step_memory_vs_hf_h200.json``
   (it runs out of memory beyond ~200K tokens).
 
 Usage: ``python benchmarks/plot_memory.py`` (needs matplotlib).
@@ -30,7 +30,7 @@ def load(name):
         return json.load(f)
 
 
-step = load("step_qwen2.5-7b_2026-11-29_triton.json")["rows"]
+step = load("dense_step_memory_vs_hf_h200.json")["rows"]
 fixed = load("offload_dense_memory_vs_length_h200.json")["a"]
 partb = load("offload_dense_128k_overhead_h200x2.json")["b"]
 onem = load("sparse_step_1m_offload_h200x2.json")["rows"]
