@@ -1,4 +1,4 @@
-"""Sparse against dense attention in one training step, in ONE run (issue 5's measurements).
+"""Sparse against dense attention in one training step, in ONE run.
 
 Per context length and system (``dense``, ``sparse``): seconds per step (forward + backward,
 no optimizer, gradients kept), tokens/s, peak GPU memory, KV store bytes (GPU pool and
@@ -101,7 +101,7 @@ def _record_union_sizes() -> None:
 
 def autotuned_configs() -> dict:
     """The config each autotuned attention kernel chose, per autotune key, in this process ({} without Triton):
-    losses from different sessions are comparable only where these agree (the key leaves out lengths, and a fresh
+    losses from different processes or machines are comparable only where these agree (the key leaves out lengths, and a fresh
     machine re-times the configs)."""
     out = {}
     for mod in ("oomb.ops.triton_paged_attention", "oomb.ops.triton_sparse_attention"):
@@ -294,7 +294,7 @@ def main(argv=None):
     ap.add_argument("--warmup-len", type=int, default=None,
                     help="tokens of one untimed warm-up step per system; default: long enough that sparse attention "
                          "really selects (past beyond budget + sink + local pages, plus two chunks), so the timed rows "
-                         "compile nothing (an 8K warm-up left the 64K row of 2026-12-01 compiling: 25.9 s instead of 12.4)")
+                         "compile nothing (after an 8K warm-up a 64K row still compiled kernel variants: 25.9 s instead of 12.4)")
     ap.add_argument("--grad-error-lengths", type=int, nargs="*", default=[])
     ap.add_argument("--grad-error-budgets", type=int, nargs="+", default=[4, 16, 64])
     ap.add_argument("--kernels", action="store_true", help="only the kernel precision/speed report (see above)")
@@ -401,8 +401,7 @@ def main(argv=None):
         except torch.OutOfMemoryError:
             pass
         model.zero_grad(set_to_none=True)
-        # Free the warm-up's engine and store before the timed steps size their pools from the free memory (on
-        # 2026-12-02 nothing of it was left: the tiering record showed only the weights allocated, 14.30 GiB).
+        # Free the warm-up's engine and store before the timed steps size their pools from the free memory.
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

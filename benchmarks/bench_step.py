@@ -5,7 +5,7 @@ optimizer, gradients kept), tokens/s and peak GPU memory. Systems:
 
 * ``hf``: the model's own forward with SDPA attention, per-layer gradient
   checkpointing and a chunked cross-entropy (logits for 1024 tokens at a time),
-  i.e. the strongest plain-HF setup (DESIGN.md §1).
+  i.e. the strongest plain-HF setup (docs/design.md §1).
 * ``oomb-torch`` / ``oomb-triton`` / ``oomb-sdpa``: :class:`oomb.Engine`, dense, with the
   PyTorch reference attention, the Triton kernels, or cuDNN's fused attention (the 'sdpa' backend).
 * ``oomb-<backend>-save-gpu`` / ``oomb-<backend>-save-host``: the same with

@@ -1,4 +1,4 @@
-"""Where Stage-2 time goes with sparse + offload (issue 5): a CUDA timeline of a few Stage-2 chunks.
+"""Where Stage-2 time goes with sparse + offload: a CUDA timeline of a few Stage-2 chunks.
 
 One step of the Qwen2.5-7B-shaped model (random weights, bf16, sparse, offload on, ``--checkpoint-layers``)
 with ``torch.profiler`` active over ``--active`` Stage-2 chunks after ``--skip`` of them, then a summary
