@@ -1,9 +1,8 @@
-"""A/B of the paged-attention forward kernel against an older copy of the kernel module, in ONE process.
+"""A/B of the paged-attention forward kernel against another version of the kernel module, in ONE process.
 
-Used to find out whether a kernel change moved the forward's speed: the 2026-11-30 v5 run measured
-the forward at 334 TFLOP/s (32K past) where the v4 run had 393, with the same autotuned config and
-the same SDPA flash reference (314). This script loads the older module from a file (for example
-``git show 4343a07:oomb/ops/triton_paged_attention.py > /tmp/old.py``), runs both forwards on the
+Tells whether a kernel change moved the forward's speed, with the autotuner, the inputs and the GPU the same for
+both. This script loads the other module from a file (for example
+``git show REV:oomb/ops/triton_paged_attention.py > /tmp/old.py``), runs both forwards on the
 same inputs (Qwen2.5-7B attention shape: 28 query heads, 4 KV heads, head dim 128, bf16, page 128,
 shuffled block table), checks that the outputs agree, and times them alternately.
 

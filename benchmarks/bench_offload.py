@@ -54,6 +54,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from oomb import Engine, OOMBConfig  # noqa: E402
+from oomb.config import OffloadConfig  # noqa: E402
+from overrides import add_set_argument, apply_sets  # noqa: E402
 from oomb.engine import engine as engine_module  # noqa: E402
 from oomb.engine.engine import _ChunkContext  # noqa: E402
 from oomb.engine.loss import chunked_cross_entropy_sum  # noqa: E402
@@ -163,6 +165,7 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="")
+    add_set_argument(ap)
     ap.add_argument("--replot", metavar="JSON", default=None, help="only redraw the PNG of an earlier run's JSON")
     args = ap.parse_args(argv)
     if args.replot:
@@ -200,7 +203,9 @@ def main(argv=None):
     }
 
     def engine_for(offload, budget):
-        cfg = OOMBConfig(chunk_size=args.chunk_size, page_size=args.page_size, attention_backend=args.attention_backend, checkpoint_layers=args.checkpoint_layers, offload=OffloadConfig(mode=offload, gpu_page_budget=budget))
+        cfg = OOMBConfig(chunk_size=args.chunk_size, page_size=args.page_size, attention_backend=args.attention_backend,
+                         checkpoint_layers=args.checkpoint_layers, offload=OffloadConfig(mode=offload, gpu_page_budget=budget))
+        cfg = apply_sets(cfg, args.sets)
         return Engine(model, cfg)
 
     def ids_of(T):

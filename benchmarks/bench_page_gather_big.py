@@ -1,4 +1,4 @@
-"""Zero-copy tile gather/scatter over a LARGE pinned host tier (issue 5): rate by position in the buffer
+"""Zero-copy tile gather/scatter over a LARGE pinned host tier: rate by position in the buffer
 (NUMA placement), by program count, and gather + scatter at once (full duplex), next to DMA copies.
 
 The 1M sparse step pins ~80 GiB of host memory; bench_page_gather.py measured 512 MiB. This one pins

@@ -1,4 +1,4 @@
-"""Sparse against dense attention in one training step, in ONE run (issue 5's measurements).
+"""Sparse against dense attention in one training step, in ONE run.
 
 Per context length and system (``dense``, ``sparse``): seconds per step (forward + backward,
 no optimizer, gradients kept), tokens/s, peak GPU memory, KV store bytes (GPU pool and
@@ -47,6 +47,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from oomb import Engine, OOMBConfig  # noqa: E402
+from oomb.config import OffloadConfig, SparseConfig  # noqa: E402
+from overrides import add_set_argument, apply_sets, config_record  # noqa: E402
 from oomb.models.presets import preset_config  # noqa: E402
 from oomb.sparse_quality import sparse_grad_error  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
@@ -67,9 +69,13 @@ def rss_gib() -> float:
 
 
 def engine_config(args, sparse: bool, backend: str) -> OOMBConfig:
-    offload = {"auto": "auto", "on": True, "off": False}[args.offload]
-    cfg = OOMBConfig(chunk_size=args.chunk_size, page_size=args.page_size, attention_backend=backend, checkpoint_layers=args.checkpoint_layers, sparse=SparseConfig(page_budget=args.page_budget, sink_pages=args.sink_pages, local_pages=args.local_pages, block_size=args.block_size, score=args.score), offload=OffloadConfig(mode=offload, gpu_page_budget=args.gpu_page_budget))
-    return cfg if sparse else cfg.dense()  # OOMBConfig refuses sparse options with sparse=False
+    cfg = OOMBConfig(
+        chunk_size=args.chunk_size, page_size=args.page_size, attention_backend=backend,
+        checkpoint_layers=args.checkpoint_layers,
+        sparse=SparseConfig(page_budget=args.page_budget, sink_pages=args.sink_pages, local_pages=args.local_pages,
+                            block_size=args.block_size, score=args.score) if sparse else None,
+        offload=OffloadConfig(mode=args.offload, gpu_page_budget=args.gpu_page_budget))
+    return apply_sets(cfg, [s for s in args.sets if sparse or not s.removeprefix("engine.").startswith("sparse.")])
 
 
 _UNION_SIZES: list[int] = []
@@ -95,7 +101,7 @@ def _record_union_sizes() -> None:
 
 def autotuned_configs() -> dict:
     """The config each autotuned attention kernel chose, per autotune key, in this process ({} without Triton):
-    losses from different sessions are comparable only where these agree (the key leaves out lengths, and a fresh
+    losses from different processes or machines are comparable only where these agree (the key leaves out lengths, and a fresh
     machine re-times the configs)."""
     out = {}
     for mod in ("oomb.ops.triton_paged_attention", "oomb.ops.triton_sparse_attention"):
@@ -176,8 +182,9 @@ def step(model, args, sparse: bool, backend: str, ids: torch.Tensor, device: tor
     if engine.tiering is not None:
         row["tiering_gib"] = {k: (v / GiB if k.endswith("_bytes") else v) for k, v in engine.tiering.items()}
     row["autotuned"] = autotuned_configs()
-    # the store's knobs (stash, shadow, grain, sets, copy kernel) and the allocator's settings
-    row["env"] = {k: v for k, v in os.environ.items() if k.startswith("OOMB_") or k == "PYTORCH_CUDA_ALLOC_CONF"}
+    # the engine's settings (stash, shadow, grain, sets, copy kernel) and the allocator's
+    row["config"] = config_record(engine.config)
+    row["env"] = {k: v for k, v in os.environ.items() if k == "PYTORCH_CUDA_ALLOC_CONF"}
     for attr in ("resident_pages_per_layer", "staging_sets", "stage1_shadow_pages", "kv_stash_tiles", "stage_grain",
                  "gather_programs"):
         if hasattr(store, attr):
@@ -287,7 +294,7 @@ def main(argv=None):
     ap.add_argument("--warmup-len", type=int, default=None,
                     help="tokens of one untimed warm-up step per system; default: long enough that sparse attention "
                          "really selects (past beyond budget + sink + local pages, plus two chunks), so the timed rows "
-                         "compile nothing (an 8K warm-up left the 64K row of 2026-12-01 compiling: 25.9 s instead of 12.4)")
+                         "compile nothing (after an 8K warm-up a 64K row still compiled kernel variants: 25.9 s instead of 12.4)")
     ap.add_argument("--grad-error-lengths", type=int, nargs="*", default=[])
     ap.add_argument("--grad-error-budgets", type=int, nargs="+", default=[4, 16, 64])
     ap.add_argument("--kernels", action="store_true", help="only the kernel precision/speed report (see above)")
@@ -299,6 +306,7 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="")
+    add_set_argument(ap)
     ap.add_argument("--gpu-page-budget", type=int, default=None,
                     help="with offload: GPU page-pool size in pages (default: the planner's largest that fits)")
     ap.add_argument("--progress", action="store_true", help="tqdm bars over each step's chunks (stderr)")
@@ -393,8 +401,7 @@ def main(argv=None):
         except torch.OutOfMemoryError:
             pass
         model.zero_grad(set_to_none=True)
-        # Free the warm-up's engine and store before the timed steps size their pools from the free memory (on
-        # 2026-12-02 nothing of it was left: the tiering record showed only the weights allocated, 14.30 GiB).
+        # Free the warm-up's engine and store before the timed steps size their pools from the free memory.
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()

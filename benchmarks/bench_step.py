@@ -5,7 +5,7 @@ optimizer, gradients kept), tokens/s and peak GPU memory. Systems:
 
 * ``hf``: the model's own forward with SDPA attention, per-layer gradient
   checkpointing and a chunked cross-entropy (logits for 1024 tokens at a time),
-  i.e. the strongest plain-HF setup (DESIGN.md §1).
+  i.e. the strongest plain-HF setup (docs/design.md §1).
 * ``oomb-torch`` / ``oomb-triton`` / ``oomb-sdpa``: :class:`oomb.Engine`, dense, with the
   PyTorch reference attention, the Triton kernels, or cuDNN's fused attention (the 'sdpa' backend).
 * ``oomb-<backend>-save-gpu`` / ``oomb-<backend>-save-host``: the same with
@@ -36,6 +36,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from oomb import Engine, OOMBConfig  # noqa: E402
+from overrides import add_set_argument, apply_sets  # noqa: E402
 from oomb.bench import hf_step, measure  # noqa: E402  (the same HF step and timing as `oomb bench`)
 from oomb.models.presets import preset_config  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
@@ -69,6 +70,7 @@ def main(argv=None):
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="", help="suffix of the result file names")
+    add_set_argument(ap)
     ap.add_argument("--profile", type=int, default=None, metavar="TOKENS",
                     help="after the timed rows, profile one step per system at this length (torch.profiler) and "
                          "write the top kernels by GPU time to <out>/profile_<system>_<TOKENS><tag>.txt")
@@ -88,13 +90,13 @@ def main(argv=None):
         if system == "hf":
             return measure(lambda: hf_step(model, ids), device)
         backend = system.split("-")[1]
-        engine = Engine(model, OOMBConfig(
+        engine = Engine(model, apply_sets(OOMBConfig(
                 chunk_size=args.chunk_size,
                 page_size=args.page_size,
                 attention_backend=backend,
                 checkpoint_layers=args.checkpoint_layers,
                 save_attention=system.split("-save-")[1] if "-save-" in system else "off",
-            ))
+            ), args.sets))
         out_holder = {}
 
         def go():

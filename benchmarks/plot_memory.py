@@ -4,11 +4,11 @@ Reads committed H200 results (same GPU, torch 2.11, transformers 5.17, triton 3.
 ``benchmarks/results/memory_vs_length_h200.png``:
 
 * oomb + offload, fixed GPU page pool (two 32K-token staging segments), dense, chunk 4096:
-  ``offload_qwen2.5-7b_h200_2026-11-30_fixedpool.json`` (bench_offload.py part a);
-* oomb, every page on the GPU: ``step_qwen2.5-7b_2026-11-29_triton.json`` and part b of
-  ``offload_qwen2.5-7b_h200x2_2026-11-30.json`` (128K);
-* oomb sparse + offload at 1,048,576 tokens: ``sparse_qwen2.5-7b_1m_h200x2_2026-11-30.json``;
-* HF (SDPA + per-layer checkpointing + chunked CE): ``step_qwen2.5-7b_2026-11-29_triton.json``
+  ``offload_dense_memory_vs_length_h200.json`` (bench_offload.py part a);
+* oomb, every page on the GPU: ``dense_step_memory_vs_hf_h200.json`` and part b of
+  ``offload_dense_128k_overhead_h200x2.json`` (128K);
+* oomb sparse + offload at 1,048,576 tokens: ``sparse_step_1m_offload_h200x2.json``;
+* HF (SDPA + per-layer checkpointing + chunked CE): ``dense_step_memory_vs_hf_h200.json``
   (it runs out of memory beyond ~200K tokens).
 
 Usage: ``python benchmarks/plot_memory.py`` (needs matplotlib).
@@ -30,10 +30,10 @@ def load(name):
         return json.load(f)
 
 
-step = load("step_qwen2.5-7b_2026-11-29_triton.json")["rows"]
-fixed = load("offload_qwen2.5-7b_h200_2026-11-30_fixedpool.json")["a"]
-partb = load("offload_qwen2.5-7b_h200x2_2026-11-30.json")["b"]
-onem = load("sparse_qwen2.5-7b_1m_h200x2_2026-11-30.json")["rows"]
+step = load("dense_step_memory_vs_hf_h200.json")["rows"]
+fixed = load("offload_dense_memory_vs_length_h200.json")["a"]
+partb = load("offload_dense_128k_overhead_h200x2.json")["b"]
+onem = load("sparse_step_1m_offload_h200x2.json")["rows"]
 
 hf = [(r["seq_len"], r["peak_gib"]) for r in step if r["system"] == "hf" and r.get("peak_gib")]
 ongpu = [(r["seq_len"], r["peak_gib"]) for r in step if r["system"] == "oomb-triton" and r.get("peak_gib")]

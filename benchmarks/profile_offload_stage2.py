@@ -1,4 +1,4 @@
-"""Where Stage-2 time goes with sparse + offload (issue 5): a CUDA timeline of a few Stage-2 chunks.
+"""Where Stage-2 time goes with sparse + offload: a CUDA timeline of a few Stage-2 chunks.
 
 One step of the Qwen2.5-7B-shaped model (random weights, bf16, sparse, offload on, ``--checkpoint-layers``)
 with ``torch.profiler`` active over ``--active`` Stage-2 chunks after ``--skip`` of them, then a summary
@@ -33,6 +33,8 @@ from oomb.engine.offload import min_gpu_pages  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_sparse import autotuned_configs, build  # noqa: E402
+from oomb.config import OffloadConfig, SparseConfig  # noqa: E402
+from overrides import add_set_argument, apply_sets, config_record  # noqa: E402
 
 COPY_KERNEL = "_copy_tiles_kernel"
 
@@ -150,21 +152,19 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="")
     ap.add_argument("--keep-trace", action="store_true", help="also write the chrome trace (gzip)")
-    ap.add_argument("--elems-per-load", type=int, default=None,
-                    help="oomb.ops.triton_page_gather.ELEMS_PER_LOAD for this run (default: the module's, 8192)")
+    add_set_argument(ap)
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
-    if args.elems_per_load:
-        from oomb.ops import triton_page_gather
-
-        triton_page_gather.ELEMS_PER_LOAD = args.elems_per_load
     model = build(args.model, dev, torch.bfloat16)
     model.config.use_cache = False
     L = model.config.num_hidden_layers
     budget = args.gpu_page_budget
     if args.min_pool:
         budget = min_gpu_pages(L, -(-args.length // 128), None)
-    cfg = OOMBConfig(chunk_size=args.chunk_size, page_size=128, attention_backend="triton", checkpoint_layers=True, sparse=SparseConfig(page_budget=args.page_budget, sink_pages=1, local_pages=8), offload=OffloadConfig(mode="on", gpu_page_budget=budget))
+    cfg = OOMBConfig(chunk_size=args.chunk_size, page_size=128, attention_backend="triton", checkpoint_layers=True,
+                     sparse=SparseConfig(page_budget=args.page_budget, sink_pages=1, local_pages=8),
+                     offload=OffloadConfig(mode="on", gpu_page_budget=budget))
+    cfg = apply_sets(cfg, args.sets)
     g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
     warm = Engine(model, cfg)
@@ -199,7 +199,7 @@ def main(argv=None) -> int:
     row = dict(length=args.length, gpu_page_budget=budget, resident_pages_per_layer=engine.kv_store.resident_pages_per_layer,
                seconds=dt, stage1_seconds=out.stage1_seconds, stage2_seconds=out.stage2_seconds, loss=out.loss,
                programs=engine.kv_store.gather_programs, grain=engine.kv_store.stage_grain,
-               elems_per_load=args.elems_per_load or 8192,
+               config=config_record(cfg),
                stats={k: v for k, v in engine.kv_store.stats.items()}, profiled=not args.no_profile,
                autotuned=autotuned_configs())
     os.makedirs(args.out, exist_ok=True)

@@ -1,4 +1,4 @@
-"""Stage-2 seconds per chunk from a tqdm console of ``bench_sparse.py --progress`` (issue 5's A/B runs).
+"""Stage-2 seconds per chunk from a tqdm console of ``bench_sparse.py --progress``.
 
 Reads the "stage 2 (recompute + backward)" progress lines of the timed step (the one with the most chunks)
 and prints the mean seconds per chunk over the first ``--chunks`` chunks (the elapsed time at chunk k over k),

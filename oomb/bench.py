@@ -4,7 +4,7 @@ Systems:
 
 * ``hf``: the model's own forward with SDPA attention over the whole sequence, per-layer gradient
   checkpointing (non-reentrant) and a chunked cross-entropy (logits for ``loss_block`` tokens at a
-  time) -- the strongest plain-transformers setup for long sequences (DESIGN.md §1);
+  time) -- the strongest plain-transformers setup for long sequences (docs/design.md §1);
 * ``oomb``: :class:`oomb.Engine` with the given :class:`oomb.OOMBConfig`.
 
 Both are timed at the last of ``steps`` steps on the same sequence (for oomb on one engine): a first step

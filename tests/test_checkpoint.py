@@ -144,8 +144,8 @@ def test_graceful_stop_turns_a_signal_into_a_flag():
 
 
 def test_graceful_stop_says_what_the_first_signal_does(capsys):
-    """A second Ctrl-C aborts without saving; the first one says so (fresh-user review: a silent first
-    Ctrl-C during a long step invites the second)."""
+    """A second Ctrl-C aborts without saving; the first one says so (a silent first Ctrl-C during a long step
+    invites the second)."""
     with GracefulStop(notice="got {name}: saving after this step (again: stop without saving)") as stop:
         os.kill(os.getpid(), signal.SIGINT)
         assert stop.requested == signal.SIGINT

@@ -395,16 +395,39 @@ def test_readme_python_example_runs():
     assert 10.0 < out.loss < 10.8 and out.num_tokens == 2048
 
 
-def test_readme_lists_every_train_option_and_help_lists_them_too(capsys):
-    text = open(README, encoding="utf-8").read()
-    text = text.split("## `oomb train`", 1)[1].split("\n## ", 1)[0]  # the train section only
-    assert run_cli(["train", "--help"]) == 0
-    help_text = capsys.readouterr().out
+CLI_DOC = os.path.join(os.path.dirname(README), "docs", "cli.md")
+_FLAG = r"--[a-z][a-z0-9-]*[a-z0-9]"
+
+
+def _help_flags(capsys, command):
     import re
 
-    options = set(re.findall(r"(--[a-z][a-z-]+)", help_text)) - {"--help"}
-    documented = set(re.findall(r"`(--[a-z][a-z-]+)`", text))
+    assert run_cli([command, "--help"]) == 0
+    return set(re.findall(rf"({_FLAG})", capsys.readouterr().out)) - {"--help"}
+
+
+def test_cli_doc_lists_every_train_option_and_help_lists_them_too(capsys):
+    """docs/cli.md's `oomb train` table names exactly the flags of `oomb train --help`, no more, no fewer."""
+    import re
+
+    text = open(CLI_DOC, encoding="utf-8").read()
+    text = text.split("## `oomb train`", 1)[1].split("\n## ", 1)[0]  # the train section only
+    options = _help_flags(capsys, "train")
+    documented = set(re.findall(rf"`({_FLAG})[` ]", text))
+    assert "--offload-stage1-shadow" in options and "--no-fwd-tma" in options  # digits and --no- forms count
     assert options == documented, (options - documented, documented - options)
+
+
+def test_readme_names_only_flags_that_exist(capsys):
+    """Every flag the README shows in backticks is a flag of some `oomb` command."""
+    import re
+
+    text = open(README, encoding="utf-8").read()
+    known = set()
+    for command in ("train", "plan", "eval", "grad-error", "bench"):
+        known |= _help_flags(capsys, command)
+    shown = set(re.findall(rf"(?<![a-z0-9-])({_FLAG})(?![a-z0-9_-])", text))  # not torchrun's --nproc_per_node
+    assert shown and shown <= known, shown - known
 
 
 def test_readme_commands_are_the_ones_ci_runs():

@@ -279,8 +279,8 @@ def _tiny_engine():
 
 @pytest.mark.parametrize("bad", [-1, -101, VOCAB, VOCAB + 50])
 def test_bad_label_values(bad):
-    # Fresh-user review: these reached cross_entropy as "IndexError: Target -1 is out of bounds"
-    # (a device-side assert on CUDA) instead of a ValueError naming the value and the fix.
+    # A ValueError naming the value and the fix, not cross_entropy's "IndexError: Target -1 is out of bounds"
+    # (a device-side assert on CUDA).
     _, engine = _tiny_engine()
     ids = torch.arange(10).unsqueeze(0)
     labels = ids.clone()
@@ -309,7 +309,7 @@ def test_ignored_labels_and_valid_calls_still_work():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.bool])
 def test_non_integer_labels_and_ids(dtype):
-    # Float labels used to be truncated silently into token ids.
+    # Float labels or ids are refused, not truncated silently into token ids.
     _, engine = _tiny_engine()
     ids = torch.arange(10).unsqueeze(0)
     with pytest.raises(ValueError, match=rf"labels must be integer token ids.*got {dtype}"):

@@ -95,8 +95,8 @@ def test_directory_without_config_is_an_unknown_model(tmp_path):
 
 @pytest.mark.parametrize("damage", ["missing", "truncated"])
 def test_local_directory_with_missing_or_truncated_weights_is_a_clear_error(tmp_path, damage):
-    """A fresh-user review found a raw OSError / SafetensorError traceback here; now one UnknownModelError
-    (which the CLI turns into exit status 2 and one line) naming the folder, the cause and the fix."""
+    """One UnknownModelError (which the CLI turns into exit status 2 and one line) naming the folder, the cause
+    and the fix, not a raw OSError / SafetensorError traceback."""
     cfg = Qwen2Config(vocab_size=500, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
     Qwen2ForCausalLM(cfg).save_pretrained(tmp_path)
     weights = tmp_path / "model.safetensors"

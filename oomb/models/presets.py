@@ -3,7 +3,7 @@
 A preset is a transformers config with random initial weights: ``tiny`` runs a
 real training job on two CPU cores in minutes; ``qwen2.5-0.5b`` and
 ``qwen2.5-7b`` have the shapes of the released Qwen2.5 models for GPU runs and
-benchmarks (DESIGN.md §3 uses the 7B shape). Every preset's vocabulary covers
+benchmarks (docs/design.md §3 uses the 7B shape). Every preset's vocabulary covers
 the bundled 32,000-token tokenizer, and every preset allows positions past one
 million tokens (RoPE is computed per position, so this costs no memory).
 
@@ -89,7 +89,7 @@ def _qwen25_05b() -> PretrainedConfig:
 
 
 def _qwen25_7b() -> PretrainedConfig:
-    # Shape of Qwen/Qwen2.5-7B (7.6B parameters): the model of DESIGN.md §3.
+    # Shape of Qwen/Qwen2.5-7B (7.6B parameters): the model of docs/design.md §3.
     return Qwen2Config(
         vocab_size=152064,
         hidden_size=3584,

@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# One GPU measurement: benchmarks/run_gpu.sh KIND [ARGS...]
+#
+# Writes the GPU, driver and versions to $OUT/env.txt, then runs the script of KIND with ARGS appended (so any of
+# the script's options, and --set KEY=VALUE engine settings where the script takes them, can be given), its output
+# also in $OUT/KIND.txt. Results land in $OUT (default benchmarks/results/run). A Triton cache carried in as
+# triton_cache.tgz.part-* is unpacked first; TRITON_CACHE_DIR is ./.triton_cache, and autotune results are kept.
+#
+# KIND        script                                   measures
+# tests       pytest ARGS (default: the CUDA tests)   the test suite's CUDA cases on this GPU
+# parity      check_gpu_parity.py                      bf16 engine vs full-sequence fp32 training, 2 layers, many chunks
+# kernels     bench_kernels.py                         Triton paged attention: errors and TFLOP/s next to SDPA
+# sdpa        bench_sdpa_attention.py                  the cuDNN (sdpa) chunk attention next to the Triton kernels
+# step        bench_step.py                            one dense step, oomb systems next to Hugging Face
+# bench       python -m oomb bench                     the same through the CLI
+# sparse      bench_sparse.py                          sparse (and dense) steps, with or without offload, 64K-1M
+# offload     bench_offload.py                         dense offload: memory vs length, overhead, longest context
+# offload-ab  offload_ab.py                            offload settings A/B in one process (staging sets, stash, copies)
+# stage2      profile_offload_stage2.py                CUDA timeline of Stage-2 chunks with every page offloaded
+# copy        bench_copy_duplex.py                     pinned host<->device bandwidth, one and two streams
+# gather      bench_page_gather.py                     the zero-copy tile copy kernels, alone and beside GEMMs
+# gather-big  bench_page_gather_big.py                 the same over a 64 GiB pinned tier
+# select      bench_select.py                          page selection time
+# ab-forward  ab_forward.py --old FILE                 this tree's attention forward against another version's module
+# train       python -m oomb train                     a training run (default: qwen2.5-0.5b at 128K, 3 steps)
+# quality     (below)                                  sparse quality: train a 100M model, eval and grad-error at 64K
+# dp          (below)                                  data-parallel scaling: torchrun on 2 GPUs against 1
+#
+# Examples:
+#   benchmarks/run_gpu.sh step --lengths 32768 131072 --systems hf oomb-sdpa-save-gpu --oomb-steps 2
+#   benchmarks/run_gpu.sh sparse --lengths 1048576 --systems sparse --offload on --checkpoint-layers --progress
+#   benchmarks/run_gpu.sh offload-ab --set sets
+#   benchmarks/run_gpu.sh tests tests/test_offload.py -k cuda
+set -euo pipefail
+cd "$(dirname "$0")/.."
+kind=${1:?usage: benchmarks/run_gpu.sh KIND [ARGS...] (kinds: see the top of this file)}; shift
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD TRITON_CACHE_DIR=$PWD/.triton_cache TRITON_CACHE_AUTOTUNING=1
+OUT=${OUT:-benchmarks/results/run}; mkdir -p "$OUT"
+if ls triton_cache.tgz.part-* >/dev/null 2>&1; then cat triton_cache.tgz.part-* | tar xz; fi
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c "import torch,transformers,triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, 'cudnn', torch.backends.cudnn.version())"
+  free -g | sed -n 2p; date -u +%F; git rev-parse --short HEAD 2>/dev/null || true; } > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+quality() {  # a 100M Qwen2-shaped model from random weights on five novels (Emma held out); dense and sparse at 64K
+  local W=/tmp/oomb-quality common="--device cuda --chunk-size 4096 --data /tmp/oomb-quality/train --no-progress --seed 0"
+  mkdir -p $W/train; for b in oomb/resources/austen/*.txt; do [ "$(basename "$b")" = emma.txt ] || cp "$b" $W/train/; done
+  python3 - <<'PY'
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+torch.manual_seed(0)
+cfg = Qwen2Config(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                  num_key_value_heads=4, max_position_embeddings=1 << 20, rope_theta=1e6, rms_norm_eps=1e-6,
+                  tie_word_embeddings=True, use_sliding_window=False, bos_token_id=1, eos_token_id=2)
+AutoModelForCausalLM.from_config(cfg).save_pretrained("/tmp/oomb-quality/init")
+PY
+  python3 -m oomb train --model $W/init $common --seq-len 8192 --steps 300 --lr 1e-3 --warmup-steps 30 --log-every 25 --output-dir $W/m8k
+  cp $W/m8k/log.jsonl "$OUT/sparse_quality_train_8k.jsonl"
+  for mode in dense sparse; do
+    extra=""; [ $mode = sparse ] && extra="--sparse --page-budget 64"
+    python3 -m oomb train --model $W/m8k $common --seq-len 65536 --steps 12 --lr 3e-4 --warmup-steps 2 --lr-schedule constant \
+      $extra --output-dir $W/m64k_$mode
+    cp $W/m64k_$mode/log.jsonl "$OUT/sparse_quality_train_64k_$mode.jsonl"
+    python3 -m oomb eval --model $W/m64k_$mode --data oomb/resources/austen/emma.txt --seq-len 65536 --chunk-size 4096 \
+      --budgets 4 16 64 --device cuda --json "$OUT/sparse_quality_eval_64k_${mode}_trained.json" | tee "$OUT/sparse_quality_eval_64k_${mode}_trained.txt"
+  done
+  for L in 16384 65536; do
+    python3 -m oomb grad-error --model $W/m8k --data oomb/resources/austen/emma.txt --seq-len $L --chunk-size 4096 \
+      --budgets 4 16 64 --device cuda --dtype float32 --attention-backend torch --json "$OUT/grad_error_100m_$L.json"
+  done
+}
+
+dp() {  # 256K sparse LoRA steps on 2 GPUs, then the same on 1 GPU
+  local TRAIN="-m oomb train --model qwen2.5-7b --device cuda --seq-len 262144 --chunk-size 4096 --sparse --page-budget 64
+    --lora-rank 16 --lr 1e-4 --steps ${STEPS:-2} --no-progress --overwrite"
+  torchrun --standalone --nproc_per_node 2 $TRAIN --output-dir /tmp/oomb-dp2 "$@"; cp /tmp/oomb-dp2/log.jsonl "$OUT/data_parallel_2gpu.jsonl"
+  CUDA_VISIBLE_DEVICES=0 python3 $TRAIN --output-dir /tmp/oomb-dp1 "$@"; cp /tmp/oomb-dp1/log.jsonl "$OUT/data_parallel_1gpu.jsonl"
+}
+
+B=benchmarks
+case "$kind" in
+  tests)      [ $# -gt 0 ] || set -- tests/test_offload.py tests/test_page_gather.py tests/test_sdpa_attention.py -k cuda
+              python3 -m pytest -v --tb=short -p no:cacheprovider -rfE "$@" ;;
+  parity)     python3 $B/check_gpu_parity.py --out "$OUT" "$@" ;;
+  kernels)    python3 $B/bench_kernels.py --out "$OUT" "$@" ;;
+  sdpa)       python3 $B/bench_sdpa_attention.py --out "$OUT" "$@" ;;
+  step)       python3 $B/bench_step.py --out "$OUT" "$@" ;;
+  bench)      python3 -m oomb bench --device cuda --model qwen2.5-7b --json "$OUT/oomb_bench.json" "$@" ;;
+  sparse)     python3 $B/bench_sparse.py --out "$OUT" "$@" ;;
+  offload)    python3 $B/bench_offload.py --out "$OUT" "$@" ;;
+  offload-ab) python3 $B/offload_ab.py --out "$OUT" "$@" ;;
+  stage2)     python3 $B/profile_offload_stage2.py --out "$OUT" "$@" ;;
+  copy)       python3 $B/bench_copy_duplex.py --out "$OUT" "$@" ;;
+  gather)     python3 $B/bench_page_gather.py --out "$OUT" "$@" ;;
+  gather-big) python3 $B/bench_page_gather_big.py --out "$OUT" "$@" ;;
+  select)     python3 $B/bench_select.py --out "$OUT/page_selection.json" "$@" ;;
+  ab-forward) python3 $B/ab_forward.py --out "$OUT" "$@" ;;
+  train)      python3 -m oomb train --device cuda --model qwen2.5-0.5b --seq-len 131072 --steps 3 --lr 3e-4 --no-progress \
+                --overwrite --output-dir /tmp/oomb-train "$@"; cp /tmp/oomb-train/log.jsonl "$OUT/train_log.jsonl" ;;
+  quality)    quality "$@" ;;
+  dp)         dp "$@" ;;
+  *) echo "run_gpu.sh: unknown KIND '$kind' (see the top of $0)" >&2; exit 2 ;;
+esac 2>&1 | tee "$OUT/$kind.txt"
