@@ -338,10 +338,10 @@ def test_frozen_model_step_refused_evaluate_fine():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(chunk_size=0), "chunk_size must be a positive"),
-        (dict(page_size=-4), "page_size must be a positive"),
+        (dict(chunk_size=0), "chunk_size is 0; pass a positive number of tokens"),
+        (dict(page_size=-4), "page_size is -4; pass a positive number of tokens"),
         (dict(chunk_size=100, page_size=64), "multiple of page_size"),
-        (dict(attention_backend="cuda"), "attention_backend must be one of"),
+        (dict(attention_backend="cuda"), "attention_backend is .cuda.; pass one of"),
     ],
 )
 def test_bad_config(kwargs, match):

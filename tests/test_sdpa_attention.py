@@ -102,7 +102,7 @@ def test_backend_names():
     assert paged_backend("sdpa", torch.device("cpu")) == "torch"
     assert paged_backend("triton", torch.device("cpu")) == "triton"
     assert paged_backend("torch", torch.device("cuda")) == "torch"
-    with pytest.raises(ValueError, match="attention_backend must be one of"):
+    with pytest.raises(ValueError, match="attention_backend is .cudnn.; pass one of"):
         engine_config(attention_backend="cudnn")
 
 
