@@ -572,7 +572,7 @@ class Engine:
         if self.config.grad_accum_dtype == "float32":
             accumulate = Float32GradAccumulator(self.model.parameters())
         else:  # weight gradients added into .grad inside the GEMM from the second chunk on
-            accumulate = FusedWeightGradAccumulation(self.model)
+            accumulate = FusedWeightGradAccumulation(self.model, enabled=self.config.kernels.fused_wgrad)
         with accumulate:
             self._stage2(input_ids, targets, doc_start, positions, denom, progress, store, total)
         _sync(device)
