@@ -151,13 +151,13 @@ def main(argv=None) -> int:
     ap.add_argument("--tag", default="")
     ap.add_argument("--keep-trace", action="store_true", help="also write the chrome trace (gzip)")
     ap.add_argument("--elems-per-load", type=int, default=None,
-                    help="oomb.ops.triton_page_gather.ELEMS_PER_LOAD for this run (default: the module's, 8192)")
+                    help="oomb.ops.triton.page_gather.ELEMS_PER_LOAD for this run (default: the module's)")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     if args.elems_per_load:
-        from oomb.ops import triton_page_gather
+        from oomb.ops.triton import page_gather
 
-        triton_page_gather.ELEMS_PER_LOAD = args.elems_per_load
+        page_gather.ELEMS_PER_LOAD = args.elems_per_load
     model = build(args.model, dev, torch.bfloat16)
     model.config.use_cache = False
     L = model.config.num_hidden_layers

@@ -10,8 +10,9 @@ from oomb import Engine, OOMBConfig
 from oomb.config import SparseConfig
 from configs import engine_config
 from oomb.models.hf import use_oomb_attention
-from oomb.ops import sparse as sparse_ops
-from oomb.ops.sparse import SparseAttentionState, selection_mask
+from oomb.engine import sparse_state
+from oomb.engine.sparse_state import SparseAttentionState
+from oomb.ops.sparse_select import selection_mask
 from tests.test_engine import VOCAB, clone_model, tiny
 
 
@@ -47,14 +48,14 @@ def test_budget_covering_the_past_equals_dense_bitwise(family, heads, kv_heads, 
 
 def test_sparse_path_selecting_everything_matches_dense(monkeypatch):
     """The gather-based sparse path (dense shortcut off) with every page selected equals the dense step."""
-    original = sparse_ops.select_pages
+    original = sparse_state.select_pages
 
     def never_dense(*a, **k):
         sel = original(*a, **k)
         sel.dense = False
         return sel
 
-    monkeypatch.setattr(sparse_ops, "select_pages", never_dense)
+    monkeypatch.setattr(sparse_state, "select_pages", never_dense)
     torch.manual_seed(1)
     model = tiny("qwen2", 7, 1).double()
     twin = clone_model(model)
@@ -197,14 +198,14 @@ def test_planner_sparse_state_bytes_bounds_the_real_state(monkeypatch, score, pa
     from oomb.planner import ModelShape, sparse_state_bytes
 
     made = []
-    real_select = sparse_ops.select_pages
+    real_select = sparse_state.select_pages
 
     def spy(*args, **kwargs):
         sel = real_select(*args, **kwargs)
         made.append(sel.page_idx.nbytes + sel.counts.nbytes)
         return sel
 
-    monkeypatch.setattr("oomb.ops.sparse.select_pages", spy)
+    monkeypatch.setattr("oomb.engine.sparse_state.select_pages", spy)
     model = tiny("qwen2", 4, 2, 16)
     cfg = OOMBConfig(chunk_size=32, page_size=8, sparse=SparseConfig(page_budget=page_budget, sink_pages=1, local_pages=1, block_size=16, score=score))
     engine = Engine(model, cfg)
