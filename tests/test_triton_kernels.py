@@ -414,6 +414,7 @@ def test_backward_tma_paths_match_gather_paths(monkeypatch, transposed_q):
     base_k = torch.randn(case["k_cache"].shape, generator=gen).to(DEVICE)
     base_v = torch.randn(case["v_cache"].shape, generator=gen).to(DEVICE)
     out, lse = tpa.paged_attention_fwd(*args)
+    enabled.clear()  # the forward's check
     for past_start in (0, S, S + 3):
         got = {}
         for flag in ("1", "0"):
@@ -489,9 +490,10 @@ def test_autotune_picks_the_config_list_per_launch():
     a ValueError naming the argument."""
     kernel = fwd_kernels._paged_attn_fwd_kernel
     gpu = fwd_kernels.FWD_GPU_CONFIGS
-    assert kernel["full"] is not kernel["first"] and kernel["full"].fn is kernel["first"].fn is kernel.fn
+    full, first = kernel._tuned["full"], kernel._tuned["first"]
+    assert full is not first and full.fn is first.fn is kernel.fn
     if DEVICE == "cuda":
-        assert len(kernel["full"].configs) == len(gpu) + 1 and len(kernel["first"].configs) == 2
+        assert len(full.configs) == len(gpu) + 1 and len(first.configs) == 2
     case = make_case(5, 4, 2, 16, 21, 8, seed=4)
     args = (case["q"], case["k"], case["v"], case["k_cache"], case["v_cache"], case["block_table"], 21)
     out_full, lse_full = tpa.paged_attention_fwd(*args, kernels=KernelConfig(autotune="full"))
