@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from oomb.ops import triton_paged_attention as new_mod  # noqa: E402
+from oomb.ops.triton import paged_attention as new_mod  # noqa: E402
 
 
 def _load(path: str, name: str):

@@ -1,4 +1,4 @@
-"""GPU check and benchmark of the Triton paged attention kernels (oomb.ops.triton_paged_attention).
+"""GPU check and benchmark of the Triton paged attention kernels (oomb.ops.triton.paged_attention).
 
 Usage (CUDA only)::
 
@@ -320,12 +320,20 @@ CASES = [
 ]
 
 
+def tuned_kernels() -> tuple:
+    """The autotuners the launchers run with the default ``kernels.autotune='full'``: forward, dq, dk/dv."""
+    from oomb.ops.triton import paged_bwd_kernels as bwd, paged_fwd_kernel as fwd
+
+    return (fwd._paged_attn_fwd_kernel["full"], bwd._paged_attn_bwd_dq_kernel["full"],
+            bwd._paged_attn_bwd_dkdv5_kernel["full"])
+
+
 def _prewarm_worker(args):
     """Compile one autotune config for every case into Triton's disk cache (runs in a spawned process)."""
     cfg_idx, case_idx = args
-    import oomb.ops.triton_paged_attention as tpa
+    import oomb.ops.triton.paged_attention as tpa
 
-    for kern in (tpa._paged_attn_fwd_kernel, tpa._paged_attn_bwd_dq_kernel, tpa._paged_attn_bwd_dkdv5_kernel):
+    for kern in tuned_kernels():
         kern.configs = [kern.configs[min(cfg_idx, len(kern.configs) - 1)]]
     name, C, Hq, Hkv, D, past_len, S, dtype, seed, _ = CASES[case_idx]
     t = time.time()
@@ -407,9 +415,9 @@ def main():
     import triton
     from triton.testing import do_bench
 
-    import oomb.ops.triton_paged_attention as tpa
+    import oomb.ops.triton.paged_attention as tpa
 
-    dkdv_kernel = tpa._paged_attn_bwd_dkdv5_kernel
+    fwd_kernel, dq_kernel, dkdv_kernel = tuned_kernels()
     record_tunings(dkdv_kernel)
 
     def bench(fn, **kw):
@@ -425,7 +433,7 @@ def main():
     t0 = time.time()
     if not args.no_prewarm:
         try:
-            report["prewarm"] = prewarm(max(len(tpa._FWD_CONFIGS), len(tpa._DQ_CONFIGS), len(tpa._DKDV5_CONFIGS)))
+            report["prewarm"] = prewarm(max(len(k.configs) for k in tuned_kernels()))
         except Exception as e:  # noqa: BLE001
             print("pre-warm failed:", e, flush=True)
     poison(tpa)
@@ -466,7 +474,7 @@ def main():
     # Chosen config per autotune key (key = G, HEAD_DIM, PAGE_SIZE[, IS_PAST, ATOMIC_DQ], dtypes).
     report["configs"] = {
         n: {str(key): str(cfg) for key, cfg in getattr(k, "cache", {}).items()}
-        for n, k in (("fwd", tpa._paged_attn_fwd_kernel), ("dq", tpa._paged_attn_bwd_dq_kernel), ("dkdv5", dkdv_kernel))
+        for n, k in (("fwd", fwd_kernel), ("dq", dq_kernel), ("dkdv5", dkdv_kernel))
     }
     if args.smoke_past:
         try:

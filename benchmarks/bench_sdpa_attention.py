@@ -171,7 +171,7 @@ def main():
 
     tpa = None
     if not args.no_triton:
-        import oomb.ops.triton_paged_attention as tpa
+        import oomb.ops.triton.paged_attention as tpa
     from triton.testing import do_bench
 
     def bench(fn):

@@ -20,7 +20,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from oomb.ops.sparse import _select_pages_topk, select_pages  # noqa: E402
+from oomb.ops.sparse_select import _select_pages_topk, select_pages  # noqa: E402
 
 
 def time_ms(fn, warmup: int, reps: int, cuda: bool) -> float:

@@ -83,7 +83,7 @@ _UNION_SIZES: list[int] = []
 
 def _record_union_sizes() -> None:
     """Count the pages each Stage-2 staging of sparse + offload asks for (benchmark instrumentation)."""
-    from oomb.ops.sparse import SparseAttentionState
+    from oomb.engine.sparse_state import SparseAttentionState
 
     if getattr(SparseAttentionState.needed_pages, "_bench_wrapped", False):
         return
@@ -104,12 +104,16 @@ def autotuned_configs() -> dict:
     losses from different processes or machines are comparable only where these agree (the key leaves out lengths, and a fresh
     machine re-times the configs)."""
     out = {}
-    for mod in ("oomb.ops.triton_paged_attention", "oomb.ops.triton_sparse_attention"):
+    for mod in ("oomb.ops.triton.paged_fwd_kernel", "oomb.ops.triton.paged_bwd_kernels",
+                "oomb.ops.triton.sparse_kernels"):
         m = sys.modules.get(mod)
         for name, obj in vars(m).items() if m is not None else ():
-            cache = getattr(obj, "cache", None)
-            if name.endswith("_kernel") and isinstance(cache, dict) and cache:
-                out[name] = {str(k): str(v) for k, v in cache.items()}
+            if not name.endswith("_kernel") or not hasattr(obj, "configs"):
+                continue
+            for autotune in ("full", "first"):  # a TunedKernel: one autotuner per autotune setting
+                cache = getattr(obj[autotune], "cache", None)
+                if isinstance(cache, dict) and cache:
+                    out[name if autotune == "full" else f"{name}[first]"] = {str(k): str(v) for k, v in cache.items()}
     return out
 
 
@@ -206,10 +210,11 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def kernel_report(args, device: torch.device) -> dict:
     """Precision (bf16 kernel vs bf16 reference, both against float64) and, on CUDA, speed of the sparse kernels."""
-    from oomb.ops.sparse import PageSelection, page_representatives, select_pages
-    from oomb.ops.sparse import sparse_attention_bwd_ref, sparse_attention_fwd_ref
-    from oomb.ops import triton_paged_attention as tpa
-    from oomb.ops import triton_sparse_attention as tsa
+    from oomb.ops.sparse_attention_ref import sparse_attention_bwd_ref, sparse_attention_fwd_ref
+    from oomb.ops.sparse_representatives import page_representatives
+    from oomb.ops.sparse_select import PageSelection, select_pages
+    from oomb.ops.triton import paged_attention as tpa
+    from oomb.ops.triton import sparse_attention as tsa
 
     C, Hq, Hkv, D, S, past = args.kernel_chunk, args.kernel_heads, args.kernel_kv_heads, args.kernel_head_dim, args.page_size, args.kernel_past
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32

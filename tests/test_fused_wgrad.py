@@ -56,11 +56,14 @@ def test_context_patches_only_plain_trainable_unhooked_linears_and_restores():
     assert all("forward" not in m.__dict__ for m in model)
 
 
-def test_switched_off_by_the_environment(monkeypatch):
-    monkeypatch.setenv("OOMB_FUSED_WGRAD", "0")
+def test_switched_off_by_its_argument():
     model = torch.nn.Sequential(torch.nn.Linear(3, 3))
-    with FusedWeightGradAccumulation(model) as ctx:
-        assert ctx._patched == []
+    with FusedWeightGradAccumulation(model, enabled=False) as ctx:
+        assert ctx._patched == [] and "forward" not in model[0].__dict__
+    with FusedWeightGradAccumulation(model, enabled=True) as ctx:
+        assert ctx._patched == [model[0]]
+    with pytest.raises(ValueError, match="enabled must be True or False; got '0'"):
+        FusedWeightGradAccumulation(model, enabled="0")
 
 
 def test_engine_uses_it_and_matches_full_sequence(monkeypatch):
@@ -84,12 +87,25 @@ def test_engine_uses_it_and_matches_full_sequence(monkeypatch):
 
 
 def test_engine_same_gradients_with_and_without(monkeypatch):
+    """KernelConfig.fused_wgrad=False (the engine passes it as ``enabled``) keeps autograd's default path: no weight
+    goes through the fused add, and the gradients match the fused run's."""
+    calls = {"fused": 0}
+    orig = fw._fusable
+
+    def counting(w):
+        ok = orig(w)
+        calls["fused"] += ok
+        return ok
+
+    monkeypatch.setattr(fw, "_fusable", counting)
     torch.manual_seed(5)
     m1 = tiny("llama", 4, 2)
     m2 = clone_model(m1)
     a = run_parity(m1, 40, 8, 4, dtype=torch.float32, seed=3)
-    monkeypatch.setenv("OOMB_FUSED_WGRAD", "0")
-    b = run_parity(m2, 40, 8, 4, dtype=torch.float32, seed=3)
+    assert calls["fused"] > 0
+    calls["fused"] = 0
+    b = run_parity(m2, 40, 8, 4, dtype=torch.float32, seed=3, fused_wgrad=False)
+    assert calls["fused"] == 0
     assert a[0].loss == b[0].loss  # the forward is the same
     for (n, p), (_, q) in zip(m1.named_parameters(), m2.named_parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=n)

@@ -708,7 +708,7 @@ def test_segment_traffic_closed_form_equals_the_schedule():
 
 
 # ------------------------------------------------- sparse attention: Stage 2 stages only the selected pages
-from oomb.ops.sparse import SparseAttentionState  # noqa: E402
+from oomb.engine.sparse_state import SparseAttentionState  # noqa: E402
 
 SPARSE = dict(sparse=True, page_budget=1, sink_pages=1, local_pages=1, sparse_block_size=4)
 

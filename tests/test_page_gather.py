@@ -143,40 +143,55 @@ def test_stash_round_trip_and_first(backend, dtype, C):
         assert torch.all(only[base + j, :, h] == 3.0) == (i < C)
 
 
-def test_kernel_warps_and_elems_env(monkeypatch):
-    """OOMB_PAGE_GATHER_WARPS / OOMB_PAGE_GATHER_ELEMS change how the kernel is launched, not what it copies; bad
-    values are errors naming the variable (also when an offload store is made), never a silent PyTorch fallback."""
-    from oomb.engine.offload import OffloadedKVStore
+@pytest.mark.parametrize("fn", ["gather", "scatter", "stash", "unstash"])
+def test_kernel_warps_and_elems_arguments(monkeypatch, fn):
+    """``num_warps`` / ``elems_per_load`` change how the kernel is launched, not what it copies; bad values are
+    ValueErrors naming the argument, never a silent PyTorch fallback (with every copy of the module)."""
     from oomb.ops import page_gather as pg
+    from oomb.ops.triton.page_gather import NUM_WARPS
 
     g = torch.Generator().manual_seed(5)
     m, S, Hkv, D = 6, 32, 2, 16
     src = torch.randn(m, S, Hkv, D, generator=g)
     mask = torch.rand(m, Hkv, generator=g) < 0.6
     pairs, count = head_pairs(mask)
-    want = torch.zeros(m + 1, S, Hkv, D)
-    gather_head_pages(want, 1, src, pairs, count, backend="torch")
-    seen = []
-    monkeypatch.setattr("oomb.ops.triton_page_gather._copy_tiles_kernel", _SpyKernel(seen))
-    for warps, elems in (("2", "128"), ("8", "65536"), (None, "256")):
-        for name, v in (("OOMB_PAGE_GATHER_WARPS", warps), ("OOMB_PAGE_GATHER_ELEMS", elems)):
-            if v is None:
-                monkeypatch.delenv(name, raising=False)
-            else:
-                monkeypatch.setenv(name, v)
-        got = torch.zeros_like(want)
-        gather_head_pages(got, 1, src, pairs, count, num_programs=2, backend="triton")
-        assert torch.equal(got, want)
-        from oomb.ops.triton_page_gather import NUM_WARPS
+    n = int(count)
 
-        assert seen[-1] == (int(warps) if warps else NUM_WARPS, min(int(elems), S * D) // D)  # (num_warps, BLOCK_S)
-    for name, bad in (("OOMB_PAGE_GATHER_WARPS", "3"), ("OOMB_PAGE_GATHER_WARPS", "64"), ("OOMB_PAGE_GATHER_ELEMS", "x")):
-        monkeypatch.setenv(name, bad)
+    def call(backend, **kw):
+        if fn == "gather":
+            got = torch.zeros(m + 1, S, Hkv, D)
+            gather_head_pages(got, 1, src, pairs, count, backend=backend, **kw)
+        elif fn == "scatter":
+            got = torch.zeros(m, S, Hkv, D)
+            scatter_head_pages(got, torch.cat([torch.zeros(1, S, Hkv, D), src]), 1, pairs, count, backend=backend, **kw)
+        elif fn == "stash":
+            got = torch.zeros(n, S, D)
+            stash_head_tiles(got, torch.cat([torch.zeros(1, S, Hkv, D), src]), 1, m, pairs, count, backend=backend, **kw)
+        else:
+            got = torch.zeros(m + 1, S, Hkv, D)
+            unstash_head_tiles(got, 1, m, torch.randn(n, S, D, generator=torch.Generator().manual_seed(1)), pairs,
+                               count, backend=backend, **kw)
+        return got
+
+    want = call("torch")
+    seen = []
+    monkeypatch.setattr("oomb.ops.triton.page_gather._copy_tiles_kernel", _SpyKernel(seen))
+    for warps, elems in ((2, 128), (8, 65536), (None, 256), (4, None)):
+        got = call("triton", num_programs=2, num_warps=warps, elems_per_load=elems)
+        assert torch.equal(got, want)
+        block_s = min(elems or 16384, S * D) // D
+        assert seen[-1] == (warps or NUM_WARPS, block_s)  # (num_warps, BLOCK_S)
+    for name, bad in (("num_warps", 3), ("num_warps", 64), ("elems_per_load", 64), ("elems_per_load", "x"),
+                      ("num_warps", True)):
         with pytest.raises(ValueError, match=f"{name} must be a power of two"):
-            gather_head_pages(torch.zeros_like(want), 1, src, pairs, count, backend="triton")
+            call("triton", **{name: bad})
         with pytest.raises(ValueError, match=f"{name} must be a power of two"):
-            OffloadedKVStore(2, 2, 8, 4, 32, torch.float32, "cpu", chunk_size=8, segment_pages="layer")
-        monkeypatch.delenv(name)
+            call("torch", **{name: bad})  # checked on every path
+    with pytest.raises(ValueError, match="num_programs must be a positive int"):
+        call("triton", num_programs=0)
+    pg.check_launch_args(8, 16, 16384)
+    with pytest.raises(ValueError, match="elems_per_load must be a power of two from 128 to 65536"):
+        pg.check_launch_args(8, None, 100)
     assert pg._triton_kernel() is not None
 
 
@@ -184,9 +199,9 @@ class _SpyKernel:
     """Wraps the Triton kernel: records (num_warps, BLOCK_S) of each launch, then runs it."""
 
     def __init__(self, seen):
-        from oomb.ops import triton_page_gather
+        from oomb.ops.triton import page_gather
 
-        self.kernel, self.seen = triton_page_gather._copy_tiles_kernel, seen
+        self.kernel, self.seen = page_gather._copy_tiles_kernel, seen
 
     def __getitem__(self, grid):
         def launch(*args, **kw):
@@ -317,7 +332,11 @@ assert engine.kv_store.stage_grain == "head" and any(engine.kv_store._heads_used
 assert out.loss == out.loss
 print("ok")
 """
-    env = dict(__import__("os").environ)
+    import os
+
+    env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
+    here = os.path.dirname(os.path.abspath(__file__))  # tests/configs.py
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (here, env.get("PYTHONPATH")) if p)
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-2000:]

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import oomb.ops.paged_attention as pa
-import oomb.ops.sparse as sp
+import oomb.ops.sparse_attention as sp
 from oomb import Engine, OOMBConfig
 from oomb.config import SparseConfig
 from configs import engine_config

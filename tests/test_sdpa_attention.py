@@ -231,7 +231,7 @@ def test_planner_counts_the_sdpa_transients():
 def test_triton_lse_merge_equals_the_torch_merge(C, Hq, D, dtype):
     """The one-pass merge kernel (interpreter on the CPU) against merge_parts, with strided parts as cuDNN returns."""
     pytest.importorskip("triton")
-    from oomb.ops.triton_lse_merge import lse_merge
+    from oomb.ops.triton.lse_merge import lse_merge
 
     g = torch.Generator().manual_seed(C)
     dev = DEVICE

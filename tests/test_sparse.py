@@ -8,14 +8,9 @@ import pytest
 import torch
 
 from oomb.ops.attention_ref import paged_attention_bwd_ref, paged_attention_fwd_ref
-from oomb.ops.sparse import (
-    PageRepresentatives,
-    page_representatives,
-    select_pages,
-    selection_mask,
-    sparse_attention_bwd_ref,
-    sparse_attention_fwd_ref,
-)
+from oomb.ops.sparse_attention_ref import sparse_attention_bwd_ref, sparse_attention_fwd_ref
+from oomb.ops.sparse_representatives import PageRepresentatives, page_representatives
+from oomb.ops.sparse_select import select_pages, selection_mask
 
 
 def make_case(C, Hq, Hkv, D, past_len, S, gen, extra_pages=3, dtype=torch.float64):

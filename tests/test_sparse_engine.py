@@ -10,8 +10,9 @@ from oomb import Engine, OOMBConfig
 from oomb.config import SparseConfig
 from configs import engine_config
 from oomb.models.hf import use_oomb_attention
-from oomb.ops import sparse as sparse_ops
-from oomb.ops.sparse import SparseAttentionState, selection_mask
+from oomb.engine import sparse_state
+from oomb.engine.sparse_state import SparseAttentionState
+from oomb.ops.sparse_select import selection_mask
 from tests.test_engine import VOCAB, clone_model, tiny
 
 
@@ -47,14 +48,14 @@ def test_budget_covering_the_past_equals_dense_bitwise(family, heads, kv_heads, 
 
 def test_sparse_path_selecting_everything_matches_dense(monkeypatch):
     """The gather-based sparse path (dense shortcut off) with every page selected equals the dense step."""
-    original = sparse_ops.select_pages
+    original = sparse_state.select_pages
 
     def never_dense(*a, **k):
         sel = original(*a, **k)
         sel.dense = False
         return sel
 
-    monkeypatch.setattr(sparse_ops, "select_pages", never_dense)
+    monkeypatch.setattr(sparse_state, "select_pages", never_dense)
     torch.manual_seed(1)
     model = tiny("qwen2", 7, 1).double()
     twin = clone_model(model)
@@ -192,19 +193,19 @@ def test_grad_error_report(backend):
 @pytest.mark.parametrize("score,page_budget", [("mean", 2), ("quest", 2), ("mean", 100)])
 def test_planner_sparse_state_bytes_bounds_the_real_state(monkeypatch, score, page_budget):
     """The planner's sparse-state bytes equal the representatives' bytes plus a bound on every selection made; a
-    page budget above the past pages counts only those (a fresh-user review had --page-budget 1000000 planned as
-    427 GiB of selections, refusing runs that fit)."""
+    page budget above the past pages counts only those (counting the budget itself would plan --page-budget 1000000
+    as 427 GiB of selections and refuse runs that fit)."""
     from oomb.planner import ModelShape, sparse_state_bytes
 
     made = []
-    real_select = sparse_ops.select_pages
+    real_select = sparse_state.select_pages
 
     def spy(*args, **kwargs):
         sel = real_select(*args, **kwargs)
         made.append(sel.page_idx.nbytes + sel.counts.nbytes)
         return sel
 
-    monkeypatch.setattr("oomb.ops.sparse.select_pages", spy)
+    monkeypatch.setattr("oomb.engine.sparse_state.select_pages", spy)
     model = tiny("qwen2", 4, 2, 16)
     cfg = OOMBConfig(chunk_size=32, page_size=8, sparse=SparseConfig(page_budget=page_budget, sink_pages=1, local_pages=1, block_size=16, score=score))
     engine = Engine(model, cfg)
@@ -219,3 +220,35 @@ def test_planner_sparse_state_bytes_bounds_the_real_state(monkeypatch, score, pa
     K = min(page_budget + 1 + 1, T // 8 - 1)  # at most the past pages (19 of the 20 pages)
     assert bound - reps == L * nb * Hkv * (K + 1) * 4  # selections: K ids + a count per row
     assert sparse_state_bytes(shape, T, engine_config(chunk_size=32, page_size=8), torch.float32) == 0
+
+
+def test_engine_passes_its_kernel_settings_to_every_attention_call(monkeypatch):
+    """The engine hands ``config.kernels`` (the same object) to the paged and the sparse attention, in Stage 1,
+    the Stage-2 forward and the backward, so the kernels' settings come from the config and nowhere else."""
+    import oomb.ops.paged_attention as pa
+    import oomb.ops.sparse_attention as sa
+    from oomb.config import KernelConfig
+
+    seen = []
+
+    def spy(mod, name, index):
+        real = getattr(mod, name)
+
+        def wrapped(*a, **k):
+            seen.append((name, k["kernels"] if "kernels" in k else a[index]))
+            return real(*a, **k)
+
+        monkeypatch.setattr(mod, name, wrapped)
+
+    spy(pa, "_fwd", 8)
+    spy(pa, "_bwd", 12)
+    spy(sa, "_sparse_fwd", 7)
+    spy(sa, "_sparse_bwd", 10)
+    kernels = KernelConfig(autotune="first", fwd_tma=False)
+    torch.manual_seed(0)
+    model = tiny("qwen2", 4, 2)
+    cfg = engine_config(chunk_size=8, page_size=4, sparse=True, page_budget=1, sink_pages=1, local_pages=0,
+                        sparse_block_size=4, kernels=kernels)
+    Engine(model, cfg).step(torch.randint(0, VOCAB, (1, 40)))
+    assert {name for name, _ in seen} == {"_fwd", "_bwd", "_sparse_fwd", "_sparse_bwd"}
+    assert all(k is kernels for _, k in seen), {name for name, k in seen if k is not kernels}

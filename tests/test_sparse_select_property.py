@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oomb.ops.sparse import PageSelection, _select_pages_topk, select_pages
+from oomb.ops.sparse_select import PageSelection, _select_pages_topk, select_pages
 
 
 def assert_same(a: PageSelection, b: PageSelection) -> None:

@@ -17,11 +17,16 @@ from configs import engine_config
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install 'oomb[triton]')")
 
-from oomb.ops.sparse import page_representatives, select_pages, sparse_attention_bwd_ref, sparse_attention_fwd_ref  # noqa: E402
+from oomb.ops.sparse_attention_ref import sparse_attention_bwd_ref, sparse_attention_fwd_ref  # noqa: E402
+from oomb.ops.sparse_representatives import page_representatives  # noqa: E402
+from oomb.ops.sparse_select import select_pages  # noqa: E402
 from tests.test_triton_kernels import DEVICE, assert_close, make_case  # noqa: E402
 
-tpa = importlib.import_module("oomb.ops.triton_paged_attention")
-tsa = importlib.import_module("oomb.ops.triton_sparse_attention")
+tpa = importlib.import_module("oomb.ops.triton.paged_attention")
+tsa = importlib.import_module("oomb.ops.triton.sparse_attention")
+inputs = importlib.import_module("oomb.ops.triton.inputs")
+paged_bwd = importlib.import_module("oomb.ops.triton.paged_bwd_kernels")
+sparse_kernels = importlib.import_module("oomb.ops.triton.sparse_kernels")
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
 
@@ -184,8 +189,8 @@ def test_streams_drained_before_the_first_tune_of_each_key(monkeypatch):
     """The dK/dV kernels' autotuning restores the whole pool it ran on; the first launch per autotune key waits for
     every stream first (a copy stream's prefetch into the pool would be undone), later launches do not."""
     calls = []
-    monkeypatch.setattr(tpa.torch.cuda, "synchronize", lambda device=None: calls.append(device))
-    monkeypatch.setattr(tpa, "_TUNE_KEYS_SEEN", set())
+    monkeypatch.setattr(inputs.torch.cuda, "synchronize", lambda device=None: calls.append(device))
+    monkeypatch.setattr(inputs, "_TUNE_KEYS_SEEN", set())
 
     class CudaQ:  # what the helper reads of q
         is_cuda, dtype, device = True, torch.bfloat16, "cuda:0"
@@ -213,8 +218,8 @@ def test_autotune_hooks_restore_every_row_the_dkdv_kernels_write(monkeypatch):
     they were. The hooks save only the rows a launch can write: around every real launch here (the interpreter),
     the kernel changes no row outside them, and pre_hook + kernel + post_hook gives the pools back bitwise."""
     seen = []
-    for kern, restore in ((tsa._sparse_attn_bwd_dkdv_kernel, tsa._DKDV_RESTORE),
-                          (tpa._paged_attn_bwd_dkdv5_kernel, tpa._DKDV5_RESTORE)):
+    for kern, restore in ((sparse_kernels._sparse_attn_bwd_dkdv_kernel["full"], sparse_kernels._DKDV_RESTORE),
+                          (paged_bwd._paged_attn_bwd_dkdv5_kernel["full"], paged_bwd._DKDV5_RESTORE)):
         def run(*args, _orig=kern.run, _r=restore, **kw):
             before = [kw[n].clone() for n in _r.names]
             _r.pre_hook(kw)
@@ -253,7 +258,7 @@ def test_autotune_hooks_restore_every_row_the_dkdv_kernels_write(monkeypatch):
 def test_cuda_autotune_leaves_the_pools_as_one_launch(monkeypatch):
     """A first call that autotunes the dK/dV kernels (every config benchmarked on the real pools, the hooks saving and
     restoring the rows each run writes) leaves the pools exactly as a call that only launches the chosen config."""
-    kerns = (tsa._sparse_attn_bwd_dkdv_kernel, tpa._paged_attn_bwd_dkdv5_kernel)
+    kerns = (sparse_kernels._sparse_attn_bwd_dkdv_kernel["full"], paged_bwd._paged_attn_bwd_dkdv5_kernel["full"])
     for kern in kerns:
         monkeypatch.setattr(kern, "cache", {})  # tune again, in this process ...
         monkeypatch.setattr(kern, "cache_results", False)  # ... and not from the disk cache

@@ -20,20 +20,28 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # must precede the first `import triton` to take effect
 
-_MOD_NAME = "oomb.ops.triton_paged_attention"
-if not torch.cuda.is_available() and "triton" in sys.modules and not getattr(sys.modules.get(_MOD_NAME), "_INTERPRET", False):
+_PACKAGE = "oomb.ops.triton"
+if (not torch.cuda.is_available() and "triton" in sys.modules
+        and not getattr(sys.modules.get(_PACKAGE + ".interpreter"), "INTERPRET", False)):
     # Another test module imported triton before TRITON_INTERPRET was set, so triton.language's
     # own @jit helpers (tl.max, tl.sum, ...) were built for a GPU. Re-import triton's Python
-    # modules (its compiled extension stays loaded) and the kernels module under the interpreter.
+    # modules (its compiled extension stays loaded) and the kernel modules under the interpreter.
     for _name in list(sys.modules):
-        if _name == _MOD_NAME or ((_name == "triton" or _name.startswith("triton.")) and not _name.startswith("triton._C")):
+        if _name == _PACKAGE or _name.startswith(_PACKAGE + ".") or (
+                (_name == "triton" or _name.startswith("triton.")) and not _name.startswith("triton._C")):
             del sys.modules[_name]
 
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install 'oomb[triton]')")
 
 from oomb.ops import attention_ref  # noqa: E402
 
-tpa = importlib.import_module(_MOD_NAME)
+from oomb.config import KernelConfig  # noqa: E402
+
+tpa = importlib.import_module(_PACKAGE + ".paged_attention")
+tune = importlib.import_module(_PACKAGE + ".autotune")
+tma = importlib.import_module(_PACKAGE + ".tma")
+bwd_kernels = importlib.import_module(_PACKAGE + ".paged_bwd_kernels")
+fwd_kernels = importlib.import_module(_PACKAGE + ".paged_fwd_kernel")
 
 # The interpreter itself triggers numpy's "array to scalar" deprecation on every program.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning")
@@ -356,66 +364,76 @@ def test_dkdv_head_major_matches_reference(C, Hq, Hkv, D, past_len, S, transpose
 def test_forward_tma_path_matches_gather_path(monkeypatch):
     """Full past tiles read through tensor descriptors (one page lookup, one box per tile) give the
     same bits as the per-token gather, with a shuffled block table and a partial last page; a pool
-    that is not laid out densely, or OOMB_FWD_TMA=0, takes the gather path."""
-    S = max(c.kwargs["BLOCK_N"] for c in tpa._FWD_CONFIGS)  # 16 interpreted, 128 on a GPU
+    that is not laid out densely, or KernelConfig(fwd_tma=False), takes the gather path."""
+    configs = fwd_kernels._paged_attn_fwd_kernel["full"].configs
+    S = max(c.kwargs["BLOCK_N"] for c in configs)  # 16 interpreted, 128 on a GPU
     C, Hq, Hkv, D, past_len = 19, 8, 2, 64, 2 * S + 19
     case = make_case(C, Hq, Hkv, D, past_len, S, seed=11)
     args = (case["q"], case["k"], case["v"], case["k_cache"], case["v_cache"], case["block_table"], past_len)
-    assert tpa._use_tma(case["k_cache"], case["v_cache"], D, S)
+    assert tma.use_tma(case["k_cache"], case["v_cache"], D, S, configs)
+    assert not tma.use_tma(case["k_cache"], case["v_cache"], D, S, configs, enabled=False)
+    enabled = []  # the launcher's ``enabled`` argument of each use_tma call (made for page-aligned parts only)
+    monkeypatch.setattr(tpa, "use_tma", lambda *a: enabled.append(a[5]) or tma.use_tma(*a))
     # Whole past; a part from a page boundary (TMA); a part from inside a page (its tiles straddle
     # pages, so the launcher keeps the gather).
     for past_start in (0, S, S + 3):
-        monkeypatch.delenv("OOMB_FWD_TMA", raising=False)
         out_tma, lse_tma = tpa.paged_attention_fwd(*args, past_start=past_start)
-        monkeypatch.setenv("OOMB_FWD_TMA", "0")
-        assert not tpa._use_tma(case["k_cache"], case["v_cache"], D, S)
-        out_gather, lse_gather = tpa.paged_attention_fwd(*args, past_start=past_start)
+        out_gather, lse_gather = tpa.paged_attention_fwd(*args, past_start=past_start,
+                                                         kernels=KernelConfig(fwd_tma=False))
+        assert enabled == ([True, False] if past_start % S == 0 else []), past_start
+        enabled.clear()
         if DEVICE == "cpu":  # the interpreter runs the same products in the same order
             assert torch.equal(out_tma, out_gather) and torch.equal(lse_tma, lse_gather), past_start
         else:
             assert_close(f"out (tma vs gather, past_start {past_start})", out_tma, out_gather.double())
             assert_close(f"lse (tma vs gather, past_start {past_start})", lse_tma, lse_gather.double())
-    monkeypatch.delenv("OOMB_FWD_TMA")
     heads_outer = case["k_cache"].transpose(1, 2).contiguous().transpose(1, 2)  # [P, S, Hkv, D] view, heads outer
-    assert not tpa._use_tma(heads_outer, heads_outer, D, S)
-    assert not tpa._use_tma(case["k_cache"], case["v_cache"], D, S // 2)  # a page smaller than a tile
+    assert not tma.use_tma(heads_outer, heads_outer, D, S, configs)
+    assert not tma.use_tma(case["k_cache"], case["v_cache"], D, S // 2, configs)  # a page smaller than a tile
 
 
 @pytest.mark.parametrize("transposed_q", [False, True])
 def test_backward_tma_paths_match_gather_paths(monkeypatch, transposed_q):
-    """The dq kernel's full past tiles through tensor descriptors (OOMB_BWD_TMA) and the dk/dv kernel's
-    q/dout row tiles through [Hq, C, D] descriptors (OOMB_DKDV_TMA; an odd C leaves a last row tile
+    """The dq kernel's full past tiles through tensor descriptors (KernelConfig.bwd_tma) and the dk/dv kernel's
+    q/dout row tiles through [Hq, C, D] descriptors (KernelConfig.dkdv_tma; an odd C leaves a last row tile
     the descriptor must zero-fill) give the same bits as the gathers, for the whole past, a part from a
     page boundary and a part from inside a page (gather kept for the dq past tiles there), with
     gradient pages that already hold sums."""
-    S = max(c.kwargs["BLOCK_N"] for c in tpa._DQ_CONFIGS)  # 16 interpreted, 128 on a GPU
+    configs = bwd_kernels._paged_attn_bwd_dq_kernel["full"].configs
+    S = max(c.kwargs["BLOCK_N"] for c in configs)  # 16 interpreted, 128 on a GPU
     C, Hq, Hkv, D, past_len = 19, 8, 2, 64, 2 * S + 19
     case = make_case(C, Hq, Hkv, D, past_len, S, seed=12, transposed_q=transposed_q)
     args = (case["q"], case["k"], case["v"], case["k_cache"], case["v_cache"], case["block_table"], past_len)
-    assert tpa._use_tma(case["k_cache"], case["v_cache"], D, S, tpa._DQ_CONFIGS, "OOMB_BWD_TMA")
-    assert tpa._qo_tma(case["q"], case["dout"], D)
+    assert tma.use_tma(case["k_cache"], case["v_cache"], D, S, configs)
+    assert tma.qo_tma(case["q"], case["dout"], D)
+    assert not tma.qo_tma(case["q"], case["dout"], D, enabled=False)
+    enabled = []  # the launcher's ``enabled`` argument of each check (use_tma: page-aligned parts only)
+    monkeypatch.setattr(tpa, "use_tma", lambda *a: enabled.append(("dq", a[5])) or tma.use_tma(*a))
+    monkeypatch.setattr(tpa, "qo_tma", lambda *a: enabled.append(("dkdv", a[3])) or tma.qo_tma(*a))
     gen = torch.Generator().manual_seed(2)
     base_k = torch.randn(case["k_cache"].shape, generator=gen).to(DEVICE)
     base_v = torch.randn(case["v_cache"].shape, generator=gen).to(DEVICE)
     out, lse = tpa.paged_attention_fwd(*args)
+    enabled.clear()  # the forward's check
     for past_start in (0, S, S + 3):
         got = {}
         for flag in ("1", "0"):
-            monkeypatch.setenv("OOMB_BWD_TMA", flag)
-            monkeypatch.setenv("OOMB_DKDV_TMA", flag)
+            kernels = KernelConfig(bwd_tma=flag == "1", dkdv_tma=flag == "1")
             dkc, dvc = base_k.clone(), base_v.clone()
-            dq, dk, dv = tpa.paged_attention_bwd(case["dout"], *args[:3], out, lse, *args[3:], dkc, dvc, past_start=past_start)
+            dq, dk, dv = tpa.paged_attention_bwd(case["dout"], *args[:3], out, lse, *args[3:], dkc, dvc, past_start=past_start,
+                                                 kernels=kernels)
             got[flag] = dict(dq=dq, dk=dk, dv=dv, dk_cache=dkc, dv_cache=dvc)
-        assert not tpa._qo_tma(case["q"], case["dout"], D)
-        for name, tma in got["1"].items():
+        want = [("dq", True), ("dkdv", True), ("dq", False), ("dkdv", False)]
+        assert enabled == (want if past_start % S == 0 else [w for w in want if w[0] == "dkdv"]), past_start
+        enabled.clear()
+        for name, with_tma in got["1"].items():
             gather = got["0"][name]
             if DEVICE == "cpu":  # the interpreter runs the same products in the same order
-                assert torch.equal(tma, gather), (name, past_start)
+                assert torch.equal(with_tma, gather), (name, past_start)
             else:
-                assert_close(f"{name} (tma vs gather, past_start {past_start})", tma, gather.double())
-    monkeypatch.delenv("OOMB_DKDV_TMA")
+                assert_close(f"{name} (tma vs gather, past_start {past_start})", with_tma, gather.double())
     strided = case["q"][:, :, ::2]  # innermost stride 2: no descriptor
-    assert not tpa._qo_tma(strided, strided, D // 2)
+    assert not tma.qo_tma(strided, strided, D // 2)
 
 
 def test_tma_allocator_is_set_in_every_thread():
@@ -431,38 +449,60 @@ def test_tma_allocator_is_set_in_every_thread():
 
     def worker():
         seen["before"] = _allocation._allocator.get()
-        tpa._qo_tma(case["q"], case["dout"], 64)
+        tma.qo_tma(case["q"], case["dout"], 64)
         seen["after"] = _allocation._allocator.get()
 
     t = threading.Thread(target=worker)
     t.start()
     t.join()
     assert isinstance(seen["before"], _allocation.NullAllocator)
-    assert seen["after"] is tpa._tma_scratch
+    assert seen["after"] is tma.tma_scratch
 
 
-def test_fp32_inputs_get_their_own_small_tile(monkeypatch):
+def test_fp32_inputs_get_their_own_small_tile():
     """On a GPU, autotuning sees only the fp32 tile for fp32 q and never sees it for bf16/fp16 q (the
-    bf16-sized tiles took LLVM minutes to compile in fp32); OOMB_TRITON_CONFIGS=first keeps one bf16
+    bf16-sized tiles took LLVM minutes to compile in fp32); autotune='first' keeps one bf16
     config (plus the fp32 tile)."""
-    monkeypatch.delenv("OOMB_TRITON_CONFIGS", raising=False)  # a GPU test run sets it to "first"
     gpu = [(128, 64, 4, 3), (64, 64, 4, 3)]
-    configs = tpa._gpu_configs(gpu)
+    configs = tune.gpu_configs(gpu)
     assert len(configs) == 3
-    for dtype, want in ((torch.float32, [tpa._FP32_TILE[:2]]), (torch.bfloat16, [c[:2] for c in gpu]), (torch.float16, [c[:2] for c in gpu])):
-        kept = tpa._prune_by_dtype(configs, {"q_ptr": torch.empty(1, dtype=dtype)})
+    for dtype, want in ((torch.float32, [tune.FP32_TILE[:2]]), (torch.bfloat16, [c[:2] for c in gpu]), (torch.float16, [c[:2] for c in gpu])):
+        kept = tune.prune_by_dtype(configs, {"q_ptr": torch.empty(1, dtype=dtype)})
         assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in kept] == want, dtype
     # As the launchers call it: every argument by keyword, which Triton's autotuner passes to the
     # prune function in kwargs, not in named_args (looking only there kept every config for fp32).
     from triton.runtime.autotuner import Autotuner
 
-    fn = tpa._paged_attn_bwd_dq_kernel.fn
-    for dtype, want in ((torch.float32, [tpa._FP32_TILE[:2]]), (torch.bfloat16, [c[:2] for c in gpu])):
+    fn = bwd_kernels._paged_attn_bwd_dq_kernel.fn
+    for dtype, want in ((torch.float32, [tune.FP32_TILE[:2]]), (torch.bfloat16, [c[:2] for c in gpu])):
         tuner = Autotuner(fn, fn.arg_names, configs, key=[], reset_to_zero=None, restore_value=None,
-                          prune_configs_by=tpa._PRUNE)
+                          prune_configs_by=tune.PRUNE)
         tuner.nargs = dict(zip(fn.arg_names, ()))  # what Autotuner.run builds from no positional args
         kept = tuner.prune_configs({"q_ptr": torch.empty(1, dtype=dtype), "C": 1})
         assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in kept] == want, dtype
-    monkeypatch.setenv("OOMB_TRITON_CONFIGS", "first")
-    first = tpa._gpu_configs(gpu)
-    assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in first] == [(128, 64), tpa._FP32_TILE[:2]]
+    first = tune.gpu_configs(gpu, "first")
+    assert [(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) for c in first] == [(128, 64), tune.FP32_TILE[:2]]
+
+
+def test_autotune_picks_the_config_list_per_launch():
+    """KernelConfig.autotune chooses, per launch, the kernel tuned over its whole list ('full') or over the first
+    entry ('first'); the two give the same results in the interpreter (one config each), and any other value raises
+    a ValueError naming the argument."""
+    kernel = fwd_kernels._paged_attn_fwd_kernel
+    gpu = fwd_kernels.FWD_GPU_CONFIGS
+    full, first = kernel._tuned["full"], kernel._tuned["first"]
+    assert full is not first and full.fn is first.fn is kernel.fn
+    if DEVICE == "cuda":
+        assert len(full.configs) == len(gpu) + 1 and len(first.configs) == 2
+    case = make_case(5, 4, 2, 16, 21, 8, seed=4)
+    args = (case["q"], case["k"], case["v"], case["k_cache"], case["v_cache"], case["block_table"], 21)
+    out_full, lse_full = tpa.paged_attention_fwd(*args, kernels=KernelConfig(autotune="full"))
+    out_first, lse_first = tpa.paged_attention_fwd(*args, kernels=KernelConfig(autotune="first"))
+    assert_close("out (first vs full)", out_first, out_full.double())
+    assert_close("lse (first vs full)", lse_first, lse_full.double())
+    bad = KernelConfig()
+    bad.autotune = "all"  # past the dataclass's own check
+    with pytest.raises(ValueError, match="autotune must be 'full' or 'first'; got 'all'"):
+        tpa.paged_attention_fwd(*args, kernels=bad)
+    with pytest.raises(ValueError, match="autotune must be 'full' or 'first'"):
+        tune.gpu_configs(gpu, "some")

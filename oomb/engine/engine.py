@@ -19,7 +19,7 @@ Stage 2, c = N-1 .. 0:
     then chunk c's pages go back to the free list.
 
 In dense mode this gives full-sequence gradients up to rounding. With ``config.sparse``
-(DESIGN.md §2.4, :mod:`oomb.ops.sparse`) each chunk's Stage-1 write also summarises its pages,
+(docs/design.md §2.4, :mod:`oomb.ops.sparse_attention`) each chunk's Stage-1 write also summarises its pages,
 and each (chunk, layer) selects its past pages once, before attending; Stage 2 reuses that
 selection unchanged.
 """
@@ -38,7 +38,7 @@ from ..config import OOMBConfig
 from ..models.hf import UnsupportedModelError, check_model_supported, use_oomb_attention
 from ..ops.paged_attention import (paged_attention, paged_attention_forward, paged_backend, resolve_backend,
                                    step_backend)
-from ..ops.sparse import SparseAttentionState, sparse_paged_attention, sparse_paged_attention_forward
+from ..ops.sparse_attention import sparse_paged_attention, sparse_paged_attention_forward
 from ..planner import (HOST_FRACTION, ModelShape, _host_memory, activation_bytes, choose_engine_tiering,
                        sparse_headroom_bytes)
 from .kv_store import PagedKVStore
@@ -46,6 +46,7 @@ from .fused_wgrad import FusedWeightGradAccumulation
 from .grad_accum import Float32GradAccumulator
 from .offload import OffloadedKVStore
 from .saved_attention import SavedAttention, saved_attention_bytes
+from .sparse_state import SparseAttentionState
 from .loss import IGNORE_INDEX, chunked_cross_entropy_sum
 
 # Integer dtypes accepted for input_ids and labels (both are copied to int64). Not bool, not floats:
@@ -118,17 +119,17 @@ class _ChunkContext:
         chunk = self.start // eng.config.chunk_size
         # Stage 2 of a chunk Stage 1 ran: its attention outputs, if they were kept (save_attention).
         prev = saved.load(chunk, layer) if saved is not None and self.stage == 2 and not self.is_last else None
-        bs = eng.config.attention_block_size
+        bs, kernels = eng.config.attention_block_size, eng.config.kernels
         if sparse is not None:
             backend = paged_backend(eng._backend, q.device)  # selected pages: read through the block table
             if self.stage == 1:
-                out, lse = sparse_paged_attention_forward(q, k, v, kv, sel, scaling, backend, bs)
+                out, lse = sparse_paged_attention_forward(q, k, v, kv, sel, scaling, backend, bs, kernels=kernels)
             else:
-                out = sparse_paged_attention(q, k, v, kv, sel, scaling, backend, bs, saved=prev)
+                out = sparse_paged_attention(q, k, v, kv, sel, scaling, backend, bs, saved=prev, kernels=kernels)
         elif self.stage == 1:
-            out, lse = paged_attention_forward(q, k, v, kv, scaling, eng._backend, bs)
+            out, lse = paged_attention_forward(q, k, v, kv, scaling, eng._backend, bs, kernels=kernels)
         else:
-            out = paged_attention(q, k, v, kv, scaling, eng._backend, bs, saved=prev)
+            out = paged_attention(q, k, v, kv, scaling, eng._backend, bs, saved=prev, kernels=kernels)
         if saved is not None and self.stage == 1:
             saved.save(chunk, layer, out, lse)
         store.after_attention_forward(layer, self.stage)
@@ -572,7 +573,7 @@ class Engine:
         if self.config.grad_accum_dtype == "float32":
             accumulate = Float32GradAccumulator(self.model.parameters())
         else:  # weight gradients added into .grad inside the GEMM from the second chunk on
-            accumulate = FusedWeightGradAccumulation(self.model)
+            accumulate = FusedWeightGradAccumulation(self.model, enabled=self.config.kernels.fused_wgrad)
         with accumulate:
             self._stage2(input_ids, targets, doc_start, positions, denom, progress, store, total)
         _sync(device)

@@ -14,7 +14,8 @@ Where the default path is kept: the first chunk that creates ``.grad`` (the GEMM
 add into), a ``.grad`` of another dtype, shape or layout, parameters with gradient hooks (e.g.
 :class:`oomb.engine.grad_accum.Float32GradAccumulator`), frozen weights (peft's base layers),
 modules that already carry an instance-level ``forward``, calls under ``torch.autocast``, and
-everything while ``OOMB_FUSED_WGRAD=0`` is set (A/B runs).
+everything when the context is made with ``enabled=False`` (:attr:`oomb.config.KernelConfig.fused_wgrad`; A/B
+runs).
 
 Scope: the engine enters the context around its own Stage-2 ``backward()`` calls only. Inside it a
 patched weight's gradient never reaches autograd once ``.grad`` exists, so a
@@ -24,8 +25,6 @@ exclude their layer.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -85,18 +84,25 @@ class FusedWeightGradAccumulation:
 
     Patches the ``forward`` of every module whose type is exactly ``torch.nn.Linear``, whose weight
     requires grad and has no gradient hooks, and that has no instance-level ``forward`` already;
-    restores them on exit (also after an error). Does nothing while ``OOMB_FUSED_WGRAD=0``.
+    restores them on exit (also after an error).
+
+    Args:
+        model: the module whose ``nn.Linear`` layers are patched.
+        enabled: False: the context does nothing (autograd's default path everywhere).
+
+    Raises:
+        ValueError: ``enabled`` not a bool.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, enabled: bool = True) -> None:
+        if not isinstance(enabled, bool):
+            raise ValueError(f"FusedWeightGradAccumulation: enabled must be True or False; got {enabled!r}")
         self.model = model
+        self.enabled = enabled
         self._patched: list[torch.nn.Linear] = []
 
     def __enter__(self) -> "FusedWeightGradAccumulation":
-        flag = os.environ.get("OOMB_FUSED_WGRAD", "1")
-        if flag not in ("0", "1"):
-            raise ValueError(f"OOMB_FUSED_WGRAD must be '0' or '1'; got {flag!r} (unset it for the default, '1')")
-        if flag == "0":
+        if not self.enabled:
             return self
         for m in self.model.modules():
             if (type(m) is torch.nn.Linear and m.weight.requires_grad and not _has_hooks(m.weight)

@@ -17,11 +17,12 @@ the device, so the host never waits for a selection:
   a layer's staged K/V tiles there from the Stage-2 forward to that layer's backward, so the backward
   does not read them over PCIe again.
 
-On CUDA with a host ``src``/``dst`` these are Triton kernels (:mod:`oomb.ops.triton_page_gather`, imported
+On CUDA with a host ``src``/``dst`` these are Triton kernels (:mod:`oomb.ops.triton.page_gather`, imported
 on first use; without Triton, or on CPU, PyTorch index operations) that read or write page-locked host
 memory directly over PCIe (zero-copy: under unified virtual addressing a pinned host tensor's
 address is valid on the device), with a small persistent grid (``num_programs``) so that the copy
-leaves most SMs to the compute running beside it. One tile is ``S`` rows of ``D`` contiguous
+leaves most SMs to the compute running beside it; ``num_warps`` and ``elems_per_load`` set the kernel's warps
+per program and elements per load (the ``page_gather_*`` fields of :class:`oomb.config.KernelConfig`). One tile is ``S`` rows of ``D`` contiguous
 elements, ``Hkv * D`` elements apart. The PyTorch path is :func:`gather_head_pages_ref` /
 :func:`scatter_head_pages_ref`; the tests also run the kernel under the Triton interpreter.
 
@@ -31,13 +32,11 @@ pages. Units: pages and tokens; ``count`` is in tiles.
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 
 __all__ = [
-    "check_kernel_env",
+    "DEFAULT_PROGRAMS",
+    "check_launch_args",
     "head_pairs",
     "gather_head_pages",
     "gather_head_pages_ref",
@@ -50,11 +49,17 @@ __all__ = [
 ]
 
 DEFAULT_PROGRAMS = 8
-"""Persistent programs of a copy kernel (of 132 SMs on an H200). With ``NUM_WARPS = 16`` warps each, 8 programs keep
-enough requests in flight to fill PCIe while holding 8 SMs, not 32 (the attention kernels beside the copies cannot
-share an SM with them). H200, twelfth session (benchmarks/NOTES.md): 256K with every page offloaded, Stage 2 74.6 ->
-73.6 s against 32 programs of 4 warps (one run each, ~1 s noise); with 4 staging sets the 1M step 284.4 -> 279.2 s
-(same bytes; the autotuner also picked another tile for one dense kernel in the second run)."""
+"""Persistent programs of a copy kernel (of 132 SMs on an H200). With 16 warps each (the kernel's default), 8 programs
+keep enough requests in flight to fill PCIe while holding 8 SMs, not 32 (the attention kernels beside the copies
+cannot share an SM with them). H200 (docs/tuning.md): 256K with every page offloaded, Stage 2 73.6 s against 74.6 s
+with 32 programs of 4 warps (one run each, ~1 s noise); with 4 staging sets the 1M step 279.2 against 284.4 s
+(same bytes; the autotuner also picked another tile for one dense kernel in the faster run)."""
+
+NUM_WARPS_RANGE = (1, 32)
+"""Allowed ``num_warps`` of the copy kernels (a power of two in this range)."""
+
+ELEMS_PER_LOAD_RANGE = (128, 65536)
+"""Allowed ``elems_per_load`` of the copy kernels (a power of two in this range)."""
 
 
 def head_pairs(
@@ -95,7 +100,7 @@ def head_pairs(
     return pairs, count
 
 
-def _check(pool, span, base, pairs, count, valid, num_programs, pages, what) -> tuple[int, int]:
+def _check(pool, span, base, pairs, count, valid, pages, what) -> tuple[int, int]:
     """Validate a tile copy between ``pool`` [P, S, Hkv, D] and ``span`` [m, S, Hkv, D]; the page range to copy,
     clamped to the span (so no listed tile can address a page outside it)."""
     if pool.dim() != 4 or span.dim() != 4 or pool.shape[1:] != span.shape[1:]:
@@ -119,8 +124,6 @@ def _check(pool, span, base, pairs, count, valid, num_programs, pages, what) -> 
                               or not valid.is_contiguous() or valid.device != pool.device):
         raise ValueError(f"{what}: valid must be a contiguous bool [{m}, {Hkv}] tensor on {pool.device}; "
                          f"got {valid.dtype} {tuple(valid.shape)} on {valid.device}")
-    if isinstance(num_programs, bool) or not isinstance(num_programs, int) or num_programs < 1:
-        raise ValueError(f"{what}: num_programs must be a positive int; got {num_programs!r}")
     lo, hi = (0, m) if pages is None else pages
     if isinstance(lo, bool) or isinstance(hi, bool) or not isinstance(lo, int) or not isinstance(hi, int) or lo < 0:
         raise ValueError(f"{what}: pages must be (lo, hi) with 0 <= lo; got {pages!r}")
@@ -162,51 +165,48 @@ def scatter_head_pages_ref(dst, src, base, pairs, count, pages=None) -> None:
     dst[j.to(dst.device), :, h.to(dst.device)] = tiles
 
 
-def _env_pow2(name: str, lo: int, hi: int) -> int | None:
-    """A power of two in [lo, hi] from the environment variable ``name`` (None when unset).
+def _check_pow2(name: str, value, lo: int, hi: int, what: str) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or not (lo <= value <= hi and value & (value - 1) == 0):
+        raise ValueError(f"{what}: {name} must be a power of two from {lo} to {hi}, or None for the kernel's default; "
+                         f"got {value!r}")
+
+
+def check_launch_args(num_programs: int = DEFAULT_PROGRAMS, num_warps: int | None = None,
+                      elems_per_load: int | None = None, what: str = "page_gather") -> None:
+    """Validate the copy kernels' launch settings (the copies check them on every call; a caller may check them
+    before it allocates anything).
+
+    Args:
+        num_programs: persistent programs (SMs), a positive int.
+        num_warps: warps per program, a power of two in :data:`NUM_WARPS_RANGE`, or None (the kernel's default, 16).
+        elems_per_load: elements one program moves per load/store, a power of two in :data:`ELEMS_PER_LOAD_RANGE`,
+            or None (the kernel's default, 16,384).
+        what: the operation named in the error.
 
     Raises:
-        ValueError: anything else, naming the variable.
+        ValueError: a value out of range, naming the argument.
     """
-    raw = os.environ.get(name)
-    if raw is None:
-        return None
-    try:
-        v = int(raw)
-    except ValueError:
-        v = 0
-    if not (lo <= v <= hi and v & (v - 1) == 0):
-        raise ValueError(f"{name} must be a power of two from {lo} to {hi}; got {raw!r} (unset it for the default)")
-    return v
+    if isinstance(num_programs, bool) or not isinstance(num_programs, int) or num_programs < 1:
+        raise ValueError(f"{what}: num_programs must be a positive int; got {num_programs!r}")
+    _check_pow2("num_warps", num_warps, *NUM_WARPS_RANGE, what)
+    _check_pow2("elems_per_load", elems_per_load, *ELEMS_PER_LOAD_RANGE, what)
 
 
 def check_kernel_env() -> None:
-    """Validate ``OOMB_PAGE_GATHER_WARPS`` / ``OOMB_PAGE_GATHER_ELEMS`` now (the offload store calls it before it
-    allocates anything, so a bad value fails fast, not at the first copy).
-
-    Raises:
-        ValueError: a value that is not a power of two in range, naming the variable.
-    """
-    _env_pow2("OOMB_PAGE_GATHER_WARPS", 1, 32)
-    _env_pow2("OOMB_PAGE_GATHER_ELEMS", 128, 65536)
+    """Nothing to validate: the copy kernels take their settings as arguments (:func:`check_launch_args`). Kept only
+    for the callers in oomb/engine/offload.py; remove it with those calls."""
 
 
 def _triton_kernel():
-    """The Triton launcher (imported on first use: Triton is an optional dependency), or None.
-
-    ``OOMB_PAGE_GATHER_WARPS`` (1..32) and ``OOMB_PAGE_GATHER_ELEMS`` (128..65536), powers of two, set the
-    kernel's warps per program and elements per load (defaults: ``NUM_WARPS`` and ``ELEMS_PER_LOAD`` of
-    :mod:`oomb.ops.triton_page_gather`); checked here, so a bad value is an error, not a silent fallback.
-    """
-    warps = _env_pow2("OOMB_PAGE_GATHER_WARPS", 1, 32)
-    elems = _env_pow2("OOMB_PAGE_GATHER_ELEMS", 128, 65536)
+    """The Triton launcher :func:`oomb.ops.triton.page_gather.launch_copy_tiles` (imported on first use: Triton is
+    an optional dependency), or None."""
     try:
-        from .triton_page_gather import launch_copy_tiles
+        from .triton.page_gather import launch_copy_tiles
     except Exception:  # pragma: no cover - depends on the installation
         return None
-    if warps is None and elems is None:
-        return launch_copy_tiles
-    return functools.partial(launch_copy_tiles, num_warps=warps, elems_per_load=elems)
+    return launch_copy_tiles
 
 
 def _use_kernel(pool: torch.Tensor, span: torch.Tensor, backend: str) -> bool:
@@ -234,6 +234,8 @@ def gather_head_pages(
     backend: str = "auto",
     pages: tuple[int, int] | None = None,
     first: int = 0,
+    num_warps: int | None = None,
+    elems_per_load: int | None = None,
 ) -> None:
     """``dst[base + j, :, h] = src[j, :, h]`` for each listed tile (zeros where ``valid[j, h]`` is False).
 
@@ -251,18 +253,23 @@ def gather_head_pages(
         pages: optional [lo, hi): only the listed tiles of pages lo <= j < hi (a piece of a larger copy that
             waits on its own event).
         first: skip the first ``first`` list entries (those a :func:`unstash_head_tiles` supplies).
+        num_warps, elems_per_load: the kernel's warps per program and elements per load (see
+            :func:`check_launch_args`); None: its defaults.
 
     Runs on the current stream; on CUDA with the kernel it never syncs the host (the PyTorch path reads
     ``count``).
 
     Raises:
         ValueError: mismatched shapes/dtypes/layouts/devices, pages outside the pool, a bad ``valid``,
-            ``num_programs``, ``pages``, ``first`` or ``backend``; ``'triton'`` without Triton installed.
+            ``num_programs``, ``num_warps``, ``elems_per_load``, ``pages``, ``first`` or ``backend``; ``'triton'``
+            without Triton installed.
     """
-    pages = _check(dst, src, base, pairs, count, valid, num_programs, pages, "gather_head_pages")
+    pages = _check(dst, src, base, pairs, count, valid, pages, "gather_head_pages")
+    check_launch_args(num_programs, num_warps, elems_per_load, "gather_head_pages")
     _check_entries(first, "gather_head_pages")
     if _use_kernel(dst, src, backend):
-        _triton_kernel()(dst, src, base, 0, pairs, count, valid, num_programs, pages, (first, None))
+        _triton_kernel()(dst, src, base, 0, pairs, count, valid, num_programs, pages, (first, None),
+                         num_warps=num_warps, elems_per_load=elems_per_load)
     else:
         gather_head_pages_ref(dst, base, src, pairs, count, valid, pages, first)
 
@@ -276,6 +283,8 @@ def scatter_head_pages(
     num_programs: int = DEFAULT_PROGRAMS,
     backend: str = "auto",
     pages: tuple[int, int] | None = None,
+    num_warps: int | None = None,
+    elems_per_load: int | None = None,
 ) -> None:
     """``dst[j, :, h] = src[base + j, :, h]`` for each listed tile (the write-back of :func:`gather_head_pages`).
 
@@ -283,14 +292,16 @@ def scatter_head_pages(
         dst: [m, S, Hkv, D] with the pool's page layout (a layer's host span; pinned on CUDA).
         src: [P, S, Hkv, D] contiguous (the GPU pool); ``base``: pool page of ``dst``'s page 0.
         pairs, count: as :func:`gather_head_pages` (tiles of pages ``j >= m`` are skipped), on ``src``'s device.
-        num_programs, backend, pages: as :func:`gather_head_pages`.
+        num_programs, backend, pages, num_warps, elems_per_load: as :func:`gather_head_pages`.
 
     Raises:
         ValueError: as :func:`gather_head_pages`.
     """
-    pages = _check(src, dst, base, pairs, count, None, num_programs, pages, "scatter_head_pages")
+    pages = _check(src, dst, base, pairs, count, None, pages, "scatter_head_pages")
+    check_launch_args(num_programs, num_warps, elems_per_load, "scatter_head_pages")
     if _use_kernel(src, dst, backend):
-        _triton_kernel()(dst, src, 0, base, pairs, count, None, num_programs, pages)
+        _triton_kernel()(dst, src, 0, base, pairs, count, None, num_programs, pages, num_warps=num_warps,
+                         elems_per_load=elems_per_load)
     else:
         scatter_head_pages_ref(dst, src, base, pairs, count, pages)
 
@@ -300,7 +311,7 @@ def _check_entries(first, what: str) -> None:
         raise ValueError(f"{what}: first must be an int >= 0 (list entries to skip); got {first!r}")
 
 
-def _check_stash(stash, pool, base, num_pages, pairs, count, num_programs, what) -> None:
+def _check_stash(stash, pool, base, num_pages, pairs, count, what) -> None:
     """Validate a copy between ``stash`` [C, S, D] and pages [base, base + num_pages) of ``pool`` [P, S, Hkv, D]."""
     if pool.dim() != 4 or stash.dim() != 3 or stash.shape[1] != pool.shape[1] or stash.shape[2] != pool.shape[3]:
         raise ValueError(f"{what}: stash {tuple(stash.shape)} must be [C, S, D] for a pool [P, S, Hkv, D] "
@@ -315,7 +326,7 @@ def _check_stash(stash, pool, base, num_pages, pairs, count, num_programs, what)
             raise ValueError(f"{what}: {name} must be an int >= 0; got {v!r}")
     if base + num_pages > pool.shape[0]:
         raise ValueError(f"{what}: pages [{base}, {base + num_pages}) are outside the pool's {pool.shape[0]}")
-    _check(pool, pool[base : base + num_pages], base, pairs, count, None, num_programs, None, what)
+    _check(pool, pool[base : base + num_pages], base, pairs, count, None, None, what)
 
 
 def stash_head_tiles_ref(stash, pool, base, num_pages, pairs, count) -> None:
@@ -341,6 +352,8 @@ def stash_head_tiles(
     count: torch.Tensor,
     num_programs: int = DEFAULT_PROGRAMS,
     backend: str = "auto",
+    num_warps: int | None = None,
+    elems_per_load: int | None = None,
 ) -> None:
     """``stash[i] = pool[base + j_i, :, h_i]`` for the list entries ``i < min(count, C)`` (tile ``(j_i, h_i)``
     named by ``pairs[i]``); entries of pages ``j_i >= num_pages`` are skipped.
@@ -349,17 +362,20 @@ def stash_head_tiles(
         stash: [C, S, D] contiguous, the pool's dtype and device (C tiles of one KV head each).
         pool: [P, S, Hkv, D] contiguous; ``base``: pool page of the span's page 0; ``num_pages``: the span's pages.
         pairs, count: int32, from :func:`head_pairs`, on the pool's device.
-        num_programs, backend: as :func:`gather_head_pages` (the kernel for a CUDA pool when Triton is installed).
+        num_programs, backend, num_warps, elems_per_load: as :func:`gather_head_pages` (the kernel for a CUDA pool
+            when Triton is installed).
 
     Runs on the current stream; device to device, without a host sync on CUDA.
 
     Raises:
-        ValueError: mismatched shapes/dtypes/devices, pages outside the pool, a bad ``num_programs`` or ``backend``.
+        ValueError: mismatched shapes/dtypes/devices, pages outside the pool, a bad ``num_programs``, ``num_warps``,
+            ``elems_per_load`` or ``backend``.
     """
-    _check_stash(stash, pool, base, num_pages, pairs, count, num_programs, "stash_head_tiles")
+    _check_stash(stash, pool, base, num_pages, pairs, count, "stash_head_tiles")
+    check_launch_args(num_programs, num_warps, elems_per_load, "stash_head_tiles")
     if _use_kernel(pool, pool, backend):
         _triton_kernel()(stash, pool, 0, base, pairs, count, None, num_programs, (0, num_pages), (0, stash.shape[0]),
-                         dst_compact=True)
+                         dst_compact=True, num_warps=num_warps, elems_per_load=elems_per_load)
     else:
         stash_head_tiles_ref(stash, pool, base, num_pages, pairs, count)
 
@@ -373,15 +389,18 @@ def unstash_head_tiles(
     count: torch.Tensor,
     num_programs: int = DEFAULT_PROGRAMS,
     backend: str = "auto",
+    num_warps: int | None = None,
+    elems_per_load: int | None = None,
 ) -> None:
     """``pool[base + j_i, :, h_i] = stash[i]`` for the list entries ``i < min(count, C)``: the inverse of
     :func:`stash_head_tiles` with the same list (then :func:`gather_head_pages` with ``first=C`` supplies the rest).
 
     Args and Raises: as :func:`stash_head_tiles`.
     """
-    _check_stash(stash, pool, base, num_pages, pairs, count, num_programs, "unstash_head_tiles")
+    _check_stash(stash, pool, base, num_pages, pairs, count, "unstash_head_tiles")
+    check_launch_args(num_programs, num_warps, elems_per_load, "unstash_head_tiles")
     if _use_kernel(pool, pool, backend):
         _triton_kernel()(pool, stash, base, 0, pairs, count, None, num_programs, (0, num_pages), (0, stash.shape[0]),
-                         src_compact=True)
+                         src_compact=True, num_warps=num_warps, elems_per_load=elems_per_load)
     else:
         unstash_head_tiles_ref(pool, base, num_pages, stash, pairs, count)

@@ -12,7 +12,7 @@ pages plus the chunk's own K/V; its backward
 
 Backends, which share one contract: ``"torch"`` (the reference in
 :mod:`oomb.ops.attention_ref`), ``"triton"`` (the paged kernels,
-:mod:`oomb.ops.triton_paged_attention`), and ``"sdpa"``: PyTorch's fused cuDNN
+:mod:`oomb.ops.triton.paged_attention`), and ``"sdpa"``: PyTorch's fused cuDNN
 attention (:mod:`oomb.ops.sdpa_attention`; on the CPU its flash kernel) for every call
 whose past lies contiguously in the pool (``PagedKV.past_k`` set) and has no
 packed-document mask, the paged kernels (Triton on CUDA, else the reference) for the
@@ -44,6 +44,7 @@ from typing import Callable, Protocol, Sequence
 
 import torch
 
+from ..config.engine import KernelConfig
 from .attention_ref import paged_attention_bwd_ref, paged_attention_fwd_ref
 
 __all__ = ["PagedKV", "PastSegments", "paged_attention", "paged_attention_forward", "paged_backend", "resolve_backend"]
@@ -119,7 +120,7 @@ class PagedKV:
 @lru_cache(maxsize=None)
 def _triton_available() -> bool:
     try:
-        from . import triton_paged_attention  # noqa: F401
+        from .triton import paged_attention  # noqa: F401
     except Exception:  # pragma: no cover - depends on the installation
         return False
     return True
@@ -193,7 +194,8 @@ def _part_kwargs(part: tuple | None, dtype_name: str) -> dict:
     return kw
 
 
-def _fwd(backend: str, q, k, v, kv: PagedKV, scale: float, block_size: int, part: tuple | None = None):
+def _fwd(backend: str, q, k, v, kv: PagedKV, scale: float, block_size: int, part: tuple | None = None,
+         kernels: KernelConfig | None = None):
     if backend == "sdpa":
         if part is None and _sdpa_serves(q, k, v, kv, False):
             from .sdpa_attention import sdpa_attention_fwd
@@ -202,10 +204,11 @@ def _fwd(backend: str, q, k, v, kv: PagedKV, scale: float, block_size: int, part
         backend = paged_backend(backend, q.device)
     kw = _part_kwargs(part, "out_dtype")
     if backend == "triton":
-        from .triton_paged_attention import paged_attention_fwd
+        from .triton.paged_attention import paged_attention_fwd
 
         return paged_attention_fwd(
-            q, k, v, kv.k_cache, kv.v_cache, kv.block_table, kv.past_len, softmax_scale=scale, **_doc_kwargs(kv), **kw
+            q, k, v, kv.k_cache, kv.v_cache, kv.block_table, kv.past_len, softmax_scale=scale, **_doc_kwargs(kv), **kw,
+            kernels=kernels,
         )
     return paged_attention_fwd_ref(
         q, k, v, kv.k_cache, kv.v_cache, kv.block_table, kv.past_len, scale, block_size, kv.q_doc_start, **kw
@@ -213,7 +216,7 @@ def _fwd(backend: str, q, k, v, kv: PagedKV, scale: float, block_size: int, part
 
 
 def _bwd(backend: str, dout, q, k, v, out, lse, kv: PagedKV, scale: float, block_size: int, part: tuple | None = None,
-         delta: torch.Tensor | None = None):
+         delta: torch.Tensor | None = None, kernels: KernelConfig | None = None):
     if backend == "sdpa":
         if part is None and _sdpa_serves(q, k, v, kv, True):
             from .sdpa_attention import sdpa_attention_bwd
@@ -223,11 +226,11 @@ def _bwd(backend: str, dout, q, k, v, out, lse, kv: PagedKV, scale: float, block
     args = (dout, q, k, v, out, lse, kv.k_cache, kv.v_cache, kv.block_table, kv.past_len, kv.dk_cache, kv.dv_cache)
     kw = _part_kwargs(part, "dq_dtype")
     if backend == "triton":
-        from .triton_paged_attention import paged_attention_bwd
+        from .triton.paged_attention import paged_attention_bwd
 
         if delta is not None:
             kw["delta"] = delta
-        return paged_attention_bwd(*args, softmax_scale=scale, **_doc_kwargs(kv), **kw)
+        return paged_attention_bwd(*args, softmax_scale=scale, **_doc_kwargs(kv), **kw, kernels=kernels)
     return paged_attention_bwd_ref(*args, scale, block_size, kv.q_doc_start, **kw)
 
 
@@ -241,18 +244,20 @@ def _segment_view(kv: PagedKV, index: int, grad: bool) -> PagedKV:
     return PagedKV(kc, vc, bt, kv.segments.bounds[index][1], dkc, dvc, q_doc_start=kv.q_doc_start)
 
 
-def _fwd_segmented(backend: str, q, k, v, kv: PagedKV, scale: float, block_size: int):
+def _fwd_segmented(backend: str, q, k, v, kv: PagedKV, scale: float, block_size: int,
+                   kernels: KernelConfig | None = None):
     """Forward over the segments of ``kv.segments`` merged by log-sum-exp -> (out in q's dtype, lse [Hq, C])."""
     backend = paged_backend(backend, q.device)  # segments are read through block tables
     bounds = list(kv.segments.bounds)
     if not bounds:  # no past: the own chunk alone
-        return _fwd(backend, q, k, v, PagedKV(None, None, None, 0, q_doc_start=kv.q_doc_start), scale, block_size)
+        return _fwd(backend, q, k, v, PagedKV(None, None, None, 0, q_doc_start=kv.q_doc_start), scale, block_size,
+                    kernels=kernels)
     n = len(bounds)
     acc = None if n == 1 else _acc_dtype(q.dtype)
     out = lse = lse_dtype = None
     for i, (a, _) in enumerate(bounds):
         part_kv = _segment_view(kv, i, False)
-        o, l = _fwd(backend, q, k, v, part_kv, scale, block_size, (a, i == n - 1, acc))
+        o, l = _fwd(backend, q, k, v, part_kv, scale, block_size, (a, i == n - 1, acc), kernels)
         kv.segments.release(i, False)
         if n == 1:
             return o, l
@@ -268,7 +273,8 @@ def _fwd_segmented(backend: str, q, k, v, kv: PagedKV, scale: float, block_size:
     return out.to(q.dtype), lse.to(lse_dtype)
 
 
-def _bwd_segmented(backend: str, dout, q, k, v, out, lse, kv: PagedKV, scale: float, block_size: int):
+def _bwd_segmented(backend: str, dout, q, k, v, out, lse, kv: PagedKV, scale: float, block_size: int,
+                   kernels: KernelConfig | None = None):
     """Backward over the segments in reverse -> (dq, dk, dv) of the own chunk (dK/dV of the past added in place)."""
     backend = paged_backend(backend, q.device)
     seg = kv.segments
@@ -276,19 +282,19 @@ def _bwd_segmented(backend: str, dout, q, k, v, out, lse, kv: PagedKV, scale: fl
     seg.begin_backward()
     if not bounds:
         return _bwd(backend, dout, q, k, v, out, lse, PagedKV(None, None, None, 0, q_doc_start=kv.q_doc_start), scale,
-                    block_size)
+                    block_size, kernels=kernels)
     n = len(bounds)
     acc = None if n == 1 else _acc_dtype(q.dtype)
     delta = None
     if backend == "triton" and n > 1:
-        from .triton_paged_attention import _delta
+        from .triton.inputs import _delta
 
         delta = _delta(dout, out)
     dq = dk = dv = None
     for i in range(n - 1, -1, -1):
         part_kv = _segment_view(kv, i, True)
         dq_i, dk_i, dv_i = _bwd(backend, dout, q, k, v, out, lse, part_kv, scale, block_size,
-                                (bounds[i][0], i == n - 1, acc), delta)
+                                (bounds[i][0], i == n - 1, acc), delta, kernels)
         seg.release(i, True)
         dq = dq_i if dq is None else dq + dq_i
         if i == n - 1:
@@ -298,14 +304,15 @@ def _bwd_segmented(backend: str, dout, q, k, v, out, lse, kv: PagedKV, scale: fl
 
 class _PagedAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, kv: PagedKV, scale: float, backend: str, block_size: int, saved: tuple | None = None):
+    def forward(ctx, q, k, v, kv: PagedKV, scale: float, backend: str, block_size: int, saved: tuple | None,
+                kernels: KernelConfig | None):
         if saved is not None:  # this forward's (out, lse) computed earlier on the same inputs (save_attention)
             out, lse = saved
         else:
             fwd = _fwd if kv.segments is None else _fwd_segmented
-            out, lse = fwd(backend, q, k, v, kv, scale, block_size)
+            out, lse = fwd(backend, q, k, v, kv, scale, block_size, kernels=kernels)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.kv, ctx.scale, ctx.backend, ctx.block_size = kv, scale, backend, block_size
+        ctx.kv, ctx.scale, ctx.backend, ctx.block_size, ctx.kernels = kv, scale, backend, block_size, kernels
         return out if saved is None else out.clone()
 
     @staticmethod
@@ -313,7 +320,8 @@ class _PagedAttentionFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         kv: PagedKV = ctx.kv
         bwd = _bwd if kv.segments is None else _bwd_segmented
-        dq, dk, dv = bwd(ctx.backend, dout.contiguous(), q, k, v, out, lse, kv, ctx.scale, ctx.block_size)
+        dq, dk, dv = bwd(ctx.backend, dout.contiguous(), q, k, v, out, lse, kv, ctx.scale, ctx.block_size,
+                         kernels=ctx.kernels)
         if kv.segments is not None:
             own = kv.segments.own_grad(k.shape[0])
             if own is not None:
@@ -326,7 +334,7 @@ class _PagedAttentionFunction(torch.autograd.Function):
             dv = dv + kv.dv_cache.index_select(0, idx).flatten(0, 1)[:n].to(dv.dtype)
         if kv.after_backward is not None:
             kv.after_backward()
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def paged_attention(
@@ -338,6 +346,8 @@ def paged_attention(
     backend: str = "torch",
     block_size: int = 4096,
     saved: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *,
+    kernels: KernelConfig | None = None,
 ) -> torch.Tensor:
     """Differentiable attention of one chunk over paged past K/V plus its own K/V (causal).
 
@@ -350,15 +360,19 @@ def paged_attention(
         saved: ``(out, lse)`` this same forward returned earlier for bitwise the same inputs (the engine's
             ``save_attention``: Stage 1's outputs, reused by the Stage-2 recompute). The forward is then
             skipped and the backward uses them; None computes them.
+        kernels: settings of the Triton kernels (:class:`oomb.config.KernelConfig`: autotune, tensor
+            descriptors); None: its defaults. Unused by the other backends.
 
     Returns:
         out: [C, Hq, D] in q's dtype.
     """
-    return _PagedAttentionFunction.apply(q, k, v, kv, softmax_scale, backend, block_size, saved)
+    return _PagedAttentionFunction.apply(q, k, v, kv, softmax_scale, backend, block_size, saved, kernels)
 
 
-def paged_attention_forward(q, k, v, kv: PagedKV, softmax_scale: float, backend: str = "torch", block_size: int = 4096):
+def paged_attention_forward(q, k, v, kv: PagedKV, softmax_scale: float, backend: str = "torch", block_size: int = 4096,
+                            *, kernels: KernelConfig | None = None):
     """No-grad forward (Stage 1): returns (out [C, Hq, D], lse [Hq, C] float32; float64 from the
-    torch backend for float64 inputs). Segmented like :func:`paged_attention` when ``kv.segments`` is set."""
+    torch backend for float64 inputs). Segmented like :func:`paged_attention` when ``kv.segments`` is set;
+    ``kernels`` as there."""
     fwd = _fwd if kv.segments is None else _fwd_segmented
-    return fwd(backend, q, k, v, kv, softmax_scale, block_size)
+    return fwd(backend, q, k, v, kv, softmax_scale, block_size, kernels=kernels)

@@ -10,7 +10,7 @@ packed-document mask; the engine sends every other call to the paged Triton kern
 Why: on an H200 the cuDNN fused attention behind ``torch.nn.functional.scaled_dot_product_attention``
 runs this split at ~580 TFLOP/s forward and ~520 backward on the Qwen2.5-7B shape (4096 queries,
 32K-128K past), where our Triton kernels reach ~443 / ~390 (benchmarks/results/
-sdpa_attention_h200_2026-12-01_eighth.md). Where the layout allows it, the chunk-recurrent
+sdpa_attention_kernels_h200.md). Where the layout allows it, the chunk-recurrent
 step then runs its attention at the speed of the full-sequence baseline's.
 
 Algorithm: the attention is split into two calls over disjoint keys -- the chunk's queries
@@ -26,7 +26,7 @@ FlashAttention backward recomputes ``P = exp(scale * q k^T - lse)`` and uses
 the full softmax (Dao 2023, §3.2), so dq = dq_past + dq_own and the past's dk/dv come out
 exact. Each part's outputs are rounded to the input dtype once before the merge (cuDNN has no
 float32 output), one rounding more than a single fused kernel. On CUDA the merge is one Triton
-kernel (:mod:`oomb.ops.triton_lse_merge`), elsewhere :func:`merge_parts`.
+kernel (:mod:`oomb.ops.triton.lse_merge`), elsewhere :func:`merge_parts`.
 
 Primitives: on CUDA ``torch.ops.aten._scaled_dot_product_cudnn_attention`` and its backward
 (grouped-query attention passed as is: the K/V keep their Hkv heads); on CPU
@@ -134,7 +134,7 @@ def sdpa_attention_fwd(
 def merge_parts(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor,
                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-sum-exp merge of two parts over disjoint keys, in PyTorch ops (the reference of
-    :func:`oomb.ops.triton_lse_merge.lse_merge`, same arguments): out [C, Hq, D] in ``dtype``, lse [Hq, C]
+    :func:`oomb.ops.triton.lse_merge.lse_merge`, same arguments): out [C, Hq, D] in ``dtype``, lse [Hq, C]
     float32 (float64 for float64 parts). Both lse must be finite."""
     acc = torch.float64 if out_a.dtype == torch.float64 else torch.float32
     lse_a, lse_b = lse_a.to(acc), lse_b.to(acc)
@@ -146,7 +146,7 @@ def merge_parts(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, l
 @lru_cache(maxsize=None)
 def _triton_merge():
     try:
-        from .triton_lse_merge import lse_merge
+        from .triton.lse_merge import lse_merge
     except Exception:  # pragma: no cover - triton missing or broken: the PyTorch merge
         return None
     return lse_merge

@@ -13,11 +13,13 @@ __all__ = ["ELEMS_PER_LOAD", "NUM_WARPS", "launch_copy_tiles"]
 
 ELEMS_PER_LOAD = 16384
 """Elements one program moves per load/store (rows of a tile at a time; at most one tile): a whole 128-token tile
-of head dim 128. ``OOMB_PAGE_GATHER_ELEMS`` overrides it (read by :mod:`oomb.ops.page_gather`)."""
+of head dim 128. The ``elems_per_load`` argument of :mod:`oomb.ops.page_gather`'s copies overrides it
+(:attr:`oomb.config.KernelConfig.page_gather_elems`)."""
 
 NUM_WARPS = 16
-"""Warps per program. ``OOMB_PAGE_GATHER_WARPS`` overrides it: fewer programs with more warps each keep about as
-many loads in flight while holding fewer SMs, which the compute beside the copies needs (benchmarks/NOTES.md)."""
+"""Warps per program. The ``num_warps`` argument of :mod:`oomb.ops.page_gather`'s copies overrides it
+(:attr:`oomb.config.KernelConfig.page_gather_warps`): fewer programs with more warps each keep about as many loads
+in flight while holding fewer SMs, which the compute beside the copies needs (docs/tuning.md)."""
 
 
 @triton.jit
