@@ -191,7 +191,7 @@ def _check_sparse_flags(args: argparse.Namespace, enabled: bool, enabler: str, n
 def _check_cpu_memory(args: argparse.Namespace, model_config: object, dtype: "torch.dtype") -> None:
     """Refuse a CPU run whose weights, gradients and AdamW states alone exceed the available RAM (a lower
     bound: activations and the KV store come on top), before any weight is allocated."""
-    from .planner import ModelShape, _base_gpu, _host_memory
+    from .memory import ModelShape, base_gpu_bytes as _base_gpu, host_memory as _host_memory
 
     shape = ModelShape.from_config(model_config)
     n = shape.num_params()
@@ -272,7 +272,7 @@ def _warn_if_offload_segments_are_small(args: argparse.Namespace, offloads: bool
     floor = max(1, SMALL_SEGMENT_TOKENS // args.page_size)
     if pages >= min(floor, -(-args.seq_len // args.page_size)):  # or one segment holds a whole layer
         return
-    from .engine.offload import DEFAULT_SEGMENT_TOKENS, default_segment_pages
+    from .memory import DEFAULT_SEGMENT_TOKENS, default_segment_pages
 
     warnings.warn(
         f"--offload-segment-pages {pages} stages {pages * args.page_size:,} tokens of a layer's past at a time: each "
@@ -1496,7 +1496,7 @@ def _bench(args: argparse.Namespace) -> int:
         model_config = load_config(args.model)
         check_config_supported(model_config)
         if device.type == "cpu":
-            from .planner import ModelShape, _host_memory
+            from .memory import ModelShape, host_memory as _host_memory
 
             n = ModelShape.from_config(model_config).num_params()
             need, available = 2 * n * dtype.itemsize, _host_memory()[0]  # weights and gradients, before activations

@@ -536,15 +536,15 @@ def test_sigterm_during_setup_prints_one_line(tmp_path, text_file):
 
 
 def test_a_ctrl_c_at_any_moment_of_the_command_prints_one_line(tmp_path, monkeypatch, capsys):
-    """KeyboardInterrupt while the arguments are read, while torch is imported (check_env) and while `python -m
-    oomb` imports oomb.cli: 'oomb: interrupted', exit 130, no traceback."""
+    """KeyboardInterrupt while the arguments are read, while the plan is computed and while `python -m oomb`
+    imports oomb.cli: 'oomb: interrupted', exit 130, no traceback."""
     import oomb.cli
-    import oomb.engine.offload
+    import oomb.planner
 
     def interrupt(*a, **k):
         raise KeyboardInterrupt
 
-    for target, name in ((oomb.engine.offload, "check_env"), (oomb.cli._Parser, "parse_args")):
+    for target, name in ((oomb.planner, "run_plan"), (oomb.cli._Parser, "parse_args")):
         with monkeypatch.context() as m:
             m.setattr(target, name, interrupt)
             assert run_cli(["plan", "--seq-len", "4096"]) == 130
