@@ -59,10 +59,12 @@ from overrides import add_set_argument, apply_sets  # noqa: E402
 from oomb.engine import engine as engine_module  # noqa: E402
 from oomb.engine.engine import _ChunkContext  # noqa: E402
 from oomb.engine.loss import chunked_cross_entropy_sum  # noqa: E402
-from oomb.engine.offload import OffloadedKVStore, default_segment_pages, min_gpu_pages, resident_pages_for_budget  # noqa: E402
+from oomb.engine.offload import OffloadedKVStore  # noqa: E402
+from oomb.memory import default_segment_pages, min_gpu_pages, resident_pages_for_budget  # noqa: E402
 from oomb.models.presets import preset_config  # noqa: E402
 from oomb.ops.paged_attention import resolve_backend  # noqa: E402
-from oomb.planner import GiB, Machine, ModelShape, offload_traffic, plan  # noqa: E402
+from oomb.memory import GiB, Machine, ModelShape, offload_traffic  # noqa: E402
+from oomb.planner import plan  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 MB = 1e6

@@ -123,7 +123,7 @@ def memory_breakdown(engine, args, seq_len: int, peak_gib: float) -> dict:
     bytes, the sparse state, the rest of the allocated peak ("activations_measured_gib") and what
     :func:`oomb.planner.activation_bytes` predicts for it (choose_engine_tiering's argument values)."""
     from oomb.ops.paged_attention import step_backend
-    from oomb.planner import ModelShape, activation_bytes, sparse_state_bytes
+    from oomb.memory import ModelShape, activation_bytes, sparse_state_bytes
 
     cfg = engine.config
     shape = ModelShape.from_config(engine._base.config)

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 from oomb import Engine, OOMBConfig  # noqa: E402
 from oomb.engine import engine as engine_mod  # noqa: E402
-from oomb.engine.offload import min_gpu_pages  # noqa: E402
+from oomb.memory import min_gpu_pages  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_sparse import autotuned_configs, build  # noqa: E402

@@ -907,9 +907,9 @@ def test_a_cpu_run_larger_than_the_ram_is_refused_before_anything_is_built(tmp_p
     """The weights, gradients and AdamW states alone exceed the available RAM: one line naming the sizes and a fix,
     before the model is built or the output folder made (a 7B model on a 23 GB machine swapped or died with a
     traceback)."""
-    import oomb.planner
+    import oomb.memory
 
-    monkeypatch.setattr(oomb.planner, "_host_memory", lambda: (available_mib * 2**20, 64 * 2**30))
+    monkeypatch.setattr(oomb.memory, "host_memory", lambda: (available_mib * 2**20, 64 * 2**30))
     out = tmp_path / "run"
     _check_refused(run_cli(["train", "--data", text_file, "--output-dir", out, *FAST]), capsys, fragment)
     assert not out.exists()

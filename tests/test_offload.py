@@ -12,21 +12,20 @@ import pytest
 import torch
 
 from oomb import Engine, OOMBConfig
-from oomb.config import SparseConfig, OffloadConfig
+from oomb.config import KernelConfig, OffloadConfig, SparseConfig
 from configs import engine_config
 from oomb.engine.kv_store import PagedKVStore
-from oomb.engine import offload
-from oomb.engine.offload import OffloadedKVStore, min_gpu_pages, resident_pages_for_budget
-from oomb.planner import ModelShape, offload_traffic
+from oomb import memory
+from oomb.engine.offload import OffloadedKVStore, head_tiles, layout, segmented, store as store_mod, uses, whole_layer
+from oomb.memory import ModelShape, min_gpu_pages, offload_traffic, resident_pages_for_budget
 from test_engine import VOCAB, clone_model, run_parity, tiny
 
 
-@pytest.fixture(autouse=True)
-def _no_offload_env(monkeypatch):
-    """The tests choose staging settings themselves: a developer's exported OOMB_* knobs must not change them."""
-    for name in ("OOMB_OFFLOAD_STAGE_GRAIN", "OOMB_PAGE_GATHER_PROGRAMS", "OOMB_OFFLOAD_COPY_STREAMS", "OOMB_OFFLOAD_STAGE1_SHADOW",
-                 "OOMB_OFFLOAD_KV_STASH_MIB", "OOMB_OFFLOAD_STAGING_SETS", "OOMB_PAGE_GATHER_WARPS", "OOMB_PAGE_GATHER_ELEMS"):
-        monkeypatch.delenv(name, raising=False)
+def _store_options(monkeypatch, **options):
+    """Engines build their offloaded stores with these keyword options on top of what their config passes (options
+    no config field sets, such as ``stage1_shadow_partial``, or ``staging_sets`` for dense whole-layer staging)."""
+    init = OffloadedKVStore.__init__
+    monkeypatch.setattr(OffloadedKVStore, "__init__", lambda self, *a, **k: init(self, *a, **{**k, **options}))
 
 
 def _step(model, ids, trace=False, **cfg):
@@ -212,7 +211,7 @@ def test_event_ordering_with_a_lazy_copy_stream(monkeypatch):
     With per-layer checkpointing both wait points are exercised: the views (forward, recompute) and
     the readying of the next layer's backward in after_backward."""
     streams = []
-    monkeypatch.setattr(offload, "_make_streams", lambda device: streams.append(_LazyStreams()) or streams[-1])
+    monkeypatch.setattr(store_mod, "_make_streams", lambda device, copy_streams: streams.append(_LazyStreams()) or streams[-1])
     torch.manual_seed(1)
     m_ref = tiny("qwen2", 4, 2, layers=4)
     m_off = clone_model(m_ref)
@@ -228,12 +227,12 @@ def test_lazy_stream_control_detects_a_missing_wait(monkeypatch):
     """The simulator has teeth: the same schedule without the compute-side waits reads stale pages."""
     streams = []
 
-    def make(device):
+    def make(device, copy_streams):
         streams.append(_LazyStreams())
         streams[-1].skip_compute_waits = True
         return streams[-1]
 
-    monkeypatch.setattr(offload, "_make_streams", make)
+    monkeypatch.setattr(store_mod, "_make_streams", make)
     torch.manual_seed(1)
     m_ref = tiny("qwen2", 4, 2, layers=4)
     m_bad = clone_model(m_ref)
@@ -326,12 +325,11 @@ def whole_layer_staging(monkeypatch):
 def test_prefetch_order(ckpt, shadow, whole_layer_staging, monkeypatch):
     """Whole-layer staging: each use's pages are staged one use ahead: while the previous layer computes, never
     at the point of use."""
-    monkeypatch.setattr(OffloadedKVStore, "stage1_shadow", shadow)
-    monkeypatch.setattr(OffloadedKVStore, "stage1_shadow_partial", True)  # 4 of the 8 host pages per layer
     torch.manual_seed(0)
     L, C, S, T = 4, 8, 4, 32
+    # with the shadow (partial by default): 4 of the 8 host pages per layer
     _, engine = _step(tiny("qwen2", layers=L), torch.randint(0, VOCAB, (1, T)), trace=True, chunk_size=C, page_size=S,
-                      offload=True, checkpoint_layers=ckpt)
+                      offload=True, checkpoint_layers=ckpt, offload_stage1_shadow=shadow)
     store = engine.kv_store
     assert store.stage1_shadow_pages == (4 if shadow else 0)  # 16 fp32 pool pages hold 4 K/V pages per layer
     sched = _schedule(store.trace)
@@ -451,9 +449,9 @@ def _lazy(monkeypatch):
     """Lazy simulated side stream; host pages and GPU pool start as NaN, so a read of a page never written
     (or a staged gradient never zero-filled) shows."""
     streams = []
-    monkeypatch.setattr(offload, "_make_streams", lambda device: streams.append(_LazyStreams()) or streams[-1])
+    monkeypatch.setattr(store_mod, "_make_streams", lambda device, copy_streams: streams.append(_LazyStreams()) or streams[-1])
     monkeypatch.setattr(OffloadedKVStore, "_host_empty", lambda self, shape, dtype: torch.full(shape, float("nan"), dtype=dtype))
-    orig_empty = offload.torch.empty
+    orig_empty = torch.empty
 
     def nan_empty(*shape, dtype=None, device=None, **kw):
         t = orig_empty(*shape, dtype=dtype, device=device, **kw)
@@ -464,7 +462,8 @@ def _lazy(monkeypatch):
         # Tile lists and counts (int32) read before they are made would list no tile at all.
         return t.fill_(-7) if t.dtype == torch.int32 else t
 
-    monkeypatch.setattr(offload, "torch", _TorchWith(empty=nan_empty))
+    for mod in (store_mod, layout, head_tiles, whole_layer, segmented):  # every module of the store that allocates
+        monkeypatch.setattr(mod, "torch", _TorchWith(empty=nan_empty))
     return streams
 
 
@@ -616,7 +615,7 @@ def test_segment_pages_knob_is_validated():
         OOMBConfig(offload=OffloadConfig(segment_pages=-3))
     with pytest.raises(ValueError, match="segment_pages sizes the staging of offload but mode is off"):
         OOMBConfig(offload=OffloadConfig(mode="off", segment_pages=8))
-    assert offload.default_segment_pages(128) == 256 and offload.default_segment_pages(65536) == 1
+    assert memory.default_segment_pages(128) == 256 and memory.default_segment_pages(65536) == 1
     # Two buffers of min(segment, n) pages is the least a budget can be; resident pages beyond.
     assert min_gpu_pages(28, 1000, 256) == 512 and min_gpu_pages(28, 100, 256) == 200
     assert resident_pages_for_budget(28, 1000, 512, 256) == 0
@@ -703,7 +702,7 @@ def test_segment_traffic_closed_form_equals_the_schedule():
                     for T in (5, 17, 33, 64, 97):
                         for ckpt in (False, True):
                             args = (L, T, 4 * chunk_pages, 4, R, sp, ckpt, 7, 3)
-                            assert offload.segment_traffic(*args, simulate=True) == offload.segment_traffic(
+                            assert memory.segment_traffic(*args, simulate=True) == memory.segment_traffic(
                                 *args, simulate=False), args
 
 
@@ -718,7 +717,6 @@ def _sparse_pair(monkeypatch, ids, budget, cu=None, spy=None, exact_unions=True,
     (lazy side stream, NaN-poisoned host tier and GPU pool). ``grain``: the store's Stage-2 staging grain
     ('head': the selections' (page, KV head) tiles; 'page': their page unions). ``exact_unions`` (page grain):
     Stage 2 stages exactly the selections' page unions (no merging of nearby runs, no whole-layer fallback)."""
-    monkeypatch.setattr(OffloadedKVStore, "stage_grain", grain)
     if exact_unions:
         monkeypatch.setattr(OffloadedKVStore, "stage_merge_gap_pages", 0)
         monkeypatch.setattr(OffloadedKVStore, "stage_whole_fraction", 2.0)
@@ -728,8 +726,9 @@ def _sparse_pair(monkeypatch, ids, budget, cu=None, spy=None, exact_unions=True,
     m_ref = tiny("qwen2", 4, 2, layers=layers).double()
     m_off = clone_model(m_ref)
     cfg = dict(SPARSE, attention_backend="torch", **cfg)
+    off = {k: cfg.pop(k) for k in list(cfg) if k.startswith("offload_")}  # the offloaded engine's options
     e_ref = Engine(m_ref, engine_config(offload=False, **cfg))
-    e_off = Engine(m_off, engine_config(offload=True, gpu_page_budget=budget, **cfg))
+    e_off = Engine(m_off, engine_config(offload=True, gpu_page_budget=budget, offload_stage_grain=grain, **off, **cfg))
     out_ref = e_ref.step(ids, cu_seqlens=cu)
     out_off = e_off.step(ids, cu_seqlens=cu)
     assert streams and streams[0].max_queued >= 2
@@ -769,9 +768,9 @@ def test_sparse_offload_stages_selected_pages_bitwise(monkeypatch, budget, ckpt,
     store = e_off.kv_store
     assert not store.segmented and store.resident_pages_per_layer == (0 if budget is None else budget - 26)
     if grain == "head":
-        assert any(isinstance(p, offload._HeadsOf) for p in seen)
+        assert any(isinstance(p, uses._HeadsOf) for p in seen)
         # The last chunk's selection is made in Stage 2, before the view: its backward stages tiles too.
-        assert any(isinstance(p, offload._HeadsOf) and p.start == 51 // chunk * chunk for p in seen)
+        assert any(isinstance(p, uses._HeadsOf) and p.start == 51 // chunk * chunk for p in seen)
     else:
         assert any(p is not None and p != ((store.resident_pages_per_layer, store.max_pages_per_layer),) for p in seen)
     _assert_same_training(m_ref, m_off, out_ref, out_off)
@@ -803,7 +802,7 @@ def test_sparse_offload_coalesced_stagings_bitwise(monkeypatch, gap, fraction, m
 
 
 def test_coalesce_runs():
-    from oomb.engine.offload import _coalesce_runs
+    from oomb.engine.offload.uses import _coalesce_runs
 
     runs = ((10, 12), (13, 14), (20, 21))
     assert _coalesce_runs(runs, 10, 100, 0, 1.0, 99) == runs
@@ -1012,7 +1011,7 @@ def test_sparse_offload_head_grain_every_chunk_and_controls(monkeypatch, skip):
 
     monkeypatch.setattr(OffloadedKVStore, "_zero_unwritten", zero_unwritten)
     if skip == "scatter":
-        monkeypatch.setattr(offload, "scatter_head_pages", lambda *a, **k: None)
+        monkeypatch.setattr(head_tiles, "scatter_head_pages", lambda *a, **k: None)
     elif skip == "piece_waits":  # the dK/dV gather into a set no longer waits for the write-back out of it
         orig_stage = OffloadedKVStore._stage_heads
 
@@ -1023,7 +1022,7 @@ def test_sparse_offload_head_grain_every_chunk_and_controls(monkeypatch, skip):
         monkeypatch.setattr(OffloadedKVStore, "_stage_heads", stage_heads)
     elif skip == "valid":
         orig = pg.gather_head_pages
-        monkeypatch.setattr(offload, "gather_head_pages",
+        monkeypatch.setattr(head_tiles, "gather_head_pages",
                             lambda dst, base, src, pairs, count, valid=None, *a, **k: orig(dst, base, src, pairs, count, None, *a, **k))
     m_ref, m_off, out_ref, out_off, _ = _sparse_pair(monkeypatch, ids, None, chunk_size=8, page_size=4, sparse_block_size=8)
     assert out_ref.loss == out_off.loss  # the forward does not read gradients
@@ -1034,17 +1033,11 @@ def test_sparse_offload_head_grain_every_chunk_and_controls(monkeypatch, skip):
         assert any(not torch.equal(a.grad, b.grad) for a, b in zip(m_ref.parameters(), m_off.parameters()))
 
 
-def test_offload_stage_grain_env(monkeypatch):
-    monkeypatch.setenv("OOMB_OFFLOAD_STAGE_GRAIN", "page")
-    store = OffloadedKVStore(2, 2, 8, 4, 32, torch.float32, "cpu", chunk_size=8, segment_pages="layer")
-    assert store.stage_grain == "page"
-    monkeypatch.setenv("OOMB_OFFLOAD_STAGE_GRAIN", "tile")
-    with pytest.raises(ValueError, match="OOMB_OFFLOAD_STAGE_GRAIN must be 'head' or 'page'; got 'tile'"):
-        OffloadedKVStore(2, 2, 8, 4, 32, torch.float32, "cpu", chunk_size=8, segment_pages="layer")
-    monkeypatch.delenv("OOMB_OFFLOAD_STAGE_GRAIN")
-    monkeypatch.setattr(OffloadedKVStore, "stage_grain", "pages")
-    with pytest.raises(ValueError, match="OffloadedKVStore.stage_grain must be"):
-        OffloadedKVStore(2, 2, 8, 4, 32, torch.float32, "cpu", chunk_size=8, segment_pages="layer")
+def test_offload_stage_grain_argument():
+    make = lambda **k: OffloadedKVStore(2, 2, 8, 4, 32, torch.float32, "cpu", chunk_size=8, segment_pages="layer", **k)
+    assert make().stage_grain == "head" and make(stage_grain="page").stage_grain == "page"
+    with pytest.raises(ValueError, match="stage_grain must be 'head' or 'page'; got 'tile'"):
+        make(stage_grain="tile")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (side streams, pinned host memory, zero-copy kernels)")
@@ -1053,7 +1046,6 @@ def test_offload_stage_grain_env(monkeypatch):
 def test_cuda_sparse_offload_bitwise_like_all_on_device(monkeypatch, ckpt, grain):
     """Real streams: head-grained stagings (zero-copy gather/scatter kernels on the copy streams) and page-grained
     ones give the all-on-device sparse training bitwise (bf16 model, PyTorch attention)."""
-    monkeypatch.setattr(OffloadedKVStore, "stage_grain", grain)
     seen = _staged_pages(monkeypatch)
     torch.manual_seed(0)
     m_ref = tiny("qwen2", 4, 2, layers=5, head_dim=16).to("cuda", torch.bfloat16)
@@ -1062,11 +1054,12 @@ def test_cuda_sparse_offload_bitwise_like_all_on_device(monkeypatch, ckpt, grain
     common = dict(chunk_size=32, page_size=16, checkpoint_layers=ckpt, attention_backend="torch", sparse=True,
                   page_budget=2, sink_pages=1, local_pages=1, sparse_block_size=16)
     out_ref, _ = _step(m_ref, ids, offload=False, **common)
-    out_off, e_off = _step(m_off, ids, offload=True, gpu_page_budget=2 * 19 + 3 * 2, **common)
+    out_off, e_off = _step(m_off, ids, offload=True, gpu_page_budget=2 * 19 + 3 * 2, offload_stage_grain=grain, **common)
     store = e_off.kv_store
+    assert store.stage_grain == grain
     assert store.k_host.is_pinned() and store.resident_pages_per_layer == 2 and store.stats["on_demand"] == 0
     if grain == "head":
-        assert any(isinstance(p, offload._HeadsOf) for p in seen)
+        assert any(isinstance(p, uses._HeadsOf) for p in seen)
     _assert_same_training(m_ref, m_off, out_ref, out_off)
 
 
@@ -1076,7 +1069,7 @@ def test_cuda_stage1_shadow_bitwise(monkeypatch, layers, full):
     """Real streams and the Triton kernels: Stage 1 reading host pages from the shadow (all of them, or a prefix with
     the rest staged) trains bitwise like staging them (sparse, head grain, bf16; both runs in one process, so
     both use the same autotuned kernel configurations)."""
-    monkeypatch.setattr(OffloadedKVStore, "stage1_shadow_partial", not full)
+    _store_options(monkeypatch, stage1_shadow_partial=not full)
     torch.manual_seed(0)
     m_ref = tiny("qwen2", 4, 2, layers=layers, head_dim=16).to("cuda", torch.bfloat16)
     ids = torch.randint(0, VOCAB, (1, 300), device="cuda")
@@ -1085,9 +1078,8 @@ def test_cuda_stage1_shadow_bitwise(monkeypatch, layers, full):
                   gpu_page_budget=layers * 2 + 2 * 17)
     runs = {}
     for shadow in (False, True):
-        monkeypatch.setattr(OffloadedKVStore, "stage1_shadow", shadow)
         m = clone_model(m_ref).to("cuda")
-        out, e = _step(m, ids, **common)
+        out, e = _step(m, ids, offload_stage1_shadow=shadow, **common)
         runs[shadow] = (m, out, e.kv_store)
     st = runs[True][2]
     H = st.host_pages_per_layer
@@ -1098,20 +1090,61 @@ def test_cuda_stage1_shadow_bitwise(monkeypatch, layers, full):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned host memory)")
 def test_cuda_store_falls_back_to_page_grain_without_zero_copy(monkeypatch):
     store = OffloadedKVStore(3, 2, 16, 16, 256, torch.bfloat16, "cuda", chunk_size=32, segment_pages="layer")
-    assert store.stage_grain == "head" and offload._zero_copy_works(store.k_host, store.k_cache)
-    monkeypatch.setattr(offload, "_zero_copy_works", lambda host, pool: False)
+    assert store.stage_grain == "head" and head_tiles._zero_copy_works(store.k_host, store.k_cache)
+    monkeypatch.setattr(store_mod, "_zero_copy_works", lambda host, pool: False)
     with pytest.warns(UserWarning, match="zero-copy"):
         store = OffloadedKVStore(3, 2, 16, 16, 256, torch.bfloat16, "cuda", chunk_size=32, segment_pages="layer")
     assert store.stage_grain == "page"
 
 
-def test_page_gather_programs_env(monkeypatch):
-    monkeypatch.setenv("OOMB_PAGE_GATHER_PROGRAMS", "8")
-    assert OffloadedKVStore(2, 2, 8, 4, 32, torch.float32, "cpu", chunk_size=8, segment_pages="layer").gather_programs == 8
-    for bad in ("0", "x", "-3"):
-        monkeypatch.setenv("OOMB_PAGE_GATHER_PROGRAMS", bad)
-        with pytest.raises(ValueError, match="OOMB_PAGE_GATHER_PROGRAMS must be a positive integer"):
-            OffloadedKVStore(2, 2, 8, 4, 32, torch.float32, "cpu", chunk_size=8, segment_pages="layer")
+@pytest.mark.parametrize("name,value,says", [
+    ("stage_grain", "tile", "must be 'head' or 'page'"),
+    ("stage1_shadow", 2, "must be True or False"),
+    ("stage1_shadow_partial", "yes", "must be True or False"),
+    ("copy_streams", 3, "must be 1 or 2"),
+    ("staging_sets", 1, "must be an integer >= 2"),
+    ("kv_stash_mib", -1, "must be an integer >= 0"),
+    ("page_gather_programs", 0, "must be a positive integer"),
+    ("page_gather_warps", 6, "must be a power of two from 1 to 32"),
+    ("page_gather_elems", 64, "must be a power of two from 128 to 65536"),
+])
+def test_store_options_are_checked_before_anything_is_allocated(monkeypatch, name, value, says):
+    """Every keyword option of the store is checked before the pools and the host tier are allocated: one
+    ValueError naming the argument, also for a store that would not use it (segmented staging)."""
+    monkeypatch.setattr(store_mod, "pool_pair", lambda *a: pytest.fail("allocated before the options were checked"))
+    for segment_pages in ("layer", "auto"):
+        with pytest.raises(ValueError, match=f"^{name}[ =].*{says}"):
+            OffloadedKVStore(5, 2, 8, 4, 64, torch.float32, "cpu", chunk_size=8, segment_pages=segment_pages,
+                             **{name: value})
+
+
+def test_page_gather_launch_settings_reach_every_copy_kernel(monkeypatch):
+    """``page_gather_programs``/``_warps``/``_elems`` are the launch keywords of every tile copy (gathers, scatters,
+    stash and unstash), passed through one method of the store; the defaults pass only ``num_programs``."""
+    from oomb.engine.offload.head_tiles import copy_kernel_args
+
+    assert copy_kernel_args(8, None, None) == {"num_programs": 8}
+    assert copy_kernel_args(4, 16, 2048) == {"num_programs": 4, "num_warps": 16, "elems_per_load": 2048}
+    store = OffloadedKVStore(5, 2, 8, 4, 64, torch.float32, "cpu", chunk_size=8, segment_pages="layer",
+                             page_gather_programs=4, page_gather_warps=16, page_gather_elems=2048)
+    assert store.gather_programs == 4
+    seen = []
+    store._tile_copy(lambda *a, **k: seen.append((a, k)), "pool", 0, first=2)
+    assert seen == [(("pool", 0), {"first": 2, "num_programs": 4, "num_warps": 16, "elems_per_load": 2048})]
+    calls = []
+    for name in ("gather_head_pages", "scatter_head_pages", "stash_head_tiles", "unstash_head_tiles"):
+        real = getattr(head_tiles, name)
+
+        def spy(*a, _real=real, _name=name, **k):
+            calls.append((_name, {x: k.get(x) for x in ("num_programs", "num_warps", "elems_per_load")}))
+            return _real(*a, **{x: v for x, v in k.items() if x not in ("num_warps", "elems_per_load")})
+
+        monkeypatch.setattr(head_tiles, name, spy)
+    ids = torch.randint(0, VOCAB, (1, 52), generator=torch.Generator().manual_seed(5))
+    _sparse_pair(monkeypatch, ids, None, chunk_size=8, page_size=4, checkpoint_layers=True, layers=5,
+                 offload_kv_stash_mib=1, page_gather_programs=3, page_gather_warps=8, page_gather_elems=256)
+    assert {n for n, _ in calls} == {"gather_head_pages", "scatter_head_pages", "stash_head_tiles", "unstash_head_tiles"}
+    assert all(k == {"num_programs": 3, "num_warps": 8, "elems_per_load": 256} for _, k in calls)
 
 
 @pytest.mark.parametrize("dtype,layers,budget,full", [
@@ -1123,16 +1156,15 @@ def test_page_gather_programs_env(monkeypatch):
 def test_stage1_shadow_bitwise_and_fewer_bytes(dtype, layers, budget, full, whole_layer_staging, monkeypatch):
     """Stage 1 reading host pages from the pool's dK/dV bytes (the shadow) trains bitwise like staging them, with
     fewer host->device bytes, whether the shadow holds all of each layer's host pages or part of them."""
-    monkeypatch.setattr(OffloadedKVStore, "stage1_shadow_partial", not full)
+    _store_options(monkeypatch, stage1_shadow_partial=not full)
     torch.manual_seed(0)
     m_ref = tiny("llama", 4, 2, layers=layers).to(dtype)
     ids = torch.randint(0, VOCAB, (1, 61))
     common = dict(chunk_size=8, page_size=4, checkpoint_layers=True, offload=True, gpu_page_budget=budget)
     runs = {}
     for shadow in (False, True):
-        monkeypatch.setattr(OffloadedKVStore, "stage1_shadow", shadow)
         m = clone_model(m_ref)
-        out, e = _step(m, ids, **common)
+        out, e = _step(m, ids, offload_stage1_shadow=shadow, **common)
         runs[shadow] = (m, out, e.kv_store)
     (m_off, out_off, st_off), (m_on, out_on, st_on) = runs[False], runs[True]
     n, R, Sh = st_on.max_pages_per_layer, st_on.resident_pages_per_layer, st_on.stage1_shadow_pages
@@ -1183,32 +1215,27 @@ def test_stage1_shadow_controls(whole_layer_staging, monkeypatch):
     assert orig_begin is OffloadedKVStore._begin_stage2
 
 
-def test_stage1_shadow_env(monkeypatch):
-    monkeypatch.setenv("OOMB_OFFLOAD_STAGE1_SHADOW", "0")
-    assert OffloadedKVStore(2, 2, 8, 4, 64, torch.float32, "cpu", chunk_size=8, segment_pages="layer").stage1_shadow_pages == 0
-    monkeypatch.setenv("OOMB_OFFLOAD_STAGE1_SHADOW", "1")
+def test_stage1_shadow_sizes():
+    make = lambda L, **k: OffloadedKVStore(L, 2, 8, 4, 64, torch.float32, "cpu", chunk_size=8, **k)
+    assert make(2, segment_pages="layer", stage1_shadow=False).stage1_shadow_pages == 0
     # The minimum pool (two staging sets of 16 pages: 32 fp32 dK/dV pages over 3 layers): a
-    # shadow of 10 of each layer's 16 host pages (partial shadows are on by default since the eleventh session).
-    assert OffloadedKVStore(3, 2, 8, 4, 64, torch.float32, "cpu", chunk_size=8, segment_pages="layer").stage1_shadow_pages == 10
-    assert OffloadedKVStore(3, 2, 8, 4, 64, torch.float32, "cpu", chunk_size=8, gpu_pages=36,
-                            segment_pages="layer").stage1_shadow_pages == 12  # R = 4: all 12 host pages fit
-    assert OffloadedKVStore(2, 2, 8, 4, 64, torch.float32, "cpu", chunk_size=8).stage1_shadow_pages == 0  # segmented
-    monkeypatch.setattr(OffloadedKVStore, "stage1_shadow_partial", False)  # only a shadow of every host page
-    assert OffloadedKVStore(3, 2, 8, 4, 64, torch.float32, "cpu", chunk_size=8, segment_pages="layer").stage1_shadow_pages == 0
-    monkeypatch.setattr(OffloadedKVStore, "stage1_shadow_partial", True)
-    monkeypatch.setenv("OOMB_OFFLOAD_STAGE1_SHADOW", "yes")
-    with pytest.raises(ValueError, match="OOMB_OFFLOAD_STAGE1_SHADOW must be 0 or 1"):
-        OffloadedKVStore(2, 2, 8, 4, 32, torch.float32, "cpu", chunk_size=8, segment_pages="layer")
+    # shadow of 10 of each layer's 16 host pages (partial shadows are on by default).
+    assert make(3, segment_pages="layer").stage1_shadow_pages == 10
+    assert make(3, gpu_pages=36, segment_pages="layer").stage1_shadow_pages == 12  # R = 4: all 12 host pages fit
+    assert make(2).stage1_shadow_pages == 0  # segmented
+    # only a shadow of every host page
+    assert make(3, segment_pages="layer", stage1_shadow_partial=False).stage1_shadow_pages == 0
+    assert make(3, gpu_pages=36, segment_pages="layer", stage1_shadow_partial=False).stage1_shadow_pages == 12
 
 
 def _stash_step(monkeypatch, mib, ckpt, skip=None):
     ids = torch.randint(0, VOCAB, (1, 52), generator=torch.Generator().manual_seed(5))
-    monkeypatch.setenv("OOMB_OFFLOAD_KV_STASH_MIB", str(mib))
     if skip == "restore":  # the backward reads its K/V tiles from a stale stash... and not from the host
-        monkeypatch.setattr(offload, "unstash_head_tiles", lambda *a, **k: None)
+        monkeypatch.setattr(head_tiles, "unstash_head_tiles", lambda *a, **k: None)
     elif skip == "keep":  # the forward never fills the stash
-        monkeypatch.setattr(offload, "stash_head_tiles", lambda *a, **k: None)
-    return _sparse_pair(monkeypatch, ids, None, chunk_size=8, page_size=4, checkpoint_layers=ckpt, layers=5)
+        monkeypatch.setattr(head_tiles, "stash_head_tiles", lambda *a, **k: None)
+    return _sparse_pair(monkeypatch, ids, None, chunk_size=8, page_size=4, checkpoint_layers=ckpt, layers=5,
+                        offload_kv_stash_mib=mib)
 
 
 @pytest.mark.parametrize("ckpt", [False, True])
@@ -1225,7 +1252,7 @@ def test_kv_stash_bitwise_and_fewer_bytes(monkeypatch, ckpt, tiles):
     mib = -(-tiles * tile * 3 // (1 << 20))  # 3 = L - 2 stashed layers
     with monkeypatch.context() as mp:
         if tiles < 10**6:  # C tiles per layer exactly: the MiB knob rounds, so set the class default in bytes
-            mp.setattr(offload, "kv_stash_tiles", lambda *a: tiles)
+            mp.setattr(store_mod, "kv_stash_tiles", lambda *a: tiles)
         m_ref, m_off, out_ref, out_off, e = _stash_step(mp, mib, ckpt)
         store = e.kv_store
         st = dict(store.stats)
@@ -1248,30 +1275,27 @@ def test_kv_stash_controls(monkeypatch, skip):
                if a.grad is not None)
 
 
-def test_kv_stash_env_and_sizing(monkeypatch):
-    assert offload.kv_stash_tiles(28, 3876, 4, 128, 128, torch.bfloat16, 4 << 30) == (4 << 30) // (26 * 65536)
-    assert offload.kv_stash_tiles(28, 10, 4, 128, 128, torch.bfloat16, 4 << 30) == 40  # at most every host tile
-    assert offload.kv_stash_tiles(2, 3876, 4, 128, 128, torch.bfloat16, 4 << 30) == 0  # L <= 2: no layer loses its set
-    assert offload.kv_stash_tiles(28, 0, 4, 128, 128, torch.bfloat16, 4 << 30) == 0
+def test_kv_stash_sizing():
+    assert memory.kv_stash_tiles(28, 3876, 4, 128, 128, torch.bfloat16, 4 << 30) == (4 << 30) // (26 * 65536)
+    assert memory.kv_stash_tiles(28, 10, 4, 128, 128, torch.bfloat16, 4 << 30) == 40  # at most every host tile
+    assert memory.kv_stash_tiles(2, 3876, 4, 128, 128, torch.bfloat16, 4 << 30) == 0  # L <= 2: no layer loses its set
+    assert memory.kv_stash_tiles(28, 0, 4, 128, 128, torch.bfloat16, 4 << 30) == 0
     make = lambda **k: OffloadedKVStore(4, 2, 8, 4, 64, torch.float32, "cpu", chunk_size=8, segment_pages="layer", **k)
     plain = make()
     assert plain.kv_stash_tiles == 0 and plain._stash_k is None  # off by default
     plain.needed_heads = lambda layer, start: None
     assert plain._stash_k is None
-    monkeypatch.setenv("OOMB_OFFLOAD_KV_STASH_MIB", "1")
-    st = make()
+    st = make(kv_stash_mib=1)
     assert st.kv_stash_tiles == 16 * 2 and st._stash_k is None  # every host tile of a layer; not allocated yet
     assert st.nbytes == plain.nbytes
     st.needed_heads = lambda layer, start: None  # sparse attention's hook: now the stash is needed
     assert st._stash_k.shape == st._stash_v.shape == (2, 32, 4, 8)
     assert st.nbytes == plain.nbytes + 2 * 2 * 32 * 4 * 8 * 4  # K and V, 2 layers, 32 tiles of 4 x 8 fp32
-    monkeypatch.setattr(OffloadedKVStore, "stage_grain", "page")
-    assert make().kv_stash_tiles == 0  # page-grained stagings keep no stash
-    monkeypatch.setattr(OffloadedKVStore, "stage_grain", "head")
-    assert OffloadedKVStore(4, 2, 8, 4, 64, torch.float32, "cpu", chunk_size=8).kv_stash_tiles == 0  # segmented
-    monkeypatch.setenv("OOMB_OFFLOAD_KV_STASH_MIB", "-1")
-    with pytest.raises(ValueError, match=r"OOMB_OFFLOAD_KV_STASH_MIB must be an integer >= 0; got '-1'"):
-        make()
+    assert make(kv_stash_mib=1, stage_grain="page").kv_stash_tiles == 0  # page-grained stagings keep no stash
+    assert OffloadedKVStore(4, 2, 8, 4, 64, torch.float32, "cpu", chunk_size=8,
+                            kv_stash_mib=1).kv_stash_tiles == 0  # segmented
+    with pytest.raises(ValueError, match=r"kv_stash_mib must be an integer >= 0; got -1"):
+        make(kv_stash_mib=-1)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (side streams, pinned host memory, Triton)")
@@ -1287,7 +1311,7 @@ def test_cuda_kv_stash_bitwise(monkeypatch, ckpt):
     out_ref, _ = _step(m_ref, ids, offload=False, **common)
     runs = {}
     for tiles in (0, 5):
-        monkeypatch.setattr(offload, "kv_stash_tiles", lambda *a, t=tiles: t)
+        monkeypatch.setattr(store_mod, "kv_stash_tiles", lambda *a, t=tiles: t)
         m = clone_model(m_ref).to("cuda")
         for p in m.parameters():
             p.grad = None
@@ -1361,7 +1385,7 @@ def _whole_layer_reference(monkeypatch, layers, ckpt):
 @pytest.mark.parametrize("sets", [3, 4])
 @pytest.mark.parametrize("ckpt", [False, True])
 def test_more_staging_sets_bitwise_and_traffic(monkeypatch, sets, ckpt):
-    """OOMB_OFFLOAD_STAGING_SETS=K (whole-layer staging): layer l stages into set l % K. Dense attention: training is
+    """staging_sets=K (whole-layer staging): layer l stages into set l % K. Dense attention: training is
     bitwise the all-on-device one under the lazy two-stream simulator with poisoned pools, every staging is issued
     ahead, and the bytes equal the planner's (the top K layers keep their K/V from the Stage-2 forward to the
     backward, so fewer host->device bytes than with two sets)."""
@@ -1369,7 +1393,7 @@ def test_more_staging_sets_bitwise_and_traffic(monkeypatch, sets, ckpt):
     stats = {}
     for k in (2, sets):
         with monkeypatch.context() as mp:
-            mp.setenv("OOMB_OFFLOAD_STAGING_SETS", str(k))
+            _store_options(mp, staging_sets=k)  # dense attention: no config field sets it
             _lazy(mp)
             m = clone_model(m_ref)
             out, e = _step(m, ids, offload=True, gpu_page_budget=6 * 2 + k * 9, **common)  # R = 2 of 11 pages
@@ -1377,7 +1401,7 @@ def test_more_staging_sets_bitwise_and_traffic(monkeypatch, sets, ckpt):
             assert st.staging_sets == k and st.resident_pages_per_layer == 2 and st.gpu_pool_pages == 6 * 2 + k * 9
             _assert_same_training(m_ref, m, out_ref, out)
             pred = offload_traffic(ModelShape.from_config(m.config), 44, 8, 4, 2, torch.float64, segment_pages=None,
-                                   checkpoint_layers=ckpt, stage1_shadow_pages=st.stage1_shadow_pages)
+                                   checkpoint_layers=ckpt, stage1_shadow_pages=st.stage1_shadow_pages, staging_sets=k)
             stats[k] = dict(st.stats)
             assert (stats[k]["h2d_bytes"], stats[k]["d2h_bytes"]) == (pred["h2d_bytes"], pred["d2h_bytes"])
             assert stats[k]["on_demand"] == 0
@@ -1388,12 +1412,11 @@ def test_more_staging_sets_bitwise_and_traffic(monkeypatch, sets, ckpt):
 def test_three_staging_sets_sparse_head_grain_bitwise(monkeypatch, stash):
     """Three staging sets with sparse attention's head-grained Stage 2 (and the K/V stash, now for layers below
     L - 3), under the lazy simulator with eager write-backs: bitwise the all-on-device training."""
-    monkeypatch.setenv("OOMB_OFFLOAD_STAGING_SETS", "3")
-    monkeypatch.setenv("OOMB_OFFLOAD_KV_STASH_MIB", str(stash))
     monkeypatch.setattr(_LazyStreams, "eager_d2h", True)
     ids = torch.randint(0, VOCAB, (1, 52), generator=torch.Generator().manual_seed(4))
     m_ref, m_off, out_ref, out_off, e = _sparse_pair(monkeypatch, ids, None, chunk_size=8, page_size=4,
-                                                     checkpoint_layers=True, layers=6)
+                                                     checkpoint_layers=True, layers=6, offload_staging_sets=3,
+                                                     offload_kv_stash_mib=stash)
     st = e.kv_store
     assert st.staging_sets == 3 and st.gpu_pool_pages == 3 * 13
     assert (st._stash_k.shape[0] == 3) if stash else st._stash_k is None
@@ -1402,10 +1425,9 @@ def test_three_staging_sets_sparse_head_grain_bitwise(monkeypatch, stash):
 
 
 def test_auto_staging_sets_bitwise_and_traffic(monkeypatch):
-    """Without OOMB_OFFLOAD_STAGING_SETS a whole-layer store picks its sets from its pool (choose_staging_sets):
+    """Without staging_sets a whole-layer store picks its sets from its pool (choose_staging_sets):
     a pool of 4 whole layers at 28 layers of 11 pages keeps 0 of 11 pages resident with 4 sets and with 2 (the
     host tier does not grow: taken), and training stays bitwise the all-on-device one with the planner's bytes."""
-    monkeypatch.delenv("OOMB_OFFLOAD_STAGING_SETS", raising=False)
     m_ref, ids, common, out_ref = _whole_layer_reference(monkeypatch, 28, True)
     _lazy(monkeypatch)
     m = clone_model(m_ref)
@@ -1423,10 +1445,9 @@ def test_auto_staging_sets_bitwise_and_traffic(monkeypatch):
 
 def test_choose_staging_sets_rule(monkeypatch):
     """The largest K <= 4 whose host tier stays within 10% of the two-set one; 2 for segments, a minimum pool, an
-    all-resident pool, and K >= L; the env var wins. The planner's tiering and the store agree."""
-    from oomb.engine.offload import choose_staging_sets as choose, resident_pages_for_budget
+    all-resident pool, and K >= L; a requested K wins. The planner's tiering and the store agree."""
+    from oomb.memory import choose_staging_sets as choose, resident_pages_for_budget
 
-    monkeypatch.delenv("OOMB_OFFLOAD_STAGING_SETS", raising=False)
     L, n = 28, 8192  # Qwen2.5-7B at 1M tokens
     assert choose(L, n, 128_600, None) == 4 and resident_pages_for_budget(L, n, 128_600, None) == 3993
     assert choose(L, n, 128_600, 512) == 2  # segments
@@ -1444,41 +1465,48 @@ def test_choose_staging_sets_rule(monkeypatch):
     # a 3-set choice exists between the two
     assert any(choose(L, n, p, None) == 3 for p in range(3 * n, 5 * n, 257))
     assert choose(3, 10, 29, None) == 2 and choose(4, 10, 39, None) == 3  # K < L only
-    monkeypatch.setenv("OOMB_OFFLOAD_STAGING_SETS", "2")
-    assert choose(L, n, 128_600, None) == 2 and resident_pages_for_budget(L, n, 128_600, None) == 4316
-    monkeypatch.delenv("OOMB_OFFLOAD_STAGING_SETS")
+    assert choose(L, n, 128_600, None, 2) == 2 and resident_pages_for_budget(L, n, 128_600, None, 2) == 4316
     st = OffloadedKVStore(28, 2, 4, 4, 11 * 4, torch.float64, "cpu", chunk_size=8, gpu_pages=4 * 11, segment_pages="layer")
     assert st.staging_sets == 4 and st.gpu_pool_pages == 4 * 11
     st = OffloadedKVStore(6, 2, 4, 4, 11 * 4, torch.float64, "cpu", chunk_size=8, gpu_pages=4 * 11, segment_pages="layer")
     assert st.staging_sets == 2 and st.resident_pages_per_layer == 5  # 4 sets would keep none resident
 
 
-def test_staging_sets_env(monkeypatch):
-    from oomb.engine.offload import min_gpu_pages, resident_pages_for_budget
+def test_staging_sets_argument():
+    from oomb.memory import min_gpu_pages, resident_pages_for_budget
 
-    monkeypatch.setenv("OOMB_OFFLOAD_STAGING_SETS", "3")
-    assert min_gpu_pages(6, 10, None) == 30 and min_gpu_pages(6, 10, 4) == 8  # segments keep two buffers
-    assert resident_pages_for_budget(6, 10, 30 + 3 * 2, None) == 2
-    assert resident_pages_for_budget(3, 10, 30, None) == 10  # L <= K: all resident
-    st = OffloadedKVStore(5, 2, 8, 4, 64, torch.float32, "cpu", chunk_size=8, segment_pages="layer")
+    assert min_gpu_pages(6, 10, None, 3) == 30 and min_gpu_pages(6, 10, 4, 3) == 8  # segments keep two buffers
+    assert resident_pages_for_budget(6, 10, 30 + 3 * 2, None, 3) == 2
+    assert resident_pages_for_budget(3, 10, 30, None, 3) == 10  # L <= K: all resident
+    make = lambda **k: OffloadedKVStore(5, 2, 8, 4, 64, torch.float32, "cpu", chunk_size=8, **k)
+    st = make(segment_pages="layer", staging_sets=3)
     assert st.staging_sets == 3 and st.gpu_pool_pages == 48 and st.block_table[4, 0] == 1 * 16  # layer 4: set 1 of 16 slots
-    assert OffloadedKVStore(5, 2, 8, 4, 64, torch.float32, "cpu", chunk_size=8).staging_sets == 2  # segmented
-    for bad in ("1", "x"):
-        monkeypatch.setenv("OOMB_OFFLOAD_STAGING_SETS", bad)
-        with pytest.raises(ValueError, match="OOMB_OFFLOAD_STAGING_SETS must be an integer >= 2"):
-            OffloadedKVStore(5, 2, 8, 4, 64, torch.float32, "cpu", chunk_size=8, segment_pages="layer")
+    assert make(staging_sets=3).staging_sets == 2  # segmented
+    for bad in (1, "x"):
+        with pytest.raises(ValueError, match="staging_sets must be an integer >= 2"):
+            make(segment_pages="layer", staging_sets=bad)
 
 
 def test_engine_passes_offload_staging_sets_to_the_store(monkeypatch):
-    """OOMBConfig.offload_staging_sets reaches the store (CPU: the minimum pool of that many whole layers), and
-    OOMB_OFFLOAD_STAGING_SETS still overrides it."""
-    monkeypatch.delenv("OOMB_OFFLOAD_STAGING_SETS", raising=False)
+    """OffloadConfig.staging_sets reaches the store (CPU: the minimum pool of that many whole layers), and so do
+    the other offload and copy-kernel settings of the config."""
     m = tiny("qwen2", 4, 2, layers=6).double()
     cfg = OOMBConfig(chunk_size=8, page_size=4, sparse=SparseConfig(page_budget=1, sink_pages=1, local_pages=0), offload=OffloadConfig(mode="on", staging_sets=3))
     e = Engine(m, cfg)
     e.reserve(44)
     assert e.kv_store.staging_sets == 3 and e.kv_store.gpu_pool_pages == 3 * 11
-    monkeypatch.setenv("OOMB_OFFLOAD_STAGING_SETS", "4")
+    seen = {}
+    init = OffloadedKVStore.__init__
+    monkeypatch.setattr(OffloadedKVStore, "__init__", lambda self, *a, **k: seen.update(k) or init(self, *a, **k))
+    cfg = OOMBConfig(chunk_size=8, page_size=4, sparse=SparseConfig(page_budget=1, sink_pages=1, local_pages=0),
+                     offload=OffloadConfig(mode="on", staging_sets=4, stage_grain="page", stage1_shadow=False,
+                                           copy_streams=1, kv_stash_mib=3),
+                     kernels=KernelConfig(page_gather_programs=5, page_gather_warps=4, page_gather_elems=512))
     e = Engine(m, cfg)
     e.reserve(44)
     assert e.kv_store.staging_sets == 4 and e.kv_store.gpu_pool_pages == 4 * 11
+    assert e.kv_store.stage_grain == "page" and e.kv_store.stage1_shadow_pages == 0 and e.kv_store.gather_programs == 5
+    assert {k: seen[k] for k in ("stage_grain", "stage1_shadow", "copy_streams", "kv_stash_mib", "page_gather_programs",
+                                 "page_gather_warps", "page_gather_elems")} == dict(
+        stage_grain="page", stage1_shadow=False, copy_streams=1, kv_stash_mib=3, page_gather_programs=5,
+        page_gather_warps=4, page_gather_elems=512)

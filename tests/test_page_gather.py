@@ -6,7 +6,7 @@ the PyTorch path are compared with an explicit per-tile loop. The CUDA test read
 import pytest
 import torch
 
-from oomb.engine.offload import _unregister_host, host_empty
+from oomb.engine.offload.layout import host_empty, unregister_host as _unregister_host
 from oomb.ops.page_gather import (
     _use_kernel,
     gather_head_pages,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import re
 
+from dataclasses import replace
+
 import pytest
 import torch
 from oomb.cli import _build_parser
@@ -12,18 +14,8 @@ from oomb.config import OffloadConfig, SparseConfig
 from transformers import AutoModelForCausalLM
 
 from oomb.models.presets import preset_config, preset_names
-from oomb.planner import (
-    GiB,
-    Machine,
-    MemoryPlanError,
-    ModelShape,
-    activation_bytes,
-    choose_tiering,
-    offload_traffic,
-    plan,
-    plan_for_train_args,
-    run_plan,
-)
+from oomb.memory import GiB, Machine, MemoryPlanError, ModelShape, activation_bytes, offload_traffic
+from oomb.planner import choose_tiering, plan, plan_for_train_args, run_plan
 
 H200 = Machine(gpu_free_bytes=int(139.3 * GiB), gpu_total_bytes=int(139.8 * GiB), host_available_bytes=120 * GiB,
                host_total_bytes=125 * GiB, gpu_name="H200")
@@ -278,7 +270,7 @@ def test_sparse_plan_counts_the_sparse_state_and_stages_whole_layers(capsys):
     engine keeps, the engine's extra headroom for sparse runs (4 GiB without per-layer checkpointing), and whole-layer
     staging with offload."""
     from oomb import OOMBConfig
-    from oomb.planner import sparse_state_bytes
+    from oomb.memory import sparse_state_bytes
 
     kw = dict(machine=H200, optimizer=None, checkpoint_layers=True)
     T = 1 << 20
@@ -354,17 +346,16 @@ def test_sparse_offload_never_counts_saved_attention():
     assert p.save_attention == "gpu" and not p.tiering.offload
 
 
-def test_offload_traffic_honours_the_stage1_shadow_switch(monkeypatch):
+def test_offload_traffic_honours_the_stage1_shadow_switch():
     shape = ModelShape.from_config(preset_config("qwen2.5-7b"))
     on = offload_traffic(shape, 1 << 20, 4096, 128, 4000)
-    monkeypatch.setenv("OOMB_OFFLOAD_STAGE1_SHADOW", "0")
-    off = offload_traffic(shape, 1 << 20, 4096, 128, 4000)
+    off = offload_traffic(shape, 1 << 20, 4096, 128, 4000, stage1_shadow=False)
     assert off["d2h_bytes"] == on["d2h_bytes"] and off["h2d_bytes"] > on["h2d_bytes"]
     assert off == offload_traffic(shape, 1 << 20, 4096, 128, 4000, stage1_shadow_pages=0)
 
 
-def test_kv_stash_is_kept_free_and_shown(monkeypatch):
-    """OOMB_OFFLOAD_KV_STASH_MIB: the sparse plan keeps that much GPU memory free (budget lower by exactly it, so the
+def test_kv_stash_is_kept_free_and_shown():
+    """kv_stash_mib: the sparse plan keeps that much GPU memory free (budget lower by exactly it, so the
     pool shrinks) and the table says so; dense plans do not (no stash is allocated for them)."""
     from oomb import OOMBConfig
 
@@ -372,31 +363,28 @@ def test_kv_stash_is_kept_free_and_shown(monkeypatch):
     kw = dict(machine=H200, checkpoint_layers=True, optimizer=None, offload=True)
     base = plan("qwen2.5-7b", 1 << 20, sparse=cfg, **kw)
     dense = plan("qwen2.5-7b", 1 << 20, **kw)
-    monkeypatch.setenv("OOMB_OFFLOAD_KV_STASH_MIB", "3072")
-    stash = plan("qwen2.5-7b", 1 << 20, sparse=cfg, **kw)
+    stash = plan("qwen2.5-7b", 1 << 20, sparse=cfg, kv_stash_mib=3072, **kw)
     # the request (a store allocates at most that much: C = 3 GiB // ((L - K) layers x 64 KiB) tiles per layer)
     assert stash.kv_stash_reserved == 3072 << 20 and stash.gpu_budget == base.gpu_budget - stash.kv_stash_reserved
     assert stash.tiering.resident_pages_per_layer < base.tiering.resident_pages_per_layer
-    assert "reserve incl. K/V stash (env)" in stash.table() and "K/V stash" not in base.table()
-    assert plan("qwen2.5-7b", 1 << 20, **kw).gpu_budget == dense.gpu_budget
-    monkeypatch.setenv("OOMB_OFFLOAD_KV_STASH_MIB", "x")
-    with pytest.raises(ValueError, match="OOMB_OFFLOAD_KV_STASH_MIB must be an integer >= 0"):
-        plan("qwen2.5-7b", 1 << 20, sparse=cfg, **kw)
+    assert "reserve incl. K/V stash" in stash.table() and "K/V stash" not in base.table()
+    assert plan("qwen2.5-7b", 1 << 20, kv_stash_mib=3072, **kw).gpu_budget == dense.gpu_budget
+    with pytest.raises(ValueError, match="kv_stash_mib must be an integer >= 0"):
+        plan("qwen2.5-7b", 1 << 20, sparse=cfg, kv_stash_mib=-1, **kw)
 
 
-def test_kv_stash_reserve_is_capped_at_what_the_store_allocates(monkeypatch):
+def test_kv_stash_reserve_is_capped_at_what_the_store_allocates():
     """A stash request larger than every tile of every layer reserves only those tiles' bytes."""
     from oomb import OOMBConfig
 
     cfg = OOMBConfig(chunk_size=4096, page_size=128, sparse=SparseConfig(page_budget=64))
-    monkeypatch.setenv("OOMB_OFFLOAD_KV_STASH_MIB", "200000")
     p = plan("qwen2.5-7b", 1 << 17, sparse=cfg, machine=H200, checkpoint_layers=True, optimizer=None, offload=True,
-             gpu_page_budget=2 * 1024)  # every page on the host (a stash is allocated only then)
+             gpu_page_budget=2 * 1024, kv_stash_mib=200000)  # every page on the host (a stash is allocated only then)
     assert p.kv_stash_reserved == 26 * 1024 * 4 * 65536  # (L - 2) layers x 1,024 pages x 4 heads x 64 KiB
     assert p.fits
 
 
-def test_kv_stash_is_not_kept_free_when_nothing_is_offloaded(monkeypatch):
+def test_kv_stash_is_not_kept_free_when_nothing_is_offloaded():
     """Only an offloading store allocates the K/V stash: a plan (or the engine's tiering) that keeps every page on
     the GPU gives its reserve back, so the stash request cannot push a run that fits on the GPU into offload."""
     from oomb import OOMBConfig
@@ -405,7 +393,7 @@ def test_kv_stash_is_not_kept_free_when_nothing_is_offloaded(monkeypatch):
     kw = dict(machine=H200, checkpoint_layers=True, optimizer=None)
     base = plan("qwen2.5-7b", 1 << 17, sparse=cfg, **kw)
     longest = base.max_seq_len_gpu_only  # the longest context with every page on the GPU, no stash asked for
-    monkeypatch.setenv("OOMB_OFFLOAD_KV_STASH_MIB", "3072")
+    kw["kv_stash_mib"] = 3072
     at_limit = plan("qwen2.5-7b", longest, sparse=cfg, **kw)
     assert not at_limit.tiering.offload and at_limit.fits
     assert at_limit.kv_stash_reserved == 0 and "K/V stash" not in at_limit.table()
@@ -421,9 +409,8 @@ def test_kv_stash_is_not_kept_free_when_nothing_is_offloaded(monkeypatch):
 
 def test_sparse_plan_staging_sets_match_the_store(monkeypatch):
     """Whole-layer staging (sparse): the plan's pool and table use the sets the store will pick for that pool."""
-    from oomb.engine.offload import choose_staging_sets
+    from oomb.memory import choose_staging_sets
 
-    monkeypatch.delenv("OOMB_OFFLOAD_STAGING_SETS", raising=False)
     p = plan("qwen2.5-7b", 1 << 20, machine=H200, optimizer=None, checkpoint_layers=True, sparse=True)
     t, n, L = p.tiering, p.pages_per_layer, p.shape.num_layers
     assert t.offload and p.segment_pages is None
@@ -432,20 +419,19 @@ def test_sparse_plan_staging_sets_match_the_store(monkeypatch):
     R = t.resident_pages_per_layer
     assert p.gpu_pool == (L * R + K * (n - R)) * p.page_bytes and p.staging == K * (n - R) * p.page_bytes
     assert f"KV staging ({K} layers)" in p.table()
-    monkeypatch.setenv("OOMB_OFFLOAD_STAGING_SETS", "2")
-    two = plan("qwen2.5-7b", 1 << 20, machine=H200, optimizer=None, checkpoint_layers=True, sparse=True)
+    two = plan("qwen2.5-7b", 1 << 20, machine=H200, optimizer=None, checkpoint_layers=True, sparse=True, staging_sets=2)
     assert two.tiering.staging_sets == 2 and two.tiering.resident_pages_per_layer > R
     assert two.traffic["h2d_bytes"] != p.traffic["h2d_bytes"]
 
 
 def test_the_store_builds_the_staging_the_plan_chose(monkeypatch):
     """The plan's pool is L*R + K*W pages; a store given that pool and the plan's K (engine_settings) builds the
-    same R and K. Without K the store would pick again from the smaller pool and could differ (review, twelfth
-    session: planned K=3, R=4 at 24 layers x 64 pages and a 282-page budget; the store picked K=4, R=1)."""
-    from oomb.engine.offload import OffloadedKVStore, choose_staging_sets, resident_pages_for_budget
-    from oomb.planner import _tier
+    same R and K. Without K the store would pick again from the smaller pool and could differ (planned K=3, R=4 at
+    24 layers x 64 pages and a 282-page budget; the store would pick K=4, R=1)."""
+    from oomb.engine.offload import OffloadedKVStore
+    from oomb.memory import choose_staging_sets, resident_pages_for_budget
+    from oomb.memory import fit_tiering as _tier
 
-    monkeypatch.delenv("OOMB_OFFLOAD_STAGING_SETS", raising=False)
     t, _ = _tier(24, 64, 1, 282, 10**9, True, None, None)
     assert (t.staging_sets, t.resident_pages_per_layer, t.gpu_pages) == (3, 4, 276)
     assert choose_staging_sets(24, 64, 276, None) == 4  # the trap: picking again from the used pool
@@ -466,9 +452,8 @@ def test_the_store_builds_the_staging_the_plan_chose(monkeypatch):
 def test_more_staging_sets_give_way_to_the_host_budget(monkeypatch):
     """Extra staging sets cost resident pages, so host pages: where 4 sets would overflow the host budget and 2 fit,
     the plan takes 2 (a run that fitted before still fits); an explicit request is kept (and refused if too big)."""
-    from oomb.planner import _tier
+    from oomb.memory import fit_tiering as _tier
 
-    monkeypatch.delenv("OOMB_OFFLOAD_STAGING_SETS", raising=False)
     L, n, pool = 28, 8192, 128_600
     four, _ = _tier(L, n, 1, pool, 10**12, True, None, None)
     two, _ = _tier(L, n, 1, pool, 10**12, True, None, None, 2)
@@ -486,11 +471,11 @@ def test_more_staging_sets_give_way_to_the_host_budget(monkeypatch):
 def test_offload_staging_sets_config():
     from oomb import OOMBConfig
 
-    assert OOMBConfig(sparse=SparseConfig(), offload=OffloadConfig(staging_sets=3)).offload_staging_sets == 3
+    assert OOMBConfig(sparse=SparseConfig(), offload=OffloadConfig(staging_sets=3)).offload.staging_sets == 3
     for bad in (1, 0, 2.5, True, "4"):
-        with pytest.raises(ValueError, match="offload_staging_sets must be an integer >= 2"):
+        with pytest.raises(ValueError, match="staging_sets is .*; pass an integer of 2 or more"):
             OOMBConfig(sparse=SparseConfig(), offload=OffloadConfig(staging_sets=bad))
-    with pytest.raises(ValueError, match="cannot be set with offload=False"):
+    with pytest.raises(ValueError, match="staging_sets sizes the staging of offload but mode is off"):
         OOMBConfig(sparse=SparseConfig(), offload=OffloadConfig(mode="off", staging_sets=3))
     with pytest.raises(ValueError, match="only sparse attention uses"):
         OOMBConfig(offload=OffloadConfig(mode="on", staging_sets=3))
@@ -498,27 +483,25 @@ def test_offload_staging_sets_config():
 
 def test_staging_sets_not_below_the_layers_are_refused(monkeypatch):
     """K whole-layer staging buffers for L <= K layers cost every page of the GPU: refused with the fix named
-    (before, offload silently kept every page on the GPU), from the env var and from the config."""
-    from oomb.engine.offload import OffloadedKVStore, choose_staging_sets, resident_pages_for_budget
+    (not silently every page kept on the GPU), from the store's argument and from a requested K."""
+    from oomb.engine.offload import OffloadedKVStore
+    from oomb.memory import choose_staging_sets, resident_pages_for_budget
 
-    monkeypatch.setenv("OOMB_OFFLOAD_STAGING_SETS", "5")
-    with pytest.raises(ValueError, match="OOMB_OFFLOAD_STAGING_SETS=5 whole-layer staging buffers for a model of 4 "
+    with pytest.raises(ValueError, match="staging_sets=5 whole-layer staging buffers for a model of 4 "
                                          "layers cost as much as keeping every page on the GPU; use 2 to 3"):
-        OffloadedKVStore(4, 1, 4, 4, 64, torch.float32, "cpu", chunk_size=8, segment_pages="layer")
-    assert choose_staging_sets(4, 16, 64, 4) == 2  # segments: not concerned
-    monkeypatch.delenv("OOMB_OFFLOAD_STAGING_SETS")
-    with pytest.raises(ValueError, match="offload_staging_sets=6 whole-layer staging buffers for a model of 6 layers"):
+        OffloadedKVStore(4, 1, 4, 4, 64, torch.float32, "cpu", chunk_size=8, segment_pages="layer", staging_sets=5)
+    assert choose_staging_sets(4, 16, 64, 4, 5) == 2  # segments: not concerned
+    with pytest.raises(ValueError, match="staging_sets=6 whole-layer staging buffers for a model of 6 layers"):
         resident_pages_for_budget(6, 10, 59, None, 6)
-    with pytest.raises(ValueError, match=r"raise gpu_page_budget, lower offload_staging_sets / OOMB_OFFLOAD_STAGING_SETS "
+    with pytest.raises(ValueError, match=r"raise gpu_page_budget, lower staging_sets "
                                          r"\(2 needs 20\) or shorten"):
         resident_pages_for_budget(6, 10, 25, None, 3)
 
 
 def test_host_error_tells_the_two_set_layout(monkeypatch):
     """Where neither 4 nor 2 sets fit the host budget, the error gives the two-set host tier (the smallest)."""
-    from oomb.planner import _tier
+    from oomb.memory import fit_tiering as _tier
 
-    monkeypatch.delenv("OOMB_OFFLOAD_STAGING_SETS", raising=False)
     L, n, pool = 28, 8192, 128_600
     two, _ = _tier(L, n, 1, pool, 10**12, True, None, None, 2)
     host2 = L * (n - two.resident_pages_per_layer)
@@ -530,9 +513,8 @@ def test_a_refused_pool_shows_the_layout_it_would_have(monkeypatch):
     """A --gpu-page-budget too big for the GPU is refused; the table shows what that pool would hold (before: 0
     resident pages, two staging layers and every page on the host, unlike anything the store would build)."""
     from oomb import OOMBConfig
-    from oomb.engine.offload import resident_pages_for_budget
+    from oomb.memory import resident_pages_for_budget
 
-    monkeypatch.delenv("OOMB_OFFLOAD_STAGING_SETS", raising=False)
     cfg = OOMBConfig(chunk_size=4096, page_size=128, sparse=SparseConfig(page_budget=64))
     p = plan("qwen2.5-7b", 1 << 20, machine=H200, optimizer=None, checkpoint_layers=True, sparse=cfg, gpu_page_budget=200_000)
     assert not p.fits and "lower gpu_page_budget" in p.problems[0]
@@ -546,25 +528,20 @@ def test_a_refused_pool_shows_the_layout_it_would_have(monkeypatch):
 def fake_h200_tiering(monkeypatch):
     """choose_engine_tiering on a pretend H200 (124.5 of 139.8 GiB free, 125 GiB host RAM, Triton importable) for a
     Qwen2.5-7B-shaped engine whose gradients exist: ``tier(cfg, T) -> ((offload, gpu_pages, sets), engine.tiering)``."""
-    from types import SimpleNamespace
-
     import oomb.ops.paged_attention as pa
-    import oomb.planner as planner
-    from oomb.planner import choose_engine_tiering
+    from oomb.memory import DeviceMemory, choose_engine_tiering
+    from oomb.ops.paged_attention import step_backend
 
     monkeypatch.setattr(pa, "_triton_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(124.5 * GiB), int(139.8 * GiB)))
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
-    monkeypatch.setattr(planner, "_host_memory", lambda: (125 * GiB, 125 * GiB))
-    config = preset_config("qwen2.5-7b")
+    shape = ModelShape.from_config(preset_config("qwen2.5-7b"))
+    memory = DeviceMemory(free_bytes=int(124.5 * GiB), total_bytes=int(139.8 * GiB), cached_bytes=0, allocated_bytes=0,
+                          host_available_bytes=125 * GiB)
 
     def tier(cfg, T):
-        engine = SimpleNamespace(config=cfg, device=torch.device("cuda"), dtype=torch.bfloat16,
-                                 _base=SimpleNamespace(config=config), model=torch.nn.Linear(1, 1, bias=False),
-                                 _backend="torch", _segment_pages=lambda: "layer")
-        engine.model.weight.grad = torch.zeros(1, 1)  # nothing left to allocate
-        return choose_engine_tiering(engine, T), engine.tiering
+        t = choose_engine_tiering(shape, cfg, T, torch.bfloat16, segment_pages="layer",
+                                  backend=step_backend(cfg, torch.device("cuda")), memory=memory,
+                                  missing_grad_bytes=0)  # every gradient exists: nothing left to allocate
+        return (t.offload, t.gpu_pages, t.staging_sets), t.budget
 
     return tier
 
@@ -629,11 +606,11 @@ def test_saved_attention_check_sizes_sparse_steps_as_the_tiering_does(monkeypatc
     import oomb.engine.engine as engine_mod
     import oomb.ops.paged_attention as pa
     from oomb import OOMBConfig
-    from oomb.engine.saved_attention import saved_attention_bytes
-    from oomb.planner import sparse_headroom_bytes
+    from oomb.memory import saved_attention_bytes
+    from oomb.memory import sparse_headroom_bytes
 
     monkeypatch.setattr(pa, "_triton_available", lambda: True)
-    monkeypatch.setattr(engine_mod, "_host_memory", lambda: (125 * GiB, 125 * GiB))
+    monkeypatch.setattr(engine_mod, "host_memory", lambda: (125 * GiB, 125 * GiB))
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
     config = preset_config("qwen2.5-7b")
@@ -704,10 +681,10 @@ def test_a_refused_gpu_page_budget_shows_a_layout_that_exists():
 
 
 def test_engine_tiering_gives_the_stash_reserve_back_when_every_page_fits(fake_h200_tiering, monkeypatch):
-    """choose_engine_tiering keeps OOMB_OFFLOAD_KV_STASH_MIB free only for an offloading store: a length whose pages
+    """choose_engine_tiering keeps offload.kv_stash_mib free only for an offloading store: a length whose pages
     fit on the GPU only without that reserve runs with every page on the GPU."""
     from oomb import OOMBConfig
-    from oomb.planner import _page_bytes
+    from oomb.memory import page_bytes as _page_bytes
 
     cfg = OOMBConfig(chunk_size=4096, checkpoint_layers=True, sparse=SparseConfig(page_budget=64))  # offload 'auto'
 
@@ -719,7 +696,7 @@ def test_engine_tiering_gives_the_stash_reserve_back_when_every_page_fits(fake_h
     T = info["pool_budget_bytes"] // (L * pb) * 128 - 4096  # every page fits, with < 3 GiB to spare
     (offload, _, _), info = tier(T)
     assert not offload and info["pool_budget_bytes"] - L * (T // 128) * pb < 3 * GiB
-    monkeypatch.setenv("OOMB_OFFLOAD_KV_STASH_MIB", "3072")
+    cfg = replace(cfg, offload=replace(cfg.offload, kv_stash_mib=3072))
     (offload, pages, _), info = tier(T)
     assert L * (T // 128) * pb > info["pool_budget_bytes"]  # without the reserve given back it would offload
     assert not offload and pages is None

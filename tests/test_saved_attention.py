@@ -11,7 +11,8 @@ import oomb.ops.sparse_attention as sp
 from oomb import Engine, OOMBConfig
 from oomb.config import SparseConfig
 from configs import engine_config
-from oomb.engine.saved_attention import SavedAttention, saved_attention_bytes
+from oomb.engine.saved_attention import SavedAttention
+from oomb.memory import saved_attention_bytes
 from test_engine import VOCAB, clone_model, tiny
 
 

@@ -34,18 +34,18 @@ def _check_sparse_flags(args: argparse.Namespace, enabled: bool, enabler: str, n
 def _check_cpu_memory(args: argparse.Namespace, model_config: object, dtype: "torch.dtype") -> None:
     """Refuse a CPU run whose weights, gradients and AdamW states alone exceed the available RAM (a lower
     bound: activations and the KV store come on top), before any weight is allocated."""
-    from ..planner import ModelShape, _base_gpu, _host_memory
+    from ..memory import ModelShape, base_gpu_bytes, host_memory
 
     shape = ModelShape.from_config(model_config)
     n = shape.num_params()
 
     def need(rank: int) -> int:  # as oomb plan counts them
-        _, _, weights, grads, optim, _ = _base_gpu(
+        _, _, weights, grads, optim, _ = base_gpu_bytes(
             shape, min(args.chunk_size, args.seq_len), args.chunk_size, dtype, rank, "adamw", args.checkpoint_layers,
             "torch", 4096, 1024, args.grad_accum_dtype)
         return weights + grads + optim
 
-    available = _host_memory()[0]
+    available = host_memory()[0]
     if need(args.lora_rank) <= available:
         return
     lora = not args.lora_rank and need(8) <= available
@@ -115,7 +115,7 @@ def _warn_if_offload_segments_are_small(args: argparse.Namespace, offloads: bool
     floor = max(1, SMALL_SEGMENT_TOKENS // args.page_size)
     if pages >= min(floor, -(-args.seq_len // args.page_size)):  # or one segment holds a whole layer
         return
-    from ..engine.offload import DEFAULT_SEGMENT_TOKENS, default_segment_pages
+    from ..memory import DEFAULT_SEGMENT_TOKENS, default_segment_pages
 
     warnings.warn(
         f"--offload-segment-pages {pages} stages {pages * args.page_size:,} tokens of a layer's past at a time: each "

@@ -175,10 +175,10 @@ def _bench(args: argparse.Namespace) -> int:
         model_config = load_config(args.model)
         check_config_supported(model_config)
         if device.type == "cpu":
-            from ..planner import ModelShape, _host_memory
+            from ..memory import ModelShape, host_memory
 
             n = ModelShape.from_config(model_config).num_params()
-            need, available = 2 * n * dtype.itemsize, _host_memory()[0]  # weights and gradients, before activations
+            need, available = 2 * n * dtype.itemsize, host_memory()[0]  # weights and gradients, before activations
             if need > available:
                 raise UsageError(f"--model {args.model} ({n / 1e9:.2f}B parameters) needs at least {need / 2**30:.1f} GiB "
                                  f"on the CPU for its weights and gradients, but {available / 2**30:.1f} GiB is available",

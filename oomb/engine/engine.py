@@ -1,4 +1,4 @@
-"""The chunk-recurrent training step (DESIGN.md §2.1; OOMB, arXiv 2602.02108).
+"""The chunk-recurrent training step (docs/design.md §2.1; OOMB, arXiv 2602.02108).
 
 For a sequence of T tokens and chunk size C (N = ceil(T / C) chunks):
 
@@ -39,13 +39,14 @@ from ..models.hf import UnsupportedModelError, check_model_supported, use_oomb_a
 from ..ops.paged_attention import (paged_attention, paged_attention_forward, paged_backend, resolve_backend,
                                    step_backend)
 from ..ops.sparse_attention import sparse_paged_attention, sparse_paged_attention_forward
-from ..planner import (HOST_FRACTION, ModelShape, _host_memory, activation_bytes, choose_engine_tiering,
-                       sparse_headroom_bytes)
+from ..config.engine import HOST_FRACTION
+from ..memory import (DeviceMemory, MemoryPlanError, ModelShape, activation_bytes, choose_engine_tiering, host_memory,
+                      saved_attention_bytes, sparse_headroom_bytes)
 from .kv_store import PagedKVStore
 from .fused_wgrad import FusedWeightGradAccumulation
-from .grad_accum import Float32GradAccumulator
+from .grad_accum import LOW_PRECISION, Float32GradAccumulator, extra_grad_bytes
 from .offload import OffloadedKVStore
-from .saved_attention import SavedAttention, saved_attention_bytes
+from .saved_attention import SavedAttention
 from .sparse_state import SparseAttentionState
 from .loss import IGNORE_INDEX, chunked_cross_entropy_sum
 
@@ -345,14 +346,9 @@ class Engine:
             reuse = isinstance(store, OffloadedKVStore) == (self.config.offload.mode == "on")
         if not reuse:
             self._store = None  # drop the old pool before allocating the new one
-            offload, gpu_pages, sets = choose_engine_tiering(self, T)
-            if offload:
-                store = OffloadedKVStore(
-                    self.num_layers, self.num_kv_heads, self.head_dim, S, T, self.dtype, self.device,
-                    chunk_size=self.config.chunk_size, gpu_pages=gpu_pages,
-                    segment_pages=self._segment_pages(), checkpoint_layers=self.config.checkpoint_layers,
-                    staging_sets=sets,
-                )
+            tiering = self._choose_tiering(T)
+            if tiering.offload:
+                store = self._offloaded_store(T, tiering.gpu_pages, tiering.staging_sets)
             else:
                 store = PagedKVStore(
                     self.num_layers,
@@ -368,6 +364,52 @@ class Engine:
         if isinstance(store, OffloadedKVStore):
             store.begin_step(T)
         return store
+
+    def _choose_tiering(self, T: int):
+        """Where the pages of a T-token store go (:func:`oomb.memory.choose_engine_tiering`), from the memory free
+        now on CUDA; what it read is left in :attr:`tiering`."""
+        memory, missing = None, 0
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            allocated = torch.cuda.memory_allocated(self.device)
+            memory = DeviceMemory(int(free), int(total), torch.cuda.memory_reserved(self.device) - allocated,
+                                  allocated, host_memory()[0])
+            missing = self._missing_grad_bytes()
+        try:
+            tiering = choose_engine_tiering(
+                ModelShape.from_config(self._base.config), self.config, T, self.dtype,
+                segment_pages=self._segment_pages(), backend=step_backend(self.config, self.device), memory=memory,
+                missing_grad_bytes=missing)
+        except MemoryPlanError as exc:
+            self.tiering = getattr(exc, "budget", self.tiering)
+            raise
+        if tiering.budget is not None:
+            self.tiering = tiering.budget
+        return tiering
+
+    def _missing_grad_bytes(self) -> int:
+        """GPU bytes of the parameter gradients a step will allocate that do not exist yet (with
+        ``grad_accum_dtype='float32'``: the float32 sums instead of the low-precision ``.grad``)."""
+        float32_sums = self.config.grad_accum_dtype == "float32"  # the step's float32 gradient sums (grad_accum)
+        params = list(self.model.parameters())
+        missing = sum(p.numel() * p.element_size() for p in params
+                      if p.requires_grad and p.grad is None and not (float32_sums and p.dtype in LOW_PRECISION))
+        if float32_sums:
+            missing += extra_grad_bytes(params)
+        return missing
+
+    def _offloaded_store(self, T: int, gpu_pages: int | None, staging_sets: int | None) -> OffloadedKVStore:
+        """The two-tier store for T tokens, with the offload and copy-kernel settings of :attr:`config`."""
+        off, kern = self.config.offload, self.config.kernels
+        return OffloadedKVStore(
+            self.num_layers, self.num_kv_heads, self.head_dim, self.config.page_size, T, self.dtype, self.device,
+            chunk_size=self.config.chunk_size, gpu_pages=gpu_pages,
+            segment_pages=self._segment_pages(), checkpoint_layers=self.config.checkpoint_layers,
+            staging_sets=staging_sets, stage_grain=off.stage_grain, stage1_shadow=off.stage1_shadow,
+            copy_streams=off.copy_streams, kv_stash_mib=off.kv_stash_mib,
+            page_gather_programs=kern.page_gather_programs, page_gather_warps=kern.page_gather_warps,
+            page_gather_elems=kern.page_gather_elems,
+        )
 
     def _segment_pages(self) -> int | str:
         """The offload staging segment: whole layers for sparse attention (one block table), else the config's."""
@@ -438,12 +480,12 @@ class Engine:
 
         Host: its bytes against 75% of the free RAM. GPU: its bytes against the free memory (allocator cache
         included) less one chunk's activations and the allocator's reserve, as :func:`choose_engine_tiering` plans
-        (sparse: activations with the block-table kernels it runs, and :func:`~oomb.planner.sparse_headroom_bytes`
+        (sparse: activations with the block-table kernels it runs, and :func:`~oomb.memory.sparse_headroom_bytes`
         kept free; its state is allocated by now).
         """
         sizes = saved_attention_bytes(self.num_layers, self._base.config.num_attention_heads, self.head_dim, T,
                                       self.config.chunk_size, self.dtype.itemsize, where)
-        host_free = int(_host_memory()[0] * HOST_FRACTION)
+        host_free = int(host_memory()[0] * HOST_FRACTION)
         if sizes["host"] > host_free:
             return (f"--save-attention host (OOMBConfig.save_attention='host') needs {sizes['host'] / 2**30:.1f} GiB of "
                     f"host memory for {T:,} tokens but {host_free / 2**30:.1f} GiB is available ({HOST_FRACTION:.0%} of the free RAM)")

@@ -1,6 +1,6 @@
 """Stage-1 attention outputs kept for the Stage-2 recompute (``OOMBConfig.save_attention``).
 
-In a chunk-recurrent step (DESIGN.md §2.1) every chunk but the last runs its attention forward
+In a chunk-recurrent step (docs/design.md §2.1) every chunk but the last runs its attention forward
 twice: in Stage 1 (no grad, to produce the K/V of later layers) and again in the Stage-2
 recompute, which needs the attention output ``out`` as the input of ``o_proj`` and
 ``(out, lse)`` for the attention backward. Both forwards read the same past pages with the
@@ -33,30 +33,11 @@ import weakref
 
 import torch
 
-from .offload import _unregister_host, host_empty
+from .offload.layout import host_empty, unregister_host
 
-__all__ = ["SAVE_ATTENTION_CHOICES", "SavedAttention", "saved_attention_bytes"]
+__all__ = ["SAVE_ATTENTION_CHOICES", "SavedAttention"]
 
 SAVE_ATTENTION_CHOICES = ("off", "gpu", "host")
-
-
-def saved_attention_bytes(num_layers: int, num_heads: int, head_dim: int, seq_len: int, chunk_size: int,
-                          dtype_bytes: int, where: str) -> dict[str, int]:
-    """Bytes kept by ``save_attention=where`` for one step of ``seq_len`` tokens.
-
-    Returns:
-        ``{"gpu": device bytes, "host": host bytes}``: every chunk but the last, all layers, one
-        ``[C, Hq, D]`` out (``dtype_bytes`` each) and one float32 ``[Hq, C]`` lse (float64 for a
-        float64 model, ``dtype_bytes`` 8); "host" keeps
-        them on the host and two chunks' worth on the device. Zeros for "off" or a single chunk.
-    """
-    if where == "off":
-        return {"gpu": 0, "host": 0}
-    chunks = -(-seq_len // chunk_size) - 1
-    per_chunk = num_layers * chunk_size * num_heads * (head_dim * dtype_bytes + max(4, dtype_bytes))
-    if where == "gpu":
-        return {"gpu": chunks * per_chunk, "host": 0}
-    return {"gpu": min(2, chunks) * per_chunk, "host": chunks * per_chunk}
 
 
 class SavedAttention:
@@ -122,7 +103,7 @@ class SavedAttention:
         self._out = host_empty((n, L, out.numel()), out.dtype, self._cuda, self._pins)
         self._lse = host_empty((n, L, lse.numel()), lse.dtype, self._cuda, self._pins)
         if self._pins:
-            fin = weakref.finalize(self, _unregister_host, list(self._pins), [self._out, self._lse])
+            fin = weakref.finalize(self, unregister_host, list(self._pins), [self._out, self._lse])
             fin.atexit = False
             self._pins = []
         self._stage_out = torch.empty((2, L, out.numel()), dtype=out.dtype, device=self.device)
