@@ -194,11 +194,6 @@ def check_launch_args(num_programs: int = DEFAULT_PROGRAMS, num_warps: int | Non
     _check_pow2("elems_per_load", elems_per_load, *ELEMS_PER_LOAD_RANGE, what)
 
 
-def check_kernel_env() -> None:
-    """Nothing to validate: the copy kernels take their settings as arguments (:func:`check_launch_args`). Kept only
-    for the callers in oomb/engine/offload.py; remove it with those calls."""
-
-
 def _triton_kernel():
     """The Triton launcher :func:`oomb.ops.triton.page_gather.launch_copy_tiles` (imported on first use: Triton is
     an optional dependency), or None."""
