@@ -5,19 +5,19 @@ states, one chunk's activations, the KV pool and host tier, sparse state, saved 
 tiering as the engine would (all pages on the GPU, or a GPU pool of resident pages + staging with the rest in
 pinned host memory; docs/design.md §2.3), finds the largest context that fits the machine, and says what to
 change when a run does not fit. :class:`MemoryPlan` holds the result; :meth:`MemoryPlan.table` prints it.
-:func:`run_plan` is the ``oomb plan`` subcommand, :func:`plan_for_train_args` the check ``oomb train`` makes
-before it loads a model. The formulas and their calibration are in :mod:`oomb.memory.step`.
+:func:`plan_for_config` plans the run of an :class:`~oomb.config.OOMBConfig`: ``oomb plan`` prints it and
+``oomb train`` checks it before it loads a model, so both plan the same run from the same settings. The formulas and their calibration are in :mod:`oomb.memory.step`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-from .config import OffloadConfig, OOMBConfig, SparseConfig
+from .config import OOMBConfig, SparseConfig
 from .config.engine import HOST_FRACTION
 from .memory import (
     GiB,
@@ -47,8 +47,6 @@ __all__ = [
     "choose_tiering",
     "plan",
     "plan_for_config",
-    "plan_for_train_args",
-    "run_plan",
 ]
 
 _LINK_BYTES_PER_S = 55e9  # pinned host<->H200 copies, each way (docs/design.md §2.3)
@@ -540,95 +538,9 @@ def plan_for_config(model: Any, seq_len: int, config: OOMBConfig, **kwargs) -> M
                 stage1_shadow=off.stage1_shadow, kv_stash_mib=off.kv_stash_mib, **kwargs)
 
 
-def plan_for_train_args(args: Any, dtype: torch.dtype, machine: Machine | None = None) -> MemoryPlan:
-    """The plan of an ``oomb train`` run from its parsed arguments (model, seq_len, chunk_size, page_size,
-    attention_backend, checkpoint_layers, lora_rank, offload, gpu_page_budget, offload_segment_pages, sparse,
-    save_attention, grad_accum_dtype, offload_staging_sets, offload_stage1_shadow, offload_kv_stash_mib), AdamW
-    included. Sparse attention stages whole layers (as the engine does)."""
-    return plan(
-        args.model, args.seq_len, chunk_size=args.chunk_size, page_size=args.page_size, dtype=dtype,
-        lora_rank=getattr(args, "lora_rank", 0), optimizer="adamw", checkpoint_layers=args.checkpoint_layers,
-        attention_backend=args.attention_backend,
-        offload={"auto": "auto", "on": True, "off": False}[getattr(args, "offload", "auto")],
-        gpu_page_budget=getattr(args, "gpu_page_budget", None), machine=machine,
-        offload_segment_pages="layer" if getattr(args, "sparse", False) else getattr(args, "offload_segment_pages", None),
-        sparse=_sparse_settings(args) if getattr(args, "sparse", False) else None,
-        save_attention=getattr(args, "save_attention", "off"),
-        grad_accum_dtype=getattr(args, "grad_accum_dtype", "param"), **_offload_options(args),
-    )
-
-
-def _offload_options(args: Any) -> dict:
-    """The offload options of parsed ``oomb train`` / ``oomb plan`` arguments that :func:`plan` takes (the
-    :class:`~oomb.config.OffloadConfig` defaults for any they lack)."""
-    default = {f.name: f.default for f in fields(OffloadConfig)}
-    return {"staging_sets": getattr(args, "offload_staging_sets", default["staging_sets"]),
-            "stage1_shadow": getattr(args, "offload_stage1_shadow", default["stage1_shadow"]),
-            "kv_stash_mib": getattr(args, "offload_kv_stash_mib", default["kv_stash_mib"])}
-
-
-def _sparse_settings(args: Any) -> Any:
-    """The :class:`~oomb.config.SparseConfig` of ``args``: a SparseConfig, an OOMBConfig's ``sparse``, or parsed
-    ``oomb train`` / ``oomb plan`` arguments (``page_budget``, ``sink_pages``, ``local_pages``, ``sparse_score``;
-    the defaults for any they lack)."""
-    if isinstance(args, SparseConfig):
-        return args
-    if isinstance(args, OOMBConfig):
-        return args.sparse or SparseConfig()
-    default = SparseConfig()
-    return SparseConfig(page_budget=getattr(args, "page_budget", default.page_budget),
-                        sink_pages=getattr(args, "sink_pages", default.sink_pages),
-                        local_pages=getattr(args, "local_pages", default.local_pages),
-                        score=getattr(args, "sparse_score", default.score))
-
-
-def run_plan(args: Any) -> int:
-    """Print the plan for parsed ``oomb plan`` arguments. Returns 0 if the run fits, 1 if not. A --seq-len
-    beyond the model's max_position_embeddings is warned about on stderr (as ``oomb train`` does).
-
-    Raises:
-        ValueError: without a visible CUDA GPU and without ``--gpu-gib`` (there is no GPU to plan for: the
-            table would be all zeros), before anything is printed.
-    """
-    import sys
-
-    from .models.presets import load_config
-    from .models.limits import context_length_warning, lora_rank_problem
-
-    config = load_config(args.model)  # an unknown model is the first thing to say
-    lora_problem = lora_rank_problem(config, args.lora_rank, args.model)
-    if lora_problem:
-        raise ValueError("; ".join(lora_problem))
-    machine = Machine.detect()
-    if args.gpu_gib is None and machine.gpu_total_bytes == 0:
-        raise ValueError("no CUDA GPU is visible, so there is no GPU memory to plan for; pass --gpu-gib G and --host-gib H "
-                         "(the free GPU memory and the available host RAM, in GiB, of the machine to plan for)")
-    warning = context_length_warning(config, args.seq_len, args.model)
-    if warning:
-        print(warning, file=sys.stderr)
-    if args.gpu_gib is not None or args.host_gib is not None:
-        gpu = int(args.gpu_gib * GiB) if args.gpu_gib is not None else machine.gpu_free_bytes
-        host = int(args.host_gib * GiB) if args.host_gib is not None else machine.host_available_bytes
-        if args.host_gib is None and machine.gpu_total_bytes == 0:
-            # planning for another machine (no GPU here): this one's RAM is most likely not that machine's
-            print(f"oomb: note: --host-gib not given, so the host budget comes from this machine's available RAM "
-                  f"({host / GiB:.1f} GiB); pass --host-gib H for the machine you plan for", file=sys.stderr)
-        machine = Machine(gpu, max(gpu, machine.gpu_total_bytes if args.gpu_gib is None else gpu), host,
-                          max(host, machine.host_total_bytes), "given" if args.gpu_gib is not None else machine.gpu_name)
-    offload = {"auto": "auto", "on": True, "off": False}[args.offload]
-    p = plan(
-        # 'auto' is bfloat16 on a GPU, the machine a plan is for
-        args.model, args.seq_len, chunk_size=args.chunk_size, page_size=args.page_size,
-        dtype="bfloat16" if args.dtype == "auto" else args.dtype,
-        lora_rank=args.lora_rank, optimizer=None if args.no_optimizer else "adamw",
-        checkpoint_layers=args.checkpoint_layers,
-        attention_backend=args.attention_backend,
-        offload=offload, gpu_page_budget=args.gpu_page_budget, machine=machine,
-        offload_segment_pages=args.offload_segment_pages,
-        sparse=_sparse_settings(args) if args.sparse else None, save_attention=args.save_attention,
-        grad_accum_dtype=args.grad_accum_dtype, **_offload_options(args),
-    )
-    print(p.table())
-    args._num_layers = p.shape.num_layers  # for the CLI's warnings about the flags (as oomb train's)
-    args._plan_offloads = bool(p.tiering.offload)
-    return 0 if p.fits else 1
+def _sparse_settings(sparse: Any) -> SparseConfig:
+    """The :class:`~oomb.config.SparseConfig` of ``sparse``: itself, an OOMBConfig's (its defaults if none), or
+    the defaults for True."""
+    if isinstance(sparse, OOMBConfig):
+        return sparse.sparse or SparseConfig()
+    return SparseConfig() if sparse is True else sparse

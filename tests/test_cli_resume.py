@@ -546,7 +546,7 @@ def test_a_ctrl_c_at_any_moment_of_the_command_prints_one_line(tmp_path, monkeyp
     def interrupt(*a, **k):
         raise KeyboardInterrupt
 
-    for target, name in ((oomb.planner, "run_plan"), (oomb.cli.parser._Parser, "parse_args")):
+    for target, name in ((oomb.planner, "plan_for_config"), (oomb.cli.parser._Parser, "parse_args")):
         with monkeypatch.context() as m:
             m.setattr(target, name, interrupt)
             assert run_cli(["plan", "--seq-len", "4096"]) == 130

@@ -2,20 +2,40 @@
 
 from __future__ import annotations
 
-import argparse
 import re
 
 from dataclasses import replace
 
 import pytest
 import torch
-from oomb.cli import _build_parser
 from oomb.config import OffloadConfig, SparseConfig
 from transformers import AutoModelForCausalLM
 
 from oomb.models.presets import preset_config, preset_names
 from oomb.memory import GiB, Machine, MemoryPlanError, ModelShape, activation_bytes, offload_traffic
-from oomb.planner import choose_tiering, plan, plan_for_train_args, run_plan
+from oomb.planner import choose_tiering, plan
+
+
+def plan_for_train_args(args, dtype, machine=None):
+    """The plan `oomb train` checks for the parsed arguments ``args`` (with AdamW)."""
+    from oomb.cli.plan import job_plan
+
+    return job_plan(args, dtype, machine=machine)
+
+
+def run_plan(args):
+    """`oomb plan` with the parsed arguments ``args``: its exit status."""
+    from oomb.cli.plan import _plan
+
+    return _plan(args)
+
+
+def _parsed(argv):
+    """The namespace the subcommand handlers get for ``argv`` (flat flags and the job config)."""
+    from oomb.cli.parser import _job_config, _namespace
+
+    job, _ = _job_config(argv[0], argv, None)
+    return _namespace(argv[0], job)
 
 H200 = Machine(gpu_free_bytes=int(139.3 * GiB), gpu_total_bytes=int(139.8 * GiB), host_available_bytes=120 * GiB,
                host_total_bytes=125 * GiB, gpu_name="H200")
@@ -116,7 +136,7 @@ def test_largest_context_is_consistent():
     assert plan("qwen2.5-7b", p.max_seq_len_offload, machine=H200, optimizer=None, checkpoint_layers=True).fits
     over = plan("qwen2.5-7b", p.max_seq_len_offload + 2 * 4096, machine=H200, optimizer=None, checkpoint_layers=True)
     assert not over.fits and "host tier" in over.problems[0]
-    assert p.max_seq_len_offload >= 1_000_000  # the issue's aim on this box (see DESIGN.md §4)
+    assert p.max_seq_len_offload >= 1_000_000  # the issue's aim on this box (see docs/design.md §4)
     g = plan("qwen2.5-7b", p.max_seq_len_gpu_only, machine=H200, optimizer=None, checkpoint_layers=True, offload=False)
     assert g.fits
 
@@ -224,25 +244,22 @@ def test_choose_tiering():
 
 
 def test_plan_subcommand(capsys):
-    parser = _build_parser()
-    args = parser.parse_args(["plan", "--model", "qwen2.5-7b", "--seq-len", "1048576", "--checkpoint-layers",
-                              "--no-optimizer", "--gpu-gib", "139.3", "--host-gib", "120"])
+    args = _parsed(["plan", "--model", "qwen2.5-7b", "--seq-len", "1048576", "--checkpoint-layers",
+                    "--no-optimizer", "--gpu-gib", "139.3", "--host-gib", "120"])
     assert run_plan(args) == 0
     out = capsys.readouterr().out
     assert "predicted peak" in out and "offload, GPU pool" in out and "largest context" in out
-    args = parser.parse_args(["plan", "--model", "qwen2.5-7b", "--seq-len", "4194304", "--gpu-gib", "139.3", "--host-gib", "120"])
+    args = _parsed(["plan", "--model", "qwen2.5-7b", "--seq-len", "4194304", "--gpu-gib", "139.3", "--host-gib", "120"])
     assert run_plan(args) == 1
     assert "DOES NOT FIT" in capsys.readouterr().out
 
 
 def test_train_arguments_map_to_a_plan_and_engine_settings():
-    from oomb.cli import _build_parser
-
     base = ["train", "--output-dir", "unused", "--model", "qwen2.5-7b", "--seq-len", str(1 << 20), "--chunk-size", "4096",
             "--lora-rank", "16"]
 
     def parse(*extra):
-        return _build_parser().parse_args([*base, *extra])
+        return _parsed([*base, *extra])
 
     args = parse("--checkpoint-layers")
     p = plan_for_train_args(args, torch.bfloat16, machine=H200).check()
@@ -254,8 +271,7 @@ def test_train_arguments_map_to_a_plan_and_engine_settings():
     seg = plan_for_train_args(parse("--checkpoint-layers", "--offload-segment-pages", "64"), torch.bfloat16,
                               machine=H200)
     assert seg.segment_pages == 64 and seg.staging == 2 * 64 * seg.page_bytes
-    args = parse("--checkpoint-layers")
-    args.sparse = True  # the engine stages whole layers for sparse attention: so does its plan
+    args = parse("--checkpoint-layers", "--sparse")  # the engine stages whole layers for sparse attention: so does its plan
     assert plan_for_train_args(args, torch.bfloat16, machine=H200).segment_pages is None
     args = parse("--seq-len", "65536", "--offload", "off")
     assert plan_for_train_args(args, torch.bfloat16, machine=H200).engine_settings() == {
@@ -287,9 +303,8 @@ def test_sparse_plan_counts_the_sparse_state_and_stages_whole_layers(capsys):
             == plan("qwen2.5-7b", T, **kw_nockpt).gpu_budget - 4 * GiB)
     assert sp.tiering.offload and sp.segment_pages is None and dense.segment_pages is not None
     assert "sparse: page summaries + selections" in sp.table()
-    parser = _build_parser()
-    args = parser.parse_args(["plan", "--model", "qwen2.5-7b", "--seq-len", str(T), "--sparse", "--checkpoint-layers",
-                              "--no-optimizer", "--gpu-gib", "139.3", "--host-gib", "120"])
+    args = _parsed(["plan", "--model", "qwen2.5-7b", "--seq-len", str(T), "--sparse", "--checkpoint-layers",
+                    "--no-optimizer", "--gpu-gib", "139.3", "--host-gib", "120"])
     run_plan(args)
     assert "sparse: page summaries + selections" in capsys.readouterr().out
 

@@ -1,4 +1,8 @@
-"""``oomb plan``: the memory plan of a run, without running it."""
+"""``oomb plan``: the memory plan of a run, without running it, and the plan ``oomb train`` checks first.
+
+Both build it with :func:`oomb.planner.plan_for_config` from the same :class:`oomb.config.OOMBConfig`, so a
+plan and a training run given the same flags or the same ``--config`` file describe the same run.
+"""
 
 from __future__ import annotations
 
@@ -15,26 +19,68 @@ from .checks import (
     _warn_if_sparse_is_dense,
 )
 
+GiB = 1024**3
+
+
+def job_plan(args: argparse.Namespace, dtype, optimizer: str | None = "adamw", machine=None):
+    """The :class:`oomb.planner.MemoryPlan` of the job ``args.job`` (model, sequence length, LoRA rank, engine
+    settings) with ``optimizer``, for ``machine`` (None: this one)."""
+    from ..planner import plan_for_config
+
+    job = args.job
+    return plan_for_config(job.model.name, job.data.seq_len, job.engine, dtype=dtype, lora_rank=job.model.lora_rank,
+                           optimizer=optimizer, machine=machine)
+
+
+def _machine(args: argparse.Namespace):
+    """The machine to plan for: this one, or the GPU memory and host RAM of --gpu-gib / --host-gib.
+
+    Raises:
+        ValueError: without a visible CUDA GPU and without --gpu-gib (there is no GPU to plan for).
+    """
+    from ..memory import Machine
+
+    machine = Machine.detect()
+    if args.gpu_gib is None and machine.gpu_total_bytes == 0:
+        raise ValueError("no CUDA GPU is visible, so there is no GPU memory to plan for; pass --gpu-gib G and --host-gib H "
+                         "(the free GPU memory and the available host RAM, in GiB, of the machine to plan for)")
+    if args.gpu_gib is None and args.host_gib is None:
+        return machine
+    gpu = int(args.gpu_gib * GiB) if args.gpu_gib is not None else machine.gpu_free_bytes
+    host = int(args.host_gib * GiB) if args.host_gib is not None else machine.host_available_bytes
+    if args.host_gib is None and machine.gpu_total_bytes == 0:
+        # planning for another machine (no GPU here): this one's RAM is most likely not that machine's
+        print(f"oomb: note: --host-gib not given, so the host budget comes from this machine's available RAM "
+              f"({host / GiB:.1f} GiB); pass --host-gib H for the machine you plan for", file=sys.stderr)
+    return Machine(gpu, max(gpu, machine.gpu_total_bytes if args.gpu_gib is None else gpu), host,
+                   max(host, machine.host_total_bytes), "given" if args.gpu_gib is not None else machine.gpu_name)
+
 
 def _plan(args: argparse.Namespace) -> int:
-    """``oomb plan``: print the predicted memory of a run; 0 if it fits, 1 if not, 2 on bad input."""
+    """``oomb plan``: print the predicted memory of a run; 0 if it fits, 1 if not, 2 on bad input. A --seq-len
+    beyond the model's max_position_embeddings is warned about on stderr (as ``oomb train`` does)."""
     _check_offload_flags(args)
-    import contextlib
-    import io
-
-    report = io.StringIO()
     try:
-        with contextlib.redirect_stdout(report):  # the planner's advice names Python parameters; print flags
-            from ..planner import run_plan
+        from ..models.limits import context_length_warning, lora_rank_problem
+        from ..models.presets import load_config
 
-            status = run_plan(args)
-    except ValueError as exc:  # MemoryPlanError, UnknownModelError, UnsupportedModelError, config errors
+        config = load_config(args.model)  # an unknown model is the first thing to say
+        lora_problem = lora_rank_problem(config, args.lora_rank, args.model)
+        if lora_problem:
+            raise ValueError("; ".join(lora_problem))
+        machine = _machine(args)
+        warning = context_length_warning(config, args.seq_len, args.model)
+        if warning:
+            print(warning, file=sys.stderr)
+        dtype = "bfloat16" if args.dtype == "auto" else args.dtype  # 'auto' is bfloat16 on a GPU, what a plan is for
+        p = job_plan(args, dtype, optimizer=None if args.no_optimizer else "adamw", machine=machine)
+    except ValueError as exc:  # MemoryPlanError, UnknownModelError, UnsupportedModelError
         raise _usage_from(exc, "see 'oomb plan --help'") from exc
-    finally:
-        sys.stdout.write(_flag_names(report.getvalue()))
-    if status == 0:  # a refused plan has said what is wrong with the budget already
-        _warn_if_offload_moves_nothing(args, args._num_layers)
-        _warn_if_offload_on_keeps_every_page(args, args._plan_offloads, args._num_layers)
-        _warn_if_offload_segments_are_small(args, args._plan_offloads)
+    print(_flag_names(p.table()))  # the planner speaks in config fields; the command line in flags
+    if p.fits:  # a refused plan has said what is wrong with the budget already
+        offloads = bool(p.tiering.offload)
+        _warn_if_offload_moves_nothing(args, p.shape.num_layers)
+        _warn_if_offload_on_keeps_every_page(args, offloads, p.shape.num_layers)
+        _warn_if_offload_segments_are_small(args, offloads)
     _warn_if_sparse_is_dense(args)
-    return status
+    return 0 if p.fits else 1

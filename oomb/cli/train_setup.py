@@ -111,11 +111,11 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
 
     cfg = args.job.engine
     if device.type == "cuda":
-        # Predict the GPU and host memory of the run before allocating anything (DESIGN.md §4 sizes).
-        from ..planner import plan_for_train_args
+        # Predict the GPU and host memory of the run before allocating anything (docs/design.md §4 sizes).
+        from .plan import job_plan
 
         try:
-            plan = plan_for_train_args(args, dtype)
+            plan = job_plan(args, dtype)
             plan.check()
         except ValueError as exc:
             raise _usage_from(exc, "see 'oomb plan' for what fits") from exc

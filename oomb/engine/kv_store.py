@@ -6,7 +6,7 @@ through its row of an int32 ``block_table`` (vLLM's term): token ``t`` of layer
 ``l`` lives at ``k_cache[block_table[l, t // page_size], t % page_size]``.
 KV heads are stored as they are (GQA never expanded). Gradient pages use
 float32 (float64 for a float64 model): bf16 accumulation over hundreds of
-chunks would lose precision (DESIGN.md §2.2).
+chunks would lose precision (docs/design.md §2.2).
 
 Pages are taken from a free list when a chunk's K/V are written (Stage 1) and
 returned as soon as Stage 2 has passed that chunk; the pool itself is allocated
