@@ -131,7 +131,7 @@ def test_host_memory_shortage_recomputes_with_a_warning(monkeypatch):
     model = tiny("qwen2").double()
     engine = Engine(model, engine_config(chunk_size=8, page_size=4, attention_backend="torch", save_attention="host"))
     monkeypatch.setattr(type(engine), "device", property(lambda self: torch.device("cuda")))
-    monkeypatch.setattr(eng_mod, "_host_memory", lambda: (1000, 2000))
+    monkeypatch.setattr(eng_mod, "host_memory", lambda: (1000, 2000))
     store = type("S", (), {})()
     with pytest.warns(UserWarning, match=r"--save-attention host \(OOMBConfig.save_attention='host'\) needs .* GiB of host memory"):
         engine._ensure_saved(40, store)
