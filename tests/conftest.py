@@ -1,4 +1,4 @@
-"""Test-session setup: on a machine without CUDA the Triton kernels run in the interpreter.
+"""Test setup: on a machine without CUDA the Triton kernels run in the interpreter.
 
 TRITON_INTERPRET must be set before triton is first imported, so it is set here, before any
 test module is collected. ``OOMB_TEST_AUTOTUNE=first`` (for test runs on a GPU) autotunes every kernel over the

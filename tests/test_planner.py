@@ -39,7 +39,7 @@ def _parsed(argv):
 
 H200 = Machine(gpu_free_bytes=int(139.3 * GiB), gpu_total_bytes=int(139.8 * GiB), host_available_bytes=120 * GiB,
                host_total_bytes=125 * GiB, gpu_name="H200")
-MEASURED_7B = {  # benchmarks/results/step_qwen2.5-7b_2026-11-29_torchref.md: peak, KV store (GiB)
+MEASURED_7B = {  # benchmarks/results/dense_step_torch_reference_h200.md: peak, KV store (GiB)
     32768: (63.6, 5.25),
     131072: (79.4, 21.00),
 }
@@ -169,7 +169,7 @@ def test_impossible_runs_are_refused_clearly():
         plan("qwen2.5-7b", 1 << 20, machine=H200, optimizer=None, checkpoint_layers=True, offload=False).check()
     with pytest.raises(MemoryPlanError, match="host tier needs .* GiB of pinned memory"):
         plan("qwen2.5-7b", 1 << 21, machine=H200, optimizer=None, checkpoint_layers=True).check()
-    # The 1M sparse step on a 128 GiB host failed this way without per-layer checkpointing (2026-12-01):
+    # The 1M sparse step on a 128 GiB host failed this way without per-layer checkpointing:
     # the message names the GPU-side remedies too, with the resident pages it found.
     small_host = Machine(gpu_free_bytes=int(139.3 * GiB), gpu_total_bytes=int(139.8 * GiB), host_available_bytes=100 * GiB,
                          host_total_bytes=128 * GiB, gpu_name="H200")
@@ -177,7 +177,7 @@ def test_impossible_runs_are_refused_clearly():
         plan("qwen2.5-7b", 1 << 20, machine=small_host, optimizer=None).check()
     # A plan refused for its host tier shows the offload layout the verdict speaks of: the GPU pool and the
     # host pages over the budget (the table showed "every page on the GPU" / "no GPU pool fits" next to a
-    # verdict about the host tier; a fresh-user review), with the verdict's resident pages.
+    # verdict about the host tier), with the verdict's resident pages.
     for sparse in (None, {}):
         refused = plan("qwen2.5-7b", 1 << 20, machine=small_host, offload=True, sparse=sparse)
         R = refused.tiering.resident_pages_per_layer
@@ -200,7 +200,7 @@ def test_impossible_runs_are_refused_clearly():
                     host_total_bytes=64 * GiB)
     p = plan("tiny", 1 << 16, chunk_size=512, machine=tight, offload=True)
     assert len(p.problems) == 1, p.problems
-    # ... and still prints (table() crashed formatting the missing pool size, 2026-12-01)
+    # ... and still prints (table() crashed formatting the missing pool size)
     assert p.tiering.gpu_pages is None and "offload, no GPU pool fits" in p.table() and "DOES NOT FIT" in p.table()
     assert re.match(r"offload needs at least [\d,]+ GPU pages .* but only 0\.00 GiB of GPU memory is left for KV pages "
                     r"after the weights, gradients, optimizer states and activations; .*"
@@ -282,7 +282,7 @@ def test_train_arguments_map_to_a_plan_and_engine_settings():
 
 
 def test_sparse_plan_counts_the_sparse_state_and_stages_whole_layers(capsys):
-    """`oomb plan --sparse` (a fresh-user review found the flag missing): the page summaries and selections the
+    """`oomb plan --sparse`: the page summaries and selections the
     engine keeps, the engine's extra headroom for sparse runs (4 GiB without per-layer checkpointing), and whole-layer
     staging with offload."""
     from oomb import OOMBConfig
@@ -564,7 +564,7 @@ def fake_h200_tiering(monkeypatch):
 def test_engine_tiering_sizes_activations_with_the_backend_the_step_runs(fake_h200_tiering):
     """``Engine.reserve()`` before the first step sized the pool with the CPU default backend ('torch', score-sized
     temporaries: 7.32 GiB of activations for Qwen2.5-7B at chunk 4096 against 3.48 with the Triton kernels), so the
-    1M sparse step of 2026-12-02 got a pool 3.8 GiB smaller than planned. The estimate now follows the config's
+    1M sparse step got a pool 3.8 GiB smaller than planned. The estimate now follows the config's
     backend, and sparse attention counts as the block-table kernels."""
     from oomb import OOMBConfig
 
@@ -655,7 +655,7 @@ def test_saved_attention_check_sizes_sparse_steps_as_the_tiering_does(monkeypatc
 ])
 def test_the_plan_table_s_gpu_rows_add_up_to_the_predicted_peak(kw):
     """The table showed both the attention and the loss temporaries (the peak holds only the larger) and left out
-    the 'other' term, so its rows did not add up to the predicted peak (fresh-user review: 136.46 against 134.82)."""
+    the 'other' term, so its rows did not add up to the predicted peak (136.46 against 134.82)."""
     from oomb import OOMBConfig
 
     kw = dict(kw)
@@ -671,7 +671,7 @@ def test_the_plan_table_s_gpu_rows_add_up_to_the_predicted_peak(kw):
 
 def test_a_refused_gpu_page_budget_shows_a_layout_that_exists():
     """A --gpu-page-budget below the minimum showed 'GPU pool 1 pages' beside 12 GiB of staging, and one holding
-    every page showed that pool with 0 resident pages and every page on the host (fresh-user review). Now: below
+    every page showed that pool with 0 resident pages and every page on the host. Now: below
     the minimum, the minimum pool's layout, said so; every page or more, every page on the GPU."""
     from oomb import OOMBConfig
 
@@ -688,7 +688,7 @@ def test_a_refused_gpu_page_budget_shows_a_layout_that_exists():
     # an accepted budget that makes a whole layout is shown as given, with no note (4 sets: 24 R + 4 n pages)
     ok = plan("qwen2.5-7b", T, gpu_page_budget=24 * 4200 + 4 * n, **kw)
     assert ok.fits and ok.tiering.gpu_pages == 133568 and ok.layout_note == "" and "(shown at" not in ok.table()
-    # one that does not: the pages it leaves unused are explained (a fresh-user review saw 19,998 of 20,000)
+    # one that does not: the pages it leaves unused are explained (19,998 of 20,000, say)
     odd = plan("qwen2.5-7b", T, gpu_page_budget=120000, **kw)
     assert odd.fits and 120000 - 28 < odd.tiering.gpu_pages < 120000
     assert (f"GPU pool {odd.tiering.gpu_pages:,} pages (of the 120,000 given, the rest is less than one more resident "

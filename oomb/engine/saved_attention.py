@@ -121,7 +121,7 @@ class SavedAttention:
         # The buffers hold each tensor's memory as it is (the layout of _key), so the host copies are plain
         # contiguous byte copies: a copy between a strided device view and a strided host view (HF hands the
         # attention [Hq, C, D] memory seen as [C, Hq, D]) goes through a temporary and a host-side strided copy,
-        # synchronous, which made 'host' 15% slower than not saving at all on the H200 (2026-12-01).
+        # synchronous, which made 'host' 15% slower than not saving at all on the H200.
         o_src, l_src = _memory_order(out), _memory_order(lse)
         if self._stream is None:
             self._out[chunk, layer].copy_(o_src)
