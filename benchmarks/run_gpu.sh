@@ -21,7 +21,6 @@
 # gather      bench_page_gather.py                     the zero-copy tile copy kernels, alone and beside GEMMs
 # gather-big  bench_page_gather_big.py                 the same over a 64 GiB pinned tier
 # select      bench_select.py                          page selection time
-# ab-forward  ab_forward.py --old FILE                 this tree's attention forward against another version's module
 # train       python -m oomb train                     a training run (default: qwen2.5-0.5b at 128K, 3 steps)
 # quality     (below)                                  sparse quality: train a 100M model, eval and grad-error at 64K
 # dp          (below)                                  data-parallel scaling: torchrun on 2 GPUs against 1
@@ -94,7 +93,6 @@ case "$kind" in
   gather)     python3 $B/bench_page_gather.py --out "$OUT" "$@" ;;
   gather-big) python3 $B/bench_page_gather_big.py --out "$OUT" "$@" ;;
   select)     python3 $B/bench_select.py --out "$OUT/page_selection.json" "$@" ;;
-  ab-forward) python3 $B/ab_forward.py --out "$OUT" "$@" ;;
   train)      python3 -m oomb train --device cuda --model qwen2.5-0.5b --seq-len 131072 --steps 3 --lr 3e-4 --no-progress \
                 --overwrite --output-dir /tmp/oomb-train "$@"; cp /tmp/oomb-train/log.jsonl "$OUT/train_log.jsonl" ;;
   quality)    quality "$@" ;;

@@ -159,7 +159,7 @@ def sparse_state_bytes(shape: "ModelShape", seq_len: int, config: Any, dtype: to
     half inputs), twice for the 'quest' score (min and max). Selections: int32 ``[nb, Hkv, K]`` page ids
     plus ``[nb, Hkv]`` counts per (chunk, layer), ``nb = ceil(T / sparse_block_size)`` blocks in all,
     ``K = min(page_budget + sink_pages + local_pages, pages - 1)`` (a selection holds at most its past pages:
-    :func:`oomb.ops.sparse.select_pages`). Returns 0 unless ``config.sparse``.
+    :func:`oomb.ops.sparse_select.select_pages`). Returns 0 unless ``config.sparse``.
     """
     if not config.sparse:
         return 0

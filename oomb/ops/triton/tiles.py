@@ -25,7 +25,7 @@ def _past_token_offsets(block_table_ptr, tok, tok_mask, stride_p, stride_t, PAGE
 def _past_from(past_start, PART: tl.constexpr):
     """The first past token of a launch: ``past_start`` for a part (PART), else the literal 0.
 
-    Measured (H200, ``benchmarks/ab_forward.py``, 4096 queries, Qwen2.5-7B heads):
+    Measured (H200, 4096 queries, Qwen2.5-7B heads):
     with the past loops starting at the runtime ``past_start`` the forward ran at 327 / 320
     TFLOP/s at 32K / 128K past against 384 / 384 for the same kernel before parts existed
     (bitwise-equal outputs, same autotuned config); a ``tl.multiple_of`` hint on the tile start
