@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import oomb.bench as ob
-from oomb import OOMBConfig
 from configs import engine_config
 from oomb.cli import main
 

@@ -717,7 +717,6 @@ def test_every_subcommand_help_shows_defaults_the_same_way(capsys, command):
 def test_plan_messages_speak_to_cli_users(capsys, monkeypatch):
     """What `oomb plan` prints when a run does not fit names flags, not Python (`offload='auto' or True`), blames
     the right thing, and says how to plan without a GPU (--gpu-gib and --host-gib)."""
-    from oomb.planner import Machine
 
     base = ["plan", "--model", "qwen2.5-7b", "--seq-len", "1048576", "--host-gib", "100"]
     assert run_cli([*base, "--gpu-gib", "139", "--offload", "off"]) == 1

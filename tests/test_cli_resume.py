@@ -163,7 +163,6 @@ def test_grad_accum_equals_one_step_over_both_sequences_by_hand(tmp_path, text_f
     out = tmp_path / "run"
     lr = 1e-2
     assert run_cli(["train", "--data", text_file, *FAST, "--steps", "1", "--grad-accum", "2", "--lr", lr, "--max-grad-norm", "0.5", "--output-dir", out]) == 0
-    from oomb import Engine, OOMBConfig
     from oomb.data import TokenSequences, load_tokenizer, tokenize_documents, load_documents
     from oomb.models.presets import build_model
 

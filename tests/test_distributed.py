@@ -5,11 +5,10 @@ from __future__ import annotations
 import os
 import socket
 
-import pytest
 import torch
 import torch.multiprocessing as mp
 
-from oomb import Engine, OOMBConfig
+from oomb import Engine
 from configs import engine_config
 from oomb.distributed import RankFailedError, agree_ok, all_reduce_gradients, global_sum, init_from_env
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from oomb import Engine, OOMBConfig
+from oomb import Engine
 from configs import engine_config
 from oomb.engine import engine as engine_mod
 from oomb.engine.grad_accum import Float32GradAccumulator, extra_grad_bytes

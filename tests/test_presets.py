@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, BertConfig, Qwen2Config, Qwen2ForCausalLM
 
-from oomb import Engine, OOMBConfig, UnsupportedModelError
+from oomb import Engine, UnsupportedModelError
 from configs import engine_config
 from oomb.data import load_tokenizer
 from oomb.models.presets import PRESETS, UnknownModelError, build_model, preset_config, preset_names

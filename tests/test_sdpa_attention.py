@@ -12,13 +12,13 @@ import pytest
 import torch
 
 import oomb.ops.sdpa_attention as sa
-from oomb import Engine, OOMBConfig
+from oomb import Engine
 from configs import engine_config
 from oomb.engine.kv_store import PagedKVStore
 from oomb.ops.attention_ref import paged_attention_bwd_ref, paged_attention_fwd_ref
 from oomb.ops.paged_attention import paged_backend, resolve_backend
 
-from test_engine import VOCAB, clone_model, max_rel_grad_error, packed_parity, run_parity, tiny
+from test_engine import VOCAB, packed_parity, run_parity, tiny
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

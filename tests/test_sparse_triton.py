@@ -133,7 +133,7 @@ def test_bad_selection_is_refused():
 
 
 def test_engine_step_triton_equals_torch_sparse():
-    from oomb import Engine, OOMBConfig
+    from oomb import Engine
     from tests.test_engine import VOCAB, clone_model, tiny
 
     torch.manual_seed(0)

@@ -15,8 +15,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
-from dataclasses import dataclass, fields, replace
-from typing import Any, Iterable, Literal, get_args, get_origin
+from dataclasses import dataclass, fields
+from typing import Any, Literal, get_args, get_origin
 
 from .engine import KernelConfig, OffloadConfig, OOMBConfig, SparseConfig
 from .errors import ConfigError

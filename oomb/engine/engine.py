@@ -35,7 +35,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import OOMBConfig
-from ..models.hf import UnsupportedModelError, check_model_supported, use_oomb_attention
+from ..models.hf import check_model_supported, use_oomb_attention
 from ..ops.paged_attention import (paged_attention, paged_attention_forward, paged_backend, resolve_backend,
                                    step_backend)
 from ..ops.sparse_attention import sparse_paged_attention, sparse_paged_attention_forward
