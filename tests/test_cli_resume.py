@@ -540,12 +540,12 @@ def test_a_ctrl_c_at_any_moment_of_the_command_prints_one_line(tmp_path, monkeyp
     """KeyboardInterrupt while the arguments are read, while the planner runs (torch imported) and while `python
     -m oomb` imports oomb.cli: 'oomb: interrupted', exit 130, no traceback."""
     import oomb.cli.parser
-    import oomb.planner
+    import oomb.models.presets
 
     def interrupt(*a, **k):
         raise KeyboardInterrupt
 
-    for target, name in ((oomb.planner, "plan_for_config"), (oomb.cli.parser._Parser, "parse_args")):
+    for target, name in ((oomb.models.presets, "load_config"), (oomb.cli.parser._Parser, "parse_args")):
         with monkeypatch.context() as m:
             m.setattr(target, name, interrupt)
             assert run_cli(["plan", "--seq-len", "4096"]) == 130

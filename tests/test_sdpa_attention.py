@@ -217,7 +217,7 @@ def test_cudnn_primitives_bf16_within_twice_the_bf16_reference():
 
 
 def test_planner_counts_the_sdpa_transients():
-    from oomb.planner import ModelShape, activation_bytes
+    from oomb.memory import ModelShape, activation_bytes
 
     shape = ModelShape.from_config(tiny("qwen2", 4, 2).config)
     C, past = 64, 4096
