@@ -7,7 +7,7 @@
 # triton_cache.tgz.part-* is unpacked first; TRITON_CACHE_DIR is ./.triton_cache, and autotune results are kept.
 #
 # KIND        script                                   measures
-# tests       pytest ARGS (default: the CUDA tests)   the test suite's CUDA cases on this GPU
+# tests       pytest ARGS (default: the CUDA tests)   the test suite's CUDA cases on this GPU (autotune: first config)
 # parity      check_gpu_parity.py                      bf16 engine vs full-sequence fp32 training, 2 layers, many chunks
 # kernels     bench_kernels.py                         Triton paged attention: errors and TFLOP/s next to SDPA
 # sdpa        bench_sdpa_attention.py                  the cuDNN (sdpa) chunk attention next to the Triton kernels
@@ -79,7 +79,7 @@ dp() {  # 256K sparse LoRA steps on 2 GPUs, then the same on 1 GPU
 B=benchmarks
 case "$kind" in
   tests)      [ $# -gt 0 ] || set -- tests/test_offload.py tests/test_page_gather.py tests/test_sdpa_attention.py -k cuda
-              python3 -m pytest -v --tb=short -p no:cacheprovider -rfE "$@" ;;
+              OOMB_TEST_AUTOTUNE=${OOMB_TEST_AUTOTUNE:-first} python3 -m pytest -v --tb=short -p no:cacheprovider -rfE "$@" ;;
   parity)     python3 $B/check_gpu_parity.py --out "$OUT" "$@" ;;
   kernels)    python3 $B/bench_kernels.py --out "$OUT" "$@" ;;
   sdpa)       python3 $B/bench_sdpa_attention.py --out "$OUT" "$@" ;;
