@@ -1,0 +1,67 @@
+"""Engine step time of the oomb source tree at --src: one warm-up step, then --steps timed steps per length.
+
+Run it once per tree in one device call (the baseline tree first) to A/B two checkouts of the same machine,
+e.g. with the other tree unpacked by ``git archive REV oomb | tar -x -C /tmp/base``::
+
+    python3 benchmarks/step_ab.py --src /tmp/base --label base --lengths 32768 131072 --out ab.jsonl
+    python3 benchmarks/step_ab.py --src . --label head --lengths 32768 131072 --out ab.jsonl
+
+A tree whose OOMBConfig has no sections (``kernels``) takes the sparse settings as flat fields. Appends one
+JSON row per length (min/median/max seconds, loss, peak GiB) to --out.
+"""
+import argparse, json, sys, time, os, statistics
+p = argparse.ArgumentParser()
+p.add_argument("--src", required=True)
+p.add_argument("--label", required=True)
+p.add_argument("--model", default="qwen2.5-7b")
+p.add_argument("--lengths", type=int, nargs="+")
+p.add_argument("--sparse", action="store_true")
+p.add_argument("--steps", type=int, default=3)
+p.add_argument("--out", required=True)
+p.add_argument("--device", default="cuda")
+a = p.parse_args()
+sys.path.insert(0, os.path.abspath(a.src))
+import torch
+from transformers import AutoModelForCausalLM
+import oomb
+from oomb import Engine
+from oomb.models.presets import preset_config
+assert oomb.__file__.startswith(os.path.abspath(a.src)), oomb.__file__
+from oomb import OOMBConfig
+if "kernels" in OOMBConfig.__dataclass_fields__:
+    from oomb.config import SparseConfig
+    cfg = OOMBConfig(chunk_size=4096, sparse=SparseConfig(page_budget=64) if a.sparse else None)
+    api = "sections"
+else:
+    cfg = OOMBConfig(chunk_size=4096, sparse=a.sparse, page_budget=64)
+    api = "flat"
+dev = torch.device(a.device)
+sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+mc = preset_config(a.model)
+torch.manual_seed(0)
+with dev:
+    model = AutoModelForCausalLM.from_config(mc, torch_dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
+for p_ in model.parameters():
+    p_.requires_grad_(True)
+eng = Engine(model, cfg)
+g = torch.Generator().manual_seed(1)
+rows = []
+for T in a.lengths:
+    ids = torch.randint(0, mc.vocab_size, (1, T), generator=g).to(dev)
+    times, losses = [], []
+    for i in range(a.steps + 1):
+        model.zero_grad(set_to_none=True)
+        sync(); t0 = time.perf_counter()
+        out = eng.step(ids)
+        sync(); dt = time.perf_counter() - t0
+        print(f"{a.label} T={T} step {i}: {dt:.2f} s", flush=True)
+        if i:
+            times.append(dt)
+        losses.append(out.loss)
+    row = dict(label=a.label, api=api, model=a.model, tokens=T, sparse=a.sparse, warmup_s=None,
+               min_s=min(times), median_s=statistics.median(times), max_s=max(times), times=times,
+               loss=losses[-1], peak_gib=torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None)
+    rows.append(row)
+    print(json.dumps(row), flush=True)
+    with open(a.out, "a") as f:
+        f.write(json.dumps(row) + "\n")
