@@ -58,7 +58,7 @@ for T in a.lengths:
         if i:
             times.append(dt)
         losses.append(out.loss)
-    row = dict(label=a.label, api=api, model=a.model, tokens=T, sparse=a.sparse, warmup_s=None,
+    row = dict(label=a.label, api=api, model=a.model, tokens=T, sparse=a.sparse,
                min_s=min(times), median_s=statistics.median(times), max_s=max(times), times=times,
                loss=losses[-1], peak_gib=torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None)
     rows.append(row)
