@@ -29,7 +29,7 @@
 #   benchmarks/run_gpu.sh step --lengths 32768 131072 --systems hf oomb-sdpa-save-gpu --oomb-steps 2
 #   benchmarks/run_gpu.sh sparse --lengths 1048576 --systems sparse --offload on --checkpoint-layers --progress
 #   benchmarks/run_gpu.sh offload-ab --set sets
-#   benchmarks/run_gpu.sh tests tests/test_offload.py -k cuda
+#   benchmarks/run_gpu.sh tests tests/engine/test_offload.py -k cuda
 set -euo pipefail
 cd "$(dirname "$0")/.."
 kind=${1:?usage: benchmarks/run_gpu.sh KIND [ARGS...] (kinds: see the top of this file)}; shift
@@ -78,7 +78,7 @@ dp() {  # 256K sparse LoRA steps on 2 GPUs, then the same on 1 GPU
 
 B=benchmarks
 case "$kind" in
-  tests)      [ $# -gt 0 ] || set -- tests/test_offload.py tests/test_page_gather.py tests/test_sdpa_attention.py -k cuda
+  tests)      [ $# -gt 0 ] || set -- tests/engine/test_offload.py tests/ops/test_page_gather.py tests/ops/test_sdpa_attention.py -k cuda
               OOMB_TEST_AUTOTUNE=${OOMB_TEST_AUTOTUNE:-first} python3 -m pytest -v --tb=short -p no:cacheprovider -rfE "$@" ;;
   parity)     python3 $B/check_gpu_parity.py --out "$OUT" "$@" ;;
   kernels)    python3 $B/bench_kernels.py --out "$OUT" "$@" ;;
