@@ -27,6 +27,7 @@ __all__ = ["IGNORE_INDEX", "ROLES", "check_messages", "encode_messages", "encode
            "encode_text", "read_chat_template"]
 
 IGNORE_INDEX = -100
+_MARKER = "\u2063oomb-content-marker\u2063"
 ROLES = ("system", "user", "assistant", "tool")
 """The roles a ``messages`` row may have."""
 
@@ -112,6 +113,7 @@ def _trained_spans(tokenizer, messages: Sequence[dict], template: str | None, wh
     full = renders[-1]
     spans = []
     prev = ""
+    prev_of = [""] + renders[:-1]
     for i, (m, r) in enumerate(zip(messages, renders)):
         if not r.startswith(prev):
             raise DataError(f"{where}: the chat template renders message {i - 1} differently once message {i} "
@@ -121,18 +123,23 @@ def _trained_spans(tokenizer, messages: Sequence[dict], template: str | None, wh
         prev = r
         if not trained[i]:
             continue
+        # Where the content goes: render the message with a marker for its content; the text before the
+        # marker is the message's header (a content that also occurs in its header is not mistaken for it).
+        marked = _render(tokenizer, [*messages[:i], {**m, "content": _MARKER}], template, where)
+        at = marked.find(_MARKER, start)
+        header = marked[start:at] if at >= 0 and marked.startswith(prev_of[i]) else None
         span = full[start:end]
         content = m["content"]
-        at = span.find(content) if content else -1
-        if at < 0 and content.strip():
+        if header is None or not span.startswith(header):
+            raise DataError(f"{where}: the chat template does not render message {i}'s content where it renders "
+                            "other content", "pass --chat-template a template that writes each message's content verbatim")
+        body = span[len(header):]
+        if not body.startswith(content):
             content = content.strip()
-            at = span.find(content)
-        if at < 0:
-            if content.strip():
+            if not body.startswith(content):
                 raise DataError(f"{where}: the chat template does not render message {i}'s content as it is",
                                 "pass --chat-template a template that writes each message's content verbatim")
-            continue
-        a = start + at
+        a = start + len(header)
         b = a + len(content)
         rest = full[b:end]
         hits = [(rest.find(s), s) for s in specials if rest.find(s) >= 0]
