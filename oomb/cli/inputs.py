@@ -12,16 +12,10 @@ from .errors import UsageError
 
 
 def _document_bounds(input_ids, eos_id: int):
-    """cu_seqlens of the documents in ``input_ids [1, T]``: a document ends after each ``eos_id`` token.
+    """cu_seqlens of the documents in ``input_ids [1, T]``: :func:`oomb.data.document_bounds`."""
+    from ..data import document_bounds
 
-    Returns an int64 tensor ``[num_docs + 1]`` (0 first, T last, strictly increasing).
-    """
-    import torch
-
-    ids = input_ids.view(-1)
-    T = ids.numel()
-    ends = (torch.nonzero(ids[:-1] == eos_id).view(-1) + 1).tolist()
-    return torch.tensor([0, *ends, T], dtype=torch.int64)
+    return document_bounds(input_ids, eos_id)
 
 
 def _vocab_size(model) -> int:
@@ -120,3 +114,18 @@ def _load_model(args: argparse.Namespace, tokens, device, dtype, command: str):
         raise _usage_from(exc, f"use a Qwen2/2.5, Llama 2/3, Mistral or Qwen3 causal LM (see 'oomb {command} --help')") from exc
     _check_vocab(int(tokens.max()), _vocab_size(model), args.model)
     return model
+
+
+def _training_data(args: argparse.Namespace):
+    """The tokenizer and training data of ``oomb train`` and ``oomb data`` (:func:`oomb.data.build_training_data`
+    of the job's data section, in the order of --seed): ``(tokenizer, data)``."""
+    from .. import data as data_lib  # looked up now: a test may stand in for load_tokenizer
+
+    try:
+        tokenizer = data_lib.load_tokenizer(args.tokenizer)
+        if args.document_mask and tokenizer.eos_token_id is None:
+            raise UsageError("--document-mask splits documents at the EOS token but the tokenizer has none",
+                             "use a tokenizer with an eos_token, or leave --document-mask out")
+        return tokenizer, data_lib.build_training_data(args.job.data, tokenizer, seed=args.seed)
+    except data_lib.DataError as exc:
+        raise UsageError(exc.problem, exc.fix) from exc

@@ -17,8 +17,8 @@ from .errors import ConfigError
 from .meta import flag
 
 __all__ = [
-    "BenchConfig", "DataConfig", "EvalConfig", "GradErrorConfig", "JobConfig", "ModelConfig", "OutputConfig",
-    "PlanConfig", "TrainConfig", "SEED_LIMIT",
+    "BenchConfig", "DataConfig", "DataReportConfig", "EvalConfig", "GradErrorConfig", "JobConfig", "ModelConfig",
+    "OutputConfig", "PlanConfig", "TrainConfig", "SEED_LIMIT",
 ]
 
 SEED_LIMIT = 2**32
@@ -349,6 +349,24 @@ class BenchConfig:
 
 
 @dataclass
+class DataReportConfig:
+    """``oomb data``: where the length histogram goes and how much of the first sequence is shown."""
+
+    output: Optional[str] = field(default=None, metadata=flag("--output", metavar="PATH"))
+    """Write the histogram of example lengths (tokens) as a PNG to PATH (new, or an earlier PNG: any other
+    existing file is refused); default: oomb-data-lengths.png in the current folder."""
+
+    show_tokens: int = 400
+    """Print at most this many tokens of the first sequence training reads (0: all of it)."""
+
+    @_in("data_report")
+    def __post_init__(self) -> None:
+        if self.output is not None and (not isinstance(self.output, str) or not self.output):
+            raise ConfigError("output", f"{{output}} is {self.output!r}", "pass a file path, e.g. {output} lengths.png")
+        check.nonnegative_int("show_tokens", self.show_tokens, "tokens", zero="0 (all of it)")
+
+
+@dataclass
 class JobConfig:
     """Everything one ``oomb`` command runs with; a YAML file holds these sections under the same names."""
 
@@ -361,3 +379,4 @@ class JobConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     grad_error: GradErrorConfig = field(default_factory=GradErrorConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    data_report: DataReportConfig = field(default_factory=DataReportConfig)

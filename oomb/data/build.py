@@ -107,12 +107,13 @@ def _text_stream(cfg, rows: Rows, tokenizer, seed: int) -> TextSequences:
             raise DataError(f"data {rows.name!r} is empty (no non-blank text)", "give it some text to train on")
         cache = cfg.path is None or Path(cfg.path).resolve() == BUNDLED_CORPUS
         tokens = tokenize_documents([Document("", t) for t in texts], tokenizer, cache=cache)
-        return TextSequences(tokens, cfg.seq_len, seed, eos, documents=len(texts))
+        return TextSequences(tokens, cfg.seq_len, seed, eos, documents=len(texts), separator=tokenizer.eos_token_id)
     folder = cache_dir() / "packed" / _key(cfg, tokenizer, None)
     try:
         meta = json.loads((folder / "stream.json").read_text())
         tokens = np.load(folder / "tokens.npy", mmap_mode="r")
-        return TextSequences(tokens, cfg.seq_len, seed, eos, documents=int(meta["documents"]))
+        return TextSequences(tokens, cfg.seq_len, seed, eos, documents=int(meta["documents"]),
+                             separator=tokenizer.eos_token_id)
     except (OSError, ValueError, KeyError):
         pass
     with _CacheFolder(folder.name) as tmp:
@@ -138,7 +139,7 @@ def _text_stream(cfg, rows: Rows, tokenizer, seed: int) -> TextSequences:
         (tmp / "tokens.bin").unlink()
         (tmp / "stream.json").write_text(json.dumps({"documents": docs}))
     tokens = np.load(folder / "tokens.npy", mmap_mode="r")
-    return TextSequences(tokens, cfg.seq_len, seed, eos, documents=docs)
+    return TextSequences(tokens, cfg.seq_len, seed, eos, documents=docs, separator=tokenizer.eos_token_id)
 
 
 def _examples(cfg, fmt: str, rows: Rows, tokenizer, template: str | None, loss_on: str, seen: dict):

@@ -67,6 +67,7 @@ class Packer:
         self._bounds: list[int] = [0]
         self._used = 0
         self._seqs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self.lengths: list[int] = []
         self.n = dict(examples=0, tokens=0, trained=0, padding=0, split=0, dropped=0, dropped_tokens=0, sequences=0)
 
     # ---- input
@@ -74,6 +75,7 @@ class Packer:
     def add(self, ids: np.ndarray, labels: np.ndarray) -> None:
         """One example: ids and labels int64 ``[n]`` (labels -100 or the id)."""
         n = int(ids.shape[0])
+        self.lengths.append(n)
         self.n["examples"] += 1
         self.n["tokens"] += n
         mask = labels != IGNORE_INDEX
@@ -156,18 +158,23 @@ class Packer:
         self._flush()
         self._close_shard()
         stats = self.stats()
+        lengths = np.asarray(self.lengths, dtype=np.int64)
         if self.shard_dir is not None:
+            np.save(self.shard_dir / "lengths.npy", lengths)
             manifest = {"shards": len(self.shards), "stats": stats.as_dict()}
             (self.shard_dir / "manifest.json").write_text(json.dumps(manifest))
-        return PackedSequences(self.shards, stats, seed)
+        return PackedSequences(self.shards, stats, seed, lengths)
 
 
 class PackedSequences:
     """Packed sequences as :class:`Sample` objects: labels (-100 outside the trained tokens and on padding)
     and cu_seqlens (one document per example and one for the padding)."""
 
-    def __init__(self, shards: list[_Shard], stats: DataStats, seed: int = 0) -> None:
+    def __init__(self, shards: list[_Shard], stats: DataStats, seed: int = 0,
+                 example_lengths: np.ndarray | None = None) -> None:
         self.shards = shards
+        self.example_lengths = np.zeros(0, dtype=np.int64) if example_lengths is None else example_lengths
+        """Tokens of every example read (int64 [examples]), the dropped ones included."""
         self.stats = stats
         self.seed = seed
         self._starts = np.concatenate([[0], np.cumsum([len(s) for s in shards])]).astype(np.int64)
@@ -180,7 +187,7 @@ class PackedSequences:
             shards = [_Shard(*(np.load(folder / f"{name}-{k:05d}.npy", mmap_mode="r") for name in _ARRAYS))
                       for k in range(int(manifest["shards"]))]
             fields = {k: v for k, v in manifest["stats"].items() if k != "trained_share"}
-            return cls(shards, DataStats(**fields), seed)
+            return cls(shards, DataStats(**fields), seed, np.load(folder / "lengths.npy", mmap_mode="r"))
         except (OSError, ValueError, KeyError, TypeError):
             return None
 

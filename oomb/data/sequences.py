@@ -124,14 +124,18 @@ class TokenSequences:
 
 class TextSequences:
     """The sequences of a :class:`TokenSequences` as :class:`Sample` objects: labels None (every token is a
-    target) and, with ``eos_id`` (``document_mask``), cu_seqlens that end a document after each EOS token."""
+    target) and, with ``eos_id`` (``document_mask``), cu_seqlens that end a document after each EOS token.
+    ``documents``: how many documents the stream joins; ``separator``: the id between them (default ``eos_id``),
+    for :attr:`example_lengths`."""
 
     def __init__(self, tokens: np.ndarray, seq_len: int, seed: int = 0, eos_id: int | None = None,
-                 documents: int = 0) -> None:
+                 documents: int = 0, separator: int | None = None) -> None:
         self.sequences = TokenSequences(tokens, seq_len, seed)
         self.tokens = tokens
         self.seq_len = seq_len
         self.eos_id = eos_id
+        self._lengths = None
+        self.separator = eos_id if separator is None else separator
         n = len(self.sequences)
         used = tokens[: n * seq_len]
         starts = 0 if eos_id is None else int(np.count_nonzero(used.reshape(n, seq_len)[:, :-1] == eos_id))
@@ -149,6 +153,20 @@ class TextSequences:
     def __getitem__(self, i: int) -> Sample:
         ids = self.sequences[i]
         return Sample(ids, None, document_bounds(ids, self.eos_id) if self.eos_id is not None else None)
+
+    @property
+    def example_lengths(self) -> np.ndarray:
+        """Tokens of each document (int64; the stream split after each EOS token, the EOS counted)."""
+        if self._lengths is None:
+            sep = self.separator
+            ends = np.flatnonzero(self.tokens == sep) + 1 if sep is not None else np.zeros(0, np.int64)
+            bounds = np.concatenate([[0], ends[ends < len(self.tokens)], [len(self.tokens)]])
+            self._lengths = np.diff(bounds).astype(np.int64)
+        return self._lengths
+
+    def max_token(self) -> int:
+        """The largest token id."""
+        return int(np.max(self.tokens))
 
     def digest(self) -> str:
         """sha256 of the token stream (hex)."""
