@@ -11,13 +11,6 @@ from .checks import _check_vocab, _usage_from
 from .errors import UsageError
 
 
-def _document_bounds(input_ids, eos_id: int):
-    """cu_seqlens of the documents in ``input_ids [1, T]``: :func:`oomb.data.document_bounds`."""
-    from ..data import document_bounds
-
-    return document_bounds(input_ids, eos_id)
-
-
 def _vocab_size(model) -> int:
     emb = model.get_input_embeddings()
     n = getattr(emb, "num_embeddings", None)

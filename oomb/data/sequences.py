@@ -56,14 +56,15 @@ def seeded_order(n: int, seed: int, epoch: int) -> np.ndarray:
 
 
 def document_bounds(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """cu_seqlens of the documents in ``input_ids [1, T]``: a document ends after each ``eos_id`` token.
+    """``cu_seqlens`` of the documents in ``input_ids [1, T]`` (or ``[T]``): a document ends after each
+    ``eos_id`` token.
 
-    Returns an int64 tensor ``[num_docs + 1]`` (0 first, T last, strictly increasing).
+    Returns an int64 CPU tensor ``[num_docs + 1]``: 0 first, ``T`` last, strictly increasing (an EOS as the
+    last token ends the last document).
     """
-    ids = input_ids.view(-1)
-    T = ids.numel()
+    ids = input_ids.reshape(-1).cpu()
     ends = (torch.nonzero(ids[:-1] == eos_id).view(-1) + 1).tolist()
-    return torch.tensor([0, *ends, T], dtype=torch.int64)
+    return torch.tensor([0, *ends, ids.numel()], dtype=torch.int64)
 
 
 class TokenSequences:
