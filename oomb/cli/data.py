@@ -47,14 +47,17 @@ def render_sequence(tokenizer, sample, limit: int, color: bool = False) -> str:
     for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
         if a >= end:
             break
-        out.append(f"\n--- document {k} ({b - a:,} tokens) ---\n")
-        t = a
+        pad = k == len(bounds) - 2 and k > 0 and len(set(ids[a:b])) == 1 and all(v == -100 for v in labels[a:b])
+        out.append(f"\n--- {'padding' if pad else f'document {k}'} ({b - a:,} tokens) ---\n")
+        t, shown = a, ""
         while t < min(b, end):
             trained = labels[t] != -100
             u = t
             while u < min(b, end) and (labels[u] != -100) == trained:
                 u += 1
-            text = tokenizer.decode(ids[t:u], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            # decoded from the document's start, so a piece keeps its leading space
+            upto = tokenizer.decode(ids[a:u], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            text, shown = upto[len(shown):], upto
             out.append(("\x1b[7m" + text + "\x1b[0m" if color else f"[[{text}]]") if trained else text)
             t = u
     if end < len(ids):
@@ -74,7 +77,7 @@ def _histogram(path: Path, lengths, seq_len: int, title: str) -> None:
     lengths = lengths[lengths > 0]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
     if len(lengths):
-        lo, hi = max(1, int(lengths.min())), max(2, int(lengths.max()), seq_len)
+        lo, hi = max(1, min(int(lengths.min()), seq_len)), max(2, int(lengths.max()), seq_len)
         bins = np.unique(np.geomspace(lo, hi + 1, 50).astype(int)) if hi > 4 * lo else 50
         ax.hist(lengths, bins=bins, color="#4477aa")
         if hi > 4 * lo:

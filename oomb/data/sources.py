@@ -62,7 +62,8 @@ def _one_line(exc: Exception) -> str:
 
 def _split_of(obj, split: str, where: str):
     """``obj[split]`` of a DatasetDict (or ``obj`` itself), refusing a missing split by naming those there are."""
-    keys = list(obj.keys()) if hasattr(obj, "keys") and not hasattr(obj, "column_names") else None
+    ds = _datasets()
+    keys = list(obj.keys()) if isinstance(obj, (ds.DatasetDict, ds.IterableDatasetDict)) else None
     if keys is None:
         if split != "train":
             raise DataError(f"{where} has one split, not {split!r}", "leave --data-split out (train)")
