@@ -73,8 +73,8 @@ COMMANDS: dict[str, list[tuple[str, tuple[str, ...] | None]]] = {
         ("engine", ("chunk_size", "page_size", "attention_backend", "save_attention", "checkpoint_layers")),
         ("engine.kernels", _ALL), ("bench", _ALL),
     ],
-    "data": [("model", ("name", "seed")), ("data", _ALL), ("data_report", _ALL)],
 }
+COMMANDS["data"] = COMMANDS["train"] + [("data_report", _ALL)]  # takes train's flags: it shows what train reads
 """The sections and fields (None: all of a section's fields that have a flag) each command reads."""
 
 _GROUPS = {"model": "model", "data": "data", "engine": "engine", "engine.sparse": "sparse attention",

@@ -91,6 +91,9 @@ def _load(path: Path, split: str, streaming: bool):
     except DataError:
         raise
     except Exception as exc:  # datasets raises many kinds (ValueError, DatasetGenerationError, ArrowInvalid, ...)
+        if "corresponds to no data" in str(exc):  # how datasets says a split has no rows
+            raise DataError(f"the split {split!r} of {where} has no rows",
+                            "pass --data-split a split with rows, or other data") from exc
         raise DataError(f"cannot read {where} ({_one_line(exc)})",
                         "pass --data json/jsonl, parquet, csv or text files, a folder of them, or a save_to_disk folder") from exc
     return _split_of(loaded, split, where)
@@ -131,7 +134,8 @@ def open_rows(path: str | None, split: str = "train", streaming: bool = False) -
         first = next(iter(data), None)
         columns = list(first) if first is not None else []
     if not streaming and len(data) == 0 or streaming and next(iter(data), None) is None:
-        raise DataError(f"the split {split!r} of {str(root)!r} has no rows", "pass --data-split a split with rows, or other data")
+        raise DataError(f"the split {split!r} of {str(root)!r} has no rows",
+                        "pass --data-split a split with rows, or other data")
     return Rows(columns, data, name, streaming)
 
 
