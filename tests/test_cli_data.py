@@ -229,3 +229,18 @@ def test_an_empty_or_missing_split_is_refused(tmp_path, capsys):
     datasets.DatasetDict({"train": ds, "test": ds.select([0])}).save_to_disk(str(tmp_path / "saved"))
     refused(["train", "--data", tmp_path / "saved", "--data-split", "validation", *FAST], capsys, tmp_path,
             "has no split 'validation' (it has: train, test)")
+
+
+def test_the_novels_chat_set_asks_for_a_sentence_of_its_passage(tmp_path):
+    from oomb.data.novels import write_chat_novels
+
+    path = write_chat_novels(tmp_path / "novels.jsonl", 3, passage_chars=3000, seed=1)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == 3
+    for row in rows:
+        user, assistant = row["messages"]
+        assert (user["role"], assistant["role"]) == ("user", "assistant")
+        asked = user["content"].rsplit("\n", 1)[1].strip('"')
+        passage = " ".join(user["content"].split())
+        answer = assistant["content"].strip('"')
+        assert 2500 < len(user["content"]) < 3400 and passage.index(asked) < passage.index(answer, passage.index(asked))
