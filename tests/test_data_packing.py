@@ -63,3 +63,27 @@ def test_packed_chat_training_equals_training_each_example_alone():
     for (name, p), (_, r) in zip(model.named_parameters(), ref.named_parameters()):
         err = (p.grad - r.grad).norm().item() / max(r.grad.norm().item(), 1e-30)
         assert err <= 1e-10, f"{name}: rel err {err:.3e}"
+
+
+def test_the_trained_token_counts_are_what_the_engine_counts(tmp_path):
+    """DataStats.trained_tokens = the sum of Engine.count_valid_tokens over every sequence (text with
+    document_mask, and packed chat examples with padding)."""
+    import json
+
+    from oomb.config import DataConfig
+    from oomb.data import build_training_data
+
+    tok = load_tokenizer()
+    engine = Engine(_model(), engine_config(chunk_size=16, page_size=4, attention_backend="torch"))
+    text = tmp_path / "t.jsonl"
+    text.write_text("".join(json.dumps({"text": "word " * (3 + i)}) + "\n" for i in range(20)))
+    chat = tmp_path / "c.jsonl"
+    chat.write_text("".join(json.dumps({"messages": c}) + "\n" for c in CONVERSATIONS * 3))
+    for cfg in (DataConfig(path=str(text), seq_len=16, document_mask=True),
+                DataConfig(path=str(chat), seq_len=64, chat_template=str(TEMPLATE))):
+        data = build_training_data(cfg, tok)
+        counted = 0
+        for i in range(len(data)):
+            s = data[i]
+            counted += engine.count_valid_tokens(s.input_ids, s.labels, s.cu_seqlens)
+        assert counted == data.stats.trained_tokens > 0

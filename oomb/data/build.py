@@ -184,6 +184,10 @@ def build_training_data(cfg, tokenizer, seed: int = 0):
             data than one sequence.
     """
     rows = open_rows(cfg.path, cfg.split, cfg.streaming)
+    if rows.plain:  # text files: their text, whatever text_field names
+        from dataclasses import replace
+
+        cfg = replace(cfg, text_field="text")
     fmt = detect_format(cfg.format, rows.columns, cfg.text_field, repr(rows.name))
     if fmt == "text" and cfg.loss_on == "assistant":
         raise DataError(f"--loss-on assistant needs messages or prompt/completion rows, but {rows.name!r} is text",

@@ -30,12 +30,13 @@ _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "
 @dataclass
 class Rows:
     """The rows of one split: ``columns`` (field names), ``rows`` (re-iterable dicts) and ``name`` (for
-    messages: ``'{name} row {i}'``)."""
+    messages: ``'{name} row {i}'``); ``plain``: read by the plain-text reader (one ``text`` column)."""
 
     columns: list[str]
     rows: Any
     name: str
     streaming: bool = False
+    plain: bool = False
 
     def __iter__(self) -> Iterator[dict]:
         return iter(self.rows)
@@ -44,14 +45,14 @@ class Rows:
 def _documents(path) -> Rows:
     docs = load_documents(path)
     name = str(BUNDLED_CORPUS if path is None else path)
-    return Rows(["text"], [{"text": d.text} for d in docs], name)
+    return Rows(["text"], [{"text": d.text} for d in docs], name, plain=True)
 
 
 def _datasets():
     import datasets
 
     datasets.disable_progress_bars()
-    datasets.logging.set_verbosity_error()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its failures become one DataError line
     return datasets
 
 
@@ -94,9 +95,34 @@ def _load(path: Path, split: str, streaming: bool):
         if "corresponds to no data" in str(exc):  # how datasets says a split has no rows
             raise DataError(f"the split {split!r} of {where} has no rows",
                             "pass --data-split a split with rows, or other data") from exc
+        if path.is_file() and path.suffix in (".json", ".jsonl"):
+            _first_bad_json_line(path)
         raise DataError(f"cannot read {where} ({_one_line(exc)})",
                         "pass --data json/jsonl, parquet, csv or text files, a folder of them, or a save_to_disk folder") from exc
     return _split_of(loaded, split, where)
+
+
+def _first_bad_json_line(path: Path) -> None:
+    """Raise the DataError of the first line of a JSON Lines file that is not a JSON object (where datasets
+    refused the file, to say where)."""
+    import json
+
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError):
+        return
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            if lineno == 1 and path.suffix == ".json":
+                return  # maybe one JSON document over many lines
+            raise DataError(f"{path}:{lineno} is not valid JSON ({exc.msg})",
+                            'write one JSON object per line, e.g. {"text": "..."}') from exc
+        if not isinstance(record, dict):
+            raise DataError(f"{path}:{lineno} is not a JSON object", 'write one JSON object per line, e.g. {"text": "..."}')
 
 
 def _plain_text(path: Path) -> bool:
@@ -122,6 +148,10 @@ def open_rows(path: str | None, split: str = "train", streaming: bool = False) -
     if not root.exists():
         raise DataError(f"data path {str(root)!r} does not exist",
                         "pass --data a text, json/jsonl, parquet or csv file, a folder of them, or a save_to_disk folder")
+    if root.is_dir() and not any(p.is_file() and not p.name.startswith(".") and (p.suffix in _BUILDERS or p.suffix == ".txt")
+                                 for p in root.rglob("*")):
+        raise DataError(f"folder {str(root)!r} holds no .txt or .jsonl file (nor json, parquet, csv or arrow)",
+                        "put the training data there, e.g. .txt files or .jsonl with a \"text\" field")
     if _plain_text(root) and not (root.is_dir() and (root / "state.json").is_file()):
         if split != "train":
             raise DataError(f"{str(root)!r} is plain text, which has one split, not {split!r}",
