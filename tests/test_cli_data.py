@@ -244,3 +244,12 @@ def test_the_novels_chat_set_asks_for_a_sentence_of_its_passage(tmp_path):
         passage = " ".join(user["content"].split())
         answer = assistant["content"].strip('"')
         assert 2500 < len(user["content"]) < 3400 and passage.index(asked) < passage.index(answer, passage.index(asked))
+
+
+def test_oomb_data_prints_a_config_that_reads_back(tmp_path, capsys):
+    assert run_cli(["data", "--print-config", "--loss-on", "all", "--long-examples", "split", "--show-tokens", "9"]) == 0
+    text = capsys.readouterr().out
+    assert "loss_on: all" in text and "long_examples: split" in text and "show_tokens: 9" in text
+    (tmp_path / "run.yaml").write_text(text)
+    assert run_cli(["data", "--config", tmp_path / "run.yaml", "--print-config"]) == 0
+    assert capsys.readouterr().out == text
