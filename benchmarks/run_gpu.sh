@@ -22,6 +22,7 @@
 # gather-big  bench_page_gather_big.py                 the same over a 64 GiB pinned tier
 # select      bench_select.py                          page selection time
 # train       python -m oomb train                     a training run (default: qwen2.5-0.5b at 128K, 3 steps)
+# chat-vs-text chat_vs_text.py                         oomb train on a chat set made from the novels vs plain text
 # quality     (below)                                  sparse quality: train a 100M model, eval and grad-error at 64K
 # dp          (below)                                  data-parallel scaling: torchrun on 2 GPUs against 1
 #
@@ -95,6 +96,7 @@ case "$kind" in
   select)     python3 $B/bench_select.py --out "$OUT/page_selection.json" "$@" ;;
   train)      python3 -m oomb train --device cuda --model qwen2.5-0.5b --seq-len 131072 --steps 3 --lr 3e-4 --no-progress \
                 --overwrite --output-dir /tmp/oomb-train "$@"; cp /tmp/oomb-train/log.jsonl "$OUT/train_log.jsonl" ;;
+  chat-vs-text) python3 benchmarks/chat_vs_text.py --out "$OUT/chat_vs_text.json" "$@" ;;
   quality)    quality "$@" ;;
   dp)         dp "$@" ;;
   *) echo "run_gpu.sh: unknown KIND '$kind' (see the top of $0)" >&2; exit 2 ;;
