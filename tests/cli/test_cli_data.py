@@ -15,7 +15,7 @@ from oomb.cli import main
 from oomb.config import DataConfig
 from oomb.data import BUNDLED_TOKENIZER, TokenSequences, build_training_data, load_documents, load_tokenizer, tokenize_documents
 
-TEMPLATES = Path(__file__).parent / "chat_templates"
+TEMPLATES = Path(__file__).parent.parent / "data" / "chat_templates"
 PLAIN = str(TEMPLATES / "plain.jinja")
 FAST = ["--seq-len", "64", "--chunk-size", "32", "--page-size", "16", "--no-progress"]
 
