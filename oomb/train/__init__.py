@@ -1,0 +1,1 @@
+"""Training around the engine: the optimizers (:mod:`oomb.train.optim`)."""
