@@ -439,12 +439,10 @@ def test_readme_commands_are_the_ones_ci_runs():
 
 @pytest.mark.parametrize("steps, warmup", [(30, 3), (3, 0), (1, 0), (5, 5)])
 def test_learning_rate_schedule(steps, warmup):
-    import argparse
 
-    from oomb.cli.train import _lr_at
+    from oomb.train import lr_at
 
-    args = argparse.Namespace(lr=1.0, steps=steps)
-    lrs = [_lr_at(s, args, warmup) for s in range(1, steps + 1)]
+    lrs = [lr_at(s, lr=1.0, steps=steps, warmup=warmup) for s in range(1, steps + 1)]
     assert max(lrs) == pytest.approx(1.0)
     assert all(0.1 - 1e-12 <= lr <= 1.0 for lr in lrs)
     if warmup == 0:
@@ -463,7 +461,7 @@ def test_a_diverging_run_stops_with_status_1_and_one_line(tmp_path, text_file, c
 
 
 def test_document_bounds_split_after_each_eos():
-    from oomb.cli.inputs import _document_bounds
+    from oomb.train import document_bounds as _document_bounds
 
     ids = torch.tensor([[5, 6, 2, 7, 8, 9, 2, 4]])
     assert _document_bounds(ids, 2).tolist() == [0, 3, 7, 8]
@@ -798,15 +796,15 @@ def test_lora_rank_larger_than_the_adapted_layers_is_refused(tmp_path, text_file
 def test_a_default_warmup_longer_than_anyone_runs_is_noted(tmp_path, text_file, capsys, monkeypatch):
     """--steps 99999999999999999999 was accepted without a word and its default warm-up (10% of --steps) kept the
     learning rate ~0 for as long as anyone could run."""
-    import oomb.cli.train
+    import oomb.train.step
 
     class Stop(Exception):
         pass
 
-    def stop(*args):
+    def stop(*args, **kwargs):
         raise Stop
 
-    monkeypatch.setattr(oomb.cli.train, "_lr_at", stop)  # the first step: everything before it has run
+    monkeypatch.setattr(oomb.train.step, "lr_at", stop)  # the first step: everything before it has run
     with pytest.raises(Stop):
         run_cli(["train", "--data", text_file, "--output-dir", tmp_path / "run", *FAST, "--steps", "99999999999999999999"])
     assert ("oomb: note: the default warm-up is 10% of --steps 99,999,999,999,999,999,999: 9,999,999,999,999,999,999 "

@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 from oomb.cli import main
 from oomb.cli.resume import _resume_command
-from oomb.cli.train import _lr_at
+from oomb.train import lr_at
 
 FAST = ["--seq-len", "64", "--chunk-size", "32", "--page-size", "16", "--no-progress"]
 TEXT = (
@@ -194,10 +194,8 @@ def test_grad_accum_equals_one_step_over_both_sequences_by_hand(tmp_path, text_f
 
 @pytest.mark.parametrize("schedule", ["cosine", "constant"])
 def test_lr_schedules(schedule):
-    import argparse
 
-    args = argparse.Namespace(lr=1.0, steps=10, lr_schedule=schedule)
-    lrs = [_lr_at(s, args, 2) for s in range(1, 11)]
+    lrs = [lr_at(s, lr=1.0, steps=10, warmup=2, schedule=schedule) for s in range(1, 11)]
     assert lrs[:2] == [0.5, 1.0]
     if schedule == "constant":
         assert lrs[2:] == [1.0] * 8

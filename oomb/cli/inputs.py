@@ -11,19 +11,6 @@ from .checks import _check_vocab, _usage_from
 from .errors import UsageError
 
 
-def _document_bounds(input_ids, eos_id: int):
-    """cu_seqlens of the documents in ``input_ids [1, T]``: a document ends after each ``eos_id`` token.
-
-    Returns an int64 tensor ``[num_docs + 1]`` (0 first, T last, strictly increasing).
-    """
-    import torch
-
-    ids = input_ids.view(-1)
-    T = ids.numel()
-    ends = (torch.nonzero(ids[:-1] == eos_id).view(-1) + 1).tolist()
-    return torch.tensor([0, *ends, T], dtype=torch.int64)
-
-
 def _vocab_size(model) -> int:
     emb = model.get_input_embeddings()
     n = getattr(emb, "num_embeddings", None)

@@ -1,18 +1,15 @@
-"""``oomb train``: the training loop (learning-rate schedule, logging, checkpoints, graceful stop)."""
+"""``oomb train``: the run around :class:`oomb.train.Trainer` (output folder, log, checkpoints, graceful stop,
+messages)."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import os
 import shutil
 import sys
 import time
 from pathlib import Path
 
 from .checks import _check_sizes, _resolve_device_dtype
-from .inputs import _document_bounds
 from .errors import UsageError, _one_line, _RunError
 from .output import _REPLACED, _check_output_dir, _prepare_output, _save
 from .parser import _version
@@ -20,46 +17,20 @@ from .resume import _resume_command
 from .signals import _StartupSignals
 from .train_setup import _LONG_WARMUP, _setup
 
-# ---------------------------------------------------------------- training
-
-
-def _lr_at(step: int, args: argparse.Namespace, warmup: int) -> float:
-    """Linear warm-up to --lr over ``warmup`` steps, then (cosine) decay from --lr to 10% of it at the last
-    step, or (constant) --lr.
-
-    ``step`` counts from 1. Without warm-up the first step runs at the full --lr.
-    """
-    if warmup > 0 and step <= warmup:
-        return args.lr * step / warmup
-    if getattr(args, "lr_schedule", "cosine") == "constant":
-        return args.lr
-    span = max(1, args.steps - warmup - 1)
-    progress = min(1.0, (step - warmup - 1) / span)
-    return args.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
-
-
-class _SequenceStream:
-    """Sequence number ``g`` (0-based, over the whole run) of a :class:`TokenSequences`: epoch after epoch,
-    each in its seeded order -- the order of ``TokenSequences.batches``. Rank ``r`` of ``W`` takes the numbers
-    ``m * W + r``, so a run is sharded deterministically and a resumed run sees the same sequences."""
-
-    def __init__(self, sequences) -> None:
-        self.sequences = sequences
-        self._orders: dict[int, object] = {}
-
-    def __getitem__(self, g: int):
-        epoch, i = divmod(g, len(self.sequences))
-        if epoch not in self._orders:
-            self._orders = {epoch: self.sequences.order(epoch)}
-        return self.sequences[int(self._orders[epoch][i])]
-
-
-def _log_step(line: str) -> float:
-    """The step of a log.jsonl line; infinity for a line that is not a complete record (a crash mid-write)."""
-    try:
-        return int(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):
-        return math.inf
+def _step_error(exc) -> _RunError:
+    """The one-line message of a failed training step (:class:`oomb.train.StepError`), with its fix in flags."""
+    step, kind = exc.step, exc.kind
+    if kind == "out_of_memory":
+        return _RunError(f"out of GPU memory at step {step}",
+                         "use a smaller --chunk-size, --checkpoint-layers, --lora-rank or --offload on (see 'oomb plan')")
+    if kind == "other_rank":
+        return _RunError(f"step {step}: another rank failed (its error is printed above)", "all ranks stopped")
+    if kind == "non_finite":
+        return _RunError(
+            f"the loss became {exc.loss} at step {step}; the model was not saved (log.jsonl keeps the steps "
+            "before it, and checkpoints/ any checkpoint written before it)",
+            "lower --lr and run again with --overwrite, or --resume from a checkpoint with a lower --lr")
+    return _RunError(f"step {step} failed: {_one_line(exc.detail)}", "check the data")
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -98,16 +69,17 @@ def _train(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> int:
     """The training loop (all checks passed): log, checkpoint, stop on a signal, save."""
-    import torch
     from tqdm.auto import tqdm
 
     from ..checkpoint import GracefulStop, find_latest, rng_state, save_checkpoint
-    from ..distributed import RankFailedError, agree_ok, all_reduce_gradients, global_sum
+    from ..distributed import global_sum
+    from ..train import SequenceStream, StepError, StepLog, StepStopped, Trainer, warmup_steps
 
     tokenizer, tokens, sequences, model, engine = run["tokenizer"], run["tokens"], run["sequences"], run["model"], run["engine"]
     params, optimizer, start_step = run["params"], run["optimizer"], run["start_step"]
     main_rank = ctx.is_main
     log_path = out / "log.jsonl"
+    log = None
     ckpt_root = out / "checkpoints"
     signals = getattr(args, "_signals", None) or _StartupSignals()  # (_run called without main(): none)
     signals.defer()  # a signal during setup: stop here, before anything is written
@@ -121,19 +93,13 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
     if main_rank:
         # ---- every check passed: from here on we write.
         _prepare_output(out, args.overwrite)
-        if start_step and log_path.is_file():  # drop the steps after the checkpoint: they are trained again
-            kept = [line for line in log_path.read_text(errors="replace").splitlines() if _log_step(line) <= start_step]
-            tmp = log_path.with_name(".log.jsonl.tmp")
-            tmp.write_text("".join(line + "\n" for line in kept))
-            os.replace(tmp, log_path)
-        elif not start_step and log_path.is_file():
-            log_path.unlink()
+        log = StepLog(log_path, start_step)  # a resumed run drops the steps after its checkpoint: trained again
     # A signal while the output was prepared: stop before training. The same command runs again (an empty
     # --output-dir is new; with --overwrite, the earlier run stays in .oomb-replaced).
     signals.check()
     n_trainable = sum(p.numel() for p in params)
     n_total = sum(p.numel() for p in model.parameters())
-    warmup = args.warmup_steps if args.warmup_steps is not None else args.steps // 10
+    warmup = warmup_steps(args.steps, args.warmup_steps)
     if main_rank and args.warmup_steps is not None and args.warmup_steps >= args.steps:
         print(f"oomb: note: --warmup-steps {args.warmup_steps} >= --steps {args.steps}: the learning rate never "
               f"reaches --lr {args.lr:g}", file=sys.stderr)
@@ -144,7 +110,7 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
               f"rate reaches --lr {args.lr:g}; pass --warmup-steps (e.g. 1000) for a long or open-ended run", file=sys.stderr)
     show = main_rank and args.progress is not False and (args.progress or sys.stderr.isatty())
     K, W = args.grad_accum, ctx.world_size
-    stream = _SequenceStream(sequences)
+    stream = SequenceStream(sequences)
     if main_rank:
         ranks = f"; {W} ranks" if W > 1 else ""
         print(
@@ -167,20 +133,14 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
         return save_checkpoint(ckpt_root, step, model, optimizer, None, run["fingerprint"], extra, keep_last=2,
                                settings=run["settings"])
 
-    def check_all(ok: bool, step: int, error: "UsageError | None") -> None:
-        if ctx.enabled:
-            try:
-                agree_ok(ok, device)
-            except RankFailedError as exc:
-                raise _RunError(f"step {step}: another rank failed (its error is printed above)", "all ranks stopped") from exc
-        if error is not None:
-            raise error
-
     model.train()
+    trainer = Trainer(engine, optimizer, stream, args.job.train, params=params, dist=ctx, device=device,
+                      eos_token_id=tokenizer.eos_token_id, document_mask=args.document_mask, progress=show)
     first_loss = last_loss = None
     saved_at = start_step
     t_start = time.perf_counter()
-    log = open(log_path, "a", encoding="utf-8") if main_rank else None
+    if log is not None:
+        log.open()
     try:
         what = "this step (with --grad-accum: this sequence)" if K > 1 and not ctx.enabled else "this step"
         notice = (
@@ -193,53 +153,20 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
             # run after its first step, as any signal during training does.
             stop.take_over(signals.previous, signals.signum)
             for step in range(start_step + 1, args.steps + 1):
-                lr = _lr_at(step, args, warmup)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                t0 = time.perf_counter()
-                # This rank's K sequences of the step, their document bounds and valid-token counts.
-                error = None
-                micro = []
-                try:
-                    for j in range(K):
-                        input_ids = stream[((step - 1) * K + j) * W + ctx.rank].to(device)
-                        cu = _document_bounds(input_ids.cpu(), tokenizer.eos_token_id) if args.document_mask else None
-                        micro.append((input_ids, cu, engine.count_valid_tokens(input_ids, None, cu)))
-                except ValueError as exc:
-                    error = _RunError(f"step {step} failed: {_one_line(exc)}", "check the data")
-                check_all(error is None, step, error)
-                local_valid = sum(n for _, _, n in micro)
-                total_valid = int(round(global_sum(local_valid, device))) if ctx.enabled else local_valid
-                loss_sum = 0.0
-                results = []
                 step_rng = rng_state() if K > 1 and not ctx.enabled else None  # the state a mid-step stop saves
-                interrupted = False
                 try:
-                    for i, (input_ids, cu, _) in enumerate(micro):
-                        if i > 0 and step_rng is not None and stop.requested is not None:
-                            interrupted = True  # a signal during a long accumulation: stop at this sequence boundary
-                            break
-                        r = engine.step(input_ids, progress=show, cu_seqlens=cu, loss_normalizer=total_valid if (K > 1 or W > 1) else None)
-                        results.append(r)
-                        loss_sum += r.loss * r.num_valid_tokens
-                except ValueError as exc:  # e.g. a sequence of documents too short to hold one target
-                    error = _RunError(f"step {step} failed: {_one_line(exc)}", "check the data")
-                except torch.OutOfMemoryError:
-                    error = _RunError(
-                        f"out of GPU memory at step {step}",
-                        "use a smaller --chunk-size, --checkpoint-layers, --lora-rank or --offload on (see 'oomb plan')",
-                    )
-                check_all(error is None, step, error)
-                if interrupted:
-                    # The step's gradients so far are dropped; the model and optimizer are those after step - 1,
-                    # which a resume re-runs from its first sequence.
-                    optimizer.zero_grad(set_to_none=True)
+                    record = trainer.step(step, should_stop=lambda: stop.requested is not None)
+                except StepError as exc:
+                    raise _step_error(exc) from exc
+                if isinstance(record, StepStopped):
+                    # A signal during a long accumulation stopped the step at a sequence boundary: its gradients
+                    # are dropped; the model and optimizer are those after step - 1, which a resume re-runs.
                     done = step - 1
                     path = checkpoint(done, step_rng) if done > saved_at else (find_latest(ckpt_root) if done > 0 else None)
                     import signal as _signal
 
                     name = _signal.Signals(stop.requested).name
-                    dropped = f"its {len(results)} of {K} sequences done were dropped"
+                    dropped = f"its {record.sequences_done} of {record.sequences} sequences done were dropped"
                     if path is None:
                         print(f"oomb: stopped by {name} during step {step} ({dropped}); no step had completed, so nothing "
                               "was saved; to start again, run the same command with --overwrite", file=sys.stderr)
@@ -247,44 +174,17 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
                         print(f"oomb: stopped by {name} during step {step} ({dropped}); checkpoint {path} (after step "
                               f"{done}); to continue, run {_resume_command(args._argv)}", file=sys.stderr)
                     return 0
-                loss = (global_sum(loss_sum, device) if ctx.enabled else loss_sum) / total_valid
-                if not math.isfinite(loss):
-                    raise _RunError(
-                        f"the loss became {loss} at step {step}; the model was not saved (log.jsonl keeps the steps "
-                        "before it, and checkpoints/ any checkpoint written before it)",
-                        "lower --lr and run again with --overwrite, or --resume from a checkpoint with a lower --lr")
-                all_reduce_gradients(params)
-                max_norm = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                seconds = time.perf_counter() - t0
-                first_loss = loss if first_loss is None else first_loss
-                last_loss = loss
-                num_tokens = sum(r.num_tokens for r in results) * W
-                peaks = [r.peak_memory_bytes for r in results if r.peak_memory_bytes is not None]
-                peak = max(peaks) if peaks else None
-                tok_s = num_tokens / seconds if seconds > 0 else 0.0
+                first_loss = record.loss if first_loss is None else first_loss
+                last_loss = record.loss
                 if main_rank:
-                    record = {
-                        "step": step,
-                        "loss": round(loss, 6),
-                        "tokens_per_s": round(tok_s, 2),
-                        "peak_memory_bytes": peak,
-                        "seconds": round(seconds, 4),
-                        "lr": lr,
-                        "grad_norm": round(grad_norm, 6),
-                        "num_tokens": num_tokens,
-                        "stage1_seconds": round(sum(r.stage1_seconds for r in results), 4),
-                        "stage2_seconds": round(sum(r.stage2_seconds for r in results), 4),
-                    }
-                    log.write(json.dumps(record) + "\n")
-                    log.flush()
-                    bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tok_s:.0f}")
+                    log.write(record.to_json())
+                    bar.set_postfix(loss=f"{record.loss:.3f}", tok_s=f"{record.tokens_per_s:.0f}")
                     bar.update(1)
                     if step % args.log_every == 0 or step == args.steps:
+                        peak = record.peak_memory_bytes
                         mem = "" if peak is None else f"  peak {peak / 2**30:.2f} GiB"
-                        tqdm.write(f"step {step:>5}/{args.steps}  loss {loss:.4f}  {tok_s:,.0f} tok/s  {seconds:.2f} s  lr {lr:.2e}{mem}", file=sys.stdout)
+                        tqdm.write(f"step {step:>5}/{args.steps}  loss {record.loss:.4f}  {record.tokens_per_s:,.0f} tok/s  "
+                                   f"{record.seconds:.2f} s  lr {record.lr:.2e}{mem}", file=sys.stdout)
                 if args.save_every and step % args.save_every == 0 and step < args.steps:
                     checkpoint(step)
                     saved_at = step

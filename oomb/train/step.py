@@ -1,0 +1,197 @@
+"""One optimizer step of ``oomb train``: gradient accumulation over a rank's sequences, the all-reduce over
+ranks, clipping and the optimizer update (:class:`Trainer`)."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional
+
+import torch
+
+from ..distributed import DistributedContext, RankFailedError, agree_ok, all_reduce_gradients, global_sum
+from .schedule import lr_at, warmup_steps
+from .sequences import Sample, SequenceStream, document_bounds
+
+__all__ = ["StepError", "StepRecord", "StepStopped", "Trainer"]
+
+
+class StepError(RuntimeError):
+    """A step failed; nothing of it was applied to the model or the optimizer.
+
+    Attributes:
+        step: the step (from 1).
+        kind: ``"data"`` (the engine refused a sequence, e.g. a document too short to hold a target),
+            ``"out_of_memory"`` (the GPU ran out of memory), ``"other_rank"`` (another rank failed: its error
+            is reported there) or ``"non_finite"`` (the loss is NaN or infinite; ``loss`` holds it).
+        detail: the underlying error's message ('' where there is none).
+    """
+
+    def __init__(self, step: int, kind: str, detail: str = "", loss: float | None = None) -> None:
+        super().__init__(f"step {step}: {kind}{': ' + detail if detail else ''}")
+        self.step, self.kind, self.detail, self.loss = step, kind, detail, loss
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """What one optimizer step did: the record of a ``log.jsonl`` line.
+
+    ``loss`` is the mean cross-entropy over the step's valid targets on every rank (nats/token);
+    ``num_tokens`` counts the tokens of every rank; ``peak_memory_bytes`` is this rank's peak GPU memory
+    (``None`` on the CPU); times are seconds of wall clock.
+    """
+
+    step: int
+    loss: float
+    tokens_per_s: float
+    peak_memory_bytes: Optional[int]
+    seconds: float
+    lr: float
+    grad_norm: float
+    num_tokens: int
+    stage1_seconds: float
+    stage2_seconds: float
+
+    def to_json(self) -> dict:
+        """The record rounded as ``log.jsonl`` stores it."""
+        r = asdict(self)
+        for key, digits in (("loss", 6), ("tokens_per_s", 2), ("seconds", 4), ("grad_norm", 6),
+                            ("stage1_seconds", 4), ("stage2_seconds", 4)):
+            r[key] = round(r[key], digits)
+        return r
+
+
+@dataclass(frozen=True)
+class StepStopped:
+    """A step stopped between two sequences of its accumulation: ``sequences_done`` of ``sequences`` had run;
+    their gradients were dropped, so the model and the optimizer are those after ``step - 1``."""
+
+    step: int
+    sequences_done: int
+    sequences: int
+
+
+class Trainer:
+    """Optimizer steps of the engine over a :class:`SequenceStream`, on one rank or under torchrun.
+
+    Each step trains ``train.grad_accum`` sequences on every rank; gradients accumulate in the model, the loss
+    is normalised by the valid targets of the whole step (all ranks), gradients are summed over ranks once,
+    clipped to ``train.max_grad_norm`` (0: no clipping) and applied at the learning rate of
+    :func:`~oomb.train.schedule.lr_at`.
+
+    Args:
+        engine: an :class:`oomb.Engine` over the model being trained.
+        optimizer: a ``torch.optim.Optimizer`` over ``params``.
+        stream: the sequences, in run order.
+        train: the :class:`oomb.config.TrainConfig` (steps, grad_accum, lr, lr_schedule, warmup_steps,
+            max_grad_norm).
+        params: the trainable parameters (default: every parameter the optimizer holds).
+        dist: the process group's :class:`~oomb.distributed.DistributedContext` (default: one process).
+        device: where collectives run (the model's device).
+        eos_token_id: with ``document_mask``, documents end after each such token (a :class:`Sample` that
+            carries its own ``cu_seqlens`` keeps them).
+        document_mask: attention and positions restart per document.
+        progress: show the engine's per-chunk progress bar.
+    """
+
+    def __init__(self, engine, optimizer: torch.optim.Optimizer, stream: SequenceStream, train, *, params=None,
+                 dist: DistributedContext | None = None, device: torch.device | None = None,
+                 eos_token_id: int | None = None, document_mask: bool = False, progress: bool = False) -> None:
+        self.engine, self.optimizer, self.stream, self.train = engine, optimizer, stream, train
+        self.params = list(params) if params is not None else [p for g in optimizer.param_groups for p in g["params"]]
+        self.dist = dist or DistributedContext()
+        self.device = device if device is not None else torch.device("cpu")
+        self.eos_token_id, self.document_mask, self.progress = eos_token_id, document_mask, progress
+        self.warmup = warmup_steps(train.steps, train.warmup_steps)
+
+    def lr(self, step: int) -> float:
+        """The learning rate of ``step`` (from 1)."""
+        t = self.train
+        return lr_at(step, lr=t.lr, steps=t.steps, warmup=self.warmup, schedule=t.lr_schedule)
+
+    def document_bounds(self, sample: Sample) -> torch.Tensor | None:
+        """The ``cu_seqlens`` a sample trains with: its own, else (``document_mask``) a document ends after each
+        EOS token, else ``None``."""
+        if sample.cu_seqlens is not None or not self.document_mask:
+            return sample.cu_seqlens
+        return document_bounds(sample.input_ids, self.eos_token_id)
+
+    def _agree(self, ok: bool, step: int) -> None:
+        """Every rank learns whether every rank got here without an error (no rank waits on a failed one)."""
+        if self.dist.enabled:
+            try:
+                agree_ok(ok, self.device)
+            except RankFailedError as exc:
+                raise StepError(step, "other_rank") from exc
+
+    def step(self, step: int, should_stop: Callable[[], bool] = lambda: False) -> StepRecord | StepStopped:
+        """Train optimizer step ``step`` (from 1).
+
+        Args:
+            should_stop: asked between two sequences of one rank's accumulation (single process only): True
+                drops the step's gradients and returns :class:`StepStopped` (the model and optimizer stay as
+                after ``step - 1``).
+
+        Returns:
+            The step's :class:`StepRecord`, or :class:`StepStopped`.
+
+        Raises:
+            StepError: the step failed on this rank or another; every rank raises it.
+        """
+        K, W = self.train.grad_accum, self.dist.world_size
+        lr = self.lr(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        t0 = time.perf_counter()
+        error = None
+        micro = []
+        try:
+            for s in self.stream.of_step(step, K, self.dist.rank, W):
+                ids = s.input_ids.to(self.device)
+                labels = s.labels.to(self.device) if s.labels is not None else None
+                cu = self.document_bounds(s)
+                micro.append((ids, labels, cu, self.engine.count_valid_tokens(ids, labels, cu)))
+        except ValueError as exc:
+            error = StepError(step, "data", str(exc))
+        self._agree(error is None, step)
+        if error is not None:
+            raise error
+        local_valid = sum(m[3] for m in micro)
+        total_valid = int(round(global_sum(local_valid, self.device))) if self.dist.enabled else local_valid
+        stoppable = K > 1 and not self.dist.enabled
+        loss_sum, results = 0.0, []
+        try:
+            for i, (ids, labels, cu, _) in enumerate(micro):
+                if i > 0 and stoppable and should_stop():
+                    self.optimizer.zero_grad(set_to_none=True)
+                    return StepStopped(step, i, K)
+                r = self.engine.step(ids, labels, progress=self.progress, cu_seqlens=cu,
+                                     loss_normalizer=total_valid if (K > 1 or W > 1) else None)
+                results.append(r)
+                loss_sum += r.loss * r.num_valid_tokens
+        except ValueError as exc:
+            error = StepError(step, "data", str(exc))
+        except torch.OutOfMemoryError as exc:
+            error = StepError(step, "out_of_memory", str(exc).splitlines()[0] if str(exc) else "")
+        self._agree(error is None, step)
+        if error is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+            raise error
+        loss = (global_sum(loss_sum, self.device) if self.dist.enabled else loss_sum) / total_valid
+        if not math.isfinite(loss):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise StepError(step, "non_finite", loss=loss)
+        all_reduce_gradients(self.params)
+        max_norm = self.train.max_grad_norm if self.train.max_grad_norm > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        seconds = time.perf_counter() - t0
+        num_tokens = sum(r.num_tokens for r in results) * W
+        peaks = [r.peak_memory_bytes for r in results if r.peak_memory_bytes is not None]
+        return StepRecord(
+            step=step, loss=loss, tokens_per_s=num_tokens / seconds if seconds > 0 else 0.0,
+            peak_memory_bytes=max(peaks) if peaks else None, seconds=seconds, lr=lr, grad_norm=grad_norm,
+            num_tokens=num_tokens, stage1_seconds=sum(r.stage1_seconds for r in results),
+            stage2_seconds=sum(r.stage2_seconds for r in results))
