@@ -26,7 +26,7 @@ import torch
 
 from ..memory.optimizer import OPTIMIZER_NAMES
 
-__all__ = ["OPTIMIZER_NAMES", "HostAdamW", "OptimizerUnavailable", "build_optimizer"]
+__all__ = ["OPTIMIZER_NAMES", "HostAdamW", "OptimizerUnavailable", "build_optimizer", "check_available"]
 
 _EPS = 1e-8
 
@@ -50,18 +50,26 @@ def build_optimizer(name: str, params: Iterable[torch.nn.Parameter], *, lr: floa
     if name == "adamw-cpu":
         return HostAdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
     if name in ("adamw8bit", "adamw-bf16"):
-        try:
-            eight_bit, bf16 = _torchao_optimizers()
-        except ImportError as exc:
-            raise OptimizerUnavailable(
-                f"optimizer={name!r} needs torchao, which is not installed ({exc}); pip install torchao, or use "
-                "optimizer='adamw'") from exc
+        check_available(name)
+        eight_bit, bf16 = _torchao_optimizers()
         eager = device.type != "cuda"
         if name == "adamw8bit":
             return eight_bit(params, lr=lr, betas=betas, eps=_EPS, weight_decay=weight_decay, eager=eager)
         return bf16(params, lr=lr, betas=betas, eps=_EPS, weight_decay=weight_decay, eager=eager,
                     bf16_stochastic_round=True)
     raise ValueError(f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZER_NAMES)}")
+
+
+def check_available(name: str) -> None:
+    """Raise :class:`OptimizerUnavailable` where :func:`build_optimizer` could not build ``name`` for want of its
+    library (torchao), without building anything."""
+    if name in ("adamw8bit", "adamw-bf16"):
+        try:
+            _torchao_optimizers()
+        except ImportError as exc:
+            raise OptimizerUnavailable(
+                f"optimizer={name!r} needs torchao, which is not installed ({exc}); pip install torchao, or use "
+                "optimizer='adamw'") from exc
 
 
 class _TorchaoStep:
