@@ -224,7 +224,7 @@ class PlanConfig:
     75% of it."""
 
     no_optimizer: bool = False
-    """Leave out the AdamW states (memory of the step alone)."""
+    """Leave out the optimizer states (memory of the step alone)."""
 
     @_in("plan")
     def __post_init__(self) -> None:
