@@ -19,7 +19,11 @@ p.add_argument("--sparse", action="store_true")
 p.add_argument("--steps", type=int, default=3)
 p.add_argument("--out", required=True)
 p.add_argument("--device", default="cuda")
+p.add_argument("--autotune", choices=["full", "first"], default="full",
+               help="first: every Triton kernel runs its first config (both trees alike; no tuning time)")
 a = p.parse_args()
+if a.autotune == "first":
+    os.environ["OOMB_TRITON_CONFIGS"] = "first"  # the switch of a tree with flat settings; a sectioned tree ignores it
 sys.path.insert(0, os.path.abspath(a.src))
 import torch
 from transformers import AutoModelForCausalLM
@@ -29,8 +33,9 @@ from oomb.models.presets import preset_config
 assert oomb.__file__.startswith(os.path.abspath(a.src)), oomb.__file__
 from oomb import OOMBConfig
 if "kernels" in OOMBConfig.__dataclass_fields__:
-    from oomb.config import SparseConfig
-    cfg = OOMBConfig(chunk_size=4096, sparse=SparseConfig(page_budget=64) if a.sparse else None)
+    from oomb.config import KernelConfig, SparseConfig
+    cfg = OOMBConfig(chunk_size=4096, sparse=SparseConfig(page_budget=64) if a.sparse else None,
+                     kernels=KernelConfig(autotune=a.autotune))
     api = "sections"
 else:
     cfg = OOMBConfig(chunk_size=4096, sparse=a.sparse, page_budget=64)
@@ -58,7 +63,7 @@ for T in a.lengths:
         if i:
             times.append(dt)
         losses.append(out.loss)
-    row = dict(label=a.label, api=api, model=a.model, tokens=T, sparse=a.sparse,
+    row = dict(label=a.label, api=api, model=a.model, tokens=T, sparse=a.sparse, autotune=a.autotune,
                min_s=min(times), median_s=statistics.median(times), max_s=max(times), times=times,
                loss=losses[-1], peak_gib=torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None)
     rows.append(row)
