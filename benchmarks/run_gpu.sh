@@ -22,6 +22,7 @@
 # gather-big  bench_page_gather_big.py                 the same over a 64 GiB pinned tier
 # select      bench_select.py                          page selection time
 # train       python -m oomb train                     a training run (default: qwen2.5-0.5b at 128K, 3 steps)
+# chat-vs-text chat_vs_text.py                         oomb train on a chat set made from the novels vs plain text
 # quality     (below)                                  sparse quality: train a 100M model, eval and grad-error at 64K
 # dp          (below)                                  data-parallel scaling: torchrun on 2 GPUs against 1
 # finetune    full_finetune.py                         7B full fine-tune per --optimizer (torchao from .whl/ if missing)
@@ -30,7 +31,7 @@
 #   benchmarks/run_gpu.sh step --lengths 32768 131072 --systems hf oomb-sdpa-save-gpu --oomb-steps 2
 #   benchmarks/run_gpu.sh sparse --lengths 1048576 --systems sparse --offload on --checkpoint-layers --progress
 #   benchmarks/run_gpu.sh offload-ab --set sets
-#   benchmarks/run_gpu.sh tests tests/test_offload.py -k cuda
+#   benchmarks/run_gpu.sh tests tests/engine/test_offload.py -k cuda
 set -euo pipefail
 cd "$(dirname "$0")/.."
 kind=${1:?usage: benchmarks/run_gpu.sh KIND [ARGS...] (kinds: see the top of this file)}; shift
@@ -79,7 +80,7 @@ dp() {  # 256K sparse LoRA steps on 2 GPUs, then the same on 1 GPU
 
 B=benchmarks
 case "$kind" in
-  tests)      [ $# -gt 0 ] || set -- tests/test_offload.py tests/test_page_gather.py tests/test_sdpa_attention.py -k cuda
+  tests)      [ $# -gt 0 ] || set -- tests/engine/test_offload.py tests/ops/test_page_gather.py tests/ops/test_sdpa_attention.py -k cuda
               OOMB_TEST_AUTOTUNE=${OOMB_TEST_AUTOTUNE:-first} python3 -m pytest -v --tb=short -p no:cacheprovider -rfE "$@" ;;
   parity)     python3 $B/check_gpu_parity.py --out "$OUT" "$@" ;;
   kernels)    python3 $B/bench_kernels.py --out "$OUT" "$@" ;;
@@ -96,6 +97,7 @@ case "$kind" in
   select)     python3 $B/bench_select.py --out "$OUT/page_selection.json" "$@" ;;
   train)      python3 -m oomb train --device cuda --model qwen2.5-0.5b --seq-len 131072 --steps 3 --lr 3e-4 --no-progress \
                 --overwrite --output-dir /tmp/oomb-train "$@"; cp /tmp/oomb-train/log.jsonl "$OUT/train_log.jsonl" ;;
+  chat-vs-text) python3 benchmarks/chat_vs_text.py --out "$OUT/chat_vs_text.json" "$@" ;;
   quality)    quality "$@" ;;
   dp)         dp "$@" ;;
   finetune)   if ! python3 -c "import torchao.optim" 2>/dev/null && ls .whl/torchao-*.whl >/dev/null 2>&1; then

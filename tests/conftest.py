@@ -1,4 +1,6 @@
-"""Test setup: on a machine without CUDA the Triton kernels run in the interpreter.
+"""Test setup: on a machine without CUDA the Triton kernels run in the interpreter, and tests marked ``cuda`` are
+skipped. Markers (pyproject.toml): ``cuda(reason=...)`` needs a GPU; ``slow`` takes tens of seconds or more on 2 CPU
+cores (``-m "not slow"`` for a quick run; CI runs everything).
 
 TRITON_INTERPRET must be set before triton is first imported, so it is set here, before any
 test module is collected. ``OOMB_TEST_AUTOTUNE=first`` (for test runs on a GPU) autotunes every kernel over the
@@ -6,8 +8,13 @@ first config of its list only.
 """
 
 import os
+import sys
 
+import pytest
 import torch
+
+# The shared helpers (configs.py) sit beside this file; test modules in the folders below import them by name.
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -19,3 +26,12 @@ if os.environ.get("OOMB_TEST_AUTOTUNE") == "first":
 
     _getitem = TunedKernel.__getitem__
     TunedKernel.__getitem__ = lambda self, autotune: _getitem(self, "first" if autotune == "full" else autotune)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    for item in items:
+        marker = item.get_closest_marker("cuda")
+        if marker is not None:
+            item.add_marker(pytest.mark.skip(reason=marker.kwargs.get("reason", "needs CUDA")))

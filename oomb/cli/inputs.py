@@ -107,3 +107,18 @@ def _load_model(args: argparse.Namespace, tokens, device, dtype, command: str):
         raise _usage_from(exc, f"use a Qwen2/2.5, Llama 2/3, Mistral or Qwen3 causal LM (see 'oomb {command} --help')") from exc
     _check_vocab(int(tokens.max()), _vocab_size(model), args.model)
     return model
+
+
+def _training_data(args: argparse.Namespace):
+    """The tokenizer and training data of ``oomb train`` and ``oomb data`` (:func:`oomb.data.build_training_data`
+    of the job's data section, in the order of --seed): ``(tokenizer, data)``."""
+    from .. import data as data_lib  # looked up now: a test may stand in for load_tokenizer
+
+    try:
+        tokenizer = data_lib.load_tokenizer(args.tokenizer)
+        if args.document_mask and tokenizer.eos_token_id is None:
+            raise UsageError("--document-mask splits documents at the EOS token but the tokenizer has none",
+                             "use a tokenizer with an eos_token, or leave --document-mask out")
+        return tokenizer, data_lib.build_training_data(args.job.data, tokenizer, seed=args.seed)
+    except data_lib.DataError as exc:
+        raise UsageError(exc.problem, exc.fix) from exc

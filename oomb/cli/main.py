@@ -7,6 +7,7 @@ import sys
 import warnings
 from typing import Sequence
 
+from .data import _data
 from .errors import UsageError, _fail, _RunError
 from .measure import _bench, _eval, _grad_error
 from .parser import _build_parser, _job_config, _namespace
@@ -80,6 +81,8 @@ def _main(argv: Sequence[str] | None, signals: _StartupSignals) -> int:
             return _eval(args)
         if command == "bench":
             return _bench(args)
+        if command == "data":
+            return _data(args)
     except UsageError as exc:
         _fail(f"{exc.problem}; {exc.fix}", 1 if isinstance(exc, _RunError) else 2)
     parser.error(f"unknown command {command!r}")  # pragma: no cover - argparse rejects it first

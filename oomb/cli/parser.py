@@ -83,6 +83,15 @@ _DESCRIPTIONS = {
         "engine): the first allocates memory and builds kernels (oomb also its page store), which a training run "
         "pays once. Nothing is trained or written, except --json.",
     ),
+    "data": (
+        "show what 'oomb train' would train on: statistics, the first sequence with its loss mask, a length histogram",
+        "Load, tokenise and pack the data exactly as 'oomb train' with the same flags (or --config file) would "
+        "(it takes the flags of 'oomb train'; those of the model, engine and optimizer other than --model and "
+        "--seed do not change the data), "
+        "and print the number of examples, tokens, trained tokens, padding and dropped examples, the example "
+        "lengths, and the first sequence training reads with its trained tokens in [[...]] (highlighted on a "
+        "terminal). Writes the histogram of example lengths as a PNG (--output); nothing else is written.",
+    ),
 }
 _HELP = {
     "grad-error": {"--sink-pages": "sparse runs: first pages of the sequence always attended (attention sink); 0 allowed",

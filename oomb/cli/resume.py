@@ -31,14 +31,14 @@ def _resume_command(argv: Sequence[str]) -> str:
     return "oomb " + shlex.join([*rest, "--resume", "latest"])
 
 
-def _fingerprint(args: argparse.Namespace, tokens, dtype, world_size: int) -> dict:
-    """What a checkpoint's run and the resuming run must share (see --resume in --help)."""
-    import hashlib
-
+def _fingerprint(args: argparse.Namespace, sequences, dtype, world_size: int) -> dict:
+    """What a checkpoint's run and the resuming run must share (see --resume in --help); ``sequences``: the
+    training data (:func:`oomb.data.build_training_data`), whose ``digest()`` covers its tokens, labels and
+    bounds."""
     return {
         "model": args.model if args.model in _preset_names() or not os.path.isdir(args.model) else str(Path(args.model).resolve()),
         "seq_len": args.seq_len,
-        "data_sha256": hashlib.sha256(tokens.tobytes()).hexdigest(),
+        "data_sha256": sequences.digest(),
         "tokenizer": args.tokenizer and str(Path(args.tokenizer).resolve()),
         "seed": args.seed,
         "lora_rank": args.lora_rank,

@@ -75,7 +75,7 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
     from ..distributed import global_sum
     from ..train import SequenceStream, StepError, StepLog, StepStopped, Trainer, warmup_steps
 
-    tokenizer, tokens, sequences, model, engine = run["tokenizer"], run["tokens"], run["sequences"], run["model"], run["engine"]
+    tokenizer, sequences, model, engine = run["tokenizer"], run["sequences"], run["model"], run["engine"]
     params, optimizer, start_step = run["params"], run["optimizer"], run["start_step"]
     main_rank = ctx.is_main
     log_path = out / "log.jsonl"
@@ -115,10 +115,11 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
         ranks = f"; {W} ranks" if W > 1 else ""
         print(
             f"oomb: {args.model} ({n_total / 1e6:.1f}M parameters, {n_trainable / 1e6:.2f}M trainable, {str(dtype).replace('torch.', '')}, {device}); "
-            f"{len(tokens):,} tokens -> {len(sequences)} sequence{'s' if len(sequences) != 1 else ''} of {args.seq_len}; {K * W} per step{ranks}; chunk {args.chunk_size}{' (> --seq-len: one chunk per sequence)' if args.chunk_size > args.seq_len else ''}, page {args.page_size}; "
+            f"{sequences.stats.tokens:,} tokens -> {len(sequences)} sequence{'s' if len(sequences) != 1 else ''} of {args.seq_len}; {K * W} per step{ranks}; chunk {args.chunk_size}{' (> --seq-len: one chunk per sequence)' if args.chunk_size > args.seq_len else ''}, page {args.page_size}; "
             f"log: {log_path}",
             file=sys.stderr,
         )
+        print(f"oomb: {sequences.stats.summary()}", file=sys.stderr)
         print(f"oomb: {run['store_summary']}", file=sys.stderr)
         drawn = (args.steps - start_step) * K * W
         if drawn > len(sequences):
@@ -210,7 +211,7 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
     if main_rank:
         checkpoint(args.steps)
         train_args = {k: v for k, v in vars(args).items() if k not in ("command", "job") and not k.startswith("_")}
-        train_args.update(oomb_version=_version(), num_tokens=int(len(tokens)), num_sequences=len(sequences), world_size=W)
+        train_args.update(oomb_version=_version(), num_tokens=int(sequences.stats.tokens), num_sequences=len(sequences), world_size=W)
         saved = _save(model, tokenizer, out, lora=args.lora_rank > 0, train_args=train_args)
         shutil.rmtree(out / _REPLACED, ignore_errors=True)  # the run --overwrite replaced: this one is saved now
         elapsed = time.perf_counter() - t_start

@@ -19,7 +19,7 @@ from .checks import (
     _warn_if_offload_segments_are_small,
     _warn_if_sparse_is_dense,
 )
-from .inputs import _vocab_size
+from .inputs import _training_data, _vocab_size
 from .errors import UsageError, _one_line
 from .output import _broken_latest_pointer, _saved_model_of
 from .resume import (
@@ -63,14 +63,6 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         read_settings,
         set_rng_state,
     )
-    from ..data import (
-        BUNDLED_CORPUS,
-        DataError,
-        TokenSequences,
-        load_documents,
-        load_tokenizer,
-        tokenize_documents,
-    )
     from ..models.presets import (
         UnknownModelError,
         build_model,
@@ -78,15 +70,7 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         load_config,
     )
 
-    try:
-        tokenizer = load_tokenizer(args.tokenizer)
-        docs = load_documents(args.data)
-        tokens = tokenize_documents(docs, tokenizer, cache=args.data is None or Path(args.data).resolve() == BUNDLED_CORPUS)
-        sequences = TokenSequences(tokens, args.seq_len, seed=args.seed)
-    except DataError as exc:
-        raise UsageError(exc.problem, exc.fix) from exc
-    if args.document_mask and tokenizer.eos_token_id is None:
-        raise UsageError("--document-mask splits documents at the EOS token but the tokenizer has none", "use a tokenizer with an eos_token, or leave --document-mask out")
+    tokenizer, sequences = _training_data(args)
 
     # The model's config is checked before any weight is read or initialised.
     try:
@@ -94,7 +78,7 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         check_config_supported(model_config)
     except (UnknownModelError, UnsupportedModelError) as exc:
         raise _usage_from(exc, "use a Qwen2/2.5, Llama 2/3, Mistral or Qwen3 causal LM (see 'oomb train --help')") from exc
-    _check_vocab(int(tokens.max()), int(model_config.vocab_size), args.model)
+    _check_vocab(sequences.max_token(), int(model_config.vocab_size), args.model)
     from ..models.limits import lora_rank_problem
 
     lora_problem = lora_rank_problem(model_config, args.lora_rank, args.model)
@@ -143,7 +127,7 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         model = build_model(args.model, dtype=dtype, device=device)
     except (UnknownModelError, UnsupportedModelError) as exc:
         raise _usage_from(exc, "use a Qwen2/2.5, Llama 2/3, Mistral or Qwen3 causal LM (see 'oomb train --help')") from exc
-    _check_vocab(int(tokens.max()), _vocab_size(model), args.model)
+    _check_vocab(sequences.max_token(), _vocab_size(model), args.model)
     if args.rope_theta is not None or args.rope_scaling_dict:
         from ..models.rope import set_rope
 
@@ -201,7 +185,7 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(args.optimizer, params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95),
                                 device=device)
-    fingerprint = _fingerprint(args, tokens, dtype, ctx.world_size)
+    fingerprint = _fingerprint(args, sequences, dtype, ctx.world_size)
 
     start_step, finished = 0, False
     if args.resume is not None:
@@ -255,7 +239,7 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         _warn_if_sparse_is_dense(args)
         _warn_if_gpu_saved_attention_on_cpu(args, device)
         _warn_if_offload_segments_are_small(args, getattr(store, "segment_pages", None) is not None)
-    return dict(tokenizer=tokenizer, tokens=tokens, sequences=sequences, model=model, engine=engine, params=params,
+    return dict(tokenizer=tokenizer, sequences=sequences, model=model, engine=engine, params=params,
                 optimizer=optimizer, fingerprint=fingerprint, settings=_resume_settings(args), start_step=start_step,
                 finished=finished,
                 store_summary=_store_summary(store, args.seq_len, args.page_size, t_reserve_s))

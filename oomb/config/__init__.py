@@ -12,10 +12,10 @@ A bad value raises :class:`ConfigError` (a ``ValueError``) naming the field and 
 
 from .engine import KernelConfig, OffloadConfig, OOMBConfig, SparseConfig
 from .errors import ConfigError
-from .job import (BenchConfig, DataConfig, EvalConfig, GradErrorConfig, JobConfig, ModelConfig, OutputConfig,
-                  PlanConfig, TrainConfig)
+from .job import (BenchConfig, DataConfig, DataReportConfig, EvalConfig, GradErrorConfig, JobConfig, ModelConfig,
+                  OutputConfig, PlanConfig, TrainConfig)
 
 __all__ = [
-    "BenchConfig", "ConfigError", "DataConfig", "EvalConfig", "GradErrorConfig", "JobConfig", "KernelConfig",
-    "ModelConfig", "OOMBConfig", "OffloadConfig", "OutputConfig", "PlanConfig", "SparseConfig", "TrainConfig",
+    "BenchConfig", "ConfigError", "DataConfig", "DataReportConfig", "EvalConfig", "GradErrorConfig", "JobConfig",
+    "KernelConfig", "ModelConfig", "OOMBConfig", "OffloadConfig", "OutputConfig", "PlanConfig", "SparseConfig", "TrainConfig",
 ]

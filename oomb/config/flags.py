@@ -20,8 +20,8 @@ from typing import Any, Literal, get_args, get_origin
 
 from .engine import KernelConfig, OffloadConfig, OOMBConfig, SparseConfig
 from .errors import ConfigError
-from .job import (BenchConfig, DataConfig, EvalConfig, GradErrorConfig, JobConfig, ModelConfig, OutputConfig,
-                  PlanConfig, TrainConfig)
+from .job import (BenchConfig, DataConfig, DataReportConfig, EvalConfig, GradErrorConfig, JobConfig, ModelConfig,
+                  OutputConfig, PlanConfig, TrainConfig)
 from .meta import field_docs, has_no_flag
 
 __all__ = ["COMMANDS", "FlagField", "add_flags", "command_fields", "job_from_values", "namespace_of"]
@@ -39,6 +39,7 @@ SECTIONS: dict[str, type] = {
     "eval": EvalConfig,
     "grad_error": GradErrorConfig,
     "bench": BenchConfig,
+    "data_report": DataReportConfig,
 }
 """Every configuration section by its key path in a YAML file."""
 
@@ -73,11 +74,13 @@ COMMANDS: dict[str, list[tuple[str, tuple[str, ...] | None]]] = {
         ("engine.kernels", _ALL), ("bench", _ALL),
     ],
 }
+COMMANDS["data"] = COMMANDS["train"] + [("data_report", _ALL)]  # takes train's flags: it shows what train reads
 """The sections and fields (None: all of a section's fields that have a flag) each command reads."""
 
 _GROUPS = {"model": "model", "data": "data", "engine": "engine", "engine.sparse": "sparse attention",
            "engine.offload": "offload", "engine.kernels": "kernels", "train": "optimisation", "output": "output",
-           "plan": "plan", "eval": "evaluation", "grad_error": "measurement", "bench": "benchmark"}
+           "plan": "plan", "eval": "evaluation", "grad_error": "measurement", "bench": "benchmark",
+           "data_report": "report"}
 
 
 @dataclass(frozen=True)

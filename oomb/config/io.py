@@ -110,7 +110,7 @@ def dump_yaml(job: JobConfig, command: str) -> str:
                 used[section].append(name)
     tree: dict[str, Any] = {}
     for section, names in used.items():
-        if section == "engine.sparse" and job.engine.sparse is None and command in ("train", "plan"):
+        if section == "engine.sparse" and job.engine.sparse is None and command in ("train", "plan", "data"):
             tree.setdefault("engine", {})["sparse"] = None
             continue
         obj = _section(job, section)

@@ -17,8 +17,8 @@ from .errors import ConfigError
 from .meta import flag
 
 __all__ = [
-    "BenchConfig", "DataConfig", "EvalConfig", "GradErrorConfig", "JobConfig", "ModelConfig", "OutputConfig",
-    "OPTIMIZERS", "PlanConfig", "TrainConfig", "SEED_LIMIT",
+    "BenchConfig", "DataConfig", "DataReportConfig", "EvalConfig", "GradErrorConfig", "JobConfig", "ModelConfig",
+    "OPTIMIZERS", "OutputConfig", "PlanConfig", "TrainConfig", "SEED_LIMIT",
 ]
 
 SEED_LIMIT = 2**32
@@ -102,8 +102,36 @@ class DataConfig:
     """The training or evaluation text and how it becomes token sequences."""
 
     path: Optional[str] = field(default=None, metadata=flag("--data"))
-    """A text file, a .jsonl file (a "text" field per line, each line a document), or a folder (its *.txt and
-    *.jsonl files, sorted by name); default: the bundled Austen corpus."""
+    """Local data: a text file (one document), a json/jsonl, parquet, csv or arrow file, a folder of .txt files
+    (each a document, with *.jsonl "text" rows beside them), another folder of data files, or a
+    Dataset.save_to_disk folder (read with the datasets library); default: the bundled Austen corpus."""
+
+    split: str = field(default="train", metadata=flag("--data-split"))
+    """The split of the data to train on (a single file's one split is train)."""
+
+    format: Literal["auto", "text", "messages", "prompt-completion"] = field(default="auto", metadata=flag("--data-format"))
+    """How rows are read: text (the text_field), messages (a list of role/content messages rendered with the
+    chat template), prompt-completion (prompt and completion fields); auto: from the fields the rows have, in
+    that order of preference messages, prompt-completion, text."""
+
+    text_field: str = "text"
+    """The field holding the text of a text row."""
+
+    chat_template: Optional[str] = field(default=None, metadata=flag("--chat-template", metavar="PATH"))
+    """A Jinja chat template file (or a JSON file with a "chat_template" key) to render messages with, instead
+    of the tokenizer's own; needed when the tokenizer has none."""
+
+    loss_on: Optional[Literal["all", "assistant"]] = None
+    """Which tokens of a chat or prompt-completion example carry the loss: assistant (assistant messages' or the
+    completion's content and end-of-turn token; the default) or all; text trains on every token."""
+
+    long_examples: Optional[Literal["split", "drop"]] = None
+    """An example longer than seq_len: split over several sequences, or dropped (counted); default: split for
+    text (the token stream is cut), drop for messages and prompt-completion."""
+
+    streaming: bool = False
+    """Read the rows as they are used instead of into memory (corpora larger than RAM); the packed sequences are
+    cached in the oomb cache folder, keyed by the data files, the tokenizer and these options."""
 
     tokenizer: Optional[str] = None
     """A local Hugging Face tokenizer folder; default: a model folder's own tokenizer where the command uses
@@ -123,6 +151,18 @@ class DataConfig:
             raise ConfigError("seq_len", f"{{seq_len}} is {self.seq_len!r}",
                               "a sequence needs at least 2 tokens (one input, one target); pass {seq_len} 2 or more")
         check.boolean("document_mask", self.document_mask)
+        for key in ("split", "text_field"):
+            value = getattr(self, key)
+            if not isinstance(value, str) or not value:
+                raise ConfigError(key, f"{{{key}}} is {value!r}", f"pass a name, e.g. {{{key}}} {'train' if key == 'split' else 'text'}")
+        check.choice("format", self.format, ("auto", "text", "messages", "prompt-completion"))
+        if self.chat_template is not None and (not isinstance(self.chat_template, str) or not self.chat_template):
+            raise ConfigError("chat_template", f"{{chat_template}} is {self.chat_template!r}", "pass a template file path")
+        if self.loss_on is not None:
+            check.choice("loss_on", self.loss_on, ("all", "assistant"))
+        if self.long_examples is not None:
+            check.choice("long_examples", self.long_examples, ("split", "drop"))
+        check.boolean("streaming", self.streaming)
 
 
 @dataclass
@@ -319,6 +359,24 @@ class BenchConfig:
 
 
 @dataclass
+class DataReportConfig:
+    """``oomb data``: where the length histogram goes and how much of the first sequence is shown."""
+
+    output: Optional[str] = field(default=None, metadata=flag("--output", metavar="PATH"))
+    """Write the histogram of example lengths (tokens) as a PNG to PATH (new, or an earlier PNG: any other
+    existing file is refused); default: oomb-data-lengths.png in the current folder."""
+
+    show_tokens: int = 400
+    """Print at most this many tokens of the first sequence training reads (0: all of it)."""
+
+    @_in("data_report")
+    def __post_init__(self) -> None:
+        if self.output is not None and (not isinstance(self.output, str) or not self.output):
+            raise ConfigError("output", f"{{output}} is {self.output!r}", "pass a file path, e.g. {output} lengths.png")
+        check.nonnegative_int("show_tokens", self.show_tokens, "tokens", zero="0 (all of it)")
+
+
+@dataclass
 class JobConfig:
     """Everything one ``oomb`` command runs with; a YAML file holds these sections under the same names."""
 
@@ -331,3 +389,4 @@ class JobConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     grad_error: GradErrorConfig = field(default_factory=GradErrorConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    data_report: DataReportConfig = field(default_factory=DataReportConfig)

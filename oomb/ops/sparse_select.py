@@ -126,7 +126,7 @@ def _select_pages_topk(
     Cost, per (block, KV head) over the n past pages: O(n) elementwise work and one ``topk`` of
     ``page_budget`` (see :func:`_stable_top`), then a sort of at most
     ``page_budget + sink_pages + local_pages`` entries; no sort over n. Bitwise equal to the
-    two-sort :func:`select_pages` (tests/test_sparse_select_property.py).
+    two-sort :func:`select_pages` (tests/ops/test_sparse_select_property.py).
     """
     first = _page_scores(q, reps, past_len, page_size, page_budget, sink_pages, local_pages, block_size, score)
     if isinstance(first, PageSelection):
@@ -222,7 +222,7 @@ def select_pages(
     Two stable sorts over the ``n`` past pages: descending over the candidates' scores for the top
     ``page_budget`` (equal scores: the lower page first), ascending to list the chosen pages.
     :func:`_select_pages_topk` computes the same :class:`PageSelection` bitwise without sorting over n
-    (tests/test_sparse_select_property.py); it is faster on the CPU but was slower on an H200 for up to
+    (tests/ops/test_sparse_select_property.py); it is faster on the CPU but was slower on an H200 for up to
     8,192 past pages (0.95 against 0.67 ms at 8,192; ``benchmarks/results/page_selection_h200.json``),
     so this is the one the engine uses.
 

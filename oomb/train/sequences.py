@@ -2,41 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
-
-import torch
+from ..data.sequences import Sample, document_bounds
 
 __all__ = ["Sample", "SequenceStream", "document_bounds"]
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One training sequence for :meth:`oomb.Engine.step`.
-
-    Attributes:
-        input_ids: int64 ``[1, T]``.
-        labels: int64 ``[1, T]``, or ``None`` for ``input_ids`` themselves. The engine shifts them:
-            ``labels[t + 1]`` is the target of position ``t``; ``-100`` there means no loss at ``t``.
-        cu_seqlens: int64 ``[D + 1]``, the document bounds (0 first, ``T`` last): attention and positions
-            restart at each bound and no target crosses one; ``None``: one causal stream.
-    """
-
-    input_ids: torch.Tensor
-    labels: Optional[torch.Tensor] = None
-    cu_seqlens: Optional[torch.Tensor] = None
-
-
-def document_bounds(input_ids: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """``cu_seqlens`` of the documents in ``input_ids [1, T]`` (or ``[T]``): a document ends after each
-    ``eos_id`` token.
-
-    Returns an int64 CPU tensor ``[num_docs + 1]``: 0 first, ``T`` last, strictly increasing (an EOS as the
-    last token ends the last document).
-    """
-    ids = input_ids.reshape(-1).cpu()
-    ends = (torch.nonzero(ids[:-1] == eos_id).view(-1) + 1).tolist()
-    return torch.tensor([0, *ends, ids.numel()], dtype=torch.int64)
 
 
 class SequenceStream:

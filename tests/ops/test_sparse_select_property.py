@@ -78,7 +78,7 @@ def random_case(seed: int, big: bool = False):
     return (q, tuple(reps), past_len, S, budget, sink, local, B, score), doc
 
 
-CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))
+CUDA = pytest.param("cuda", marks=pytest.mark.cuda(reason="needs CUDA"))
 
 
 def on(device, args, doc):

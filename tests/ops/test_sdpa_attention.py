@@ -18,7 +18,7 @@ from oomb.engine.kv_store import PagedKVStore
 from oomb.ops.attention_ref import paged_attention_bwd_ref, paged_attention_fwd_ref
 from oomb.ops.paged_attention import paged_backend, resolve_backend
 
-from test_engine import VOCAB, packed_parity, run_parity, tiny
+from tests.engine.test_engine import VOCAB, packed_parity, run_parity, tiny
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -190,7 +190,7 @@ def test_engine_with_sdpa_fp32_close():
     assert err <= 1e-4, f"worst gradient {where}: rel err {err:.3e}"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN attention needs CUDA")
+@pytest.mark.cuda(reason="cuDNN attention needs CUDA")
 def test_cudnn_primitives_bf16_within_twice_the_bf16_reference():
     """On the GPU: the cuDNN split path against an fp32 reference, within 2x of the reference run in bf16.
 

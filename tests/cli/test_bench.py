@@ -11,7 +11,7 @@ import oomb.bench as ob
 from configs import engine_config
 from oomb.cli import main
 
-from test_engine import tiny
+from tests.engine.test_engine import tiny
 
 
 def test_cli_bench_table_json_and_equal_losses(tmp_path, capsys):
@@ -105,7 +105,7 @@ def test_stage2_rate_reads_the_timed_steps_bar(tmp_path):
     import importlib.util
     import pathlib
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "stage2_rate.py"
+    path = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "stage2_rate.py"
     spec = importlib.util.spec_from_file_location("stage2_rate", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from oomb.models.rope import parse_rope_scaling, set_rope
-from test_engine import VOCAB, run_parity, tiny
+from tests.engine.test_engine import VOCAB, run_parity, tiny
 
 
 def test_parse_rope_scaling():

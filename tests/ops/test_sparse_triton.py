@@ -20,7 +20,7 @@ triton = pytest.importorskip("triton", reason="triton is not installed (pip inst
 from oomb.ops.sparse_attention_ref import sparse_attention_bwd_ref, sparse_attention_fwd_ref  # noqa: E402
 from oomb.ops.sparse_representatives import page_representatives  # noqa: E402
 from oomb.ops.sparse_select import select_pages  # noqa: E402
-from tests.test_triton_kernels import DEVICE, assert_close, make_case  # noqa: E402
+from tests.ops.test_triton_kernels import DEVICE, assert_close, make_case  # noqa: E402
 
 tpa = importlib.import_module("oomb.ops.triton.paged_attention")
 tsa = importlib.import_module("oomb.ops.triton.sparse_attention")
@@ -134,7 +134,7 @@ def test_bad_selection_is_refused():
 
 def test_engine_step_triton_equals_torch_sparse():
     from oomb import Engine
-    from tests.test_engine import VOCAB, clone_model, tiny
+    from tests.engine.test_engine import VOCAB, clone_model, tiny
 
     torch.manual_seed(0)
     model = tiny("qwen2", 4, 2, head_dim=16).float().to(DEVICE)  # the GPU when there is one, else the interpreter
@@ -254,7 +254,7 @@ def test_autotune_hooks_restore_every_row_the_dkdv_kernels_write(monkeypatch):
     assert any(n == "dk_ptr" and fewer for n, _, fewer in seen)  # the past launch from page 2 did too
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (several autotune configs, benchmarked)")
+@pytest.mark.cuda(reason="needs CUDA (several autotune configs, benchmarked)")
 def test_cuda_autotune_leaves_the_pools_as_one_launch(monkeypatch):
     """A first call that autotunes the dK/dV kernels (every config benchmarked on the real pools, the hooks saving and
     restoring the rows each run writes) leaves the pools exactly as a call that only launches the chosen config."""

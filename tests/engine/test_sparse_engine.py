@@ -13,7 +13,7 @@ from oomb.models.hf import use_oomb_attention
 from oomb.engine import sparse_state
 from oomb.engine.sparse_state import SparseAttentionState
 from oomb.ops.sparse_select import selection_mask
-from tests.test_engine import VOCAB, clone_model, tiny
+from tests.engine.test_engine import VOCAB, clone_model, tiny
 
 
 def _step(model, ids, cu=None, **cfg):

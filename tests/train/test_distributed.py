@@ -5,12 +5,15 @@ from __future__ import annotations
 import os
 import socket
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
 from oomb import Engine
 from configs import engine_config
 from oomb.distributed import RankFailedError, agree_ok, all_reduce_gradients, global_sum, init_from_env
+
+pytestmark = pytest.mark.slow  # two gloo processes per test
 
 VOCAB = 101
 

@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # a subprocess runs the Triton interpreter over three model families
+
 pytest.importorskip("triton", reason="triton is not installed (pip install 'oomb[triton]')")
 
 SCRIPT = r"""

@@ -26,7 +26,7 @@ TEXT = (
     "surrounding families, that he is considered as the rightful property of some one or other "
     "of their daughters.\n"
 ) * 4
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _python(script: str, *args: str, timeout: float = 300, cwd: str | None = None) -> subprocess.CompletedProcess:

@@ -8,7 +8,7 @@ import torch
 import oomb.engine.fused_wgrad as fw
 from oomb.engine.fused_wgrad import FusedWeightGradAccumulation, _LinearAccumulateGrad
 
-from test_engine import clone_model, run_parity, tiny
+from tests.engine.test_engine import clone_model, run_parity, tiny
 
 
 @pytest.mark.parametrize("bias", [True, False])

@@ -220,7 +220,7 @@ def test_cli_save_attention_flag(tmp_path):
     assert bad.returncode == 2 and "--save-attention" in bad.stderr
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton kernels in bf16 and the host copy streams need CUDA")
+@pytest.mark.cuda(reason="the Triton kernels in bf16 and the host copy streams need CUDA")
 @pytest.mark.parametrize("where", ["gpu", "host"])
 def test_saved_outputs_bitwise_on_cuda_with_triton(where):
     torch.manual_seed(7)

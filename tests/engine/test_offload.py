@@ -416,7 +416,7 @@ def test_auto_on_cpu_keeps_every_page_on_the_device():
     assert type(engine.kv_store) is PagedKVStore
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (side stream, pinned host memory)")
+@pytest.mark.cuda(reason="needs CUDA (side stream, pinned host memory)")
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("ckpt", [False, True])
 def test_cuda_offload_bitwise_like_all_on_device(ckpt, backend):
@@ -625,7 +625,7 @@ def test_segment_pages_knob_is_validated():
         resident_pages_for_budget(28, 1000, 511, 256)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (side stream, pinned host memory)")
+@pytest.mark.cuda(reason="needs CUDA (side stream, pinned host memory)")
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_cuda_segmented_offload_like_all_on_device(backend):
     from oomb.ops.paged_attention import _triton_available
@@ -669,6 +669,7 @@ print("RESULT " + json.dumps(rows))
 """
 
 
+@pytest.mark.slow
 def test_segmented_offload_triton_backend():
     """The Triton kernels (interpreter on CPU) with the past in 1- and 3-page segments, GQA 4:2 and 7:1, per-layer
     checkpointing and packed documents, equal the all-on-device Triton run (fp32)."""
@@ -1040,7 +1041,7 @@ def test_offload_stage_grain_argument():
         make(stage_grain="tile")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (side streams, pinned host memory, zero-copy kernels)")
+@pytest.mark.cuda(reason="needs CUDA (side streams, pinned host memory, zero-copy kernels)")
 @pytest.mark.parametrize("grain", ["head", "page"])
 @pytest.mark.parametrize("ckpt", [False, True])
 def test_cuda_sparse_offload_bitwise_like_all_on_device(monkeypatch, ckpt, grain):
@@ -1063,7 +1064,7 @@ def test_cuda_sparse_offload_bitwise_like_all_on_device(monkeypatch, ckpt, grain
     _assert_same_training(m_ref, m_off, out_ref, out_off)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (side streams, pinned host memory, Triton)")
+@pytest.mark.cuda(reason="needs CUDA (side streams, pinned host memory, Triton)")
 @pytest.mark.parametrize("layers,full", [(5, True), (9, False)])
 def test_cuda_stage1_shadow_bitwise(monkeypatch, layers, full):
     """Real streams and the Triton kernels: Stage 1 reading host pages from the shadow (all of them, or a prefix with
@@ -1087,7 +1088,7 @@ def test_cuda_stage1_shadow_bitwise(monkeypatch, layers, full):
     _assert_same_training(runs[False][0], runs[True][0], runs[False][1], runs[True][1])
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (pinned host memory)")
+@pytest.mark.cuda(reason="needs CUDA (pinned host memory)")
 def test_cuda_store_falls_back_to_page_grain_without_zero_copy(monkeypatch):
     store = OffloadedKVStore(3, 2, 16, 16, 256, torch.bfloat16, "cuda", chunk_size=32, segment_pages="layer")
     assert store.stage_grain == "head" and head_tiles._zero_copy_works(store.k_host, store.k_cache)
@@ -1298,7 +1299,7 @@ def test_kv_stash_sizing():
         make(kv_stash_mib=-1)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (side streams, pinned host memory, Triton)")
+@pytest.mark.cuda(reason="needs CUDA (side streams, pinned host memory, Triton)")
 @pytest.mark.parametrize("ckpt", [False, True])
 def test_cuda_kv_stash_bitwise(monkeypatch, ckpt):
     """Real streams and the Triton tile kernels: with the K/V stash (part of each layer's tiles) the sparse offloaded

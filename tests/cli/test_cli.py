@@ -379,7 +379,7 @@ def test_command_line_entry_point(tmp_path, text_file):
     assert snapshot(out) == {"keep.txt": b"keep", "train_args.json": b'{"oomb_version": "0.1.0"}'}
 
 
-README = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "README.md")
+README = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "README.md")
 
 
 def _readme_blocks(lang):

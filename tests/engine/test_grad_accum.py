@@ -16,7 +16,7 @@ from configs import engine_config
 from oomb.engine import engine as engine_mod
 from oomb.engine.grad_accum import Float32GradAccumulator, extra_grad_bytes
 from oomb.planner import plan
-from tests.test_engine import VOCAB, clone_model, reference_step, tiny
+from tests.engine.test_engine import VOCAB, clone_model, reference_step, tiny
 
 
 def _errors(model, ref):

@@ -1,0 +1,130 @@
+"""``oomb data``: what ``oomb train`` would train on, without training -- its statistics, the first sequence
+it reads with the loss mask, and the histogram of example lengths as a PNG."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from .checks import _check_vocab, _usage_from
+from .errors import UsageError
+from .inputs import _training_data
+
+DEFAULT_OUTPUT = "oomb-data-lengths.png"
+_PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _check_output(given: str | None) -> Path:
+    """The PNG path: not a folder, in an existing folder we may write to, new, empty or a PNG (never another
+    file)."""
+    path = Path(given or DEFAULT_OUTPUT).expanduser()
+    flag = f"--output {given!r}" if given else f"the histogram file {str(path)!r}"
+    if path.is_dir():
+        raise UsageError(f"{flag} is a folder", "pass a file path, e.g. --output lengths.png")
+    if not path.resolve().parent.is_dir():
+        raise UsageError(f"{flag}: its folder does not exist", "pass a path in an existing folder")
+    if not os.access(path.resolve().parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UsageError(f"{flag} cannot be written", "pass a path you can write to with --output")
+    if path.exists() and path.stat().st_size:
+        with open(path, "rb") as f:
+            if f.read(8) != _PNG:
+                raise UsageError(f"{flag} exists and is not a PNG image, so writing would destroy it",
+                                 "pass --output a new file path, or delete that file first if it is not needed")
+    return path
+
+
+def render_sequence(tokenizer, sample, limit: int, color: bool = False) -> str:
+    """The tokens of ``sample`` as text, trained tokens (label not -100) in ``[[...]]`` (or reverse video with
+    ``color``), a line ``--- document k (n tokens) ---`` at each document bound; at most ``limit`` tokens
+    (0: all)."""
+    ids = sample.input_ids.view(-1).tolist()
+    labels = ids if sample.labels is None else sample.labels.view(-1).tolist()
+    bounds = [0, len(ids)] if sample.cu_seqlens is None else sample.cu_seqlens.tolist()
+    end = len(ids) if not limit else min(limit, len(ids))
+    out = []
+    for k, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if a >= end:
+            break
+        pad = k == len(bounds) - 2 and k > 0 and len(set(ids[a:b])) == 1 and all(v == -100 for v in labels[a:b])
+        out.append(f"\n--- {'padding' if pad else f'document {k}'} ({b - a:,} tokens) ---\n")
+        t, shown = a, ""
+        while t < min(b, end):
+            trained = labels[t] != -100
+            u = t
+            while u < min(b, end) and (labels[u] != -100) == trained:
+                u += 1
+            # decoded from the document's start, so a piece keeps its leading space
+            upto = tokenizer.decode(ids[a:u], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            text, shown = upto[len(shown):], upto
+            out.append(("\x1b[7m" + text + "\x1b[0m" if color else f"[[{text}]]") if trained else text)
+            t = u
+    if end < len(ids):
+        out.append(f"\n... ({len(ids) - end:,} more tokens; --show-tokens 0 shows them all)")
+    return "".join(out).lstrip("\n")
+
+
+def _histogram(path: Path, lengths, seq_len: int, title: str) -> None:
+    """The example-length histogram (log-spaced bins, a line at seq_len), written atomically."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    lengths = np.asarray(lengths)
+    lengths = lengths[lengths > 0]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=100)
+    if len(lengths):
+        lo, hi = max(1, min(int(lengths.min()), seq_len)), max(2, int(lengths.max()), seq_len)
+        bins = np.unique(np.geomspace(lo, hi + 1, 50).astype(int)) if hi > 4 * lo else 50
+        ax.hist(lengths, bins=bins, color="#4477aa")
+        if hi > 4 * lo:
+            ax.set_xscale("log")
+    ax.axvline(seq_len, color="#cc3311", linestyle="--", label=f"--seq-len {seq_len:,}")
+    ax.set_xlabel("example length (tokens)")
+    ax.set_ylabel("examples")
+    ax.set_title(title, fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.png")
+    try:
+        fig.savefig(tmp, format="png")
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _data(args: argparse.Namespace) -> int:
+    """``oomb data``: load and pack the data exactly as ``oomb train`` with these settings would."""
+    out = _check_output(args.output)
+    from .. import UnsupportedModelError
+    from ..models.presets import UnknownModelError, load_config
+
+    try:
+        model_config = load_config(args.model)
+    except (UnknownModelError, UnsupportedModelError) as exc:
+        raise _usage_from(exc, "pass a preset name or a local model folder (see 'oomb data --help')") from exc
+    tokenizer, data = _training_data(args)
+    _check_vocab(data.max_token(), int(model_config.vocab_size), args.model)
+    stats = data.stats
+    lengths = data.example_lengths
+    print(f"oomb: {stats.summary()}")
+    if len(lengths):
+        import numpy as np
+
+        q = np.percentile(lengths, [0, 50, 90, 100]).astype(int)
+        print(f"oomb: example length (tokens): min {q[0]:,}, median {q[1]:,}, 90% {q[2]:,}, max {q[3]:,}; "
+              f"{int((lengths > args.seq_len).sum()):,} longer than --seq-len {args.seq_len:,}")
+    first = int(data.order(0)[0])
+    color = sys.stdout.isatty() and os.environ.get("NO_COLOR") is None
+    how = "highlighted" if color else "in [[...]]"
+    print(f"oomb: sequence {first} of {len(data):,}, the first that training reads (trained tokens {how}):")
+    print(render_sequence(tokenizer, data[first], args.show_tokens, color))
+    _histogram(out, lengths, args.seq_len, f"{stats.examples:,} examples, {stats.tokens:,} tokens "
+               f"({args.data or 'bundled corpus'})")
+    print(f"oomb: wrote the length histogram to {out}")
+    return 0

@@ -1,0 +1,231 @@
+"""The training data of a :class:`oomb.config.DataConfig`: rows -> examples -> sequences, one code path for
+``oomb train`` and ``oomb data``.
+
+* text rows (the bundled corpus, text files, a ``text_field``): one token stream, EOS between documents, cut
+  into consecutive ``seq_len`` sequences (:class:`~oomb.data.sequences.TextSequences`, documents split at EOS
+  with ``document_mask``); with ``long_examples="drop"`` each document (and its EOS) is an example packed as
+  chat examples are;
+* ``messages`` and ``prompt``/``completion`` rows: each row an example with its own labels
+  (:mod:`oomb.data.chat`), packed with per-example bounds (:mod:`oomb.data.packing`).
+
+With ``streaming`` the rows are read one by one and the result is written in shards to the cache folder
+(``cache_dir()/packed/KEY``, KEY a hash of the data files, the tokenizer and the options), so a corpus larger
+than RAM is tokenised once and memory-mapped after.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from .chat import encode_messages, encode_prompt_completion, encode_text, read_chat_template
+from .errors import DataError
+from .packing import PackedSequences, Packer
+from .sequences import TextSequences
+from .sources import Rows, data_fingerprint, open_rows
+from .text import BUNDLED_CORPUS, Document, cache_dir, tokenize_documents
+from .tokenizer import tokenizer_digest
+
+__all__ = ["build_training_data", "detect_format"]
+
+_FORMATS = ("messages", "prompt-completion", "text")
+
+
+def detect_format(fmt: str, columns: list[str], text_field: str, name: str) -> str:
+    """The row format: ``fmt`` unless "auto", else the first of messages, prompt-completion, text whose fields
+    the rows have.
+
+    Raises:
+        DataError: the rows lack the fields of the format (naming the fields they have).
+    """
+    need = {"messages": ["messages"], "prompt-completion": ["prompt", "completion"], "text": [text_field]}
+    found = ", ".join(columns) or "none"
+    if fmt != "auto":
+        missing = [c for c in need[fmt] if c not in columns]
+        if missing:
+            raise DataError(f"{name} has no {' and '.join(repr(m) for m in missing)} field for --data-format {fmt} "
+                            f"(its fields: {found})", "pass the --data-format of these rows, or --text-field NAME")
+        return fmt
+    for f in _FORMATS:
+        if all(c in columns for c in need[f]):
+            return f
+    raise DataError(f"{name} has none of the fields messages, prompt and completion, or {text_field!r} "
+                    f"(its fields: {found})", "pass --text-field NAME for the field that holds the text, or rows "
+                    "with messages or prompt/completion")
+
+
+def _texts(rows: Rows, field: str):
+    for i, row in enumerate(rows):
+        text = row.get(field)
+        if not isinstance(text, str):
+            raise DataError(f"{rows.name} row {i}: {field!r} is {type(text).__name__}, not a string",
+                            f"write each row's {field!r} as a string, or pass --text-field NAME")
+        if text.strip():
+            yield text
+
+
+def _key(cfg, tokenizer, template: str | None) -> str:
+    h = hashlib.sha256(b"oomb-packed-v1\0")
+    h.update(data_fingerprint(cfg.path).encode())
+    h.update(tokenizer_digest(tokenizer))
+    opts = dict(split=cfg.split, format=cfg.format, text_field=cfg.text_field, template=template,
+                loss_on=cfg.loss_on, long_examples=cfg.long_examples, seq_len=cfg.seq_len)
+    h.update(json.dumps(opts, sort_keys=True).encode())
+    return h.hexdigest()[:32]
+
+
+class _CacheFolder:
+    """A cache entry written into a temporary folder beside it and renamed into place when complete."""
+
+    def __init__(self, key: str) -> None:
+        self.final = cache_dir() / "packed" / key
+        self.tmp = self.final.with_name(f"{key}.tmp{os.getpid()}")
+
+    def __enter__(self) -> Path:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        self.tmp.mkdir(parents=True)
+        return self.tmp
+
+    def __exit__(self, kind, exc, tb) -> None:
+        if kind is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return
+        shutil.rmtree(self.final, ignore_errors=True)
+        os.replace(self.tmp, self.final)
+
+
+def _text_stream(cfg, rows: Rows, tokenizer, seed: int) -> TextSequences:
+    eos = tokenizer.eos_token_id if cfg.document_mask else None
+    if not rows.streaming:
+        texts = list(_texts(rows, cfg.text_field))
+        if not texts:
+            raise DataError(f"data {rows.name!r} is empty (no non-blank text)", "give it some text to train on")
+        cache = cfg.path is None or Path(cfg.path).resolve() == BUNDLED_CORPUS
+        tokens = tokenize_documents([Document("", t) for t in texts], tokenizer, cache=cache)
+        return TextSequences(tokens, cfg.seq_len, seed, eos, documents=len(texts), separator=tokenizer.eos_token_id)
+    folder = cache_dir() / "packed" / _key(cfg, tokenizer, None)
+    try:
+        meta = json.loads((folder / "stream.json").read_text())
+        tokens = np.load(folder / "tokens.npy", mmap_mode="r")
+        return TextSequences(tokens, cfg.seq_len, seed, eos, documents=int(meta["documents"]),
+                             separator=tokenizer.eos_token_id)
+    except (OSError, ValueError, KeyError):
+        pass
+    with _CacheFolder(folder.name) as tmp:
+        docs, n = 0, 0
+        with open(tmp / "tokens.bin", "wb") as f:
+            batch: list[str] = []
+            for text in [*_texts(rows, cfg.text_field), None]:
+                if text is not None:
+                    batch.append(text)
+                if batch and (text is None or len(batch) == 1000):
+                    for ids in tokenizer(batch, add_special_tokens=False)["input_ids"]:
+                        if docs and tokenizer.eos_token_id is not None:
+                            ids = [tokenizer.eos_token_id] + ids
+                        np.asarray(ids, dtype=np.int64).tofile(f)
+                        n += len(ids)
+                        docs += 1
+                    batch = []
+        if not docs:
+            raise DataError(f"data {rows.name!r} is empty (no non-blank text)", "give it some text to train on")
+        tokens = np.memmap(tmp / "tokens.bin", dtype=np.int64, mode="r", shape=(n,))
+        np.save(tmp / "tokens.npy", tokens)
+        del tokens
+        (tmp / "tokens.bin").unlink()
+        (tmp / "stream.json").write_text(json.dumps({"documents": docs}))
+    tokens = np.load(folder / "tokens.npy", mmap_mode="r")
+    return TextSequences(tokens, cfg.seq_len, seed, eos, documents=docs, separator=tokenizer.eos_token_id)
+
+
+def _examples(cfg, fmt: str, rows: Rows, tokenizer, template: str | None, loss_on: str, seen: dict):
+    """(ids, labels) per row; ``seen['assistant']`` counts the rows with a trained turn."""
+    for i, row in enumerate(rows):
+        where = f"{rows.name} row {i}"
+        if fmt == "text":
+            text = row.get(cfg.text_field)
+            if not isinstance(text, str):
+                raise DataError(f"{where}: {cfg.text_field!r} is {type(text).__name__}, not a string",
+                                f"write each row's {cfg.text_field!r} as a string")
+            if not text.strip():
+                continue
+            ids, labels = encode_text(tokenizer, text)
+        elif fmt == "messages":
+            ids, labels = encode_messages(tokenizer, row.get("messages"), template, loss_on, where)
+            if any(isinstance(m, dict) and m.get("role") == "assistant" for m in row["messages"]):
+                seen["assistant"] += 1
+        else:
+            prompt, completion = row.get("prompt"), row.get("completion")
+            ids, labels = encode_prompt_completion(tokenizer, prompt, completion, template, loss_on, where)
+            seen["assistant"] += 1
+        yield ids, labels
+
+
+def _needs_template(fmt: str, rows: Rows) -> bool:
+    if fmt == "messages":
+        return True
+    if fmt == "prompt-completion":
+        first = next(iter(rows), None)
+        return first is not None and isinstance(first.get("prompt"), (list, tuple))
+    return False
+
+
+def build_training_data(cfg, tokenizer, seed: int = 0):
+    """The training sequences of ``cfg`` (a :class:`~oomb.config.DataConfig`), tokenised with ``tokenizer``,
+    served in the order of ``seed``: a :class:`TextSequences` or a :class:`PackedSequences`.
+
+    Raises:
+        DataError: unreadable or empty data or split, rows without the expected fields, a bad message, no chat
+            template for messages, no example with an assistant turn, ``loss_on`` assistant for text, or less
+            data than one sequence.
+    """
+    rows = open_rows(cfg.path, cfg.split, cfg.streaming)
+    if rows.plain:  # text files: their text, whatever text_field names
+        from dataclasses import replace
+
+        cfg = replace(cfg, text_field="text")
+    fmt = detect_format(cfg.format, rows.columns, cfg.text_field, repr(rows.name))
+    if fmt == "text" and cfg.loss_on == "assistant":
+        raise DataError(f"--loss-on assistant needs messages or prompt/completion rows, but {rows.name!r} is text",
+                        "leave --loss-on out for text (every token is trained)")
+    long = cfg.long_examples or ("split" if fmt == "text" else "drop")
+    if fmt == "text" and long == "split":
+        return _text_stream(cfg, rows, tokenizer, seed)
+    template = read_chat_template(cfg.chat_template)
+    if template is None and getattr(tokenizer, "chat_template", None) is None and _needs_template(fmt, rows):
+        raise DataError(f"the tokenizer has no chat template, which the {fmt} rows of {rows.name!r} need",
+                        "pass --chat-template FILE (a Jinja chat template, e.g. the model's), or a tokenizer with one")
+    loss_on = cfg.loss_on or ("all" if fmt == "text" else "assistant")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = 0 if pad is None else int(pad)
+    seen = {"assistant": 0}
+
+    def run(shard_dir: Path | None) -> PackedSequences:
+        packer = Packer(cfg.seq_len, long, pad, fmt, shard_dir)
+        for ids, labels in _examples(cfg, fmt, rows, tokenizer, template, loss_on, seen):
+            packer.add(ids, labels)
+        if fmt == "messages" and loss_on == "assistant" and not seen["assistant"]:
+            raise DataError(f"no example of {rows.name!r} has an assistant turn, so no token would be trained",
+                            "add assistant messages to the rows, or pass --loss-on all")
+        data = packer.finish(seed)
+        if not len(data):
+            s = packer.stats()
+            raise DataError(
+                f"no example of {rows.name!r} fits a sequence ({s.dropped_examples:,} of {s.examples:,} dropped: "
+                f"longer than --seq-len {cfg.seq_len:,} or without a trained token)",
+                f"pass a longer --seq-len, or --long-examples split")
+        return data
+
+    if not rows.streaming:
+        return run(None)
+    key = _key(cfg, tokenizer, template)
+    cached = PackedSequences.load(cache_dir() / "packed" / key, seed)
+    if cached is not None:
+        return cached
+    with _CacheFolder(key) as tmp:
+        run(tmp)
+    return PackedSequences.load(cache_dir() / "packed" / key, seed)

@@ -1,0 +1,219 @@
+"""Chat and prompt/completion rows -> token ids and per-token labels.
+
+A ``messages`` row (a list of ``{"role", "content"}``) is rendered with the tokenizer's chat template (or the
+``chat_template`` given), then tokenised once with character offsets. The labels come from the rendered text's
+spans, so any template works, also one without generation markers: the conversation is rendered prefix by
+prefix (``messages[:1]``, ``messages[:2]``, ...), each render must begin with the one before it, and message
+``i`` owns the characters the render grows by when it is added. Inside an assistant message's span the content
+(found verbatim, or stripped as templates that ``trim`` it render it) and the end-of-turn text after it up to
+and including the first special token (``<|im_end|>``, ``<|eot_id|>``, ``</s>``) are trained; its header
+(``<|im_start|>assistant\\n``) and everything of the other roles get label -100. A token is trained when its
+characters overlap a trained span.
+
+A ``prompt``/``completion`` row of strings is ``prompt`` then ``completion`` then the EOS token, the completion
+and EOS trained; a row whose prompt and completion are message lists is the conversation ``prompt +
+completion`` with the completion's assistant messages trained.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from .errors import DataError
+
+__all__ = ["IGNORE_INDEX", "ROLES", "check_messages", "encode_messages", "encode_prompt_completion",
+           "encode_text", "read_chat_template"]
+
+IGNORE_INDEX = -100
+_MARKER = "\u2063oomb-content-marker\u2063"
+ROLES = ("system", "user", "assistant", "tool")
+"""The roles a ``messages`` row may have."""
+
+
+def read_chat_template(path: str | None) -> str | None:
+    """The Jinja text of a ``chat_template`` file (a ``.jinja`` text file, or a ``tokenizer_config.json``-style
+    JSON object with a ``chat_template`` key); None: None.
+
+    Raises:
+        DataError: the file cannot be read or holds no template.
+    """
+    if path is None:
+        return None
+    import json
+    from pathlib import Path
+
+    p = Path(path).expanduser()
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"cannot read --chat-template {path!r} ({getattr(exc, 'strerror', None) or exc})",
+                        "pass a Jinja chat template file") from exc
+    if p.suffix == ".json":
+        try:
+            text = json.loads(text).get("chat_template")
+        except (ValueError, AttributeError):
+            text = None
+        if not isinstance(text, str):
+            raise DataError(f"--chat-template {path!r} has no string \"chat_template\" key",
+                            "pass a Jinja chat template file, or a JSON file with a \"chat_template\" key")
+    if not text.strip():
+        raise DataError(f"--chat-template {path!r} is empty", "pass a Jinja chat template file")
+    return text
+
+
+def check_messages(messages, where: str) -> None:
+    """Refuse a ``messages`` value that is not a list of ``{"role": one of ROLES, "content": str}``.
+
+    Raises:
+        DataError: naming ``where`` (the row) and the bad message.
+    """
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise DataError(f"{where}: messages is {type(messages).__name__ if messages else 'empty'}, not a list of messages",
+                        'write messages as a list of {"role": ..., "content": ...}')
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise DataError(f"{where}: message {j} is not an object with \"role\" and \"content\"",
+                            'write messages as a list of {"role": ..., "content": ...}')
+        if m["role"] not in ROLES:
+            raise DataError(f"{where}: message {j} has the unknown role {m['role']!r}",
+                            f"use one of the roles {', '.join(ROLES)}")
+        if not isinstance(m["content"], str):
+            raise DataError(f"{where}: message {j} ({m['role']}) has content of type {type(m['content']).__name__}, "
+                            "not a string", "write each message's content as a string")
+
+
+def _special_strings(tokenizer) -> list[str]:
+    out = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    for tok in getattr(tokenizer, "added_tokens_decoder", {}).values():
+        if getattr(tok, "special", False):
+            out.add(tok.content)
+    return sorted((s for s in out if s), key=len, reverse=True)
+
+
+def _render(tokenizer, messages: Sequence[dict], template: str | None, where: str) -> str:
+    try:
+        text = tokenizer.apply_chat_template(list(messages), tokenize=False, chat_template=template)
+    except Exception as exc:  # jinja2 errors, the template's raise_exception
+        msg = " ".join(str(exc).split()) or type(exc).__name__
+        raise DataError(f"{where}: the chat template cannot render this conversation ({msg})",
+                        "fix the row, or pass --chat-template a template for these roles") from exc
+    if not isinstance(text, str):
+        raise DataError(f"{where}: the chat template did not render text", "pass --chat-template a Jinja template")
+    return text
+
+
+def _trained_spans(tokenizer, messages: Sequence[dict], template: str | None, where: str,
+                   trained: Sequence[bool]) -> tuple[str, list[tuple[int, int]]]:
+    """The rendered conversation and the character spans ``[a, b)`` of the trained messages' content and their
+    end-of-turn text."""
+    specials = _special_strings(tokenizer)
+    renders = [_render(tokenizer, messages[: i + 1], template, where) for i in range(len(messages))]
+    full = renders[-1]
+    spans = []
+    prev = ""
+    prev_of = [""] + renders[:-1]
+    for i, (m, r) in enumerate(zip(messages, renders)):
+        if not r.startswith(prev):
+            raise DataError(f"{where}: the chat template renders message {i - 1} differently once message {i} "
+                            "follows, so the messages' spans cannot be told apart",
+                            "pass --chat-template a template that renders each turn the same way whatever follows")
+        start, end = len(prev), len(r)
+        prev = r
+        if not trained[i]:
+            continue
+        # Where the content goes: render the message with a marker for its content; the text before the
+        # marker is the message's header (a content that also occurs in its header is not mistaken for it).
+        marked = _render(tokenizer, [*messages[:i], {**m, "content": _MARKER}], template, where)
+        at = marked.find(_MARKER, start)
+        header = marked[start:at] if at >= 0 and marked.startswith(prev_of[i]) else None
+        span = full[start:end]
+        content = m["content"]
+        if header is None or not span.startswith(header):
+            raise DataError(f"{where}: the chat template does not render message {i}'s content where it renders "
+                            "other content", "pass --chat-template a template that writes each message's content verbatim")
+        body = span[len(header):]
+        if not body.startswith(content):
+            content = content.strip()
+            if not body.startswith(content):
+                raise DataError(f"{where}: the chat template does not render message {i}'s content as it is",
+                                "pass --chat-template a template that writes each message's content verbatim")
+        a = start + len(header)
+        b = a + len(content)
+        rest = full[b:end]
+        hits = [(rest.find(s), s) for s in specials if rest.find(s) >= 0]
+        if hits:
+            pos, s = min(hits, key=lambda h: (h[0], -len(h[1])))
+            b += pos + len(s)
+        spans.append((a, b))
+    return full, spans
+
+
+def _labels_from_spans(tokenizer, text: str, spans: list[tuple[int, int]], where: str) -> tuple[np.ndarray, np.ndarray]:
+    try:
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    except NotImplementedError as exc:
+        raise DataError(f"{where}: the tokenizer gives no character offsets (a slow tokenizer)",
+                        "pass --tokenizer a folder with tokenizer.json (a fast tokenizer)") from exc
+    ids = np.asarray(enc["input_ids"], dtype=np.int64)
+    labels = np.full_like(ids, IGNORE_INDEX)
+    offsets = enc["offset_mapping"]
+    for k, (s, e) in enumerate(offsets):
+        if e <= s:
+            continue
+        if any(s < b and e > a for a, b in spans):
+            labels[k] = ids[k]
+    return ids, labels
+
+
+def encode_messages(tokenizer, messages: Sequence[dict], template: str | None, loss_on: str, where: str,
+                    trained_from: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids and labels (int64 ``[n]`` each, -100 = no loss) of one conversation.
+
+    ``loss_on``: "assistant" (the assistant messages from index ``trained_from`` on, content and end-of-turn
+    token) or "all" (every token).
+
+    Raises:
+        DataError: a bad message, a template that cannot render it, or one whose renders are not prefixes of each
+            other.
+    """
+    check_messages(messages, where)
+    trained = [m["role"] == "assistant" and i >= trained_from for i, m in enumerate(messages)]
+    text, spans = _trained_spans(tokenizer, messages, template, where, trained)
+    ids, labels = _labels_from_spans(tokenizer, text, spans, where)
+    if loss_on == "all":
+        labels = ids.copy()
+    return ids, labels
+
+
+def encode_prompt_completion(tokenizer, prompt, completion, template: str | None, loss_on: str,
+                             where: str) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids and labels of one ``prompt``/``completion`` row (strings, or message lists).
+
+    Raises:
+        DataError: prompt and completion are neither both strings nor both message lists.
+    """
+    if isinstance(prompt, str) and isinstance(completion, str):
+        p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        c = tokenizer(completion, add_special_tokens=False)["input_ids"]
+        eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+        ids = np.asarray(p + c + eos, dtype=np.int64)
+        labels = ids.copy()
+        if loss_on != "all":
+            labels[: len(p)] = IGNORE_INDEX
+        return ids, labels
+    if isinstance(prompt, (list, tuple)) and isinstance(completion, (list, tuple)):
+        return encode_messages(tokenizer, list(prompt) + list(completion), template, loss_on, where,
+                               trained_from=len(prompt))
+    raise DataError(f"{where}: prompt is {type(prompt).__name__} and completion is {type(completion).__name__}",
+                    "write both as strings, or both as lists of messages")
+
+
+def encode_text(tokenizer, text: str) -> tuple[np.ndarray, np.ndarray]:
+    """A text document as one example: its tokens then the EOS token, every token trained."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if tokenizer.eos_token_id is not None:
+        ids = ids + [tokenizer.eos_token_id]
+    ids = np.asarray(ids, dtype=np.int64)
+    return ids, ids.copy()

@@ -1,0 +1,56 @@
+"""What the training data holds once packed: examples, tokens, trained tokens, padding, what was dropped."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+__all__ = ["DataStats"]
+
+
+@dataclass(frozen=True)
+class DataStats:
+    """Counts of one training set (tokens are token ids).
+
+    ``examples``: documents (text) or rows (chat, prompt/completion) read. ``tokens``: tokens of those
+    examples. ``sequences``: training sequences of ``seq_len`` tokens. ``trained_tokens``: positions of all the
+    sequences that are a loss target (as :meth:`oomb.Engine.count_valid_tokens` counts them: a label that is
+    not -100 and not the first token of a document). ``padding``: filler tokens at the end of the sequences
+    (no loss). ``split_examples``: examples longer than ``seq_len`` cut over several sequences.
+    ``dropped_examples`` / ``dropped_tokens``: examples left out (longer than ``seq_len`` with
+    ``long_examples`` drop, or no trained token) and their tokens, plus the tail of a text stream shorter than
+    one sequence.
+    """
+
+    format: str
+    examples: int
+    tokens: int
+    sequences: int
+    seq_len: int
+    trained_tokens: int
+    padding: int
+    split_examples: int
+    dropped_examples: int
+    dropped_tokens: int
+
+    @property
+    def trained_share(self) -> float:
+        """Trained tokens / all sequence positions (0..1)."""
+        return self.trained_tokens / max(1, self.sequences * self.seq_len)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "trained_share": round(self.trained_share, 6)}
+
+    def summary(self) -> str:
+        """One line for the start of a run."""
+        what = "documents" if self.format == "text" else "examples"
+        parts = [f"data: {self.examples:,} {what} ({self.format}), {self.tokens:,} tokens -> {self.sequences:,} "
+                 f"sequence{'s' if self.sequences != 1 else ''} of {self.seq_len:,}",
+                 f"{self.trained_tokens:,} trained tokens ({100 * self.trained_share:.1f}%)",
+                 f"{self.padding:,} padding"]
+        if self.split_examples:
+            parts.append(f"{self.split_examples:,} split over sequences")
+        if self.dropped_examples:
+            parts.append(f"{self.dropped_examples:,} {what} dropped ({self.dropped_tokens:,} tokens)")
+        elif self.dropped_tokens:
+            parts.append(f"{self.dropped_tokens:,} tokens of the tail unused")
+        return "; ".join(parts)

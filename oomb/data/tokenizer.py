@@ -1,0 +1,75 @@
+"""The tokenizer: a local Hugging Face tokenizer folder, loaded and checked to hold a real vocabulary."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .errors import DataError
+
+__all__ = ["BUNDLED_TOKENIZER", "MIN_TOKENS", "load_tokenizer", "tokenizer_digest"]
+
+BUNDLED_TOKENIZER = Path(__file__).resolve().parent.parent / "resources" / "tokenizer-sp32k"
+"""Folder of the bundled tokenizer: 32,000-token SentencePiece BPE (Apache-2.0, LICENSE inside)."""
+
+MIN_TOKENS = 256
+"""The fewest tokens a usable tokenizer has: one per byte value (byte-level BPE); a folder that loads with
+fewer (only its special tokens) has lost its vocabulary."""
+
+_VOCAB_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "merges.txt")
+_VOCAB_SUFFIXES = (".model", ".tiktoken")
+
+
+def _has_vocabulary_file(root: Path) -> bool:
+    return any(p.is_file() and (p.name in _VOCAB_FILES or p.suffix in _VOCAB_SUFFIXES or p.name.startswith("vocab."))
+               for p in root.iterdir())
+
+
+def load_tokenizer(path: str | os.PathLike | None = None):
+    """Load a local Hugging Face tokenizer (``AutoTokenizer``, no network). ``None``: the bundled one.
+
+    The class is the one the folder's ``tokenizer_config.json`` names, also when the folder is a model
+    folder (an ``oomb train`` output) whose ``config.json`` would make ``AutoTokenizer`` pick another.
+
+    Raises:
+        DataError: the folder does not exist, holds no vocabulary file (tokenizer.json, vocab.json, vocab.txt,
+            merges.txt, a SentencePiece ``*.model`` or ``*.tiktoken``), holds no loadable tokenizer, or the
+            tokenizer has fewer than :data:`MIN_TOKENS` tokens.
+    """
+    from transformers import AutoTokenizer, PretrainedConfig
+
+    root = BUNDLED_TOKENIZER if path is None else Path(path)
+    if not root.is_dir():
+        what = "is a file, not a folder" if root.exists() else "does not exist"
+        raise DataError(f"tokenizer folder {str(root)!r} {what}", "pass --tokenizer a local folder with tokenizer.json (or omit it for the bundled tokenizer)")
+    if not _has_vocabulary_file(root):
+        raise DataError(
+            f"cannot load a tokenizer from {str(root)!r}: the folder has no vocabulary (no tokenizer.json, "
+            "vocab.json, vocab.txt or SentencePiece .model file)",
+            "pass --tokenizer the folder a Hugging Face tokenizer's save_pretrained wrote, with its vocabulary files")
+    try:
+        # An empty config: the class comes from the folder's tokenizer_config.json (or tokenizer.json), never
+        # from a config.json beside it. A trained oomb output holds both, and transformers >= 5.2x swaps in the
+        # model type's tokenizer class (Qwen2Tokenizer for a qwen2 config), which splits the bundled
+        # SentencePiece vocabulary's text differently ('truth' -> 'tr', 'uth', spaces lost).
+        tokenizer = AutoTokenizer.from_pretrained(str(root), local_files_only=True, config=PretrainedConfig())
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DataError(
+            f"cannot load a tokenizer from {str(root)!r} ({first_line})",
+            "pass --tokenizer a folder written by a Hugging Face tokenizer's save_pretrained",
+        ) from exc
+    if len(tokenizer) < MIN_TOKENS:
+        raise DataError(
+            f"the tokenizer in {str(root)!r} has only {len(tokenizer)} tokens (a model's tokenizer has thousands; "
+            "its vocabulary did not load)",
+            "pass --tokenizer the model's own tokenizer folder, with its tokenizer.json")
+    return tokenizer
+
+
+def tokenizer_digest(tokenizer) -> bytes:
+    """What identifies a tokenizer's encoding: its class, its backend's serialised form and its EOS id (bytes
+    for a hash)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else repr(tokenizer)
+    return f"{type(tokenizer).__name__}\0{tokenizer.eos_token_id}\0{text}".encode()

@@ -1,0 +1,255 @@
+"""``oomb data`` and the data ``oomb train`` reads: local files through datasets (jsonl, parquet, csv, a
+save_to_disk folder, streaming), chat rows with their loss mask, and bad input refused in one line (exit 2,
+nothing written)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from oomb.cli import main
+from oomb.config import DataConfig
+from oomb.data import BUNDLED_TOKENIZER, TokenSequences, build_training_data, load_documents, load_tokenizer, tokenize_documents
+
+TEMPLATES = Path(__file__).parent / "chat_templates"
+PLAIN = str(TEMPLATES / "plain.jinja")
+FAST = ["--seq-len", "64", "--chunk-size", "32", "--page-size", "16", "--no-progress"]
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("OOMB_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def run_cli(argv):
+    try:
+        return main([str(a) for a in argv])
+    except SystemExit as exc:
+        return exc.code
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def chat_rows(n=12):
+    return [{"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
+                          {"role": "assistant", "content": f"It is {2 * i}."}]} for i in range(n)]
+
+
+def refused(argv, capsys, tmp_path, match):
+    """``oomb`` refuses argv: exit 2, one line naming ``match``, no output folder and no histogram written."""
+    out = tmp_path / "run"
+    png = tmp_path / "lengths.png"
+    extra = ["--output-dir", out] if argv[0] == "train" else ["--output", png]
+    capsys.readouterr()
+    assert run_cli([*argv, *extra]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    err = [line for line in err if line.startswith("oomb:")]
+    assert len(err) == 1 and err[0].startswith("oomb: error:"), err
+    assert match in err[0], err[0]
+    assert not out.exists() and not png.exists()
+    return err[0]
+
+
+# ------------------------------------------------------------------ what is read
+
+
+def test_the_bundled_default_is_the_token_stream_it_was(tmp_path):
+    tok = load_tokenizer()
+    data = build_training_data(DataConfig(seq_len=512), tok, seed=7)
+    ref = TokenSequences(tokenize_documents(load_documents(None), tok), 512, seed=7)
+    assert len(data) == len(ref) and np.array_equal(data.order(3), ref.order(3))
+    for i in (0, 5, len(ref) - 1):
+        s = data[i]
+        assert s.labels is None and s.cu_seqlens is None and s.input_ids.equal(ref[i])
+    assert data.stats.trained_tokens == len(ref) * 511 and data.stats.padding == 0
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "parquet", "csv", "save_to_disk", "folder"])
+def test_local_files_read_through_datasets_give_the_same_sequences(tmp_path, kind):
+    import datasets
+
+    texts = [" ".join(["word"] * (20 + i)) + f" number {i}." for i in range(30)]
+    ds = datasets.Dataset.from_dict({"body": texts, "id": list(range(30))})
+    if kind == "jsonl":
+        path = write_jsonl(tmp_path / "d.jsonl", [{"body": t, "id": i} for i, t in enumerate(texts)])
+    elif kind == "parquet":
+        path = tmp_path / "d.parquet"
+        ds.to_parquet(str(path))
+    elif kind == "csv":
+        path = tmp_path / "d.csv"
+        ds.to_csv(str(path), index=False)
+    elif kind == "save_to_disk":
+        path = tmp_path / "saved"
+        datasets.DatasetDict({"train": ds, "test": ds.select(range(3))}).save_to_disk(str(path))
+    else:
+        path = tmp_path / "folder"
+        path.mkdir()
+        ds.select(range(15)).to_json(str(path / "train-0.jsonl"))
+        ds.select(range(15, 30)).to_json(str(path / "train-1.jsonl"))
+    tok = load_tokenizer()
+    data = build_training_data(DataConfig(path=str(path), text_field="body", seq_len=32), tok)
+    tokens = tokenize_documents([type("D", (), {"text": t})() for t in texts], tok)
+    ref = TokenSequences(tokens, 32)
+    assert len(data) == len(ref) and all(data[i].input_ids.equal(ref[i]) for i in range(len(ref)))
+    if kind == "save_to_disk":
+        test = build_training_data(DataConfig(path=str(path), text_field="body", split="test", seq_len=8), tok)
+        assert test.stats.examples == 3
+
+
+def test_streaming_gives_the_same_sequences_and_caches_them(tmp_path):
+    tok = load_tokenizer()
+    path = write_jsonl(tmp_path / "chat.jsonl", chat_rows(40))
+    cfg = dict(path=str(path), chat_template=PLAIN, seq_len=64)
+    mem = build_training_data(DataConfig(**cfg), tok, seed=1)
+    streamed = build_training_data(DataConfig(**cfg, streaming=True), tok, seed=1)
+    assert len(list((tmp_path / "cache" / "packed").glob("*/manifest.json"))) == 1
+    again = build_training_data(DataConfig(**cfg, streaming=True), tok, seed=1)  # from the cache
+    assert mem.stats == streamed.stats == again.stats and mem.digest() == streamed.digest() == again.digest()
+    for i in range(len(mem)):
+        a, b = mem[i], again[i]
+        assert a.input_ids.equal(b.input_ids) and a.labels.equal(b.labels) and a.cu_seqlens.equal(b.cu_seqlens)
+    text = write_jsonl(tmp_path / "t.jsonl", [{"text": f"line {i} " * 9} for i in range(50)])
+    t_mem = build_training_data(DataConfig(path=str(text), seq_len=16), tok)
+    t_str = build_training_data(DataConfig(path=str(text), seq_len=16, streaming=True), tok)
+    assert t_mem.digest() == t_str.digest() and len(t_mem) == len(t_str)
+
+
+def test_prompt_completion_rows_and_text_with_drop(tmp_path):
+    tok = load_tokenizer()
+    path = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "Q: one?", "completion": " A: one."}] * 4)
+    data = build_training_data(DataConfig(path=str(path), seq_len=40), tok)
+    assert data.stats.format == "prompt-completion" and data.stats.examples == 4
+    s = data[0]
+    completion = tok(" A: one.", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    n = len(tok("Q: one?", add_special_tokens=False)["input_ids"]) + len(completion)
+    per_seq = 40 // n
+    assert s.labels[0][s.labels[0] != -100].tolist() == completion * per_seq
+    long = write_jsonl(tmp_path / "t.jsonl", [{"text": "short one"}, {"text": "word " * 200}])
+    dropped = build_training_data(DataConfig(path=str(long), seq_len=32, long_examples="drop"), tok)
+    assert dropped.stats.dropped_examples == 1 and len(dropped) == 1
+
+
+# ------------------------------------------------------------------ oomb data
+
+
+def test_oomb_data_shows_the_mask_and_writes_the_histogram(tmp_path, capsys):
+    path = write_jsonl(tmp_path / "chat.jsonl", chat_rows())
+    png = tmp_path / "h.png"
+    assert run_cli(["data", "--data", path, "--chat-template", PLAIN, "--seq-len", "64", "--output", png]) == 0
+    out = capsys.readouterr().out
+    assert "12 examples (messages)" in out and "trained tokens" in out and "padding" in out
+    assert "[[ It is" in out and "</s>]]" in out and "--- document 0" in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert run_cli(["data", "--data", path, "--chat-template", PLAIN, "--seq-len", "64", "--output", png]) == 0  # a PNG: replaced
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    capsys.readouterr()
+    assert run_cli(["data", "--data", path, "--chat-template", PLAIN, "--seq-len", "64", "--output", notes]) == 2
+    assert "is not a PNG" in capsys.readouterr().err and notes.read_text() == "mine"
+
+
+def test_oomb_train_on_chat_rows_prints_the_data_line(tmp_path, capsys):
+    path = write_jsonl(tmp_path / "chat.jsonl", chat_rows())
+    assert run_cli(["train", "--data", path, "--chat-template", PLAIN, *FAST, "--steps", "2",
+                    "--output-dir", tmp_path / "run"]) == 0
+    err = capsys.readouterr().err
+    assert "oomb: data: 12 examples (messages)" in err and "trained tokens" in err
+    assert len((tmp_path / "run" / "log.jsonl").read_text().splitlines()) == 2
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def _tokenizer_folder(tmp_path, name, keep=("tokenizer_config.json",)):
+    folder = tmp_path / name
+    folder.mkdir()
+    for n in keep:
+        shutil.copy(BUNDLED_TOKENIZER / n, folder / n)
+    return folder
+
+
+@pytest.mark.parametrize("command", ["train", "data"])
+def test_a_tokenizer_folder_without_a_vocabulary_is_refused(tmp_path, capsys, command):
+    folder = _tokenizer_folder(tmp_path, "tok")
+    refused([command, "--tokenizer", folder, *FAST], capsys, tmp_path, "has no vocabulary")
+
+
+def test_a_tokenizer_with_too_few_tokens_is_refused(tmp_path, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel({"<unk>": 0, "</s>": 1, "the": 2, "a": 3}, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=core, unk_token="<unk>", eos_token="</s>").save_pretrained(tmp_path / "small")
+    refused(["train", "--tokenizer", tmp_path / "small", *FAST], capsys, tmp_path, "has only 4 tokens")
+
+
+def test_token_ids_above_the_models_vocabulary_are_refused(tmp_path, capsys):
+    tok = load_tokenizer()
+    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tok.save_pretrained(tmp_path / "big")
+    text = tmp_path / "t.txt"
+    text.write_text("<|im_start|>hello<|im_end|> " * 100)
+    refused(["train", "--tokenizer", tmp_path / "big", "--data", text, *FAST], capsys, tmp_path,
+            "the data has token id 32001 but model 'tiny' has a vocabulary of 32000 ids")
+    refused(["data", "--tokenizer", tmp_path / "big", "--data", text, *FAST], capsys, tmp_path, "token id 32001")
+
+
+@pytest.mark.parametrize("rows, flags, match", [
+    ([{"body": "x", "id": 1}], [], "(its fields: body, id)"),
+    ([{"messages": [{"role": "narrator", "content": "x"}, {"role": "assistant", "content": "y"}]}], ["--chat-template", PLAIN],
+     "row 0: message 0 has the unknown role 'narrator'"),
+    ([{"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "y"}]}], ["--chat-template", PLAIN],
+     "message 0 (user) has content of type int, not a string"),
+    ([{"messages": [{"role": "user", "content": "x"}]}] * 3, ["--chat-template", PLAIN], "no example of"),
+    ([{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}], [], "--chat-template FILE"),
+])
+@pytest.mark.parametrize("command", ["train", "data"])
+def test_bad_rows_are_refused_in_one_line(tmp_path, capsys, rows, flags, match, command):
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    line = refused([command, "--data", path, *flags, *FAST], capsys, tmp_path, match)
+    if "no example of" in match:
+        assert "assistant turn" in line and "--loss-on all" in line
+
+
+def test_an_empty_or_missing_split_is_refused(tmp_path, capsys):
+    import datasets
+
+    empty = tmp_path / "empty.csv"
+    empty.write_text("text\n")  # the header only: a split of no rows
+    refused(["data", "--data", empty, *FAST], capsys, tmp_path, "has no rows")
+    ds = datasets.Dataset.from_dict({"text": ["some words here"] * 5})
+    datasets.DatasetDict({"train": ds, "test": ds.select([0])}).save_to_disk(str(tmp_path / "saved"))
+    refused(["train", "--data", tmp_path / "saved", "--data-split", "validation", *FAST], capsys, tmp_path,
+            "has no split 'validation' (it has: train, test)")
+
+
+def test_the_novels_chat_set_asks_for_a_sentence_of_its_passage(tmp_path):
+    from oomb.data.novels import write_chat_novels
+
+    path = write_chat_novels(tmp_path / "novels.jsonl", 3, passage_chars=3000, seed=1)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == 3
+    for row in rows:
+        user, assistant = row["messages"]
+        assert (user["role"], assistant["role"]) == ("user", "assistant")
+        asked = user["content"].rsplit("\n", 1)[1].strip('"')
+        passage = " ".join(user["content"].split())
+        answer = assistant["content"].strip('"')
+        assert 2500 < len(user["content"]) < 3400 and passage.index(asked) < passage.index(answer, passage.index(asked))
+
+
+def test_oomb_data_prints_a_config_that_reads_back(tmp_path, capsys):
+    assert run_cli(["data", "--print-config", "--loss-on", "all", "--long-examples", "split", "--show-tokens", "9"]) == 0
+    text = capsys.readouterr().out
+    assert "loss_on: all" in text and "long_examples: split" in text and "show_tokens: 9" in text
+    (tmp_path / "run.yaml").write_text(text)
+    assert run_cli(["data", "--config", tmp_path / "run.yaml", "--print-config"]) == 0
+    assert capsys.readouterr().out == text

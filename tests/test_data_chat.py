@@ -1,0 +1,137 @@
+"""Chat rows -> labels: -100 exactly outside assistant content and its end-of-turn token, checked against
+hand-written token lists for a ChatML (Qwen-style) and a Llama-3-style template; prompt/completion rows; an
+example cut by packing keeps its labels."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from oomb.data import DataError, load_tokenizer, pack
+from oomb.data.chat import check_messages, encode_messages, encode_prompt_completion, read_chat_template
+
+TEMPLATES = Path(__file__).parent / "chat_templates"
+SPECIALS = {"chatml": (["<|im_start|>", "<|im_end|>"], None),
+            "llama3": (["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], "<|begin_of_text|>")}
+
+
+def chat_tokenizer(name: str):
+    """The bundled tokenizer with the template's special tokens added (ids 32000 and up)."""
+    tok = load_tokenizer()
+    specials, bos = SPECIALS[name]
+    tok.add_special_tokens({"additional_special_tokens": specials, **({"bos_token": bos} if bos else {})})
+    return tok
+
+
+def marked(tok, ids, labels) -> list[str]:
+    """Token strings, trained ones in [brackets]."""
+    return [f"[{t}]" if lab != -100 else t for t, lab in zip(tok.convert_ids_to_tokens(ids.tolist()), labels)]
+
+
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Hi?"},
+    {"role": "assistant", "content": "Yes."},
+    {"role": "user", "content": "Why?"},
+    {"role": "assistant", "content": " No. "},
+]
+NL = "<0x0A>"
+EXPECTED = {
+    "chatml": ["<|im_start|>", "system", NL, "Be", "▁brief", ".", "<|im_end|>", NL,
+               "<|im_start|>", "user", NL, "Hi", "?", "<|im_end|>", NL,
+               "<|im_start|>", "ass", "istant", NL, "[Yes]", "[.]", "[<|im_end|>]", NL,
+               "<|im_start|>", "user", NL, "Why", "?", "<|im_end|>", NL,
+               "<|im_start|>", "ass", "istant", NL, "[▁No]", "[.]", "[▁]", "[<|im_end|>]", NL],
+    # Llama 3 trims the content: ' No. ' is rendered (and trained) as 'No.'
+    "llama3": ["<|begin_of_text|>", "<|start_header_id|>", "system", "<|end_header_id|>", NL, NL, "Be", "▁brief", ".",
+               "<|eot_id|>", "<|start_header_id|>", "user", "<|end_header_id|>", NL, NL, "Hi", "?", "<|eot_id|>",
+               "<|start_header_id|>", "ass", "istant", "<|end_header_id|>", NL, NL, "[Yes]", "[.]", "[<|eot_id|>]",
+               "<|start_header_id|>", "user", "<|end_header_id|>", NL, NL, "Why", "?", "<|eot_id|>",
+               "<|start_header_id|>", "ass", "istant", "<|end_header_id|>", NL, NL, "[No]", "[.]", "[<|eot_id|>]"],
+}
+
+
+@pytest.mark.parametrize("name", ["chatml", "llama3"])
+def test_multi_turn_labels_are_the_assistant_content_and_end_of_turn(name):
+    tok = chat_tokenizer(name)
+    template = read_chat_template(str(TEMPLATES / f"{name}.jinja"))
+    ids, labels = encode_messages(tok, CONVERSATION, template, "assistant", "row 0")
+    assert marked(tok, ids, labels) == EXPECTED[name]
+    assert np.array_equal(labels[labels != -100], ids[labels != -100])  # a trained label is the token itself
+    _, everything = encode_messages(tok, CONVERSATION, template, "all", "row 0")
+    assert np.array_equal(everything, ids)
+
+
+@pytest.mark.parametrize("name", ["chatml", "llama3"])
+def test_an_assistant_content_that_looks_like_the_header_is_found_in_its_own_turn(name):
+    tok = chat_tokenizer(name)
+    template = read_chat_template(str(TEMPLATES / f"{name}.jinja"))
+    conv = [{"role": "user", "content": "assistant"}, {"role": "assistant", "content": "a"}]
+    ids, labels = encode_messages(tok, conv, template, "assistant", "row 0")
+    trained = [t for t in marked(tok, ids, labels) if t.startswith("[")]
+    assert trained == ["[a]", "[<|im_end|>]" if name == "chatml" else "[<|eot_id|>]"]
+
+
+def test_prompt_completion_strings_train_the_completion_and_eos():
+    tok = load_tokenizer()
+    ids, labels = encode_prompt_completion(tok, "Q: two and two?", " A: four.", None, "assistant", "row 0")
+    assert marked(tok, ids, labels) == ["▁Q", ":", "▁two", "▁and", "▁two", "?", "[▁A]", "[:]", "[▁four]", "[.]", "[</s>]"]
+
+
+def test_prompt_completion_messages_train_only_the_completion_turns():
+    tok = chat_tokenizer("chatml")
+    template = read_chat_template(str(TEMPLATES / "chatml.jinja"))
+    prompt = CONVERSATION[:4]
+    ids, labels = encode_prompt_completion(tok, prompt, CONVERSATION[4:], template, "assistant", "row 0")
+    trained = [t for t in marked(tok, ids, labels) if t.startswith("[")]
+    assert trained == ["[▁No]", "[.]", "[▁]", "[<|im_end|>]"]  # the earlier assistant turn is prompt
+
+
+def test_an_example_cut_by_packing_keeps_its_labels_on_both_pieces():
+    tok = chat_tokenizer("chatml")
+    template = read_chat_template(str(TEMPLATES / "chatml.jinja"))
+    ids, labels = encode_messages(tok, CONVERSATION, template, "assistant", "row 0")
+    n = len(ids)  # 39 tokens
+    short_ids, short_labels = encode_messages(tok, CONVERSATION[1:3], template, "assistant", "row 1")
+    S = 28
+    data = pack([(ids, labels), (short_ids, short_labels)], S, "split", pad_id=0)
+    assert len(data) == 2 and data.stats.split_examples == 1
+    first, second = data[0], data[1]
+    # piece 1: the first S tokens of the example, a document of its own
+    assert first.input_ids[0].tolist() == ids[:S].tolist() and first.labels[0].tolist() == labels[:S].tolist()
+    assert first.cu_seqlens.tolist() == [0, S]
+    # piece 2: the rest, then the short example, then padding (label -100), each its own document
+    rest = n - S
+    m = len(short_ids)
+    assert second.input_ids[0, :rest].tolist() == ids[S:].tolist()
+    assert second.labels[0, :rest].tolist() == labels[S:].tolist()
+    assert second.labels[0, rest:rest + m].tolist() == short_labels.tolist()
+    assert (second.labels[0, rest + m:] == -100).all() and (second.input_ids[0, rest + m:] == 0).all()
+    assert second.cu_seqlens.tolist() == [0, rest, rest + m, S]
+    assert data.stats.padding == S - rest - m
+
+
+def test_long_chat_examples_are_dropped_and_counted_by_default_policy():
+    tok = chat_tokenizer("chatml")
+    template = read_chat_template(str(TEMPLATES / "chatml.jinja"))
+    long = encode_messages(tok, CONVERSATION, template, "assistant", "row 0")
+    short = encode_messages(tok, CONVERSATION[1:3], template, "assistant", "row 1")
+    data = pack([long, short, short], 30, "drop", pad_id=0)
+    s = data.stats
+    assert (len(data), s.examples, s.dropped_examples, s.dropped_tokens) == (1, 3, 1, len(long[0]))
+    assert s.trained_tokens == 2 * 3  # 'Yes', '.', '<|im_end|>' of each short example
+    assert "1 examples dropped" in s.summary() or "1 example" in s.summary()
+
+
+@pytest.mark.parametrize("messages, match", [
+    ([{"role": "narrator", "content": "x"}], "unknown role 'narrator'"),
+    ([{"role": "user", "content": ["x"]}], "content of type list, not a string"),
+    ([{"role": "user"}], 'not an object with "role" and "content"'),
+    ("hello", "not a list of messages"),
+])
+def test_bad_messages_are_refused_naming_the_row(messages, match):
+    with pytest.raises(DataError, match=match) as info:
+        check_messages(messages, "d.jsonl row 3")
+    assert info.value.problem.startswith("d.jsonl row 3") and info.value.fix
