@@ -25,6 +25,7 @@
 # chat-vs-text chat_vs_text.py                         oomb train on a chat set made from the novels vs plain text
 # quality     (below)                                  sparse quality: train a 100M model, eval and grad-error at 64K
 # dp          (below)                                  data-parallel scaling: torchrun on 2 GPUs against 1
+# finetune    full_finetune.py                         7B full fine-tune per --optimizer (torchao from .whl/ if missing)
 #
 # Examples:
 #   benchmarks/run_gpu.sh step --lengths 32768 131072 --systems hf oomb-sdpa-save-gpu --oomb-steps 2
@@ -99,5 +100,9 @@ case "$kind" in
   chat-vs-text) python3 benchmarks/chat_vs_text.py --out "$OUT/chat_vs_text.json" "$@" ;;
   quality)    quality "$@" ;;
   dp)         dp "$@" ;;
+  finetune)   if ! python3 -c "import torchao.optim" 2>/dev/null && ls .whl/torchao-*.whl >/dev/null 2>&1; then
+                python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/torchao-*.whl
+                export PYTHONPATH=/tmp/site:$PYTHONPATH; fi
+              python3 $B/full_finetune.py --out "$OUT/full_finetune.jsonl" "$@" ;;
   *) echo "run_gpu.sh: unknown KIND '$kind' (see the top of $0)" >&2; exit 2 ;;
 esac 2>&1 | tee "$OUT/$kind.txt"

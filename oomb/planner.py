@@ -32,6 +32,7 @@ from .memory import (
     kv_stash_reserve_bytes,
     min_gpu_pages,
     offload_traffic,
+    optimizer_bytes,
     page_bytes,
     parse_dtype,
     resident_pages_for_budget,
@@ -95,6 +96,9 @@ class MemoryPlan:
     layout_note: str = ""  # how the table's layout relates to a refused gpu_page_budget
     gpu_page_budget: int | None = None  # as given; the largest contexts (max_seq_len_*) are then under this pool
     tiering_found: bool = True  # False: no tiering fits (the table shows the layout the verdict speaks of)
+    optimizer_name: str | None = "adamw"  # the optimizer planned for (None: no states)
+    optimizer_host: int = 0  # host bytes of the optimizer (adamw-cpu), in the host budget before the KV pages
+    optimizer_pinned: int = 0  # the pinned part of optimizer_host
 
     @property
     def fits(self) -> bool:
@@ -137,7 +141,7 @@ class MemoryPlan:
             f"{'GPU':<42}{'GiB':>9}",
             f"  {'weights':<40}{g(self.weights)}",
             f"  {'gradients' + (' (float32 sums)' if self.grad_accum_dtype == 'float32' else ''):<40}{g(self.grads)}",
-            f"  {'optimizer states':<40}{g(self.optimizer)}",
+            f"  {self._optimizer_label():<40}{g(self.optimizer)}",
             f"  {'activations: saved':<40}{g(act['saved'])}",
             # the peak holds the larger of the attention and loss temporaries (not both), and the final norm's
             # and hidden state's gradient bytes ("other"): the rows add up to the predicted peak
@@ -156,6 +160,7 @@ class MemoryPlan:
             f"  {'KV pages in pinned memory':<40}{g(self.host_kv)}",
             *([f"  {'attention outputs (save_attention=host)':<40}{g(self.saved_attention_host)}"]
               if self.saved_attention_host else []),
+            *([f"  {'optimizer: states + pinned copies':<40}{g(self.optimizer_host)}"] if self.optimizer_host else []),
             f"  {f'budget ({self.host_fraction:.0%} of available RAM)':<40}{g(self.host_budget)}",
             "",
             f"tiering: {self._tiering_label()}",
@@ -186,6 +191,11 @@ class MemoryPlan:
         ]
         return "\n".join(rows)
 
+
+    def _optimizer_label(self) -> str:
+        if self.optimizer_name is None:
+            return "optimizer states (none)"
+        return f"optimizer states ({self.optimizer_name})"
 
     def _temporaries_label(self) -> str:
         act = self.activations
@@ -267,6 +277,7 @@ def plan(
     staging_sets: int | None = None,
     stage1_shadow: bool = True,
     kv_stash_mib: int = 0,
+    suggest_optimizer: bool = True,
 ) -> MemoryPlan:
     """Predict GPU and host memory of training ``model`` on ``seq_len``-token sequences; nothing is allocated.
 
@@ -276,7 +287,9 @@ def plan(
         chunk_size, page_size: tokens (as :class:`oomb.OOMBConfig`).
         dtype: parameter/activation dtype.
         lora_rank: LoRA rank on q/k/v/o (0: full fine-tune).
-        optimizer: 'adamw' (two fp32 states per trainable parameter, 8 B) or None (no states).
+        optimizer: one of :data:`oomb.memory.optimizer.OPTIMIZER_NAMES` or None (no states): its GPU and host
+            bytes (:func:`oomb.memory.optimizer.optimizer_bytes`); its host bytes come out of the host budget
+            before the pinned KV pages.
         checkpoint_layers, attention_backend ('torch', 'triton' or 'sdpa'), attention_block_size, loss_chunk_size:
             as in :class:`oomb.OOMBConfig` ('auto' counts as 'sdpa', what it is on CUDA; with
             ``sparse`` 'auto' and 'sdpa' count as 'triton', the block-table kernels sparse attention runs).
@@ -303,6 +316,8 @@ def plan(
         staging_sets, stage1_shadow, kv_stash_mib: as in :class:`oomb.config.OffloadConfig`: whole-layer staging
             sets (None: picked from the pool, 2 where more would overflow the host budget), the Stage-1 shadow
             (traffic only) and the MiB kept free for the K/V stash of a sparse offloaded store.
+        suggest_optimizer: where the run does not fit, plan it with the other optimizers ('adamw8bit', then
+            'adamw-cpu') and name the first that fits in the problems.
 
     Returns:
         :class:`MemoryPlan`; ``plan.fits`` / ``plan.check()`` say whether it fits.
@@ -332,6 +347,8 @@ def plan(
         reserve += kv_stash
     gpu_budget = max(machine.gpu_free_bytes - reserve, 0)
     host_budget = int(machine.host_available_bytes * host_fraction)
+    opt = optimizer_bytes(shape, dtype, lora_rank, optimizer)
+    kv_host_budget = max(host_budget - opt.host, 0)  # the optimizer's host memory first, the pinned KV pages after
     L = shape.num_layers
     pb = page_bytes(shape, page_size, dtype)
     wbuf = 2 * 2 * chunk_size * shape.kv_dim * dtype_size(dtype)  # two K+V write buffers of one chunk
@@ -355,7 +372,7 @@ def plan(
         parts = (n_params, trainable, weights, grads, optim, act)
         return parts, weights + grads + optim + act["total"]
 
-    def tier_for(T: int, off=offload, budget=gpu_page_budget, host=host_budget, save="off", sets=staging_sets):
+    def tier_for(T: int, off=offload, budget=gpu_page_budget, host=kv_host_budget, save="off", sets=staging_sets):
         _, fixed = fixed_for(T, save)
         n = -(-T // page_size)
         pool_budget = gpu_budget - fixed
@@ -484,6 +501,21 @@ def plan(
     fixes.append("a smaller chunk_size")
     phrase = "use " + (", ".join(fixes[:-1]) + " or " + fixes[-1] if len(fixes) > 1 else fixes[0])
     problems = [p.replace("use LoRA, checkpoint_layers or a smaller chunk_size", phrase) for p in problems]
+    if opt.host:  # the pinned KV budget a tiering message names is what the optimizer leaves of the host budget
+        problems = [m.replace("of pinned memory but the budget is", "of pinned memory but the budget left after the "
+                              f"optimizer's {opt.host / GiB:.2f} GiB is") for m in problems]
+    if opt.host > host_budget and machine.gpu_total_bytes:
+        problems.insert(0, f"optimizer={optimizer!r} keeps {opt.host / GiB:.2f} GiB in host memory but the host budget is "
+                           f"{host_budget / GiB:.2f} GiB; use another optimizer or free host RAM")
+    if problems and suggest_optimizer and optimizer is not None and machine.gpu_total_bytes:
+        for alt in ("adamw8bit", "adamw-cpu"):
+            if alt != optimizer:
+                q = plan(**dict(kwargs, optimizer=alt, suggest_optimizer=False))
+                if q.fits:
+                    problems.append(f"with optimizer={alt!r} it fits (GPU {q.gpu_peak / GiB:.2f} of "
+                                    f"{q.gpu_budget / GiB:.2f} GiB, host {q.host_peak / GiB:.2f} of "
+                                    f"{q.host_budget / GiB:.2f} GiB)")
+                    break
     own_b = 0
     if tiering.offload:
         R = tiering.resident_pages_per_layer
@@ -500,7 +532,7 @@ def plan(
         num_params=n_params, trainable_params=trainable, weights=weights, grads=grads, optimizer=optim,
         activations=act, page_bytes=pb, pages_per_layer=n, kv_total=L * n * pb, tiering=tiering,
         gpu_pool=gpu_pool, write_buffers=wb, host_kv=host_kv, gpu_peak=gpu_peak,
-        host_peak=host_kv + saved_for(seq_len, save)["host"],
+        host_peak=host_kv + saved_for(seq_len, save)["host"] + opt.host,
         gpu_budget=gpu_budget, host_budget=host_budget, machine=machine,
         max_seq_len_gpu_only=longest_gpu, max_seq_len_offload=longest_off, problems=problems,
         traffic=offload_traffic(shape, seq_len, chunk_size, page_size, tiering.resident_pages_per_layer, dtype,
@@ -511,7 +543,8 @@ def plan(
         segment_pages=SP if tiering.offload else None, own_buffers=own_b, host_fraction=host_fraction,
         save_attention=save, saved_attention_host=saved_for(seq_len, save)["host"], save_attention_note=save_note,
         grad_accum_dtype=grad_accum_dtype, kv_stash_reserved=kv_stash, layout_note=shown_note,
-        gpu_page_budget=gpu_page_budget, tiering_found=tiering_found,
+        gpu_page_budget=gpu_page_budget, tiering_found=tiering_found, optimizer_name=optimizer,
+        optimizer_host=opt.host, optimizer_pinned=opt.pinned,
     )
 
 

@@ -32,18 +32,18 @@ def _check_sparse_flags(args: argparse.Namespace, enabled: bool, enabler: str, n
 
 
 def _check_cpu_memory(args: argparse.Namespace, model_config: object, dtype: "torch.dtype") -> None:
-    """Refuse a CPU run whose weights, gradients and AdamW states alone exceed the available RAM (a lower
-    bound: activations and the KV store come on top), before any weight is allocated."""
-    from ..memory import ModelShape, base_gpu_bytes, host_memory
+    """Refuse a CPU run whose weights, gradients and optimizer states (and, for adamw-cpu, its copies) alone exceed
+    the available RAM (a lower bound: activations and the KV store come on top), before any weight is allocated."""
+    from ..memory import ModelShape, base_gpu_bytes, host_memory, optimizer_bytes
 
     shape = ModelShape.from_config(model_config)
     n = shape.num_params()
 
     def need(rank: int) -> int:  # as oomb plan counts them
         _, _, weights, grads, optim, _ = base_gpu_bytes(
-            shape, min(args.chunk_size, args.seq_len), args.chunk_size, dtype, rank, "adamw", args.checkpoint_layers,
-            "torch", 4096, 1024, args.grad_accum_dtype)
-        return weights + grads + optim
+            shape, min(args.chunk_size, args.seq_len), args.chunk_size, dtype, rank, args.optimizer,
+            args.checkpoint_layers, "torch", 4096, 1024, args.grad_accum_dtype)
+        return weights + grads + optim + optimizer_bytes(shape, dtype, rank, args.optimizer).host
 
     available = host_memory()[0]
     if need(args.lora_rank) <= available:
@@ -51,7 +51,7 @@ def _check_cpu_memory(args: argparse.Namespace, model_config: object, dtype: "to
     lora = not args.lora_rank and need(8) <= available
     raise UsageError(
         f"--model {args.model} ({n / 1e9:.2f}B parameters) needs at least {need(args.lora_rank) / 2**30:.1f} GiB of memory "
-        f"on the CPU for its weights, {'adapter ' if args.lora_rank else ''}gradients and AdamW states, but "
+        f"on the CPU for its weights, {'adapter ' if args.lora_rank else ''}gradients and optimizer states, but "
         f"{available / 2**30:.1f} GiB is available",
         (f"use --lora-rank 8 (~{need(8) / 2**30:.1f} GiB), " if lora else "use ") + "a smaller --model (e.g. tiny), or --device cuda",
     )
@@ -202,6 +202,7 @@ def _flag_names(text: str) -> str:
 
     for old, new in _FLAG_NAMES:
         text = text.replace(old, new)
+    text = re.sub(r"\boptimizer='([\w-]+)'", r"--optimizer \1", text)
     return re.sub(r"(?<![\w/.-])(" + "|".join(_PARAM_FLAGS) + r")(?![\w/-]|\.\w)", lambda m: "--" + m.group(1).replace("_", "-"), text)
 
 

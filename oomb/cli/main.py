@@ -30,8 +30,18 @@ def _show_warning(message, category, filename, lineno, file=None, line=None):
 _DEFAULT_SHOWWARNING = warnings.showwarning
 
 
+_QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+"""Loggers whose warnings the command leaves out (errors still show): transformers imports torchao with every
+model, and torchao notes each CUDA kernel library that does not load on this machine (its optimizers, the ones
+oomb uses, need none), and torch notes a deprecated registration of torchao's."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``oomb`` command. Returns 0; exits with status 2 on bad input, 130 on an interrupt."""
+    import logging
+
+    for name in _QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
     signals = _StartupSignals()
     try:
         with warnings.catch_warnings():

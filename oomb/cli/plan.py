@@ -22,12 +22,15 @@ from .checks import (
 GiB = 1024**3
 
 
-def job_plan(args: argparse.Namespace, dtype, optimizer: str | None = "adamw", machine=None):
+def job_plan(args: argparse.Namespace, dtype, optimizer: str | None = "job", machine=None):
     """The :class:`oomb.planner.MemoryPlan` of the job ``args.job`` (model, sequence length, LoRA rank, engine
-    settings) with ``optimizer``, for ``machine`` (None: this one)."""
+    settings) with ``optimizer`` ('job': the job's ``train.optimizer``; None: no optimizer states), for
+    ``machine`` (None: this one)."""
     from ..planner import plan_for_config
 
     job = args.job
+    if optimizer == "job":
+        optimizer = job.train.optimizer
     return plan_for_config(job.model.name, job.data.seq_len, job.engine, dtype=dtype, lora_rank=job.model.lora_rank,
                            optimizer=optimizer, machine=machine)
 
@@ -73,7 +76,7 @@ def _plan(args: argparse.Namespace) -> int:
         if warning:
             print(warning, file=sys.stderr)
         dtype = "bfloat16" if args.dtype == "auto" else args.dtype  # 'auto' is bfloat16 on a GPU, what a plan is for
-        p = job_plan(args, dtype, optimizer=None if args.no_optimizer else "adamw", machine=machine)
+        p = job_plan(args, dtype, optimizer=None if args.no_optimizer else "job", machine=machine)
     except ValueError as exc:  # MemoryPlanError, UnknownModelError, UnsupportedModelError
         raise _usage_from(exc, "see 'oomb plan --help'") from exc
     print(_flag_names(p.table()))  # the planner speaks in config fields; the command line in flags

@@ -85,10 +85,13 @@ def _check_resume_fingerprint(saved: dict | None, now: dict, path: Path) -> None
     )
 
 
-_RESUME_SETTINGS = ("sparse", "page_budget", "sink_pages", "local_pages", "sparse_score", "chunk_size", "page_size")
-"""Engine settings saved with every checkpoint (meta.json "settings") and compared on --resume: a different
-sparse attention changes the gradients (refused); a different chunk or page size changes them only with
---sparse (the selection is per chunk and page), while dense attention is exact at any (a note)."""
+_RESUME_SETTINGS = ("sparse", "page_budget", "sink_pages", "local_pages", "sparse_score", "chunk_size", "page_size",
+                    "optimizer")
+"""Settings saved with every checkpoint (meta.json "settings") and compared on --resume: a different sparse
+attention changes the gradients (refused); a different chunk or page size changes them only with --sparse (the
+selection is per chunk and page), while dense attention is exact at any (a note); another optimizer cannot
+load the checkpoint's optimizer state (refused; a checkpoint that records none was written with adamw)."""
+_SAVED_DEFAULTS = {"optimizer": "adamw"}
 
 
 def _resume_settings(args: argparse.Namespace) -> dict:
@@ -109,6 +112,7 @@ def _check_resume_settings(args: argparse.Namespace, saved: dict | None, path: P
                 "its options, --chunk-size and --page-size are the run's, as they are not checked"]
     now = _resume_settings(args)
     sparse = bool(saved.get("sparse")) or args.sparse
+    saved = {**_SAVED_DEFAULTS, **saved}
     differ = [k for k in _RESUME_SETTINGS if k in saved and saved[k] != now[k]]
     refused = [k for k in differ if sparse or k not in ("chunk_size", "page_size")]
     if refused:

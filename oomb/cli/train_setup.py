@@ -84,6 +84,12 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
     lora_problem = lora_rank_problem(model_config, args.lora_rank, args.model)
     if lora_problem:
         raise UsageError(*lora_problem)
+    from ..train.optim import OptimizerUnavailable, build_optimizer, check_available
+
+    try:
+        check_available(args.optimizer)  # a missing library before any weight is built
+    except OptimizerUnavailable as exc:
+        raise _usage_from(exc, "pass --optimizer adamw") from exc
     if device.type != "cuda":
         _check_cpu_memory(args, model_config, dtype)
     if device.type != "cuda" and args.offload == "auto":
@@ -177,8 +183,8 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
     t_reserve_s = time.perf_counter() - t_reserve
 
     params = [p for p in model.parameters() if p.requires_grad]
-    fused = device.type == "cuda"
-    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay, fused=fused)
+    optimizer = build_optimizer(args.optimizer, params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95),
+                                device=device)
     fingerprint = _fingerprint(args, sequences, dtype, ctx.world_size)
 
     start_step, finished = 0, False

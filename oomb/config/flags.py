@@ -55,7 +55,7 @@ COMMANDS: dict[str, list[tuple[str, tuple[str, ...] | None]]] = {
     ],
     "plan": [
         ("model", ("name", "dtype", "lora_rank")), ("data", ("seq_len",)), ("engine", _ENGINE_CORE),
-        ("engine.sparse", _ALL), ("engine.offload", _ALL), ("plan", _ALL),
+        ("engine.sparse", _ALL), ("engine.offload", _ALL), ("train", ("optimizer",)), ("plan", _ALL),
     ],
     "eval": [
         ("model", ("name", "device", "dtype", "seed")), ("data", ("path", "tokenizer", "seq_len")),

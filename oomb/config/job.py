@@ -18,13 +18,16 @@ from .meta import flag
 
 __all__ = [
     "BenchConfig", "DataConfig", "DataReportConfig", "EvalConfig", "GradErrorConfig", "JobConfig", "ModelConfig",
-    "OutputConfig", "PlanConfig", "TrainConfig", "SEED_LIMIT",
+    "OPTIMIZERS", "OutputConfig", "PlanConfig", "TrainConfig", "SEED_LIMIT",
 ]
 
 SEED_LIMIT = 2**32
 """Seeds are integers from 0 to SEED_LIMIT - 1 (what numpy and torch accept alike)."""
 
 Device = Literal["cpu", "cuda"]
+Optimizer = Literal["adamw", "adamw8bit", "adamw-bf16", "adamw-cpu"]
+OPTIMIZERS = ("adamw", "adamw8bit", "adamw-bf16", "adamw-cpu")
+"""The optimizers ``train.optimizer`` names (:func:`oomb.train.optim.build_optimizer` builds them)."""
 Dtype = Literal["auto", "float32", "bfloat16"]
 
 
@@ -178,6 +181,12 @@ class TrainConfig:
     weight_decay: float = 0.0
     """AdamW weight decay."""
 
+    optimizer: Optimizer = "adamw"
+    """AdamW (betas 0.9, 0.95) and where its two states per trainable parameter live. adamw: torch's AdamW (fused
+    on cuda), states in the parameter dtype on the GPU; adamw8bit: torchao's block-wise 8-bit states (2 bytes
+    per parameter); adamw-bf16: torchao's AdamW, bf16 weights updated with stochastic rounding; adamw-cpu: the
+    states and the update in host memory, the GPU keeps weights and gradients only."""
+
     lr_schedule: Literal["cosine", "constant"] = "cosine"
     """After the warm-up: cosine decay to 10% of lr at the last step, or a constant lr."""
 
@@ -193,6 +202,7 @@ class TrainConfig:
         check.positive_int("grad_accum", self.grad_accum)
         check.positive_float("lr", self.lr, "pass a positive learning rate, e.g. {lr} 3e-4")
         check.nonnegative_float("weight_decay", self.weight_decay, "pass 0 or a positive number")
+        check.choice("optimizer", self.optimizer, OPTIMIZERS)
         check.choice("lr_schedule", self.lr_schedule, ("cosine", "constant"))
         if self.warmup_steps is not None:
             check.nonnegative_int("warmup_steps", self.warmup_steps, "steps")
@@ -220,8 +230,8 @@ class OutputConfig:
     """Continue the run in the output dir from its latest checkpoint ('latest') or from the checkpoint folder
     PATH (a checkpoint of another folder only into a new or empty output dir; that folder is left as it is). The
     model, seq_len, data, tokenizer, seed, LoRA settings, grad_accum, dtype, document_mask, RoPE settings,
-    weight_decay, sparse attention and its options (with it also chunk_size and page_size) and the number of
-    ranks must be those of the run; steps, lr, the schedule and max_grad_norm may change."""
+    weight_decay, optimizer, sparse attention and its options (with it also chunk_size and page_size) and the
+    number of ranks must be those of the run; steps, lr, the schedule and max_grad_norm may change."""
 
     log_every: int = 1
     """Print a loss line every N steps (log.jsonl gets every step)."""
@@ -254,7 +264,7 @@ class PlanConfig:
     75% of it."""
 
     no_optimizer: bool = False
-    """Leave out the AdamW states (memory of the step alone)."""
+    """Leave out the optimizer states (memory of the step alone)."""
 
     @_in("plan")
     def __post_init__(self) -> None:

@@ -9,10 +9,12 @@ report. This package imports nothing above it (no engine, planner or CLI).
 * :mod:`~oomb.memory.shape`: :class:`ModelShape`, :class:`Machine`, dtype sizes, host RAM.
 * :mod:`~oomb.memory.step`: activations, weights/gradients/optimizer states, KV pages, sparse state and
   headroom, saved attention outputs.
+* :mod:`~oomb.memory.optimizer`: each optimizer's state bytes on the GPU and on the host.
 * :mod:`~oomb.memory.tiering`: segments, staging sets, resident pages, Stage-1 shadow, K/V stash, the tiering.
 * :mod:`~oomb.memory.schedule` and :mod:`~oomb.memory.traffic`: the segment schedule and the bytes it copies.
 """
 
+from .optimizer import OPTIMIZER_NAMES, OptimizerBytes, optimizer_bytes, trainable_numels
 from .schedule import BufTag, SegmentSchedule, SegUse
 from .shape import GiB, Machine, ModelShape, dtype_size, host_memory, parse_dtype
 from .step import (LORA_TARGETS, activation_bytes, base_gpu_bytes, page_bytes, saved_attention_bytes,
@@ -25,10 +27,10 @@ from .traffic import offload_traffic, segment_traffic
 
 __all__ = [
     "BufTag", "DEFAULT_SEGMENT_TOKENS", "DeviceMemory", "EngineTiering", "GiB", "LORA_TARGETS", "Machine",
-    "MemoryPlanError", "ModelShape", "SegUse", "SegmentSchedule", "Tiering", "activation_bytes", "base_gpu_bytes",
+    "MemoryPlanError", "ModelShape", "OPTIMIZER_NAMES", "OptimizerBytes", "SegUse", "SegmentSchedule", "Tiering", "activation_bytes", "base_gpu_bytes",
     "choose_engine_tiering", "choose_staging_sets", "default_segment_pages", "dtype_size", "fit_tiering",
     "host_memory", "kv_stash_request_bytes", "kv_stash_reserve_bytes", "kv_stash_tiles", "min_gpu_pages",
-    "offload_traffic", "page_bytes", "parse_dtype", "resident_pages_for_budget", "resolve_segment_pages",
+    "offload_traffic", "optimizer_bytes", "page_bytes", "parse_dtype", "resident_pages_for_budget", "resolve_segment_pages",
     "saved_attention_bytes", "segment_traffic", "sparse_headroom_bytes", "sparse_state_bytes",
-    "stage1_shadow_pages", "staging_pages",
+    "stage1_shadow_pages", "staging_pages", "trainable_numels",
 ]

@@ -59,6 +59,7 @@ import torch
 
 from ..ops.attention_ref import acc_dtype_for
 from .shape import GiB, ModelShape, dtype_size
+from .optimizer import optimizer_bytes
 
 __all__ = [
     "activation_bytes",
@@ -131,7 +132,8 @@ def page_bytes(shape: ModelShape, page_size: int, dtype: torch.dtype) -> int:
 def base_gpu_bytes(shape, seq_len, chunk_size, dtype, lora_rank, optimizer, checkpoint_layers, attention_backend,
                    attention_block_size, loss_chunk_size, grad_accum_dtype="param"):
     """``(num_params, trainable, weights, grads, optimizer, activations)`` of a step: parameter counts, bytes of the
-    weights, gradients and optimizer states (AdamW: 8 per trainable parameter; ``optimizer`` None: 0), and the
+    weights, gradients and the optimizer's GPU states (:func:`oomb.memory.optimizer.optimizer_bytes`; ``optimizer``
+    None: 0), and the
     :func:`activation_bytes` dict of one chunk."""
     n_params = shape.num_params()
     e = dtype_size(dtype)
@@ -144,7 +146,7 @@ def base_gpu_bytes(shape, seq_len, chunk_size, dtype, lora_rank, optimizer, chec
         weights = n_params * e
         # grad_accum_dtype='float32': bf16/fp16 gradients are summed in float32 during the step (4 B each).
         grads = n_params * (4 if grad_accum_dtype == "float32" and e < 4 else e)
-    optim = 8 * trainable if optimizer == "adamw" else 0
+    optim = optimizer_bytes(shape, dtype, lora_rank, optimizer).gpu
     # A sequence shorter than the chunk is one chunk of seq_len tokens: activations for those only.
     act = activation_bytes(shape, min(chunk_size, seq_len), dtype, checkpoint_layers, attention_backend,
                            attention_block_size, loss_chunk_size, max(seq_len - chunk_size, 0), lora_rank)

@@ -1156,7 +1156,7 @@ def test_plan_refusals_name_fixes_that_apply(capsys):
     assert "raise --gpu-page-budget (16,384 pages keep 0 of 8,192 pages per layer on the GPU)" in out
     assert run_cli(["plan", "--model", "qwen2.5-7b", "--gpu-gib", "139.8", "--host-gib", "125", "--seq-len", "100000000000"]) == 1
     out = capsys.readouterr().out
-    assert "; shorten the context to 733,184 tokens or fewer (the longest that fits with offload)" in out
+    assert "; shorten the context to 909,312 tokens or fewer (the longest that fits with offload)" in out
     assert "--lora-rank" not in out  # the attention temporaries, not the weights and states, are what does not fit
 
 
@@ -1171,9 +1171,9 @@ def test_plan_refusal_names_what_grows_with_the_context(capsys):
     assert "tiering: none fits (shown: every page on the GPU)" in out
     verdict = out.splitlines()[-1]
     assert verdict.startswith("DOES NOT FIT: at 99,999,999,999 tokens one chunk's attention temporaries grow with the "
-                              "context: with the weights, gradients, optimizer states and activations they need 23842.02 GiB")
+                              "context: with the weights, gradients, optimizer states and activations they need 23842.00 GiB")
     assert verdict.endswith("and the KV store needs 286,102.29 GiB on top (GPU and host); shorten the context to "
-                            "49,164,288 tokens or fewer (the longest that fits with offload)")
+                            "49,172,480 tokens or fewer (the longest that fits with offload)")
     # where the Triton kernels' temporaries (one chunk's, whatever the context) make it fit, that is named too
     assert run_cli(["plan", "--model", "tiny", "--gpu-gib", "20", "--host-gib", "1000", "--seq-len", "100000000"]) == 1
     assert capsys.readouterr().out.rstrip().endswith(

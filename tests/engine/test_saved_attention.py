@@ -185,10 +185,13 @@ def test_plan_counts_saved_outputs_and_drops_them_with_offload():
         assert p.gpu_peak - base.gpu_peak == want[where]["gpu"]
         assert p.host_peak - base.host_peak == want[where]["host"]
         assert f"attention outputs (save_attention={where})" in p.table()
-    # With AdamW states the outputs no longer fit beside every page: planned without them, and said so
-    p = plan("qwen2.5-7b", T, machine=m, save_attention="gpu")
+    # With AdamW states (28 GiB for bf16 weights) on a 100 GiB GPU the outputs no longer fit beside every page:
+    # planned without them, and said so
+    m100 = Machine(100 * GiB, 141 * GiB, 120 * GiB, 128 * GiB, "given")
+    assert plan("qwen2.5-7b", T, optimizer=None, machine=m100, save_attention="gpu").save_attention == "gpu"
+    p = plan("qwen2.5-7b", T, machine=m100, save_attention="gpu")
     assert p.save_attention == "off" and "--save-attention gpu (save_attention='gpu'): not kept" in p.table()
-    assert p.gpu_peak == plan("qwen2.5-7b", T, machine=m).gpu_peak
+    assert p.gpu_peak == plan("qwen2.5-7b", T, machine=m100).gpu_peak
     # Too little host memory for 'host': not kept, and the host budget is named
     small = Machine(139 * GiB, 141 * GiB, 20 * GiB, 24 * GiB, "given")
     p = plan("qwen2.5-7b", T, optimizer=None, machine=small, save_attention="host")
@@ -196,12 +199,12 @@ def test_plan_counts_saved_outputs_and_drops_them_with_offload():
     assert "needs 24.11 GiB of host memory but the host budget is 15.00 GiB" in p.table()
     # Dense offload keeps them (its Stage-2 forwards then stage nothing: less traffic); sparse offload does not
     T = 262144
-    off = plan("qwen2.5-7b", T, machine=m, offload=True)
-    kept = plan("qwen2.5-7b", T, machine=m, offload=True, save_attention="host")
+    off = plan("qwen2.5-7b", T, machine=m100, offload=True)
+    kept = plan("qwen2.5-7b", T, machine=m100, offload=True, save_attention="host")
     assert kept.tiering.offload and kept.save_attention == "host"
     assert kept.traffic["h2d_bytes"] < off.traffic["h2d_bytes"]
     sparse = OOMBConfig(sparse=SparseConfig())
-    p = plan("qwen2.5-7b", T, machine=m, offload=True, save_attention="host", sparse=sparse)
+    p = plan("qwen2.5-7b", T, machine=m100, offload=True, save_attention="host", sparse=sparse)
     assert p.save_attention == "off" and "stages whole layers" in p.table()
 
 

@@ -91,7 +91,8 @@ def test_monotone_in_length_chunk_and_options():
     assert ckpt.activations["saved"] < full.activations["saved"] / 10
     adam = plan("qwen2.5-7b", 65536, machine=H200, optimizer="adamw")
     lora = plan("qwen2.5-7b", 65536, machine=H200, optimizer="adamw", lora_rank=16)
-    assert adam.optimizer == 8 * adam.num_params and lora.optimizer < adam.optimizer / 100
+    # torch's AdamW keeps its two states like the parameter (zeros_like): 2 x 2 B for bf16 weights
+    assert adam.optimizer == 4 * adam.num_params and lora.optimizer < adam.optimizer / 100
     assert lora.grads < adam.grads / 100 and lora.trainable_params == 28 * 16 * ((3584 + 3584) * 2 + 2 * (3584 + 512))
 
 
