@@ -218,7 +218,9 @@ def _save(model, tokenizer, out: Path, lora: bool, train_args: dict) -> list[str
             model.save_pretrained(str(tmp), safe_serialization=True)
         else:
             model.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
+        from ..models.saving import save_tokenizer
+
+        save_tokenizer(tokenizer, tmp)  # after the model: AutoTokenizer's class depends on its config.json
         # The list of what this run wrote lets a later --overwrite delete exactly that (_oomb_outputs).
         train_args = dict(train_args, outputs=sorted(os.listdir(tmp) + ["train_args.json"]))
         (tmp / "train_args.json").write_text(json.dumps(train_args, indent=2) + "\n")
