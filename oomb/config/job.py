@@ -8,7 +8,7 @@ sections (``model:``, ``data:``, ``engine:``, ``train:``, ``output:``, ...; :mod
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import List, Literal, Optional
 
 from . import _checks as check
@@ -67,11 +67,20 @@ class ModelConfig:
     saved in config.json)."""
 
     lora_rank: int = 0
-    """LoRA rank on the q/k/v/o projections (peft); 0: full fine-tune; at most the projections' smaller
+    """LoRA rank (peft) on the layers lora_targets names; 0: full fine-tune; at most the adapted layers' smaller
     size."""
 
     lora_alpha: Optional[float] = None
     """LoRA alpha; default: 2 x lora_rank."""
+
+    lora_targets: str = field(default="q_proj,k_proj,v_proj,o_proj", metadata=flag("--lora-targets", metavar="NAMES"))
+    """The linear layers a LoRA adapter adapts: a comma list of module names (q_proj, k_proj, v_proj, o_proj,
+    gate_proj, up_proj, down_proj in Qwen/Llama/Mistral models), or all-linear (every linear layer but the output
+    projection)."""
+
+    train_embeddings_norms: bool = False
+    """With LoRA, also train the input embeddings and every norm layer (LongLoRA: LoRA alone does not extend the
+    context); they are saved in the adapter (peft modules_to_save), which PeftModel.from_pretrained loads."""
 
     @_in("model")
     def __post_init__(self) -> None:
@@ -92,6 +101,16 @@ class ModelConfig:
             if self.lora_rank == 0:
                 raise ConfigError("lora_alpha", "{lora_alpha} scales a LoRA adapter but {lora_rank} is 0 (a full fine-tune)",
                                   "set {lora_rank} R, or leave {lora_alpha} out")
+        if not isinstance(self.lora_targets, str) or not any(n.strip() for n in self.lora_targets.split(",")):
+            raise ConfigError("lora_targets", f"{{lora_targets}} is {self.lora_targets!r}",
+                              "pass module names separated by commas (e.g. q_proj,v_proj) or all-linear")
+        check.boolean("train_embeddings_norms", self.train_embeddings_norms)
+        if self.lora_rank == 0:
+            defaults = {f.name: f.default for f in fields(self)}
+            for key in ("lora_targets", "train_embeddings_norms"):
+                if getattr(self, key) != defaults[key]:
+                    raise ConfigError(key, f"{{{key}}} sets up a LoRA adapter but {{lora_rank}} is 0 (a full fine-tune, "
+                                      "which trains every layer)", f"set {{lora_rank}} R, or leave {{{key}}} out")
 
 
 @dataclass
