@@ -71,6 +71,7 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         tokenize_documents,
     )
     from ..models.presets import (
+        PRESETS,
         UnknownModelError,
         build_model,
         check_config_supported,
@@ -156,6 +157,8 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         from ..models.lora import apply_lora
 
         model = apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_targets, args.train_embeddings_norms)
+        if args.model not in PRESETS:  # adapter_config.json names the base folder so that it loads from anywhere
+            model.peft_config["default"].base_model_name_or_path = str(Path(args.model).resolve())
 
     try:
         engine = Engine(model, cfg)

@@ -17,7 +17,7 @@ from .errors import ConfigError
 from .meta import flag
 
 __all__ = [
-    "BenchConfig", "DataConfig", "EvalConfig", "GradErrorConfig", "JobConfig", "ModelConfig", "OutputConfig",
+    "BenchConfig", "DataConfig", "EvalConfig", "GradErrorConfig", "JobConfig", "MergeConfig", "ModelConfig", "OutputConfig",
     "PlanConfig", "TrainConfig", "SEED_LIMIT",
 ]
 
@@ -328,6 +328,21 @@ class BenchConfig:
 
 
 @dataclass
+class MergeConfig:
+    """``oomb merge``: the LoRA adapter folder to merge into its base model."""
+
+    adapter: Optional[str] = field(default=None, metadata=flag("adapter_dir", metavar="ADAPTER_DIR", positional=True))
+    """A LoRA adapter folder: the --output-dir of an 'oomb train --lora-rank' run (its train_args.json says how
+    to rebuild the base: the model folder, or the preset with the run's seed, dtype and device), or any peft
+    adapter folder whose adapter_config.json names a local base model folder."""
+
+    @_in("merge")
+    def __post_init__(self) -> None:
+        if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter.strip()):
+            raise ConfigError("adapter", f"{{adapter}} is {self.adapter!r}", "pass the folder of a LoRA adapter")
+
+
+@dataclass
 class JobConfig:
     """Everything one ``oomb`` command runs with; a YAML file holds these sections under the same names."""
 
@@ -340,3 +355,4 @@ class JobConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     grad_error: GradErrorConfig = field(default_factory=GradErrorConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
+    merge: MergeConfig = field(default_factory=MergeConfig)

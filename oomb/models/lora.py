@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 
 __all__ = ["ALL_LINEAR", "DEFAULT_TARGETS", "LoraTargetError", "apply_lora", "check_targets", "embedding_norm_modules", "linear_names",
-           "parse_targets", "resolve_targets"]
+           "merge_adapter", "parse_targets", "resolve_targets"]
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 """The attention projections: what ``lora_targets`` adapts by default."""
@@ -125,3 +125,19 @@ def apply_lora(model: torch.nn.Module, rank: int, alpha: float | None = None, ta
         # FutureWarning (renamed is_activation_checkpointing); oomb itself does not read it.
         warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
         return get_peft_model(model, config)
+
+
+def merge_adapter(base: torch.nn.Module, adapter_dir) -> torch.nn.Module:
+    """``base`` with the LoRA adapter of the folder ``adapter_dir`` merged into its weights (``W + alpha / r * B @ A``;
+    the embeddings and norms the adapter trained replace the base's): peft's ``merge_and_unload``. ``base`` is
+    changed in place.
+
+    Raises:
+        ValueError, KeyError, RuntimeError: the adapter does not fit ``base`` (peft's and torch's errors).
+    """
+    from peft import PeftModel
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        model = PeftModel.from_pretrained(base, str(adapter_dir))
+    return model.merge_and_unload()
