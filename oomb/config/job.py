@@ -208,9 +208,15 @@ class OutputConfig:
     progress: Optional[bool] = None
     """Progress bars: shown (true), hidden (false), or None: shown when stderr is a terminal."""
 
+    report_to: Literal["none", "tensorboard"] = "none"
+    """Also log every step's loss, lr, grad_norm, tokens_per_s and peak memory as TensorBoard event files in
+    <output-dir>/tensorboard (offline; view with 'tensorboard --logdir <output-dir>/tensorboard'). log.jsonl and,
+    at the end of the run, loss.png (loss and tokens/s against step) are always written."""
+
     @_in("output")
     def __post_init__(self) -> None:
         check.boolean("overwrite", self.overwrite)
+        check.choice("report_to", self.report_to, ("none", "tensorboard"))
         check.nonnegative_int("save_every", self.save_every, "steps", zero="0 (a checkpoint only at the end)")
         check.positive_int("log_every", self.log_every)
         if self.resume is not None and self.overwrite:
