@@ -210,7 +210,7 @@ class OutputConfig:
 
     report_to: Literal["none", "tensorboard"] = "none"
     """Also log every step's loss, lr, grad_norm, tokens_per_s and peak memory as TensorBoard event files in
-    <output-dir>/tensorboard (offline; view with 'tensorboard --logdir <output-dir>/tensorboard'). log.jsonl and,
+    <output-dir>/tensorboard (offline; point TensorBoard's logdir there). log.jsonl and,
     at the end of the run, loss.png (loss and tokens/s against step) are always written."""
 
     @_in("output")
