@@ -20,6 +20,7 @@ import torch
 from .config import OOMBConfig, SparseConfig
 from .config.engine import HOST_FRACTION
 from .memory import (
+    LORA_TARGETS,
     GiB,
     Machine,
     MemoryPlanError,
@@ -260,6 +261,8 @@ def plan(
     page_size: int = 128,
     dtype: torch.dtype | str = torch.bfloat16,
     lora_rank: int = 0,
+    lora_targets: Any = LORA_TARGETS,
+    train_embeddings_norms: bool = False,
     optimizer: str | None = "adamw",
     checkpoint_layers: bool = False,
     attention_backend: str = "triton",
@@ -286,7 +289,9 @@ def plan(
         seq_len: tokens per sequence (T).
         chunk_size, page_size: tokens (as :class:`oomb.OOMBConfig`).
         dtype: parameter/activation dtype.
-        lora_rank: LoRA rank on q/k/v/o (0: full fine-tune).
+        lora_rank: LoRA rank (0: full fine-tune) on the layers ``lora_targets`` names ('all-linear' or names, as
+            :class:`~oomb.config.ModelConfig`'s lora_targets); ``train_embeddings_norms``: also a trained copy of
+            the embeddings and norms.
         optimizer: one of :data:`oomb.memory.optimizer.OPTIMIZER_NAMES` or None (no states): its GPU and host
             bytes (:func:`oomb.memory.optimizer.optimizer_bytes`); its host bytes come out of the host budget
             before the pinned KV pages.
@@ -347,7 +352,7 @@ def plan(
         reserve += kv_stash
     gpu_budget = max(machine.gpu_free_bytes - reserve, 0)
     host_budget = int(machine.host_available_bytes * host_fraction)
-    opt = optimizer_bytes(shape, dtype, lora_rank, optimizer)
+    opt = optimizer_bytes(shape, dtype, lora_rank, optimizer, lora_targets, train_embeddings_norms)
     kv_host_budget = max(host_budget - opt.host, 0)  # the optimizer's host memory first, the pinned KV pages after
     L = shape.num_layers
     pb = page_bytes(shape, page_size, dtype)
@@ -361,7 +366,7 @@ def plan(
 
     def fixed_for(T: int, save: str = "off") -> tuple:
         parts = base_gpu_bytes(shape, T, chunk_size, dtype, lora_rank, optimizer, checkpoint_layers, backend,
-                          attention_block_size, loss_chunk_size, grad_accum_dtype)
+                          attention_block_size, loss_chunk_size, grad_accum_dtype, lora_targets, train_embeddings_norms)
         n_params, trainable, weights, grads, optim, act = parts
         if sparse is not None:
             act = dict(act, sparse_state=sparse_state_bytes(shape, T, sparse_cfg, dtype))
@@ -562,7 +567,7 @@ _PLAN_FIELDS = ("chunk_size", "page_size", "checkpoint_layers", "attention_backe
 
 def plan_for_config(model: Any, seq_len: int, config: OOMBConfig, **kwargs) -> MemoryPlan:
     """:func:`plan` of an engine with ``config`` (:class:`~oomb.config.OOMBConfig`): its chunking, attention,
-    sparse and offload settings; ``kwargs`` give the rest (``dtype``, ``lora_rank``, ``optimizer``, ``machine``,
+    sparse and offload settings; ``kwargs`` give the rest (``dtype``, ``lora_rank``, ``lora_targets``, ``train_embeddings_norms``, ``optimizer``, ``machine``,
     ``gpu_reserve_bytes``, ``host_fraction``)."""
     off = config.offload
     engine = {name: getattr(config, name) for name in _PLAN_FIELDS}

@@ -133,10 +133,16 @@ def test_every_flag_is_a_config_field():
     from oomb.config.flags import command_fields
 
     for command, flags in _option_strings(_build_parser()).items():
-        fields = {ff.flag for ff in command_fields(command)}
+        fields = {ff.flag for ff in command_fields(command) if not ff.positional}  # (a positional: no option string)
         allowed = fields | {"--no-" + f[2:] for f in fields} | set(META_FLAGS) | {"-h"}
         assert flags - allowed == set(), (command, flags - allowed)
         assert fields <= flags, (command, fields - flags)
+    # A positional argument (oomb merge's ADAPTER_DIR) is a field too.
+    for action in _build_parser()._actions:
+        if hasattr(action, "choices") and isinstance(action.choices, dict):
+            for command, sub in action.choices.items():
+                positional = {a.dest for a in sub._actions if not a.option_strings}
+                assert positional == {ff.dest for ff in command_fields(command) if ff.positional}, command
 
 
 def test_no_file_outgrows_a_room():

@@ -39,22 +39,34 @@ def _check_cpu_memory(args: argparse.Namespace, model_config: object, dtype: "to
     shape = ModelShape.from_config(model_config)
     n = shape.num_params()
 
-    def need(rank: int) -> int:  # as oomb plan counts them
-        _, _, weights, grads, optim, _ = base_gpu_bytes(
+    def need(rank: int, targets: str = "q_proj,k_proj,v_proj,o_proj", embeddings_norms: bool = False) -> int:
+        _, _, weights, grads, optim, _ = base_gpu_bytes(  # as oomb plan counts them
             shape, min(args.chunk_size, args.seq_len), args.chunk_size, dtype, rank, args.optimizer,
-            args.checkpoint_layers, "torch", 4096, 1024, args.grad_accum_dtype)
-        return weights + grads + optim + optimizer_bytes(shape, dtype, rank, args.optimizer).host
+            args.checkpoint_layers, "torch", 4096, 1024, args.grad_accum_dtype, targets, embeddings_norms)
+        return weights + grads + optim + optimizer_bytes(shape, dtype, rank, args.optimizer, targets, embeddings_norms).host
 
     available = host_memory()[0]
-    if need(args.lora_rank) <= available:
+    needed = need(args.lora_rank, args.lora_targets, args.train_embeddings_norms)
+    if needed <= available:
         return
     lora = not args.lora_rank and need(8) <= available
     raise UsageError(
-        f"--model {args.model} ({n / 1e9:.2f}B parameters) needs at least {need(args.lora_rank) / 2**30:.1f} GiB of memory "
+        f"--model {args.model} ({n / 1e9:.2f}B parameters) needs at least {needed / 2**30:.1f} GiB of memory "
         f"on the CPU for its weights, {'adapter ' if args.lora_rank else ''}gradients and optimizer states, but "
         f"{available / 2**30:.1f} GiB is available",
         (f"use --lora-rank 8 (~{need(8) / 2**30:.1f} GiB), " if lora else "use ") + "a smaller --model (e.g. tiny), or --device cuda",
     )
+
+
+def _check_lora_targets(model_config, args: argparse.Namespace) -> None:
+    """Refuse a --lora-targets naming modules that are not linear layers of the model (before any weight)."""
+    from ..models.lora import LoraTargetError, check_targets
+
+    try:
+        check_targets(model_config, args.lora_targets)
+    except LoraTargetError as exc:
+        raise UsageError(f"--lora-targets {args.lora_targets}: model {args.model!r} has no linear layers named "
+                         f"{', '.join(exc.unknown)}", f"pass some of {', '.join(exc.available)}, or all-linear") from exc
 
 
 def _check_offload_flags(args: argparse.Namespace) -> None:

@@ -83,6 +83,10 @@ def _main(argv: Sequence[str] | None, signals: _StartupSignals) -> int:
             return _bench(args)
         if command == "data":
             return _data(args)
+        if command == "merge":
+            from .merge import _merge
+
+            return _merge(args)
     except UsageError as exc:
         _fail(f"{exc.problem}; {exc.fix}", 1 if isinstance(exc, _RunError) else 2)
     parser.error(f"unknown command {command!r}")  # pragma: no cover - argparse rejects it first

@@ -21,6 +21,18 @@ def _is_within(path: Path, root: Path) -> bool:
         return False
 
 
+_LOSS_PNG = "loss.png"
+"""The plot of log.jsonl every run draws at its end."""
+_TENSORBOARD = "tensorboard"
+"""The folder of the TensorBoard event files of --report-to tensorboard."""
+
+
+def _is_event_folder(p: Path) -> bool:
+    """A folder of TensorBoard event files only (what --report-to tensorboard leaves after a first step's stop)."""
+    return p.is_dir() and not p.is_symlink() and all(q.is_file() and q.name.startswith("events.out.tfevents.")
+                                                     for q in p.iterdir())
+
+
 _OOMB_LOG_KEYS = frozenset({"step", "loss", "stage1_seconds", "stage2_seconds"})
 """Keys of every log.jsonl record ``oomb train`` writes. A log line with only "step" and "loss" may be any
 tool's; the stage timings are oomb's own."""
@@ -57,7 +69,7 @@ def _looks_like_oomb_output(out: Path) -> bool:
         # empty checkpoints/ folder) loses nothing; anything else next to an empty log could be anyone's (files kept
         # under checkpoints/ next to an empty log.jsonl must survive --overwrite).
         return all((p.name == "log.jsonl" and p.is_file()) or (p.name == "checkpoints" and p.is_dir() and not any(p.iterdir()))
-                   for p in out.iterdir())
+                   or (p.name == _TENSORBOARD and _is_event_folder(p)) for p in out.iterdir())
     try:
         first = json.loads(line)
     except ValueError:
@@ -155,9 +167,12 @@ def _check_output_dir(args: argparse.Namespace) -> Path:
 
 def _oomb_outputs(out: Path) -> set[str] | None:
     """Names of the entries of ``out`` that an earlier ``oomb train`` wrote (what --overwrite deletes): its
-    log.jsonl, checkpoints/ and save debris, and the files its train_args.json lists under "outputs". None
-    means every entry: a train_args.json of an oomb that did not list its outputs yet."""
-    names = {"log.jsonl", ".log.jsonl.tmp", "checkpoints"} | {p.name for p in out.glob(".oomb-save-*")}
+    log.jsonl, checkpoints/, loss.png, tensorboard/ and save debris, and the files its train_args.json lists under
+    "outputs". None means every entry: a train_args.json of an oomb that did not list its outputs yet. (Only a
+    folder :func:`_looks_like_oomb_output` accepts gets here: a folder whose only oomb-looking entry is a
+    tensorboard/ folder is someone else's, and refused.)"""
+    names = {"log.jsonl", ".log.jsonl.tmp", "checkpoints", _LOSS_PNG, f".{_LOSS_PNG}.tmp", _TENSORBOARD}
+    names |= {p.name for p in out.glob(".oomb-save-*")}
     try:
         train_args = json.loads((out / "train_args.json").read_text())
     except (OSError, ValueError, TypeError):
@@ -218,7 +233,9 @@ def _save(model, tokenizer, out: Path, lora: bool, train_args: dict) -> list[str
             model.save_pretrained(str(tmp), safe_serialization=True)
         else:
             model.save_pretrained(str(tmp))
-        tokenizer.save_pretrained(str(tmp))
+        from ..models.saving import save_tokenizer
+
+        save_tokenizer(tokenizer, tmp)  # after the model: AutoTokenizer's class depends on its config.json
         # The list of what this run wrote lets a later --overwrite delete exactly that (_oomb_outputs).
         train_args = dict(train_args, outputs=sorted(os.listdir(tmp) + ["train_args.json"]))
         (tmp / "train_args.json").write_text(json.dumps(train_args, indent=2) + "\n")

@@ -91,6 +91,12 @@ _DESCRIPTIONS = {
         "and print the number of examples, tokens, trained tokens, padding and dropped examples, the example "
         "lengths, and the first sequence training reads with its trained tokens in [[...]] (highlighted on a "
         "terminal). Writes the histogram of example lengths as a PNG (--output); nothing else is written.",
+    "merge": (
+        "merge a LoRA adapter into its base model",
+        "Merge the LoRA adapter of ADAPTER_DIR (an 'oomb train --lora-rank' output, or a peft adapter folder naming a "
+        "local base model) into its base model (peft's merge_and_unload) and write the merged model and the "
+        "tokenizer to --output-dir, a folder AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained "
+        "load as they are. A preset base is drawn again from the run's --seed, --dtype and --device.",
     ),
 }
 _HELP = {
@@ -100,8 +106,10 @@ _HELP = {
     "eval": {"--sink-pages": "with --budgets: first pages of the sequence always attended (attention sink); 0 allowed",
              "--local-pages": "with --budgets: latest past pages always attended; 0 allowed",
              "--sparse-score": "with --budgets: page score (mean key, or Quest's min/max bound)"},
+    "merge": {"--output-dir": "where the merged model and tokenizer go: a new or empty folder"},
 }
-"""Where a field's docstring reads wrong for one command (eval and grad-error make their own sparse runs)."""
+"""Where a field's docstring reads wrong for one command (eval and grad-error make their own sparse runs; merge
+writes a model folder, not a training run's output)."""
 
 META_FLAGS = ("--help", "--version", "--config", "--print-config")
 """The only flags that are not configuration fields: they say what to do with the configuration."""

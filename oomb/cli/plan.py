@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from .checks import (
+    _check_lora_targets,
     _check_offload_flags,
     _flag_names,
     _usage_from,
@@ -31,7 +32,9 @@ def job_plan(args: argparse.Namespace, dtype, optimizer: str | None = "job", mac
     job = args.job
     if optimizer == "job":
         optimizer = job.train.optimizer
-    return plan_for_config(job.model.name, job.data.seq_len, job.engine, dtype=dtype, lora_rank=job.model.lora_rank,
+    m = job.model
+    return plan_for_config(m.name, job.data.seq_len, job.engine, dtype=dtype, lora_rank=m.lora_rank,
+                           lora_targets=m.lora_targets, train_embeddings_norms=m.train_embeddings_norms,
                            optimizer=optimizer, machine=machine)
 
 
@@ -71,6 +74,8 @@ def _plan(args: argparse.Namespace) -> int:
         lora_problem = lora_rank_problem(config, args.lora_rank, args.model)
         if lora_problem:
             raise ValueError("; ".join(lora_problem))
+        if args.lora_rank:
+            _check_lora_targets(config, args)
         machine = _machine(args)
         warning = context_length_warning(config, args.seq_len, args.model)
         if warning:

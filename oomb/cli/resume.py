@@ -35,7 +35,7 @@ def _fingerprint(args: argparse.Namespace, sequences, dtype, world_size: int) ->
     """What a checkpoint's run and the resuming run must share (see --resume in --help); ``sequences``: the
     training data (:func:`oomb.data.build_training_data`), whose ``digest()`` covers its tokens, labels and
     bounds."""
-    return {
+    fingerprint = {
         "model": args.model if args.model in _preset_names() or not os.path.isdir(args.model) else str(Path(args.model).resolve()),
         "seq_len": args.seq_len,
         "data_sha256": sequences.digest(),
@@ -50,12 +50,20 @@ def _fingerprint(args: argparse.Namespace, sequences, dtype, world_size: int) ->
         "rope_scaling": args.rope_scaling_dict,
         "world_size": world_size,
     }
+    # What the adapter trains, where it is not the default (a checkpoint of a run before these options matches).
+    from ..config import ModelConfig
+
+    for key in ("lora_targets", "train_embeddings_norms"):
+        if getattr(args, key) != getattr(ModelConfig, key):
+            fingerprint[key] = getattr(args, key)
+    return fingerprint
 
 
 _FINGERPRINT_FLAGS = {
     "model": "--model", "seq_len": "--seq-len", "tokenizer": "--tokenizer", "seed": "--seed", "lora_rank": "--lora-rank",
     "lora_alpha": "--lora-alpha", "grad_accum": "--grad-accum", "dtype": "--dtype", "document_mask": "--document-mask",
-    "rope_theta": "--rope-theta", "rope_scaling": "--rope-scaling",
+    "rope_theta": "--rope-theta", "rope_scaling": "--rope-scaling", "lora_targets": "--lora-targets",
+    "train_embeddings_norms": "--train-embeddings-norms",
 }
 
 

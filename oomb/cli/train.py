@@ -11,7 +11,7 @@ from pathlib import Path
 
 from .checks import _check_sizes, _resolve_device_dtype
 from .errors import UsageError, _one_line, _RunError
-from .output import _REPLACED, _check_output_dir, _prepare_output, _save
+from .output import _LOSS_PNG, _REPLACED, _TENSORBOARD, _check_output_dir, _prepare_output, _save
 from .parser import _version
 from .resume import _resume_command
 from .signals import _StartupSignals
@@ -33,9 +33,25 @@ def _step_error(exc) -> _RunError:
     return _RunError(f"step {step} failed: {_one_line(exc.detail)}", "check the data")
 
 
+def _draw_loss_png(log_path: Path, png: Path) -> None:
+    """loss.png from the whole log.jsonl (a resumed run's plot covers every step); a failure is a note, never the
+    run's failure (the model and log are what matter)."""
+    from ..train import plot_log
+
+    try:
+        plot_log(log_path, png)
+    except Exception as exc:  # noqa: BLE001 - a plot must not fail a finished run
+        print(f"oomb: note: {png.name} was not drawn ({type(exc).__name__}: {_one_line(exc)})", file=sys.stderr)
+
+
 def _train(args: argparse.Namespace) -> int:
     _check_sizes(args)
     out = _check_output_dir(args)
+    if args.report_to == "tensorboard":
+        try:
+            import tensorboard  # noqa: F401 - torch.utils.tensorboard needs it
+        except ImportError as exc:
+            raise UsageError("--report-to tensorboard needs the tensorboard package", "pip install tensorboard") from exc
 
     # Heavy imports only after the cheap checks.
     import torch
@@ -73,13 +89,13 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
 
     from ..checkpoint import GracefulStop, find_latest, rng_state, save_checkpoint
     from ..distributed import global_sum
-    from ..train import SequenceStream, StepError, StepLog, StepStopped, Trainer, warmup_steps
+    from ..train import SequenceStream, StepError, StepLog, StepStopped, TensorBoardLog, Trainer, warmup_steps
 
     tokenizer, sequences, model, engine = run["tokenizer"], run["sequences"], run["model"], run["engine"]
     params, optimizer, start_step = run["params"], run["optimizer"], run["start_step"]
     main_rank = ctx.is_main
     log_path = out / "log.jsonl"
-    log = None
+    log = board = None
     ckpt_root = out / "checkpoints"
     signals = getattr(args, "_signals", None) or _StartupSignals()  # (_run called without main(): none)
     signals.defer()  # a signal during setup: stop here, before anything is written
@@ -94,6 +110,8 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
         # ---- every check passed: from here on we write.
         _prepare_output(out, args.overwrite)
         log = StepLog(log_path, start_step)  # a resumed run drops the steps after its checkpoint: trained again
+        if args.report_to == "tensorboard":
+            board = TensorBoardLog(out / _TENSORBOARD, start_step)
     # A signal while the output was prepared: stop before training. The same command runs again (an empty
     # --output-dir is new; with --overwrite, the earlier run stays in .oomb-replaced).
     signals.check()
@@ -142,6 +160,8 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
     t_start = time.perf_counter()
     if log is not None:
         log.open()
+    if board is not None:
+        board.open()
     try:
         what = "this step (with --grad-accum: this sequence)" if K > 1 and not ctx.enabled else "this step"
         notice = (
@@ -179,6 +199,8 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
                 last_loss = record.loss
                 if main_rank:
                     log.write(record.to_json())
+                    if board is not None:
+                        board.write(record.to_json())
                     bar.set_postfix(loss=f"{record.loss:.3f}", tok_s=f"{record.tokens_per_s:.0f}")
                     bar.update(1)
                     if step % args.log_every == 0 or step == args.steps:
@@ -207,6 +229,9 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
     finally:
         if log is not None:
             log.close()
+            if board is not None:
+                board.close()
+            _draw_loss_png(log_path, out / _LOSS_PNG)
 
     if main_rank:
         checkpoint(args.steps)

@@ -6,11 +6,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import warnings
 from pathlib import Path
 
 from .checks import (
     _check_cpu_memory,
+    _check_lora_targets,
     _check_vocab,
     _usage_from,
     _warn_if_gpu_saved_attention_on_cpu,
@@ -29,7 +29,6 @@ from .resume import (
     _resume_settings,
 )
 
-_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 _LONG_WARMUP = 10_000
 """A default warm-up (10% of --steps) longer than this many steps is noted: longer than the warm-ups of published
 LLM training runs (~2,000 steps), so most likely a --steps meant as 'until I stop it'."""
@@ -64,6 +63,7 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         set_rng_state,
     )
     from ..models.presets import (
+        PRESETS,
         UnknownModelError,
         build_model,
         check_config_supported,
@@ -90,6 +90,8 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         check_available(args.optimizer)  # a missing library before any weight is built
     except OptimizerUnavailable as exc:
         raise _usage_from(exc, "pass --optimizer adamw") from exc
+    if args.lora_rank > 0:
+        _check_lora_targets(model_config, args)
     if device.type != "cuda":
         _check_cpu_memory(args, model_config, dtype)
     if device.type != "cuda" and args.offload == "auto":
@@ -142,24 +144,11 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         print(warning, file=sys.stderr)
 
     if args.lora_rank > 0:
-        from peft import LoraConfig, get_peft_model
+        from ..models.lora import apply_lora
 
-        names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
-        missing = [t for t in _LORA_TARGETS if t not in names]
-        if missing:
-            raise UsageError(f"model {args.model!r} has no {', '.join(missing)} modules for LoRA", "pass --lora-rank 0 for a full fine-tune")
-        lora_cfg = LoraConfig(
-            r=args.lora_rank,
-            lora_alpha=args.lora_alpha if args.lora_alpha is not None else 2 * args.lora_rank,
-            lora_dropout=0.0,
-            target_modules=_LORA_TARGETS,
-            task_type="CAUSAL_LM",
-        )
-        with warnings.catch_warnings():
-            # peft (0.21) reads the model's is_gradient_checkpointing, which transformers 5.x deprecates with a
-            # FutureWarning (renamed is_activation_checkpointing); oomb itself does not read it.
-            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
-            model = get_peft_model(model, lora_cfg)
+        model = apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_targets, args.train_embeddings_norms)
+        if args.model not in PRESETS:  # adapter_config.json names the base folder so that it loads from anywhere
+            model.peft_config["default"].base_model_name_or_path = str(Path(args.model).resolve())
 
     try:
         engine = Engine(model, cfg)

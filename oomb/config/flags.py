@@ -20,8 +20,8 @@ from typing import Any, Literal, get_args, get_origin
 
 from .engine import KernelConfig, OffloadConfig, OOMBConfig, SparseConfig
 from .errors import ConfigError
-from .job import (BenchConfig, DataConfig, DataReportConfig, EvalConfig, GradErrorConfig, JobConfig, ModelConfig,
-                  OutputConfig, PlanConfig, TrainConfig)
+from .job import (BenchConfig, DataConfig, DataReportConfig, EvalConfig, GradErrorConfig, JobConfig, MergeConfig,
+                  ModelConfig, OutputConfig, PlanConfig, TrainConfig)
 from .meta import field_docs, has_no_flag
 
 __all__ = ["COMMANDS", "FlagField", "add_flags", "command_fields", "job_from_values", "namespace_of"]
@@ -40,6 +40,7 @@ SECTIONS: dict[str, type] = {
     "grad_error": GradErrorConfig,
     "bench": BenchConfig,
     "data_report": DataReportConfig,
+    "merge": MergeConfig,
 }
 """Every configuration section by its key path in a YAML file."""
 
@@ -54,8 +55,9 @@ COMMANDS: dict[str, list[tuple[str, tuple[str, ...] | None]]] = {
         ("engine.offload", _ALL), ("engine.kernels", _ALL), ("train", _ALL), ("output", _ALL),
     ],
     "plan": [
-        ("model", ("name", "dtype", "lora_rank")), ("data", ("seq_len",)), ("engine", _ENGINE_CORE),
-        ("engine.sparse", _ALL), ("engine.offload", _ALL), ("train", ("optimizer",)), ("plan", _ALL),
+        ("model", ("name", "dtype", "lora_rank", "lora_targets", "train_embeddings_norms")), ("data", ("seq_len",)),
+        ("engine", _ENGINE_CORE), ("engine.sparse", _ALL), ("engine.offload", _ALL), ("train", ("optimizer",)),
+        ("plan", _ALL),
     ],
     "eval": [
         ("model", ("name", "device", "dtype", "seed")), ("data", ("path", "tokenizer", "seq_len")),
@@ -73,6 +75,7 @@ COMMANDS: dict[str, list[tuple[str, tuple[str, ...] | None]]] = {
         ("engine", ("chunk_size", "page_size", "attention_backend", "save_attention", "checkpoint_layers")),
         ("engine.kernels", _ALL), ("bench", _ALL),
     ],
+    "merge": [("merge", _ALL), ("output", ("dir",))],
 }
 COMMANDS["data"] = COMMANDS["train"] + [("data_report", _ALL)]  # takes train's flags: it shows what train reads
 """The sections and fields (None: all of a section's fields that have a flag) each command reads."""
@@ -80,7 +83,7 @@ COMMANDS["data"] = COMMANDS["train"] + [("data_report", _ALL)]  # takes train's 
 _GROUPS = {"model": "model", "data": "data", "engine": "engine", "engine.sparse": "sparse attention",
            "engine.offload": "offload", "engine.kernels": "kernels", "train": "optimisation", "output": "output",
            "plan": "plan", "eval": "evaluation", "grad_error": "measurement", "bench": "benchmark",
-           "data_report": "report"}
+           "data_report": "report", "merge": "merge"}
 
 
 @dataclass(frozen=True)
@@ -97,8 +100,13 @@ class FlagField:
     type: Any
 
     @property
+    def positional(self) -> bool:
+        """A positional argument (metadata ``positional=True``; its ``flag`` is the argparse name, no dashes)."""
+        return bool(self.field.metadata.get("positional"))
+
+    @property
     def dest(self) -> str:
-        return self.flag[2:].replace("-", "_")
+        return self.flag if self.positional else self.flag[2:].replace("-", "_")
 
     @property
     def key(self) -> str:
@@ -147,7 +155,7 @@ def _argparse_kwargs(ff: FlagField, suppress: bool) -> dict:
     tp = _unwrap_optional(ff.type)
     default = _default(ff.field)
     doc = field_docs(SECTIONS[ff.section]).get(ff.name, "")
-    kw: dict[str, Any] = {"dest": ff.dest, "help": doc.replace("%", "%%")}
+    kw: dict[str, Any] = {"help": doc.replace("%", "%%")} if ff.positional else {"dest": ff.dest, "help": doc.replace("%", "%%")}
     if ff.section == "engine" and ff.name == "sparse":
         kw.update(action="store_true", default=False)
     elif tp is bool:
@@ -174,6 +182,8 @@ def _argparse_kwargs(ff: FlagField, suppress: bool) -> dict:
         kw["metavar"] = ff.field.metadata["metavar"]
     if "optional_const" in ff.field.metadata:
         kw.update(nargs="?", const=ff.field.metadata["optional_const"])
+    if ff.positional:  # optional on the command line, so that --config may give it
+        kw["nargs"] = "?"
     if suppress:
         kw["default"] = argparse.SUPPRESS
     return kw

@@ -8,7 +8,7 @@ sections (``model:``, ``data:``, ``engine:``, ``train:``, ``output:``, ...; :mod
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import List, Literal, Optional
 
 from . import _checks as check
@@ -17,8 +17,8 @@ from .errors import ConfigError
 from .meta import flag
 
 __all__ = [
-    "BenchConfig", "DataConfig", "DataReportConfig", "EvalConfig", "GradErrorConfig", "JobConfig", "ModelConfig",
-    "OPTIMIZERS", "OutputConfig", "PlanConfig", "TrainConfig", "SEED_LIMIT",
+    "BenchConfig", "DataConfig", "DataReportConfig", "EvalConfig", "GradErrorConfig", "JobConfig", "MergeConfig",
+    "ModelConfig", "OPTIMIZERS", "OutputConfig", "PlanConfig", "TrainConfig", "SEED_LIMIT",
 ]
 
 SEED_LIMIT = 2**32
@@ -70,11 +70,20 @@ class ModelConfig:
     saved in config.json)."""
 
     lora_rank: int = 0
-    """LoRA rank on the q/k/v/o projections (peft); 0: full fine-tune; at most the projections' smaller
+    """LoRA rank (peft) on the layers lora_targets names; 0: full fine-tune; at most the adapted layers' smaller
     size."""
 
     lora_alpha: Optional[float] = None
     """LoRA alpha; default: 2 x lora_rank."""
+
+    lora_targets: str = field(default="q_proj,k_proj,v_proj,o_proj", metadata=flag("--lora-targets", metavar="NAMES"))
+    """The linear layers a LoRA adapter adapts: a comma list of module names (q_proj, k_proj, v_proj, o_proj,
+    gate_proj, up_proj, down_proj in Qwen/Llama/Mistral models), or all-linear (every linear layer but the output
+    projection)."""
+
+    train_embeddings_norms: bool = False
+    """With LoRA, also train the input embeddings and every norm layer (LongLoRA: LoRA alone does not extend the
+    context); they are saved in the adapter (peft modules_to_save), which PeftModel.from_pretrained loads."""
 
     @_in("model")
     def __post_init__(self) -> None:
@@ -95,6 +104,16 @@ class ModelConfig:
             if self.lora_rank == 0:
                 raise ConfigError("lora_alpha", "{lora_alpha} scales a LoRA adapter but {lora_rank} is 0 (a full fine-tune)",
                                   "set {lora_rank} R, or leave {lora_alpha} out")
+        if not isinstance(self.lora_targets, str) or not any(n.strip() for n in self.lora_targets.split(",")):
+            raise ConfigError("lora_targets", f"{{lora_targets}} is {self.lora_targets!r}",
+                              "pass module names separated by commas (e.g. q_proj,v_proj) or all-linear")
+        check.boolean("train_embeddings_norms", self.train_embeddings_norms)
+        if self.lora_rank == 0:
+            defaults = {f.name: f.default for f in fields(self)}
+            for key in ("lora_targets", "train_embeddings_norms"):
+                if getattr(self, key) != defaults[key]:
+                    raise ConfigError(key, f"{{{key}}} sets up a LoRA adapter but {{lora_rank}} is 0 (a full fine-tune, "
+                                      "which trains every layer)", f"set {{lora_rank}} R, or leave {{{key}}} out")
 
 
 @dataclass
@@ -239,9 +258,15 @@ class OutputConfig:
     progress: Optional[bool] = None
     """Progress bars: shown (true), hidden (false), or None: shown when stderr is a terminal."""
 
+    report_to: Literal["none", "tensorboard"] = "none"
+    """Also log every step's loss, lr, grad_norm, tokens_per_s and peak memory as TensorBoard event files in
+    <output-dir>/tensorboard (offline; point TensorBoard's logdir there). log.jsonl and,
+    at the end of the run, loss.png (loss and tokens/s against step) are always written."""
+
     @_in("output")
     def __post_init__(self) -> None:
         check.boolean("overwrite", self.overwrite)
+        check.choice("report_to", self.report_to, ("none", "tensorboard"))
         check.nonnegative_int("save_every", self.save_every, "steps", zero="0 (a checkpoint only at the end)")
         check.positive_int("log_every", self.log_every)
         if self.resume is not None and self.overwrite:
@@ -377,6 +402,21 @@ class DataReportConfig:
 
 
 @dataclass
+class MergeConfig:
+    """``oomb merge``: the LoRA adapter folder to merge into its base model."""
+
+    adapter: Optional[str] = field(default=None, metadata=flag("adapter_dir", metavar="ADAPTER_DIR", positional=True))
+    """A LoRA adapter folder: the --output-dir of an 'oomb train --lora-rank' run (its train_args.json says how
+    to rebuild the base: the model folder, or the preset with the run's seed, dtype and device), or any peft
+    adapter folder whose adapter_config.json names a local base model folder."""
+
+    @_in("merge")
+    def __post_init__(self) -> None:
+        if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter.strip()):
+            raise ConfigError("adapter", f"{{adapter}} is {self.adapter!r}", "pass the folder of a LoRA adapter")
+
+
+@dataclass
 class JobConfig:
     """Everything one ``oomb`` command runs with; a YAML file holds these sections under the same names."""
 
@@ -390,3 +430,4 @@ class JobConfig:
     grad_error: GradErrorConfig = field(default_factory=GradErrorConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     data_report: DataReportConfig = field(default_factory=DataReportConfig)
+    merge: MergeConfig = field(default_factory=MergeConfig)

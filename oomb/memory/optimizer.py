@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .shape import ModelShape, dtype_size
+from .shape import LORA_TARGETS, ModelShape, dtype_size
 
 __all__ = ["OPTIMIZER_NAMES", "QUANT_BLOCK", "QUANT_MIN_NUMEL", "OptimizerBytes", "optimizer_bytes",
            "trainable_numels"]
@@ -46,15 +46,18 @@ class OptimizerBytes:
     pinned: int
 
 
-def trainable_numels(shape: ModelShape, lora_rank: int = 0) -> list[int]:
+def trainable_numels(shape: ModelShape, lora_rank: int = 0, lora_targets=LORA_TARGETS,
+                     train_embeddings_norms: bool = False) -> list[int]:
     """Elements of each trainable tensor: every parameter of the ``*ForCausalLM`` model (``lora_rank`` 0; their sum
-    is :meth:`ModelShape.num_params`), or each LoRA A ``[r, in]`` and B ``[out, r]`` on q/k/v/o (their sum is
-    :meth:`ModelShape.lora_params`)."""
+    is :meth:`ModelShape.num_params`), or each LoRA A ``[r, in]`` and B ``[out, r]`` on the layers ``lora_targets``
+    names (their sum is :meth:`ModelShape.lora_params`). See :func:`copied_numels` for what
+    ``train_embeddings_norms`` adds."""
     h, i, q, kv, V, d = (shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim, shape.vocab_size,
                          shape.head_dim)
     r = lora_rank
     if r:
-        layer = [r * h, q * r, r * h, kv * r, r * h, kv * r, r * q, h * r]
+        dims = shape.linear_dims()
+        layer = [n for t in shape.lora_targets(lora_targets) for n in (r * dims[t][0], dims[t][1] * r)]
         return layer * shape.num_layers
     layer = [h * q, h * kv, h * kv, q * h, h * i, h * i, i * h, h, h]
     if shape.qkv_bias:
@@ -68,13 +71,25 @@ def trainable_numels(shape: ModelShape, lora_rank: int = 0) -> list[int]:
     return [V * h] + layer * shape.num_layers + [h] + ([] if shape.tied_embeddings else [V * h])
 
 
+def copied_numels(shape: ModelShape, lora_rank: int, train_embeddings_norms: bool) -> list[int]:
+    """Elements of each trained copy LoRA with ``train_embeddings_norms`` adds (peft ``modules_to_save``, in the
+    model dtype): the input embeddings and every norm (their sum is :meth:`ModelShape.embedding_norm_params`)."""
+    if not (lora_rank and train_embeddings_norms):
+        return []
+    h, d = shape.hidden_size, shape.head_dim
+    layer = [h, h] + ([d, d] if shape.qk_norm else [])
+    return [shape.vocab_size * h] + layer * shape.num_layers + [h]
+
+
 def _quantized(n: int) -> bool:
     return n >= QUANT_MIN_NUMEL and n % QUANT_BLOCK == 0
 
 
-def optimizer_bytes(shape: ModelShape, dtype: torch.dtype, lora_rank: int, optimizer: str | None) -> OptimizerBytes:
+def optimizer_bytes(shape: ModelShape, dtype: torch.dtype, lora_rank: int, optimizer: str | None,
+                    lora_targets=LORA_TARGETS, train_embeddings_norms: bool = False) -> OptimizerBytes:
     """The state bytes of ``optimizer`` (one of :data:`OPTIMIZER_NAMES`, or None: no optimizer) for the trainable
-    tensors of ``shape`` in ``dtype`` (LoRA adapters: float32, as peft keeps them).
+    tensors of ``shape`` in ``dtype`` (LoRA adapters on ``lora_targets``: float32, as peft keeps them; the copies
+    ``train_embeddings_norms`` adds: ``dtype``).
 
     Raises:
         ValueError: an unknown optimizer name.
@@ -83,12 +98,12 @@ def optimizer_bytes(shape: ModelShape, dtype: torch.dtype, lora_rank: int, optim
         return OptimizerBytes(0, 0, 0)
     if optimizer not in OPTIMIZER_NAMES:
         raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZER_NAMES)}")
-    numels = trainable_numels(shape, lora_rank)
-    e = 4 if lora_rank else dtype_size(dtype)  # the trainable tensors' element size
-    n = sum(numels)
+    # (elements, element size) of each trainable tensor
+    tensors = [(k, 4 if lora_rank else dtype_size(dtype)) for k in trainable_numels(shape, lora_rank, lora_targets)]
+    tensors += [(k, dtype_size(dtype)) for k in copied_numels(shape, lora_rank, train_embeddings_norms)]
     if optimizer in ("adamw", "adamw-bf16"):
-        return OptimizerBytes(2 * e * n, 0, 0)
+        return OptimizerBytes(sum(2 * e * k for k, e in tensors), 0, 0)
     if optimizer == "adamw8bit":
-        gpu = sum(2 * (k + 4 * (k // QUANT_BLOCK) + _QMAP_BYTES) if _quantized(k) else 2 * e * k for k in numels)
+        gpu = sum(2 * (k + 4 * (k // QUANT_BLOCK) + _QMAP_BYTES) if _quantized(k) else 2 * e * k for k, e in tensors)
         return OptimizerBytes(gpu, 0, 0)
-    return OptimizerBytes(0, 4 * e * n, 2 * e * n)  # adamw-cpu
+    return OptimizerBytes(0, sum(4 * e * k for k, e in tensors), sum(2 * e * k for k, e in tensors))  # adamw-cpu

@@ -32,6 +32,9 @@ def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
     return names[dtype]
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+"""The layers LoRA adapts by default (``ModelConfig.lora_targets``'s default)."""
+
 @dataclass(frozen=True)
 class ModelShape:
     """The sizes of a decoder-only LM that memory depends on."""
@@ -92,10 +95,40 @@ class ModelShape:
         layer += 2 * self.head_dim * self.qk_norm
         return self.num_layers * layer + V * h * (1 if self.tied_embeddings else 2) + h
 
-    def lora_params(self, rank: int) -> int:
-        """LoRA parameters of rank ``rank`` on q/k/v/o projections."""
-        h, q, kv = self.hidden_size, self.q_dim, self.kv_dim
-        return self.num_layers * rank * ((h + q) + 2 * (h + kv) + (q + h))
+    def linear_dims(self) -> dict[str, tuple[int, int]]:
+        """(in, out) features of each linear layer of a decoder layer, by its module name."""
+        h, i, q, kv = self.hidden_size, self.intermediate_size, self.q_dim, self.kv_dim
+        return {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+                "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
+
+    def lora_targets(self, targets: str | tuple[str, ...] | list[str] = LORA_TARGETS) -> list[str]:
+        """The linear layers of ``targets`` ('all-linear', a comma list or a sequence of names).
+
+        Raises:
+            ValueError: a name that is not a linear layer of the decoder layers.
+        """
+        dims = self.linear_dims()
+        if isinstance(targets, str):
+            if targets.strip() == "all-linear":
+                return list(dims)
+            targets = list(dict.fromkeys(n.strip() for n in targets.split(",") if n.strip()))
+        unknown = [t for t in targets if t not in dims]
+        if unknown:
+            raise ValueError(f"LoRA targets {', '.join(unknown)} are not linear layers of a {self.model_type} decoder "
+                             f"layer ({', '.join(dims)})")
+        return list(targets)
+
+    def lora_params(self, rank: int, targets: str | tuple[str, ...] | list[str] = LORA_TARGETS) -> int:
+        """LoRA parameters of rank ``rank`` on the linear layers ``targets`` names (:meth:`lora_targets`) of every
+        decoder layer: ``rank * (in + out)`` each."""
+        dims = self.linear_dims()
+        return self.num_layers * rank * sum(sum(dims[t]) for t in self.lora_targets(targets))
+
+    def embedding_norm_params(self) -> int:
+        """Parameters of the input embeddings and every norm layer: what LoRA with ``train_embeddings_norms`` also
+        trains (a copy of each; a tied output projection shares the embeddings' copy)."""
+        per_layer = 2 * self.hidden_size + 2 * self.head_dim * self.qk_norm
+        return self.vocab_size * self.hidden_size + self.num_layers * per_layer + self.hidden_size
 
 
 @dataclass(frozen=True)

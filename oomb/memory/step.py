@@ -58,7 +58,7 @@ from typing import Any
 import torch
 
 from ..ops.attention_ref import acc_dtype_for
-from .shape import GiB, ModelShape, dtype_size
+from .shape import LORA_TARGETS, GiB, ModelShape, dtype_size
 from .optimizer import optimizer_bytes
 
 __all__ = [
@@ -70,10 +70,6 @@ __all__ = [
     "sparse_state_bytes",
 ]
 
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
-"""The projections a LoRA adapter is counted on."""
-
-
 def activation_bytes(
     shape: ModelShape,
     chunk_size: int,
@@ -84,11 +80,13 @@ def activation_bytes(
     loss_chunk_size: int = 1024,
     max_past: int | None = None,
     lora_rank: int = 0,
+    lora_targets: Any = LORA_TARGETS,
 ) -> dict[str, int]:
     """Peak bytes of one Stage-2 chunk's activations and temporaries (see the module docstring).
 
     Args:
         max_past: longest past in tokens (T - chunk); None = at least one attention block.
+        lora_targets: the layers LoRA adapts ('all-linear' or names; :meth:`ModelShape.lora_targets`).
 
     Returns:
         {"saved": ..., "attention_temp": ..., "loss_temp": ..., "other": ..., "total": ...} in bytes.
@@ -101,7 +99,7 @@ def activation_bytes(
     if shape.qk_norm:
         per_layer += (a + e) * (q + kv)
     if lora_rank:
-        per_layer += len(LORA_TARGETS) * 4 * lora_rank  # fp32 adapter activations (A outputs)
+        per_layer += len(shape.lora_targets(lora_targets)) * 4 * lora_rank  # fp32 adapter activations (A outputs)
     if checkpoint_layers:
         saved = L * C * e * h + C * per_layer
     else:
@@ -130,26 +128,29 @@ def page_bytes(shape: ModelShape, page_size: int, dtype: torch.dtype) -> int:
 
 
 def base_gpu_bytes(shape, seq_len, chunk_size, dtype, lora_rank, optimizer, checkpoint_layers, attention_backend,
-                   attention_block_size, loss_chunk_size, grad_accum_dtype="param"):
+                   attention_block_size, loss_chunk_size, grad_accum_dtype="param", lora_targets=LORA_TARGETS,
+                   train_embeddings_norms=False):
     """``(num_params, trainable, weights, grads, optimizer, activations)`` of a step: parameter counts, bytes of the
     weights, gradients and the optimizer's GPU states (:func:`oomb.memory.optimizer.optimizer_bytes`; ``optimizer``
-    None: 0), and the
-    :func:`activation_bytes` dict of one chunk."""
+    None: 0), and the :func:`activation_bytes` dict of one chunk. With LoRA, ``lora_targets`` are the adapted
+    layers and ``train_embeddings_norms`` adds a trained copy (in ``dtype``) of the embeddings and norms."""
     n_params = shape.num_params()
     e = dtype_size(dtype)
     if lora_rank:
-        trainable = shape.lora_params(lora_rank)
-        weights = n_params * e + trainable * 4  # peft keeps bf16/fp16 adapters in float32
-        grads = trainable * 4
+        adapter = shape.lora_params(lora_rank, lora_targets)
+        copies = shape.embedding_norm_params() if train_embeddings_norms else 0
+        trainable = adapter + copies
+        weights = n_params * e + adapter * 4 + copies * e  # peft keeps bf16/fp16 adapters in float32
+        grads = adapter * 4 + copies * e
     else:
         trainable = n_params
         weights = n_params * e
         # grad_accum_dtype='float32': bf16/fp16 gradients are summed in float32 during the step (4 B each).
         grads = n_params * (4 if grad_accum_dtype == "float32" and e < 4 else e)
-    optim = optimizer_bytes(shape, dtype, lora_rank, optimizer).gpu
+    optim = optimizer_bytes(shape, dtype, lora_rank, optimizer, lora_targets, train_embeddings_norms).gpu
     # A sequence shorter than the chunk is one chunk of seq_len tokens: activations for those only.
     act = activation_bytes(shape, min(chunk_size, seq_len), dtype, checkpoint_layers, attention_backend,
-                           attention_block_size, loss_chunk_size, max(seq_len - chunk_size, 0), lora_rank)
+                           attention_block_size, loss_chunk_size, max(seq_len - chunk_size, 0), lora_rank, lora_targets)
     return n_params, trainable, weights, grads, optim, act
 
 

@@ -10,10 +10,11 @@ messages. A Python program can drive :class:`Trainer` itself::
         record = trainer.step(step)
 """
 
-from .log import StepLog
+from .log import StepLog, TensorBoardLog
+from .plot import plot_log
 from .schedule import lr_at, warmup_steps
 from .sequences import Sample, SequenceStream, document_bounds
 from .step import StepError, StepRecord, StepStopped, Trainer
 
-__all__ = ["Sample", "SequenceStream", "StepError", "StepLog", "StepRecord", "StepStopped", "Trainer", "document_bounds", "lr_at",
-           "warmup_steps"]
+__all__ = ["Sample", "SequenceStream", "StepError", "StepLog", "StepRecord", "StepStopped", "TensorBoardLog", "Trainer", "document_bounds",
+           "lr_at", "plot_log", "warmup_steps"]

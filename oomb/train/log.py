@@ -1,4 +1,5 @@
-"""The step log of a training run: one JSON object per optimizer step in ``log.jsonl``."""
+"""The step logs of a training run: one JSON object per optimizer step in ``log.jsonl`` (:class:`StepLog`), and the
+same records as TensorBoard scalars (:class:`TensorBoardLog`). Both take :meth:`StepRecord.to_json` dicts."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 import os
 from pathlib import Path
 
-__all__ = ["StepLog"]
+__all__ = ["StepLog", "TensorBoardLog", "TENSORBOARD_SCALARS"]
 
 
 def _line_step(line: str) -> float:
@@ -54,6 +55,56 @@ class StepLog:
             self._file = None
 
     def __enter__(self) -> "StepLog":
+        return self.open()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+TENSORBOARD_SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
+                       "tokens_per_s": "perf/tokens_per_s", "peak_memory_gib": "perf/peak_memory_gib"}
+"""Record key -> TensorBoard tag of each scalar :class:`TensorBoardLog` writes (``peak_memory_gib``: the record's
+``peak_memory_bytes`` / 2**30, where the record has one)."""
+
+
+class TensorBoardLog:
+    """TensorBoard event files of step records (``torch.utils.tensorboard.SummaryWriter``), with the
+    :class:`StepLog` interface: ``open``, ``write(record)``, ``close``.
+
+    Args:
+        logdir: the folder of the event files.
+        start_step: the step the run continues from (0: a new run). A resumed run purges the events of the steps
+            after ``start_step`` (they are trained again: TensorBoard's ``purge_step``), as :class:`StepLog` drops
+            their lines.
+    """
+
+    def __init__(self, logdir: str | os.PathLike, start_step: int = 0) -> None:
+        self.logdir = Path(logdir)
+        self.start_step = start_step
+        self._writer = None
+
+    def open(self) -> "TensorBoardLog":
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(str(self.logdir), purge_step=self.start_step + 1 if self.start_step else None)
+        return self
+
+    def write(self, record: dict) -> None:
+        """Add ``record``'s scalars at its ``step``; flushed at once (a killed run keeps what it logged)."""
+        values = dict(record)
+        if values.get("peak_memory_bytes") is not None:
+            values["peak_memory_gib"] = values["peak_memory_bytes"] / 2**30
+        for key, tag in TENSORBOARD_SCALARS.items():
+            if values.get(key) is not None:
+                self._writer.add_scalar(tag, float(values[key]), int(record["step"]))
+        self._writer.flush()
+
+    def close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    def __enter__(self) -> "TensorBoardLog":
         return self.open()
 
     def __exit__(self, *exc) -> None:

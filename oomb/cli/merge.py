@@ -1,0 +1,151 @@
+"""``oomb merge ADAPTER_DIR --output-dir DIR``: a LoRA adapter merged into its base model (peft's
+``merge_and_unload``), written with its tokenizer as a folder ``AutoModelForCausalLM`` and ``AutoTokenizer`` load
+as-is."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from .errors import UsageError
+from .output import _check_writable_dir_path
+
+
+def _adapter_dir(given: str | None) -> Path:
+    if given is None or not str(given).strip():
+        raise UsageError("oomb merge needs ADAPTER_DIR (or merge.adapter in --config FILE)",
+                         "pass the --output-dir of an 'oomb train --lora-rank' run")
+    path = Path(given).expanduser().resolve()
+    if not path.is_dir():
+        raise UsageError(f"ADAPTER_DIR {given!r} {'is a file' if path.exists() else 'does not exist'}",
+                         "pass the --output-dir of an 'oomb train --lora-rank' run")
+    if not (path / "adapter_config.json").is_file():
+        full = " (it holds a full model: it loads as it is, there is nothing to merge)" if (path / "config.json").is_file() else ""
+        raise UsageError(f"ADAPTER_DIR {given!r} is not a LoRA adapter folder: no adapter_config.json{full}",
+                         "pass the --output-dir of an 'oomb train --lora-rank' run")
+    return path
+
+
+def _output_dir(given: str | None, adapter: Path) -> Path:
+    if given is None or not str(given).strip():
+        raise UsageError("oomb merge needs --output-dir (or output.dir in --config FILE)",
+                         "pass --output-dir DIR, a folder that is new or empty")
+    out = Path(given).expanduser().resolve()
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--output-dir {given!r} is a file", "pass a directory path that is new or empty")
+    if out == adapter or (out.is_dir() and any(out.iterdir())):
+        raise UsageError(f"--output-dir {given!r} exists and is not empty", "pass a new or empty directory")
+    _check_writable_dir_path("--output-dir", given, out)
+    return out
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _base_recipe(adapter: Path) -> dict:
+    """How to rebuild the adapter's base model: {model, seed, dtype, device, rope_theta, rope_scaling}. From the
+    train_args.json of an oomb run; else from adapter_config.json's base_model_name_or_path (a local folder)."""
+    from ..models.presets import PRESETS
+
+    train_args = _read_json(adapter / "train_args.json")
+    base = _read_json(adapter / "adapter_config.json").get("base_model_name_or_path")
+    if "oomb_version" in train_args and isinstance(train_args.get("model"), str):
+        model = train_args["model"]
+        if model not in PRESETS:  # a folder: the absolute path adapter_config.json records
+            model = base if isinstance(base, str) and os.path.isdir(base) else model
+        return dict(model=model, seed=train_args.get("seed", 0), dtype=train_args.get("dtype", "auto"),
+                    device=train_args.get("device", "cpu"), rope_theta=train_args.get("rope_theta"),
+                    rope_scaling=train_args.get("rope_scaling_dict"))
+    if isinstance(base, str) and os.path.isdir(base) and base not in PRESETS:
+        return dict(model=base, seed=0, dtype="float32", device="cpu", rope_theta=None, rope_scaling=None)
+    raise UsageError(f"ADAPTER_DIR {str(adapter)!r} does not say where its base model is: no train_args.json of an "
+                     f"oomb run and adapter_config.json's base_model_name_or_path ({base!r}) is not a local folder",
+                     "set base_model_name_or_path in its adapter_config.json to the base model's folder")
+
+
+def _build_base(recipe: dict):
+    import torch
+
+    from ..models.presets import PRESETS, UnknownModelError, build_model
+
+    device = recipe["device"]
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("the adapter's base is the random preset of a run on cuda, whose weights only a CUDA GPU "
+                         "draws again", "run oomb merge on a machine with a CUDA GPU")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
+        recipe["dtype"], torch.bfloat16 if device == "cuda" else torch.float32)
+    if recipe["model"] not in PRESETS and not os.path.isdir(recipe["model"]):
+        raise UsageError(f"the adapter's base model folder {recipe['model']!r} does not exist",
+                         "put the base model back there, or set base_model_name_or_path in adapter_config.json")
+    torch.manual_seed(int(recipe["seed"]))  # a preset's random weights, drawn as oomb train drew them
+    try:
+        model = build_model(recipe["model"], dtype=dtype, device=device)
+    except (UnknownModelError, ValueError) as exc:
+        raise UsageError(f"cannot build the adapter's base model ({exc})", "check base_model_name_or_path") from exc
+    if recipe["rope_theta"] is not None or recipe["rope_scaling"]:
+        from ..models.rope import set_rope
+
+        set_rope(model, rope_theta=recipe["rope_theta"], rope_scaling=recipe["rope_scaling"])
+    return model
+
+
+def _tokenizer(adapter: Path, recipe: dict):
+    """The adapter folder's tokenizer, else the base folder's; None where neither has one."""
+    from ..data import DataError, load_tokenizer
+    from ..models.presets import PRESETS
+
+    for folder in (adapter,) + (() if recipe["model"] in PRESETS else (Path(recipe["model"]),)):
+        if (folder / "tokenizer_config.json").is_file() or (folder / "tokenizer.json").is_file():
+            try:
+                return load_tokenizer(folder)
+            except DataError as exc:
+                raise UsageError(exc.problem, exc.fix) from exc
+    return None
+
+
+def _merge(args: argparse.Namespace) -> int:
+    """``oomb merge``: every check first; then the merged model and tokenizer are written to a temporary folder
+    beside --output-dir and moved into place."""
+    adapter = _adapter_dir(args.adapter_dir)
+    out = _output_dir(args.output_dir, adapter)
+    recipe = _base_recipe(adapter)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    base = _build_base(recipe)
+    tokenizer = _tokenizer(adapter, recipe)
+    from ..models.lora import merge_adapter
+
+    try:
+        merged = merge_adapter(base, adapter)
+    except (ValueError, KeyError, RuntimeError, OSError) as exc:  # an adapter of another model
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UsageError(f"cannot load ADAPTER_DIR {str(adapter)!r} onto its base {recipe['model']!r} ({first})",
+                         "pass an adapter trained on that base model") from exc
+    from ..models.saving import save_tokenizer
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.oomb-merge-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        merged.save_pretrained(str(tmp))
+        if tokenizer is not None:
+            save_tokenizer(tokenizer, tmp)
+        if out.is_dir():
+            out.rmdir()  # checked empty
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    note = "" if tokenizer is not None else " (no tokenizer: neither the adapter nor its base folder has one)"
+    print(f"oomb: merged {adapter} into {recipe['model']}; wrote {out}{note}", file=sys.stderr)
+    return 0

@@ -1,0 +1,96 @@
+"""``oomb merge``: the merged model computes what the adapter on its base computes (fp32, 1e-5), loads as-is with
+its tokenizer, and bad input is one line, exit 2, nothing written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from oomb.data import load_tokenizer
+from oomb.models.presets import build_model
+
+from test_cli import FAST, TEXT, run_cli, snapshot
+
+
+def _logits(model, ids):
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def _adapter_logits(base, adapter, ids):
+    from peft import PeftModel
+
+    return _logits(PeftModel.from_pretrained(base, adapter), ids)
+
+
+IDS = torch.tensor([load_tokenizer(None)(TEXT[:400], add_special_tokens=False)["input_ids"][:64]])
+
+
+@pytest.mark.parametrize("extra", [[], ["--lora-targets", "all-linear", "--train-embeddings-norms", "--seed", "3"]])
+def test_merged_preset_adapter_equals_the_adapter_model(tmp_path, capsys, extra):
+    adapter, merged = tmp_path / "lora", tmp_path / "merged"
+    assert run_cli(["train", "--output-dir", adapter, *FAST, "--lora-rank", "4", *extra]) == 0
+    assert run_cli(["merge", adapter, "--output-dir", merged]) == 0
+    assert "wrote" in capsys.readouterr().err
+    torch.manual_seed(3 if extra else 0)  # the run's --seed draws the preset's weights
+    want = _adapter_logits(build_model("tiny"), adapter, IDS)
+    model = AutoModelForCausalLM.from_pretrained(merged)
+    assert not any("lora" in k for k in model.state_dict())
+    torch.testing.assert_close(_logits(model, IDS), want, rtol=1e-5, atol=1e-5)
+    text = TEXT[:300]
+    assert AutoTokenizer.from_pretrained(merged)(text)["input_ids"] == load_tokenizer(None)(text)["input_ids"]
+
+
+def test_merge_rebuilds_a_folder_base_from_anywhere(tmp_path, monkeypatch):
+    """A --model folder given as a relative path: adapter_config.json records it absolute, so merge works from
+    another working directory."""
+    torch.manual_seed(1)
+    (tmp_path / "work").mkdir()
+    build_model("tiny-llama").save_pretrained(tmp_path / "work" / "base")
+    monkeypatch.chdir(tmp_path / "work")
+    assert run_cli(["train", "--model", "./base", "--output-dir", "lora", *FAST, "--lora-rank", "2"]) == 0
+    monkeypatch.chdir(tmp_path)
+    assert run_cli(["merge", "work/lora", "--output-dir", "merged"]) == 0
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "work" / "base")
+    want = _adapter_logits(base, tmp_path / "work" / "lora", IDS)
+    torch.testing.assert_close(_logits(AutoModelForCausalLM.from_pretrained(tmp_path / "merged"), IDS), want,
+                               rtol=1e-5, atol=1e-5)
+
+
+def _refused(argv, capsys, root, fragment):
+    before = snapshot(root)
+    assert run_cli(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and fragment in err, err
+    assert snapshot(root) == before
+
+
+def test_bad_merge_input_is_one_line_exit_2_nothing_written(tmp_path, capsys):
+    full = tmp_path / "full"
+    assert run_cli(["train", "--output-dir", full, *FAST, "--steps", "1"]) == 0
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "keep.txt").write_text("mine")
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / "adapter_config.json").write_text('{"base_model_name_or_path": "someone/model"}')
+    capsys.readouterr()
+    out = ["--output-dir", tmp_path / "merged"]
+    _refused(["merge", tmp_path / "empty", *out], capsys, tmp_path, "is not a LoRA adapter folder: no adapter_config.json")
+    _refused(["merge", full, *out], capsys, tmp_path, "it holds a full model")
+    _refused(["merge", tmp_path / "nope", *out], capsys, tmp_path, "does not exist")
+    _refused(["merge", *out], capsys, tmp_path, "oomb merge needs ADAPTER_DIR")
+    _refused(["merge", tmp_path / "foreign", *out], capsys, tmp_path,
+             "does not say where its base model is: no train_args.json of an oomb run and adapter_config.json's "
+             "base_model_name_or_path ('someone/model') is not a local folder")
+    adapter = tmp_path / "lora"
+    assert run_cli(["train", "--output-dir", adapter, *FAST, "--steps", "1", "--lora-rank", "2"]) == 0
+    capsys.readouterr()
+    _refused(["merge", adapter, "--output-dir", tmp_path / "busy"], capsys, tmp_path, "exists and is not empty")
+    _refused(["merge", adapter, "--output-dir", adapter], capsys, tmp_path, "exists and is not empty")
+    _refused(["merge", adapter], capsys, tmp_path, "oomb merge needs --output-dir")
+    assert not (tmp_path / "merged").exists()
+    # An empty --output-dir is used.
+    assert run_cli(["merge", adapter, "--output-dir", tmp_path / "empty"]) == 0
+    assert (tmp_path / "empty" / "model.safetensors").is_file()
