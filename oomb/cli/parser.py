@@ -91,6 +91,7 @@ _DESCRIPTIONS = {
         "and print the number of examples, tokens, trained tokens, padding and dropped examples, the example "
         "lengths, and the first sequence training reads with its trained tokens in [[...]] (highlighted on a "
         "terminal). Writes the histogram of example lengths as a PNG (--output); nothing else is written.",
+    ),
     "merge": (
         "merge a LoRA adapter into its base model",
         "Merge the LoRA adapter of ADAPTER_DIR (an 'oomb train --lora-rank' output, or a peft adapter folder naming a "

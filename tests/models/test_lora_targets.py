@@ -11,7 +11,7 @@ from oomb.memory import ModelShape, base_gpu_bytes
 from oomb.models.lora import LoraTargetError, apply_lora, embedding_norm_modules, resolve_targets
 from oomb.models.presets import build_model
 
-from test_cli import FAST, run_cli, snapshot
+from tests.cli.test_cli import FAST, run_cli, snapshot
 
 
 def _trainable(model) -> int:

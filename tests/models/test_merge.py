@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from oomb.data import load_tokenizer
 from oomb.models.presets import build_model
 
-from test_cli import FAST, TEXT, run_cli, snapshot
+from tests.cli.test_cli import FAST, TEXT, run_cli, snapshot
 
 
 def _logits(model, ids):

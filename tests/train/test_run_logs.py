@@ -10,7 +10,7 @@ import pytest
 from oomb.train import TensorBoardLog, plot_log
 from oomb.train.plot import read_log
 
-from test_cli import FAST, OOMB_LOG_LINE, run_cli, snapshot
+from tests.cli.test_cli import FAST, OOMB_LOG_LINE, run_cli, snapshot
 
 
 def _scalars(logdir) -> dict[str, list[tuple[int, float]]]:
