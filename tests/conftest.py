@@ -19,6 +19,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    # pytest -n N: the cores are shared among the N workers (torch would give each worker every core).
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 if os.environ.get("OOMB_TEST_AUTOTUNE") == "first":
     # GPU test runs compile dozens of small shapes: autotune each kernel over the first config of its list only,
     # whatever kernels.autotune a test passes (the kernels' own setting is an argument; this is the test run's).
