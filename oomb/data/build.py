@@ -217,7 +217,7 @@ def build_training_data(cfg, tokenizer, seed: int = 0):
             raise DataError(
                 f"no example of {rows.name!r} fits a sequence ({s.dropped_examples:,} of {s.examples:,} dropped: "
                 f"longer than --seq-len {cfg.seq_len:,} or without a trained token)",
-                f"pass a longer --seq-len, or --long-examples split")
+                "pass a longer --seq-len, or --long-examples split")
         return data
 
     if not rows.streaming:
