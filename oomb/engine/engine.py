@@ -46,6 +46,7 @@ from .kv_store import PagedKVStore
 from .fused_wgrad import FusedWeightGradAccumulation
 from .grad_accum import LOW_PRECISION, Float32GradAccumulator, extra_grad_bytes
 from .offload import OffloadedKVStore
+from .kept_attention import KeptAttention
 from .saved_attention import SavedAttention
 from .sparse_state import SparseAttentionState
 from .loss import IGNORE_INDEX, chunked_cross_entropy_sum
@@ -116,21 +117,29 @@ class _ChunkContext:
             store.write(layer, self.start, k, v)
             if sparse is not None:
                 sparse.write(layer, self.start, k)
-        saved = eng._saved
+        saved, kept = eng._saved, eng._kept
         chunk = self.start // eng.config.chunk_size
-        # Stage 2 of a chunk Stage 1 ran: its attention outputs, if they were kept (save_attention).
+        # Stage 2 of a chunk Stage 1 ran: its attention outputs, if they were kept (save_attention); else, in the
+        # rerun of a checkpointed layer, those of the chunk's first forward (checkpoint_attention='keep').
         prev = saved.load(chunk, layer) if saved is not None and self.stage == 2 and not self.is_last else None
+        if prev is None and kept is not None and self.stage == 2:
+            prev = kept.take(self.start, layer)
         bs, kernels = eng.config.attention_block_size, eng.config.kernels
-        if sparse is not None:
-            backend = paged_backend(eng._backend, q.device)  # selected pages: read through the block table
-            if self.stage == 1:
-                out, lse = sparse_paged_attention_forward(q, k, v, kv, sel, scaling, backend, bs, kernels=kernels)
-            else:
+        backend = eng._backend if sparse is None else paged_backend(eng._backend, q.device)  # sparse: block tables
+        if self.stage == 1 or (prev is None and kept is not None):  # a forward outside autograd: out and lse
+            with torch.no_grad():
+                if sparse is not None:
+                    out, lse = sparse_paged_attention_forward(q, k, v, kv, sel, scaling, backend, bs, kernels=kernels)
+                else:
+                    out, lse = paged_attention_forward(q, k, v, kv, scaling, backend, bs, kernels=kernels)
+            if self.stage == 2:
+                kept.keep(self.start, layer, out, lse)
+                prev = (out, lse)
+        if self.stage == 2:
+            if sparse is not None:
                 out = sparse_paged_attention(q, k, v, kv, sel, scaling, backend, bs, saved=prev, kernels=kernels)
-        elif self.stage == 1:
-            out, lse = paged_attention_forward(q, k, v, kv, scaling, eng._backend, bs, kernels=kernels)
-        else:
-            out = paged_attention(q, k, v, kv, scaling, eng._backend, bs, saved=prev, kernels=kernels)
+            else:
+                out = paged_attention(q, k, v, kv, scaling, backend, bs, saved=prev, kernels=kernels)
         if saved is not None and self.stage == 1:
             saved.save(chunk, layer, out, lse)
         store.after_attention_forward(layer, self.stage)
@@ -229,6 +238,8 @@ class Engine:
         self._sparse: SparseAttentionState | None = None
         self._saved: SavedAttention | None = None
         self._saved_keep: SavedAttention | None = None  # the last step's buffers, reused by the next
+        # Each Stage-2 chunk's attention outputs across its layer checkpoints (checkpoint_attention='keep').
+        self._kept = KeptAttention() if self.config.checkpoint_layers and self.config.checkpoint_attention == "keep" else None
         self._warned_saved_offload = False
         self._backend = "torch"
         # What choose_engine_tiering read when it sized the GPU pool on CUDA (bytes: free, cached, allocated,
@@ -581,6 +592,8 @@ class Engine:
             with _rope_state_of_full_sequence(self._decoder, T, device, self.dtype):
                 t0, t1, t2, total = self._stages(input_ids, targets, doc_start, positions, denom, progress, store)
         finally:
+            if self._kept is not None:
+                self._kept.clear()
             saved, self._saved = self._saved, None  # evaluate() and plain forwards never save
             self._saved_keep = saved
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
@@ -639,6 +652,8 @@ class Engine:
             (loss_sum / denom).backward()
             total += loss_sum.detach()
             del hidden, loss_sum
+            if self._kept is not None:  # a layer whose rerun did not take its outputs
+                self._kept.clear()
             if c < N - 1:
                 for layer in range(self.num_layers):
                     store.release_from(layer, s)
