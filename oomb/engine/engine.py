@@ -415,7 +415,7 @@ class Engine:
         return OffloadedKVStore(
             self.num_layers, self.num_kv_heads, self.head_dim, self.config.page_size, T, self.dtype, self.device,
             chunk_size=self.config.chunk_size, gpu_pages=gpu_pages,
-            segment_pages=self._segment_pages(), checkpoint_layers=self.config.checkpoint_layers,
+            segment_pages=self._segment_pages(), checkpoint_layers=self.config.reruns_attention,
             staging_sets=staging_sets, stage_grain=off.stage_grain, stage1_shadow=off.stage1_shadow,
             copy_streams=off.copy_streams, kv_stash_mib=off.kv_stash_mib,
             page_gather_programs=kern.page_gather_programs, page_gather_warps=kern.page_gather_warps,
@@ -506,7 +506,8 @@ class Engine:
         backend = step_backend(self.config, self.device)
         act = activation_bytes(ModelShape.from_config(self._base.config), min(self.config.chunk_size, T), self.dtype,
                                self.config.checkpoint_layers, backend, self.config.attention_block_size,
-                               self.config.loss_chunk_size, max(T - self.config.chunk_size, 0))["total"]
+                               self.config.loss_chunk_size, max(T - self.config.chunk_size, 0),
+                               keep_attention=self.config.checkpoint_attention == "keep")["total"]
         reserve = max(2 * 2**30, int(0.03 * total))
         if self.config.sparse:
             reserve += sparse_headroom_bytes(self.config.checkpoint_layers)
