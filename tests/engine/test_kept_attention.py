@@ -202,3 +202,42 @@ def test_bad_settings():
     assert Engine(tiny("qwen2"), engine_config())._kept is None  # no checkpoints: nothing kept
     assert engine_config(checkpoint_layers=True).reruns_attention is False
     assert engine_config(checkpoint_layers=True, checkpoint_attention="recompute").reruns_attention is True
+
+
+@pytest.mark.cuda(reason="the Triton kernels in bf16 and the copy streams need CUDA")
+@pytest.mark.parametrize("extra", [
+    pytest.param({"attention_backend": "triton"}, id="triton"),
+    pytest.param({"attention_backend": "triton", "sparse": True, "page_budget": 2, "sparse_block_size": 64},
+                 id="sparse"),
+    pytest.param({"attention_backend": "triton", "offload": True}, id="segmented-offload"),
+])
+def test_kept_outputs_bitwise_on_cuda_in_bf16(extra):
+    """The kept outputs are bitwise what the rerun computes on the GPU too (deterministic forwards), so the step
+    equals the rerunning one; the forward count halves in Stage 2 as on the CPU."""
+    torch.manual_seed(7)
+    model = tiny("qwen2", 4, 2, head_dim=64, layers=3).to("cuda", torch.bfloat16)
+    twin = clone_model(model).to("cuda")
+    ids = torch.randint(0, VOCAB, (1, 1000), device="cuda")
+    cfg = dict(chunk_size=256, page_size=64, checkpoint_layers=True, **extra)
+    out, engine = _step(model, ids, **cfg)
+    ref, _ = _step(twin, ids, checkpoint_attention="recompute", **cfg)
+    assert engine._kept is not None and out.loss == ref.loss
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p.grad, q.grad), f"{name}: max diff {(p.grad - q.grad).abs().max().item():.3e}"
+
+
+@pytest.mark.cuda(reason="cuDNN's attention needs CUDA")
+def test_kept_outputs_on_cuda_with_sdpa_match_to_bf16_rounding():
+    """cuDNN's attention backward is not deterministic, so the step equals the rerunning one in its loss (the
+    forwards are) and in its gradients to bf16 rounding only."""
+    torch.manual_seed(7)
+    model = tiny("qwen2", 4, 2, head_dim=64, layers=3).to("cuda", torch.bfloat16)
+    twin = clone_model(model).to("cuda")
+    ids = torch.randint(0, VOCAB, (1, 1000), device="cuda")
+    cfg = {"chunk_size": 256, "page_size": 64, "checkpoint_layers": True, "attention_backend": "sdpa"}
+    out, _ = _step(model, ids, **cfg)
+    ref, _ = _step(twin, ids, checkpoint_attention="recompute", **cfg)
+    assert out.loss == ref.loss
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        err = (p.grad.float() - q.grad.float()).norm() / q.grad.float().norm()
+        assert err <= 1e-2, f"{name}: rel err {err:.3e}"
