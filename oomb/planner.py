@@ -144,6 +144,8 @@ class MemoryPlan:
             f"  {'gradients' + (' (float32 sums)' if self.grad_accum_dtype == 'float32' else ''):<40}{g(self.grads)}",
             f"  {self._optimizer_label():<40}{g(self.optimizer)}",
             f"  {'activations: saved':<40}{g(act['saved'])}",
+            *([f"  {'activations: kept attention out + lse':<40}{g(act['kept_attention'])}"]
+              if act.get("kept_attention") else []),
             # the peak holds the larger of the attention and loss temporaries (not both), and the final norm's
             # and hidden state's gradient bytes ("other"): the rows add up to the predicted peak
             f"  {self._temporaries_label():<40}{g(max(act['attention_temp'], act['loss_temp']))}",

@@ -92,10 +92,11 @@ def activation_bytes(
         max_past: longest past in tokens (T - chunk); None = at least one attention block.
         lora_targets: the layers LoRA adapts ('all-linear' or names; :meth:`ModelShape.lora_targets`).
         keep_attention: with ``checkpoint_layers``, the attention outputs and lse of every layer are kept across
-            the layer checkpoints (``checkpoint_attention='keep'``); counted in "saved". Unused without.
+            the layer checkpoints (``checkpoint_attention='keep'``): "kept_attention". Unused without.
 
     Returns:
-        {"saved": ..., "attention_temp": ..., "loss_temp": ..., "other": ..., "total": ...} in bytes.
+        {"saved": ..., "kept_attention": ..., "attention_temp": ..., "loss_temp": ..., "other": ..., "total": ...}
+        in bytes.
     """
     e, a = dtype_size(dtype), 4
     acc = 8 if dtype == torch.float64 else 4
@@ -106,10 +107,11 @@ def activation_bytes(
         per_layer += (a + e) * (q + kv)
     if lora_rank:
         per_layer += len(shape.lora_targets(lora_targets)) * 4 * lora_rank  # fp32 adapter activations (A outputs)
+    kept = 0
     if checkpoint_layers:
         saved = L * C * e * h + C * per_layer
         if keep_attention:  # out [C, Hq, D] and an fp32 (fp64) lse [Hq, C] per layer
-            saved += L * C * (e * q + acc * shape.num_heads)
+            kept = L * C * (e * q + acc * shape.num_heads)
     else:
         saved = L * C * per_layer
     if attention_backend == "torch":
@@ -124,8 +126,9 @@ def activation_bytes(
             attn += 2 * (max_past or 0) * kv * e + 2 * C * q * e
     loss = min(loss_chunk_size, C) * shape.vocab_size * (2 * e + 8)
     other = C * h * (a + 2 * e)  # final norm and the hidden state's gradient
-    total = saved + max(attn, loss) + other
-    return {"saved": saved, "attention_temp": attn, "loss_temp": loss, "other": other, "total": total}
+    total = saved + kept + max(attn, loss) + other
+    return {"saved": saved, "kept_attention": kept, "attention_temp": attn, "loss_temp": loss, "other": other,
+            "total": total}
 
 
 

@@ -166,7 +166,8 @@ def test_kept_bytes_peak_at_one_chunk_of_all_layers(monkeypatch):
     assert peak[0] == L * per_layer
     shape = ModelShape.from_config(model.config)
     args = (shape, C, torch.float64, True, "triton")
-    kept = activation_bytes(*args)["saved"] - activation_bytes(*args, keep_attention=False)["saved"]
+    kept = activation_bytes(*args)["kept_attention"]
+    assert activation_bytes(*args)["total"] - activation_bytes(*args, keep_attention=False)["total"] == kept
     assert kept == L * per_layer
     assert activation_bytes(shape, C, torch.float64, False, "triton", keep_attention=True) == \
         activation_bytes(shape, C, torch.float64, False, "triton", keep_attention=False)  # no checkpoints: nothing
@@ -176,7 +177,8 @@ def test_kept_bytes_of_the_7b_shape():
     """Qwen2.5-7B, chunk 4096, bf16: 28 x 4096 x (3584 x 2 B + 28 x 4 B) = 0.78 GiB."""
     shape = ModelShape.from_config(preset_config("qwen2.5-7b"))
     args = (shape, 4096, torch.bfloat16, True, "triton")
-    kept = activation_bytes(*args)["saved"] - activation_bytes(*args, keep_attention=False)["saved"]
+    kept = activation_bytes(*args)["kept_attention"]
+    assert activation_bytes(*args)["total"] - activation_bytes(*args, keep_attention=False)["total"] == kept
     assert kept == 28 * 4096 * (3584 * 2 + 28 * 4)
     assert round(kept / 2**30, 2) == 0.78
 
