@@ -124,26 +124,37 @@ class _ChunkContext:
         prev = saved.load(chunk, layer) if saved is not None and self.stage == 2 and not self.is_last else None
         if prev is None and kept is not None and self.stage == 2:
             prev = kept.take(self.start, layer)
-        bs, kernels = eng.config.attention_block_size, eng.config.kernels
         backend = eng._backend if sparse is None else paged_backend(eng._backend, q.device)  # sparse: block tables
+        call = (q, k, v, kv, sel, scaling, backend, eng.config)
         if self.stage == 1 or (prev is None and kept is not None):  # a forward outside autograd: out and lse
-            with torch.no_grad():
-                if sparse is not None:
-                    out, lse = sparse_paged_attention_forward(q, k, v, kv, sel, scaling, backend, bs, kernels=kernels)
-                else:
-                    out, lse = paged_attention_forward(q, k, v, kv, scaling, backend, bs, kernels=kernels)
+            out, lse = _attention_forward(*call)
             if self.stage == 2:
                 kept.keep(self.start, layer, out, lse)
                 prev = (out, lse)
         if self.stage == 2:
-            if sparse is not None:
-                out = sparse_paged_attention(q, k, v, kv, sel, scaling, backend, bs, saved=prev, kernels=kernels)
-            else:
-                out = paged_attention(q, k, v, kv, scaling, backend, bs, saved=prev, kernels=kernels)
+            out = _attention_with_grad(*call, prev)
         if saved is not None and self.stage == 1:
             saved.save(chunk, layer, out, lse)
         store.after_attention_forward(layer, self.stage)
         return out.unsqueeze(0)
+
+
+@torch.no_grad()
+def _attention_forward(q, k, v, kv, sel, scaling: float, backend: str, config: OOMBConfig):
+    """One (chunk, layer) attention without autograd -> (out [C, Hq, D], lse [Hq, C]); ``sel`` None: dense."""
+    bs, kernels = config.attention_block_size, config.kernels
+    if sel is not None:
+        return sparse_paged_attention_forward(q, k, v, kv, sel, scaling, backend, bs, kernels=kernels)
+    return paged_attention_forward(q, k, v, kv, scaling, backend, bs, kernels=kernels)
+
+
+def _attention_with_grad(q, k, v, kv, sel, scaling: float, backend: str, config: OOMBConfig, saved):
+    """One (chunk, layer) attention with autograd -> out [C, Hq, D]; ``saved``: its (out, lse) computed earlier
+    on the same inputs (the forward is skipped), or None."""
+    bs, kernels = config.attention_block_size, config.kernels
+    if sel is not None:
+        return sparse_paged_attention(q, k, v, kv, sel, scaling, backend, bs, saved=saved, kernels=kernels)
+    return paged_attention(q, k, v, kv, scaling, backend, bs, saved=saved, kernels=kernels)
 
 
 def _slice(x: torch.Tensor | None, start: int, n: int) -> torch.Tensor | None:
