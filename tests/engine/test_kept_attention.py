@@ -7,6 +7,8 @@ rounding), and bitwise those of rerunning the attention; the kept bytes are what
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from configs import engine_config
@@ -243,3 +245,20 @@ def test_kept_outputs_on_cuda_with_sdpa_match_to_bf16_rounding():
     for (name, p), q in zip(model.named_parameters(), twin.parameters()):
         err = (p.grad.float() - q.grad.float()).norm() / q.grad.float().norm()
         assert err <= 1e-2, f"{name}: rel err {err:.3e}"
+
+
+def test_cli_flag_and_plan_row(capsys):
+    """`--checkpoint-attention recompute` without `--checkpoint-layers`: one line naming both flags, exit 2; with it
+    the plan shows no kept outputs, with the default 'keep' it shows them."""
+    from oomb.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--model", "qwen2.5-7b", "--seq-len", "65536", "--checkpoint-attention", "recompute"])
+    assert exc.value.code == 2
+    assert "without --checkpoint-layers no layer is checkpointed" in capsys.readouterr().err
+    machine = ["--gpu-gib", "139.8", "--host-gib", "125"]
+    base = ["plan", "--model", "qwen2.5-7b", "--seq-len", "65536", "--checkpoint-layers", *machine]
+    assert main(base) == 0
+    assert re.search(r"activations: kept attention out \+ lse +0\.78\n", capsys.readouterr().out)
+    assert main([*base, "--checkpoint-attention", "recompute"]) == 0
+    assert "kept attention" not in capsys.readouterr().out
