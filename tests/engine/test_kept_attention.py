@@ -7,12 +7,14 @@ rounding), and bitwise those of rerunning the attention; the kept bytes are what
 
 from __future__ import annotations
 
+import collections
 import re
 
 import pytest
 import torch
 from configs import engine_config
 
+import oomb.engine.engine as eng_mod
 import oomb.ops.paged_attention as pa
 import oomb.ops.sparse_attention as sp
 from oomb import Engine
@@ -28,44 +30,39 @@ SPARSE = {"sparse": True, "page_budget": 1, "sink_pages": 0, "local_pages": 1, "
 
 
 class _ForwardCounter:
-    """Attention forward kernels run (dense and sparse paths), split into Stage 1 and Stage 2."""
+    """Attention forward kernels run (dense and sparse paths), per (stage, chunk): ``counts[(stage, chunk)]``."""
 
-    def __init__(self, monkeypatch, engine: Engine) -> None:
-        self.calls = 0
-        self.stage1 = None
-        fwd, sfwd = pa._fwd, sp._sparse_fwd
-        stage2 = engine._stage2
+    def __init__(self, monkeypatch, chunk_size: int) -> None:
+        self.counts: collections.Counter = collections.Counter()
+        self._now = None
+        fwd, sfwd, attend = pa._fwd, sp._sparse_fwd, eng_mod._ChunkContext.attend
 
         def counted(f):
             def run(*a, **k):
-                self.calls += 1
+                self.counts[self._now] += 1
                 return f(*a, **k)
             return run
 
-        def stage2_counted(*a, **k):
-            self.stage1 = self.calls
-            return stage2(*a, **k)
+        def attend_noted(ctx, *a, **k):
+            self._now = (ctx.stage, ctx.start // chunk_size)
+            return attend(ctx, *a, **k)
 
         monkeypatch.setattr(pa, "_fwd", counted(fwd))
         monkeypatch.setattr(sp, "_sparse_fwd", counted(sfwd))
-        monkeypatch.setattr(engine, "_stage2", stage2_counted)
-
-    @property
-    def stage2(self) -> int:
-        return self.calls - self.stage1
+        monkeypatch.setattr(eng_mod._ChunkContext, "attend", attend_noted)
 
 
-def _expected(N: int, L: int, ckpt: str, save: str) -> tuple[int, int]:
-    """(Stage-1, Stage-2) attention forwards of a step: the table of docs/design.md, "Attention across layer
-    checkpoints". Per (chunk, layer): Stage 1 for chunks 0..N-2; the Stage-2 forward unless save_attention gives
-    Stage 1's outputs (chunks 0..N-2); the layer rerun only with checkpoint_attention 'recompute', and not where
-    save_attention gives them either."""
-    stage2 = 0
+def _expected(N: int, L: int, ckpt: str, save: str) -> dict:
+    """Attention forwards per (stage, chunk): the table of docs/design.md, "Attention across layer checkpoints".
+    Per layer: Stage 1 for chunks 0..N-2; in Stage 2 the forward unless save_attention gives Stage 1's outputs
+    (chunks 0..N-2), and the layer rerun only with checkpoint_attention 'recompute' where those are not given."""
+    counts = {(1, c): L for c in range(N - 1)}
     for c in range(N):
         reused = save != "off" and c < N - 1
-        stage2 += 0 if reused else 1
-        stage2 += 1 if ckpt == "recompute" and not reused else 0
-    return (N - 1) * L, stage2 * L
+        n = (0 if reused else 1) + (1 if ckpt == "recompute" and not reused else 0)
+        if n:
+            counts[(2, c)] = n * L
+    return counts
 
 
 @pytest.mark.parametrize("save", ["off", "gpu"])
@@ -81,11 +78,11 @@ def test_attention_forwards_per_chunk(monkeypatch, backend, sparse, ckpt, save):
     if ckpt != "off":
         cfg["checkpoint_attention"] = ckpt
     engine = Engine(model, engine_config(**cfg))
-    count = _ForwardCounter(monkeypatch, engine)
+    count = _ForwardCounter(monkeypatch, C)
     engine.step(torch.randint(0, VOCAB, (1, T)))
-    assert (count.stage1, count.stage2) == _expected(T // C, L, ckpt, save)
-    if ckpt == "keep":  # 2 forwards per chunk (the last: 1), 1 per chunk with save_attention: as without checkpoints
-        assert (count.stage1, count.stage2) == _expected(T // C, L, "off", save)
+    assert dict(count.counts) == _expected(T // C, L, ckpt, save)
+    if ckpt == "keep":  # 2 per chunk and layer (the last chunk: 1), 1 with save_attention: as without checkpoints
+        assert dict(count.counts) == _expected(T // C, L, "off", save)
         assert engine._kept.nbytes == 0  # every layer's pair taken by its rerun, or cleared
 
 
