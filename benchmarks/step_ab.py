@@ -7,7 +7,9 @@ e.g. with the other tree unpacked by ``git archive REV oomb | tar -x -C /tmp/bas
     python3 benchmarks/step_ab.py --src . --label head --lengths 32768 131072 --out ab.jsonl
 
 A tree whose OOMBConfig has no sections (``kernels``) takes the sparse settings as flat fields. Appends one
-JSON row per length (min/median/max seconds, loss, peak GiB) to --out.
+JSON row per length (min/median/max seconds, Stage-2 median, loss, peak GiB) to --out. ``--checkpoint-layers``
+with ``--checkpoint-attention keep|recompute`` A/Bs what the rerun of a checkpointed layer does for its
+attention in one tree (a tree without that field always recomputes).
 """
 import argparse, json, sys, time, os, statistics
 p = argparse.ArgumentParser()
@@ -21,6 +23,8 @@ p.add_argument("--out", required=True)
 p.add_argument("--device", default="cuda")
 p.add_argument("--autotune", choices=["full", "first"], default="full",
                help="first: every Triton kernel runs its first config (both trees alike; no tuning time)")
+p.add_argument("--checkpoint-layers", action="store_true")
+p.add_argument("--checkpoint-attention", choices=["keep", "recompute"], default="keep")
 a = p.parse_args()
 if a.autotune == "first":
     os.environ["OOMB_TRITON_CONFIGS"] = "first"  # the switch of a tree with flat settings; a sectioned tree ignores it
@@ -32,13 +36,17 @@ from oomb import Engine
 from oomb.models.presets import preset_config
 assert oomb.__file__.startswith(os.path.abspath(a.src)), oomb.__file__
 from oomb import OOMBConfig
+ckpt = {}
 if "kernels" in OOMBConfig.__dataclass_fields__:
     from oomb.config import KernelConfig, SparseConfig
+    ckpt = {"checkpoint_layers": a.checkpoint_layers}
+    if a.checkpoint_layers and "checkpoint_attention" in OOMBConfig.__dataclass_fields__:
+        ckpt["checkpoint_attention"] = a.checkpoint_attention
     cfg = OOMBConfig(chunk_size=4096, sparse=SparseConfig(page_budget=64) if a.sparse else None,
-                     kernels=KernelConfig(autotune=a.autotune))
+                     kernels=KernelConfig(autotune=a.autotune), **ckpt)
     api = "sections"
 else:
-    cfg = OOMBConfig(chunk_size=4096, sparse=a.sparse, page_budget=64)
+    cfg = OOMBConfig(chunk_size=4096, sparse=a.sparse, page_budget=64, checkpoint_layers=a.checkpoint_layers)
     api = "flat"
 dev = torch.device(a.device)
 sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
@@ -53,7 +61,7 @@ g = torch.Generator().manual_seed(1)
 rows = []
 for T in a.lengths:
     ids = torch.randint(0, mc.vocab_size, (1, T), generator=g).to(dev)
-    times, losses = [], []
+    times, losses, stage2 = [], [], []
     for i in range(a.steps + 1):
         model.zero_grad(set_to_none=True)
         sync(); t0 = time.perf_counter()
@@ -62,9 +70,13 @@ for T in a.lengths:
         print(f"{a.label} T={T} step {i}: {dt:.2f} s", flush=True)
         if i:
             times.append(dt)
+            stage2.append(out.stage2_seconds)
         losses.append(out.loss)
     row = dict(label=a.label, api=api, model=a.model, tokens=T, sparse=a.sparse, autotune=a.autotune,
+               checkpoint_layers=a.checkpoint_layers, checkpoint_attention=ckpt.get("checkpoint_attention")
+               if api == "sections" else None,
                min_s=min(times), median_s=statistics.median(times), max_s=max(times), times=times,
+               stage2_median_s=statistics.median(stage2),
                loss=losses[-1], peak_gib=torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else None)
     rows.append(row)
     print(json.dumps(row), flush=True)

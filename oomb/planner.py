@@ -144,6 +144,8 @@ class MemoryPlan:
             f"  {'gradients' + (' (float32 sums)' if self.grad_accum_dtype == 'float32' else ''):<40}{g(self.grads)}",
             f"  {self._optimizer_label():<40}{g(self.optimizer)}",
             f"  {'activations: saved':<40}{g(act['saved'])}",
+            *([f"  {'activations: kept attention out + lse':<40}{g(act['kept_attention'])}"]
+              if act.get("kept_attention") else []),
             # the peak holds the larger of the attention and loss temporaries (not both), and the final norm's
             # and hidden state's gradient bytes ("other"): the rows add up to the predicted peak
             f"  {self._temporaries_label():<40}{g(max(act['attention_temp'], act['loss_temp']))}",
@@ -265,6 +267,7 @@ def plan(
     train_embeddings_norms: bool = False,
     optimizer: str | None = "adamw",
     checkpoint_layers: bool = False,
+    checkpoint_attention: str = "keep",
     attention_backend: str = "triton",
     attention_block_size: int = 4096,
     loss_chunk_size: int = 1024,
@@ -298,6 +301,9 @@ def plan(
         checkpoint_layers, attention_backend ('torch', 'triton' or 'sdpa'), attention_block_size, loss_chunk_size:
             as in :class:`oomb.OOMBConfig` ('auto' counts as 'sdpa', what it is on CUDA; with
             ``sparse`` 'auto' and 'sdpa' count as 'triton', the block-table kernels sparse attention runs).
+        checkpoint_attention: 'keep' or 'recompute' (:class:`oomb.OOMBConfig`): with ``checkpoint_layers``, 'keep'
+            counts each layer's attention output and lse among the activations, and offload traffic without the
+            rerun's reads of the past.
         offload: True, False or 'auto' (offload only when every page does not fit on the GPU).
         gpu_page_budget: GPU pool in pages with offload (None: the largest that fits). Given, the largest contexts
             (``max_seq_len_gpu_only``, ``max_seq_len_offload``) are those of this pool.
@@ -366,7 +372,8 @@ def plan(
 
     def fixed_for(T: int, save: str = "off") -> tuple:
         parts = base_gpu_bytes(shape, T, chunk_size, dtype, lora_rank, optimizer, checkpoint_layers, backend,
-                          attention_block_size, loss_chunk_size, grad_accum_dtype, lora_targets, train_embeddings_norms)
+                          attention_block_size, loss_chunk_size, grad_accum_dtype, lora_targets, train_embeddings_norms,
+                          checkpoint_attention == "keep")
         n_params, trainable, weights, grads, optim, act = parts
         if sparse is not None:
             act = dict(act, sparse_state=sparse_state_bytes(shape, T, sparse_cfg, dtype))
@@ -541,7 +548,8 @@ def plan(
         gpu_budget=gpu_budget, host_budget=host_budget, machine=machine,
         max_seq_len_gpu_only=longest_gpu, max_seq_len_offload=longest_off, problems=problems,
         traffic=offload_traffic(shape, seq_len, chunk_size, page_size, tiering.resident_pages_per_layer, dtype,
-                                segment_pages=SP, checkpoint_layers=checkpoint_layers,
+                                segment_pages=SP,
+                                checkpoint_layers=checkpoint_layers and checkpoint_attention == "recompute",
                                 saved_attention=save != "off" and SP is not None, staging_sets=tiering.staging_sets,
                                 stage1_shadow=stage1_shadow)
         if tiering.offload else {},
@@ -561,8 +569,8 @@ def choose_tiering(model: Any, seq_len: int, **kwargs) -> Tiering:
     """
     return plan(model, seq_len, **kwargs).check().tiering
 
-_PLAN_FIELDS = ("chunk_size", "page_size", "checkpoint_layers", "attention_backend", "attention_block_size",
-                "loss_chunk_size", "save_attention", "grad_accum_dtype")
+_PLAN_FIELDS = ("chunk_size", "page_size", "checkpoint_layers", "checkpoint_attention", "attention_backend",
+                "attention_block_size", "loss_chunk_size", "save_attention", "grad_accum_dtype")
 
 
 def plan_for_config(model: Any, seq_len: int, config: OOMBConfig, **kwargs) -> MemoryPlan:

@@ -22,6 +22,7 @@ __all__ = ["KernelConfig", "OOMBConfig", "OffloadConfig", "SparseConfig"]
 
 AttentionBackend = Literal["auto", "torch", "triton", "sdpa"]
 SaveAttention = Literal["off", "gpu", "host"]
+CheckpointAttention = Literal["keep", "recompute"]
 GradAccumDtype = Literal["param", "float32"]
 SparseScore = Literal["mean", "quest"]
 OffloadMode = Literal["auto", "on", "off"]
@@ -223,6 +224,12 @@ class OOMBConfig:
     checkpoint_layers: bool = False
     """Per-layer activation checkpointing inside each chunk's Stage-2 recompute."""
 
+    checkpoint_attention: CheckpointAttention = "keep"
+    """With checkpoint_layers, what the rerun of a checkpointed layer does for its attention: 'keep' reuses the
+    outputs of the chunk's first forward of that layer (kept for all layers of the chunk: Hq x head_dim values
+    + Hq float32 per token and layer, 0.78 GiB for Qwen2.5-7B at chunk 4096 in bf16; the attention forward then
+    runs once per chunk in Stage 2, not twice; same gradients) or 'recompute' (runs it again: the least memory)."""
+
     save_attention: SaveAttention = "off"
     """Keep Stage 1's attention outputs (out and lse of every chunk and layer) so the Stage-2 recompute skips its
     attention forward (same gradients, ~22% less attention work): 'off', 'gpu' (Hq x head_dim values + Hq
@@ -263,6 +270,7 @@ class OOMBConfig:
                     f"pass e.g. {{chunk_size}} {near}, or a {{page_size}} that divides {self.chunk_size}")
             check.choice("attention_backend", self.attention_backend, ("auto", "torch", "triton", "sdpa"))
             check.boolean("checkpoint_layers", self.checkpoint_layers)
+            check.choice("checkpoint_attention", self.checkpoint_attention, ("keep", "recompute"))
             check.choice("save_attention", self.save_attention, ("off", "gpu", "host"))
             check.choice("grad_accum_dtype", self.grad_accum_dtype, ("param", "float32"))
             if self.sparse is True:
@@ -282,8 +290,19 @@ class OOMBConfig:
                 "staging_sets", "{staging_sets} sizes whole-layer staging, which only sparse attention uses (dense "
                 "offload stages segments: see {segment_pages})", "enable {sparse}, or leave {staging_sets} out",
                 section="engine.offload")
+        if self.checkpoint_attention != "keep" and not self.checkpoint_layers:
+            raise ConfigError(
+                "checkpoint_attention", "{checkpoint_attention} chooses what the rerun of a checkpointed layer does, "
+                "and without {checkpoint_layers} no layer is checkpointed", "enable {checkpoint_layers}, or leave "
+                "{checkpoint_attention} out", section="engine")
         if self.attention_block_size % self.page_size != 0:  # reference blocks are whole pages
             self.attention_block_size = -(-self.attention_block_size // self.page_size) * self.page_size
+
+    @property
+    def reruns_attention(self) -> bool:
+        """Whether the rerun of each checkpointed layer runs its attention forward again (checkpoint_layers with
+        checkpoint_attention 'recompute'): what the offload staging schedule predicts."""
+        return self.checkpoint_layers and self.checkpoint_attention == "recompute"
 
     def dense(self) -> "OOMBConfig":
         """This configuration with dense attention (``sparse`` None) and no whole-layer staging setting."""

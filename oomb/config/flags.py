@@ -44,8 +44,8 @@ SECTIONS: dict[str, type] = {
 }
 """Every configuration section by its key path in a YAML file."""
 
-_ENGINE_CORE = ("chunk_size", "page_size", "attention_backend", "checkpoint_layers", "save_attention",
-                "grad_accum_dtype", "sparse")
+_ENGINE_CORE = ("chunk_size", "page_size", "attention_backend", "checkpoint_layers", "checkpoint_attention",
+                "save_attention", "grad_accum_dtype", "sparse")
 _ENGINE_TRAIN = _ENGINE_CORE + ("loss_chunk_size", "attention_block_size")
 _ALL = None
 
@@ -72,7 +72,8 @@ COMMANDS: dict[str, list[tuple[str, tuple[str, ...] | None]]] = {
     ],
     "bench": [
         ("model", ("name", "device", "dtype", "seed")),
-        ("engine", ("chunk_size", "page_size", "attention_backend", "save_attention", "checkpoint_layers")),
+        ("engine", ("chunk_size", "page_size", "attention_backend", "save_attention", "checkpoint_layers",
+                    "checkpoint_attention")),
         ("engine.kernels", _ALL), ("bench", _ALL),
     ],
     "merge": [("merge", _ALL), ("output", ("dir",))],

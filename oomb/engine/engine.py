@@ -46,6 +46,7 @@ from .kv_store import PagedKVStore
 from .fused_wgrad import FusedWeightGradAccumulation
 from .grad_accum import LOW_PRECISION, Float32GradAccumulator, extra_grad_bytes
 from .offload import OffloadedKVStore
+from .kept_attention import KeptAttention
 from .saved_attention import SavedAttention
 from .sparse_state import SparseAttentionState
 from .loss import IGNORE_INDEX, chunked_cross_entropy_sum
@@ -116,25 +117,44 @@ class _ChunkContext:
             store.write(layer, self.start, k, v)
             if sparse is not None:
                 sparse.write(layer, self.start, k)
-        saved = eng._saved
+        saved, kept = eng._saved, eng._kept
         chunk = self.start // eng.config.chunk_size
-        # Stage 2 of a chunk Stage 1 ran: its attention outputs, if they were kept (save_attention).
+        # Stage 2 of a chunk Stage 1 ran: its attention outputs, if they were kept (save_attention); else, in the
+        # rerun of a checkpointed layer, those of the chunk's first forward (checkpoint_attention='keep').
         prev = saved.load(chunk, layer) if saved is not None and self.stage == 2 and not self.is_last else None
-        bs, kernels = eng.config.attention_block_size, eng.config.kernels
-        if sparse is not None:
-            backend = paged_backend(eng._backend, q.device)  # selected pages: read through the block table
-            if self.stage == 1:
-                out, lse = sparse_paged_attention_forward(q, k, v, kv, sel, scaling, backend, bs, kernels=kernels)
-            else:
-                out = sparse_paged_attention(q, k, v, kv, sel, scaling, backend, bs, saved=prev, kernels=kernels)
-        elif self.stage == 1:
-            out, lse = paged_attention_forward(q, k, v, kv, scaling, eng._backend, bs, kernels=kernels)
-        else:
-            out = paged_attention(q, k, v, kv, scaling, eng._backend, bs, saved=prev, kernels=kernels)
+        if prev is None and kept is not None and self.stage == 2:
+            prev = kept.take(self.start, layer)
+        backend = eng._backend if sparse is None else paged_backend(eng._backend, q.device)  # sparse: block tables
+        call = (q, k, v, kv, sel, scaling, backend, eng.config)
+        if self.stage == 1 or (prev is None and kept is not None):  # a forward outside autograd: out and lse
+            out, lse = _attention_forward(*call)
+            if self.stage == 2:
+                kept.keep(self.start, layer, out, lse)
+                prev = (out, lse)
+        if self.stage == 2:
+            out = _attention_with_grad(*call, prev)
         if saved is not None and self.stage == 1:
             saved.save(chunk, layer, out, lse)
         store.after_attention_forward(layer, self.stage)
         return out.unsqueeze(0)
+
+
+@torch.no_grad()
+def _attention_forward(q, k, v, kv, sel, scaling: float, backend: str, config: OOMBConfig):
+    """One (chunk, layer) attention without autograd -> (out [C, Hq, D], lse [Hq, C]); ``sel`` None: dense."""
+    bs, kernels = config.attention_block_size, config.kernels
+    if sel is not None:
+        return sparse_paged_attention_forward(q, k, v, kv, sel, scaling, backend, bs, kernels=kernels)
+    return paged_attention_forward(q, k, v, kv, scaling, backend, bs, kernels=kernels)
+
+
+def _attention_with_grad(q, k, v, kv, sel, scaling: float, backend: str, config: OOMBConfig, saved):
+    """One (chunk, layer) attention with autograd -> out [C, Hq, D]; ``saved``: its (out, lse) computed earlier
+    on the same inputs (the forward is skipped), or None."""
+    bs, kernels = config.attention_block_size, config.kernels
+    if sel is not None:
+        return sparse_paged_attention(q, k, v, kv, sel, scaling, backend, bs, saved=saved, kernels=kernels)
+    return paged_attention(q, k, v, kv, scaling, backend, bs, saved=saved, kernels=kernels)
 
 
 def _slice(x: torch.Tensor | None, start: int, n: int) -> torch.Tensor | None:
@@ -229,6 +249,8 @@ class Engine:
         self._sparse: SparseAttentionState | None = None
         self._saved: SavedAttention | None = None
         self._saved_keep: SavedAttention | None = None  # the last step's buffers, reused by the next
+        # Each Stage-2 chunk's attention outputs across its layer checkpoints (checkpoint_attention='keep').
+        self._kept = KeptAttention() if self.config.checkpoint_layers and self.config.checkpoint_attention == "keep" else None
         self._warned_saved_offload = False
         self._backend = "torch"
         # What choose_engine_tiering read when it sized the GPU pool on CUDA (bytes: free, cached, allocated,
@@ -404,7 +426,7 @@ class Engine:
         return OffloadedKVStore(
             self.num_layers, self.num_kv_heads, self.head_dim, self.config.page_size, T, self.dtype, self.device,
             chunk_size=self.config.chunk_size, gpu_pages=gpu_pages,
-            segment_pages=self._segment_pages(), checkpoint_layers=self.config.checkpoint_layers,
+            segment_pages=self._segment_pages(), checkpoint_layers=self.config.reruns_attention,
             staging_sets=staging_sets, stage_grain=off.stage_grain, stage1_shadow=off.stage1_shadow,
             copy_streams=off.copy_streams, kv_stash_mib=off.kv_stash_mib,
             page_gather_programs=kern.page_gather_programs, page_gather_warps=kern.page_gather_warps,
@@ -495,7 +517,8 @@ class Engine:
         backend = step_backend(self.config, self.device)
         act = activation_bytes(ModelShape.from_config(self._base.config), min(self.config.chunk_size, T), self.dtype,
                                self.config.checkpoint_layers, backend, self.config.attention_block_size,
-                               self.config.loss_chunk_size, max(T - self.config.chunk_size, 0))["total"]
+                               self.config.loss_chunk_size, max(T - self.config.chunk_size, 0),
+                               keep_attention=self.config.checkpoint_attention == "keep")["total"]
         reserve = max(2 * 2**30, int(0.03 * total))
         if self.config.sparse:
             reserve += sparse_headroom_bytes(self.config.checkpoint_layers)
@@ -581,6 +604,8 @@ class Engine:
             with _rope_state_of_full_sequence(self._decoder, T, device, self.dtype):
                 t0, t1, t2, total = self._stages(input_ids, targets, doc_start, positions, denom, progress, store)
         finally:
+            if self._kept is not None:
+                self._kept.clear()
             saved, self._saved = self._saved, None  # evaluate() and plain forwards never save
             self._saved_keep = saved
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
@@ -639,6 +664,8 @@ class Engine:
             (loss_sum / denom).backward()
             total += loss_sum.detach()
             del hidden, loss_sum
+            if self._kept is not None:  # a layer whose rerun did not take its outputs
+                self._kept.clear()
             if c < N - 1:
                 for layer in range(self.num_layers):
                     store.release_from(layer, s)

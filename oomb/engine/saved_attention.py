@@ -25,6 +25,8 @@ Where they are kept:
 
 The gradients are those of the recompute path: the backward sees bitwise the out and lse
 the recompute would have produced (tests check equality with ``save_attention="off"``).
+With per-layer checkpointing the rerun of each layer reuses them too; the last chunk's
+(no Stage-1 forward) come from :mod:`oomb.engine.kept_attention`.
 """
 
 from __future__ import annotations

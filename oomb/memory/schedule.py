@@ -51,8 +51,9 @@ class SegmentSchedule:
     Host pages of segment i: [R + i*SP, hi), staged into buffer slots [0, hi - R - i*SP).
 
     Prefetch: the step's calls are predicted (Stage 1 chunks 0..N-2, then per chunk from the
-    last: forward of layers 0..L-1, then per layer from the top: [forward again with per-layer
-    checkpointing,] backward), each call's segments in order, a backward's in reverse. With
+    last: forward of layers 0..L-1, then per layer from the top: [forward again where per-layer
+    checkpointing reruns the attention (``checkpoint_layers``),] backward), each call's segments
+    in order, a backward's in reverse. With
     ``saved_attention`` the Stage-2 forwards of chunks 0..N-2 read no past (the engine's
     ``save_attention`` reuses Stage 1's outputs), so only their backwards are predicted. When a
     segment is acquired, the next predicted segment use that needs host pages is staged into

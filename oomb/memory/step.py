@@ -26,7 +26,10 @@ Qwen3 q/k norms                (a + e)(q + kv)
 Qwen2.5-7B, bf16: 12h + 8q + 8kv + 8i = 227,328 B/token/layer -> 24.28 GiB for
 4096 tokens x 28 layers. With ``checkpoint_layers`` only each layer's input
 (e h per token) is kept for all layers, plus one layer's activations while it is
-recomputed.
+recomputed; with ``checkpoint_attention='keep'`` (the default) also each layer's
+attention output and lse (e q + 4 Hq per token; :mod:`oomb.engine.kept_attention`):
+Qwen2.5-7B, bf16, chunk 4096: 0.77 GiB of layer inputs + 0.78 GiB of attention
+outputs + 0.87 GiB for the layer being recomputed.
 
 **Attention temporaries.** The PyTorch reference backward holds three fp32
 score-sized tensors (s, p, ds) of ``Hq x C x W`` (W = max(C, min(block, past)))
@@ -81,15 +84,19 @@ def activation_bytes(
     max_past: int | None = None,
     lora_rank: int = 0,
     lora_targets: Any = LORA_TARGETS,
+    keep_attention: bool = True,
 ) -> dict[str, int]:
     """Peak bytes of one Stage-2 chunk's activations and temporaries (see the module docstring).
 
     Args:
         max_past: longest past in tokens (T - chunk); None = at least one attention block.
         lora_targets: the layers LoRA adapts ('all-linear' or names; :meth:`ModelShape.lora_targets`).
+        keep_attention: with ``checkpoint_layers``, the attention outputs and lse of every layer are kept across
+            the layer checkpoints (``checkpoint_attention='keep'``): "kept_attention". Unused without.
 
     Returns:
-        {"saved": ..., "attention_temp": ..., "loss_temp": ..., "other": ..., "total": ...} in bytes.
+        {"saved": ..., "kept_attention": ..., "attention_temp": ..., "loss_temp": ..., "other": ..., "total": ...}
+        in bytes.
     """
     e, a = dtype_size(dtype), 4
     acc = 8 if dtype == torch.float64 else 4
@@ -100,8 +107,11 @@ def activation_bytes(
         per_layer += (a + e) * (q + kv)
     if lora_rank:
         per_layer += len(shape.lora_targets(lora_targets)) * 4 * lora_rank  # fp32 adapter activations (A outputs)
+    kept = 0
     if checkpoint_layers:
         saved = L * C * e * h + C * per_layer
+        if keep_attention:  # out [C, Hq, D] and an fp32 (fp64) lse [Hq, C] per layer
+            kept = L * C * (e * q + acc * shape.num_heads)
     else:
         saved = L * C * per_layer
     if attention_backend == "torch":
@@ -116,8 +126,9 @@ def activation_bytes(
             attn += 2 * (max_past or 0) * kv * e + 2 * C * q * e
     loss = min(loss_chunk_size, C) * shape.vocab_size * (2 * e + 8)
     other = C * h * (a + 2 * e)  # final norm and the hidden state's gradient
-    total = saved + max(attn, loss) + other
-    return {"saved": saved, "attention_temp": attn, "loss_temp": loss, "other": other, "total": total}
+    total = saved + kept + max(attn, loss) + other
+    return {"saved": saved, "kept_attention": kept, "attention_temp": attn, "loss_temp": loss, "other": other,
+            "total": total}
 
 
 
@@ -129,11 +140,12 @@ def page_bytes(shape: ModelShape, page_size: int, dtype: torch.dtype) -> int:
 
 def base_gpu_bytes(shape, seq_len, chunk_size, dtype, lora_rank, optimizer, checkpoint_layers, attention_backend,
                    attention_block_size, loss_chunk_size, grad_accum_dtype="param", lora_targets=LORA_TARGETS,
-                   train_embeddings_norms=False):
+                   train_embeddings_norms=False, keep_attention=True):
     """``(num_params, trainable, weights, grads, optimizer, activations)`` of a step: parameter counts, bytes of the
     weights, gradients and the optimizer's GPU states (:func:`oomb.memory.optimizer.optimizer_bytes`; ``optimizer``
     None: 0), and the :func:`activation_bytes` dict of one chunk. With LoRA, ``lora_targets`` are the adapted
-    layers and ``train_embeddings_norms`` adds a trained copy (in ``dtype``) of the embeddings and norms."""
+    layers and ``train_embeddings_norms`` adds a trained copy (in ``dtype``) of the embeddings and norms;
+    ``keep_attention`` as :func:`activation_bytes`'s."""
     n_params = shape.num_params()
     e = dtype_size(dtype)
     if lora_rank:
@@ -150,7 +162,8 @@ def base_gpu_bytes(shape, seq_len, chunk_size, dtype, lora_rank, optimizer, chec
     optim = optimizer_bytes(shape, dtype, lora_rank, optimizer, lora_targets, train_embeddings_norms).gpu
     # A sequence shorter than the chunk is one chunk of seq_len tokens: activations for those only.
     act = activation_bytes(shape, min(chunk_size, seq_len), dtype, checkpoint_layers, attention_backend,
-                           attention_block_size, loss_chunk_size, max(seq_len - chunk_size, 0), lora_rank, lora_targets)
+                           attention_block_size, loss_chunk_size, max(seq_len - chunk_size, 0), lora_rank, lora_targets,
+                           keep_attention)
     return n_params, trainable, weights, grads, optim, act
 
 
@@ -182,7 +195,8 @@ def sparse_headroom_bytes(checkpoint_layers: bool) -> int:
 
     Without ``checkpoint_layers`` a 1M-token sparse + offload step on an H200 ran out of memory in Stage 2 with the
     plain reserve. With it, H200 steps (Qwen2.5-7B, chunk 4096; 64K, 256K, 1M tokens) measured 2.77-2.80 GiB of
-    activations at the peak against 3.48 GiB estimated by :func:`activation_bytes`, and 2.6-2.9 GiB of allocator
+    activations at the peak against 3.48 GiB estimated by :func:`activation_bytes` (the attention recomputed in
+    each layer's rerun: ``checkpoint_attention='recompute'``), and 2.6-2.9 GiB of allocator
     cache above the allocated peak, within the 3% reserve (4.2 GiB).
     """
     return 0 if checkpoint_layers else 4 * GiB

@@ -371,7 +371,8 @@ def choose_engine_tiering(shape: ModelShape, config: Any, seq_len: int, dtype: t
         return EngineTiering(off.mode == "on", None, off.staging_sets)
     free, total, cached = memory.free_bytes, memory.total_bytes, memory.cached_bytes
     act = activation_bytes(shape, min(cfg.chunk_size, seq_len), dtype, cfg.checkpoint_layers, backend,
-                           cfg.attention_block_size, cfg.loss_chunk_size, max(seq_len - cfg.chunk_size, 0))["total"]
+                           cfg.attention_block_size, cfg.loss_chunk_size, max(seq_len - cfg.chunk_size, 0),
+                           keep_attention=cfg.checkpoint_attention == "keep")["total"]
     reserve = max(2 * GiB, int(0.03 * total))
     stash = 0
     if cfg.sparse:

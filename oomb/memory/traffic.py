@@ -151,7 +151,8 @@ def offload_traffic(
 
     With segmented staging (``segment_pages`` an int) the staging copies come from running the
     store's own schedule (:func:`segment_traffic`) over the step's calls (it
-    depends on ``checkpoint_layers``), plus the Stage-1 writes of new pages beyond R. Roughly:
+    depends on ``checkpoint_layers``: per-layer checkpointing whose rerun runs the attention forward again,
+    ``checkpoint_attention='recompute'``), plus the Stage-1 writes of new pages beyond R. Roughly:
     every segment use stages its K/V (the backward reuses the last two segments the forward
     left in the buffers), every backward its dK/dV, and writes them back. ``saved_attention``
     (segmented only): the Stage-2 forwards of chunks 0..N-2 read no past (``save_attention``).

@@ -358,7 +358,8 @@ def paged_attention(
         backend: 'torch', 'triton' or 'sdpa' (already resolved, see :func:`resolve_backend`).
         block_size: past tokens per block of the torch reference.
         saved: ``(out, lse)`` this same forward returned earlier for bitwise the same inputs (the engine's
-            ``save_attention``: Stage 1's outputs, reused by the Stage-2 recompute). The forward is then
+            ``save_attention``: Stage 1's outputs, reused by the Stage-2 recompute; ``checkpoint_attention``: the
+            chunk's first Stage-2 forward's, reused by the rerun of a checkpointed layer). The forward is then
             skipped and the backward uses them; None computes them.
         kernels: settings of the Triton kernels (:class:`oomb.config.KernelConfig`: autotune, tensor
             descriptors); None: its defaults. Unused by the other backends.

@@ -479,9 +479,12 @@ class _TorchWith:
 
 SEGMENT_CASES = [
     # family, heads, kv_heads, layers, T, chunk, page, segment pages, GPU budget, checkpoint
+    # (checkpoint: False, True = checkpoint_attention 'keep', or 'recompute')
     ("qwen2", 4, 2, 3, 45, 8, 4, 1, None, False),  # one-page segments, every page in the host tier
     ("qwen2", 4, 2, 3, 45, 8, 4, 1, None, True),
+    ("qwen2", 4, 2, 3, 45, 8, 4, 1, None, "recompute"),
     ("qwen2", 4, 2, 4, 50, 12, 4, 3, None, True),  # segment boundaries not aligned to chunks (3 pages vs 3)
+    ("qwen2", 4, 2, 4, 50, 12, 4, 3, None, "recompute"),
     ("llama", 7, 1, 4, 50, 12, 4, 2, 3 * 4 + 2 * 2, False),  # GQA 7:1, R = 3 resident pages + 2-page segments
     ("qwen3", 4, 2, 5, 37, 8, 4, 3, 2 * 5 + 2 * 3, True),  # R = 2, partial last page, q/k norms
     ("qwen2", 4, 2, 3, 41, 8, 4, 64, None, True),  # a segment larger than the whole past: one segment
@@ -497,13 +500,16 @@ def test_segmented_offload_trains_like_all_on_device(family, heads, kv_heads, la
     gives the losses and every gradient of the all-on-device run: bitwise with one segment, else fp64 to 1e-12.
     The planner predicts the copied bytes exactly; every staging is issued ahead of its use. With save_attention
     the Stage-2 forwards read no past (fewer bytes staged, still none on demand) and the step is bitwise the
-    offloaded step without it; with several segments per call it stages fewer bytes."""
+    offloaded step without it; with several segments per call it stages fewer bytes. The rerun of a checkpointed
+    layer reads no past when it keeps the attention outputs (checkpoint_attention 'keep')."""
     streams = _lazy(monkeypatch)
     torch.manual_seed(0)
     m_ref = tiny(family, heads, kv_heads, layers=layers).double()
     m_off = clone_model(m_ref)
     ids = torch.randint(0, VOCAB, (1, T))
-    common = dict(chunk_size=chunk, page_size=page, checkpoint_layers=ckpt)
+    common = dict(chunk_size=chunk, page_size=page, checkpoint_layers=bool(ckpt))
+    if ckpt == "recompute":
+        common["checkpoint_attention"] = "recompute"
     out_ref, _ = _step(m_ref, ids, offload=False, **common)
     if save != "off":
         m_nosave = clone_model(m_ref)
@@ -527,8 +533,20 @@ def test_segmented_offload_trains_like_all_on_device(family, heads, kv_heads, la
     else:
         _assert_close_training(m_ref, m_off, out_ref, out_off)
     pred = offload_traffic(ModelShape.from_config(m_off.config), T, chunk, page, R, torch.float64,
-                           segment_pages=sp, checkpoint_layers=ckpt, saved_attention=save != "off")
+                           segment_pages=sp, checkpoint_layers=e_off.config.reruns_attention,
+                           saved_attention=save != "off")
     assert (store.stats["h2d_bytes"], store.stats["d2h_bytes"]) == (pred["h2d_bytes"], pred["d2h_bytes"])
+    if ckpt is True and save == "off":  # the same step with the attention rerun stages more
+        m_rerun = clone_model(m_ref)
+        out_rerun, e_rerun = _step(m_rerun, ids, offload=True, gpu_page_budget=budget, offload_segment_pages=sp,
+                                   checkpoint_attention="recompute", **common)
+        _assert_same_training(m_rerun, m_off, out_rerun, out_off)
+        rerun_bytes = e_rerun.kv_store.stats["h2d_bytes"]
+        # With up to two segments per call the rerun finds them still staged (two buffers); with more it stages again.
+        if max_past - R > 2 * sp:
+            assert store.stats["h2d_bytes"] < rerun_bytes
+        else:
+            assert store.stats["h2d_bytes"] == rerun_bytes
     assert store.stats["on_demand"] == 0, store.stats
     assert store.num_free_pages == store.num_pages
 

@@ -74,12 +74,11 @@ def test_saved_outputs_give_bitwise_the_same_step(monkeypatch, where, family, he
     out, engine = _step(model, ids, cu, save_attention=where, **cfg)
     _assert_same_step(out, model, ref, twin)
 
-    # Forwards run: Stage 1 for chunks 0..N-2 and Stage 2 for the last chunk only (twice per layer with
-    # per-layer checkpointing, which reruns the layer in backward); a sparse step whose selections cover
-    # the past takes the dense path.
+    # Forwards run: Stage 1 for chunks 0..N-2 and Stage 2 for the last chunk only (once per layer, also with
+    # per-layer checkpointing, whose rerun of the layer reuses the kept outputs); a sparse step whose selections
+    # cover the past takes the dense path.
     N, L = -(-T // chunk), model.config.num_hidden_layers
-    last = L * (2 if extra.get("checkpoint_layers") else 1)
-    assert calls["dense"] + calls["sparse"] == (N - 1) * L + last, calls
+    assert calls["dense"] + calls["sparse"] == (N - 1) * L + L, calls
     if extra.get("sparse"):
         assert calls["sparse"] > 0
 

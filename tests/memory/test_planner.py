@@ -578,7 +578,7 @@ def test_engine_tiering_sizes_activations_with_the_backend_the_step_runs(fake_h2
     sparse = OOMBConfig(chunk_size=4096, checkpoint_layers=True, sparse=SparseConfig(page_budget=64), offload=OffloadConfig(mode="on"))
     (offload, pages, sets), info = tier(sparse)
     expected = activation_bytes(shape, 4096, torch.bfloat16, True, "triton", 4096, sparse.loss_chunk_size, T - 4096)
-    assert info["activation_bytes"] == expected["total"] < 4 * GiB
+    assert info["activation_bytes"] == expected["total"] < 4.5 * GiB  # 3.48 + 0.78 kept attention outputs
     assert info["activation_bytes"] < activation_bytes(shape, 4096, torch.bfloat16, True, "torch", 4096,
                                                        sparse.loss_chunk_size, T - 4096)["total"] - 3 * GiB
     assert offload and sets == 4 and pages > 0

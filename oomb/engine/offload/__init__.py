@@ -58,7 +58,8 @@ layers' pages per token: 12 KiB/token per set, ~126 MB per 10K tokens.)
                                 segments 0..k-1 of l's past in order, each staged one segment ahead
     Stage 2 fwd, layer l:       segments 0..k-1 of l (the first two of layer 0 are still staged from the
                                 backward of chunk c+1)
-    [checkpointing: the recompute of layer l before its backward: segments 0..k-1 again]
+    [checkpointing that reruns the attention (checkpoint_attention='recompute'): the recompute of layer l
+     before its backward: segments 0..k-1 again; with 'keep' the rerun reads no past]
     Stage 2 bwd, layer l:       own dK/dV staged (one backward ahead); segments k-1..0 with their dK/dV
                                 (the last two are the forward's, their dK/dV added in place); after each
                                 segment's backward its dK/dV are written back (D2H) before the buffer is reused

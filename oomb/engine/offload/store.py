@@ -77,8 +77,9 @@ class OffloadedKVStore(_SegmentedStaging, _WholeLayerStaging, _HeadTileStaging, 
             :func:`~oomb.memory.tiering.default_segment_pages`, 32K tokens) or ``'layer'`` (whole-layer staging: the
             attention reads a layer's whole past through one block table, as the sparse attention
             needs; GPU bytes then grow with the context).
-        checkpoint_layers: the engine recomputes each layer's forward before its backward
-            (per-layer checkpointing); only the prefetch order depends on it.
+        checkpoint_layers: the engine reruns each layer's attention forward before its backward
+            (per-layer checkpointing with ``checkpoint_attention='recompute'``, :attr:`oomb.OOMBConfig.reruns_attention`);
+            only the prefetch order depends on it.
         staging_sets: whole-layer staging buffers (an integer >= 2), or None to pick them from the pool
             (:func:`~oomb.memory.tiering.choose_staging_sets`). Ignored with segments.
         stage_grain: Stage-2 staging grain of a sparse (chunk, layer) whose selection is known: ``'head'`` moves
