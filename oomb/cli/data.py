@@ -10,29 +10,16 @@ from pathlib import Path
 
 from .checks import _check_vocab, _usage_from
 from .errors import UsageError
-from .inputs import _training_data
+from .inputs import _check_png_path, _training_data
 
 DEFAULT_OUTPUT = "oomb-data-lengths.png"
-_PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def _check_output(given: str | None) -> Path:
     """The PNG path: not a folder, in an existing folder we may write to, new, empty or a PNG (never another
     file)."""
     path = Path(given or DEFAULT_OUTPUT).expanduser()
-    flag = f"--output {given!r}" if given else f"the histogram file {str(path)!r}"
-    if path.is_dir():
-        raise UsageError(f"{flag} is a folder", "pass a file path, e.g. --output lengths.png")
-    if not path.resolve().parent.is_dir():
-        raise UsageError(f"{flag}: its folder does not exist", "pass a path in an existing folder")
-    if not os.access(path.resolve().parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise UsageError(f"{flag} cannot be written", "pass a path you can write to with --output")
-    if path.exists() and path.stat().st_size:
-        with open(path, "rb") as f:
-            if f.read(8) != _PNG:
-                raise UsageError(f"{flag} exists and is not a PNG image, so writing would destroy it",
-                                 "pass --output a new file path, or delete that file first if it is not needed")
-    return path
+    return _check_png_path(path, f"--output {given!r}" if given else f"the histogram file {str(path)!r}", "--output")
 
 
 def render_sequence(tokenizer, sample, limit: int, color: bool = False) -> str:

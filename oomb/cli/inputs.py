@@ -48,6 +48,33 @@ def _check_json_arg(args: argparse.Namespace, report_keys: frozenset, command: s
         )
 
 
+_PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _check_png_path(path: Path, shown: str, flag: str) -> Path:
+    """A PNG output ``path`` (named ``shown`` in messages, set by ``flag``) can be written: not a folder, in an
+    existing folder we may write to, and new, empty or a PNG (never another file)."""
+    if path.is_dir():
+        raise UsageError(f"{shown} is a folder", f"pass a file path, e.g. {flag} plot.png")
+    if not path.resolve().parent.is_dir():
+        raise UsageError(f"{shown}: its folder does not exist", "pass a path in an existing folder")
+    if not os.access(path.resolve().parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UsageError(f"{shown} cannot be written", f"pass a path you can write to with {flag}")
+    if path.exists() and path.stat().st_size:
+        with open(path, "rb") as f:
+            if f.read(8) != _PNG:
+                raise UsageError(f"{shown} exists and is not a PNG image, so writing would destroy it",
+                                 f"pass {flag} a new file path, or delete that file first if it is not needed")
+    return path
+
+
+def _check_png_arg(given: str | None, flag: str) -> Path | None:
+    """``flag PATH`` (a PNG to write) checked by :func:`_check_png_path`; None when not given."""
+    if given is None:
+        return None
+    return _check_png_path(Path(given).expanduser(), f"{flag} {given!r}", flag)
+
+
 def _write_json(given: str, data: dict) -> None:
     """Write ``data`` to the --json path atomically (a temporary file beside it, then renamed)."""
     path = Path(given).expanduser()

@@ -8,7 +8,7 @@ model is scored on it teacher-forced (:mod:`oomb.retrieval.score`), without gene
   information, the haystack repeats "The grass is green. The sky is blue. ..." and holds "The pass key is V.
   Remember it. V is the pass key." once; the question is "What is the pass key? The pass key is".
 - **needle** (needle in a haystack): the haystack is consecutive tokens of a text token stream (the bundled
-  novels by default), from a seeded offset, with ``needles`` sentences "The secret W is V." (distinct words W and
+  novels by default), from a seeded offset (the stream repeated where the prompt is longer than it), with ``needles`` sentences "The secret W is V." (distinct words W and
   values V) inserted at sentence ends; the question asks for the first needle's value: "What is the secret W?
   The secret W is". The other needles sit at seeded sentence ends as distractors.
 
@@ -145,8 +145,8 @@ def _place(target: float, starts: Sequence[int], room: int) -> int:
 
 
 def _too_short(length: int, fixed: int, what: str) -> ValueError:
-    return ValueError(f"length {length} is shorter than the {what} ({fixed} tokens with the question and answer) "
-                      f"plus one haystack token; pass lengths of {fixed + 1} or more")
+    return ValueError(f"length {length} is too short for a {what}, question and answer take "
+                      f"{fixed} tokens before any haystack; pass lengths of {fixed + 1} or more")
 
 
 def passkey_prompt(tokenizer, length: int, depth: float, trial: int = 0, seed: int = 0) -> RetrievalPrompt:
@@ -166,7 +166,7 @@ def passkey_prompt(tokenizer, length: int, depth: float, trial: int = 0, seed: i
     fixed = len(head) + len(needle) + len(question) + len(answer)
     room = length - fixed  # filler tokens
     if room < 1:
-        raise _too_short(length, fixed, "intro, pass key sentence")
+        raise _too_short(length, fixed, "passkey prompt: its intro, pass key sentence")
     sentences = [_encode(tokenizer, " " + s) for s in FILLER]
     filler, starts = [], []
     while len(filler) < room:
@@ -194,12 +194,13 @@ def needle_prompt(tokenizer, tokens: np.ndarray, length: int, depth: float, tria
     ``tokens``, the first one (the one asked) at ``depth`` percent (see the module).
 
     Args:
-        tokens: int ``[N]`` token stream of real text in ``tokenizer``'s ids (:func:`oomb.data.tokenize_documents`).
+        tokens: int ``[N]`` token stream of real text in ``tokenizer``'s ids (:func:`oomb.data.tokenize_documents`);
+            the haystack is ``room`` consecutive tokens of it from a seeded offset (the stream repeated, from that
+            offset, where it is shorter than that).
 
     Raises:
         ValueError: a depth outside [0, 100], ``needles`` outside [1, 30], a length too short for the needles,
-            question and answer plus one text token, fewer text tokens in ``tokens`` than the haystack needs, or a
-            tokenizer that cannot encode digits.
+            question and answer plus one text token, an empty ``tokens``, or a tokenizer that cannot encode digits.
     """
     _check_depth(depth)
     if not 1 <= needles <= len(WORDS):
@@ -216,13 +217,16 @@ def needle_prompt(tokenizer, tokens: np.ndarray, length: int, depth: float, tria
     fixed = len(head) + sum(map(len, sentences)) + len(question) + len(answer)
     room = length - fixed  # text tokens
     if room < 1:
-        raise _too_short(length, fixed, f"needle sentence{'s' if needles > 1 else ''}")
+        raise _too_short(length, fixed, f"needle prompt: its {needles} needle sentence{'s' if needles > 1 else ''}")
     n = int(tokens.shape[0])
-    if n < room:
-        raise ValueError(f"the text has {n:,} tokens but a {length}-token prompt needs {room:,} of them; "
-                         "give more text, or shorter lengths")
-    offset = int(rng.integers(0, n - room + 1))
-    text = np.asarray(tokens[offset : offset + room], dtype=np.int64)
+    if n < 1:
+        raise ValueError("the text has no tokens; give some text to hide the needles in")
+    if n >= room:
+        offset = int(rng.integers(0, n - room + 1))
+        text = np.asarray(tokens[offset : offset + room], dtype=np.int64)
+    else:  # the whole stream, repeated from a seeded offset
+        offset = int(rng.integers(0, n))
+        text = np.resize(np.roll(np.asarray(tokens, dtype=np.int64), -offset), room)
     starts = _sentence_starts(tokenizer, text)
     at = _place(depth / 100 * room, starts, room)
     inner = [s for s in starts if 0 < s < room and s != at] or [s for s in range(1, room) if s != at] or [at]
