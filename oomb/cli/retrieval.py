@@ -26,6 +26,15 @@ def _load_tokenizer(path: str | None):
         raise UsageError(exc.problem, exc.fix) from exc
 
 
+def _check_digits(tokenizer) -> None:
+    from ..retrieval import check_digits
+
+    try:
+        check_digits(tokenizer)
+    except ValueError as exc:
+        raise _usage_from(exc, "pass --tokenizer a tokenizer with digits") from exc
+
+
 def _eval_retrieval(args: argparse.Namespace, budgets: list[int]) -> int:
     """Build every prompt of the grid (before any weight is read), score it per mode, print the table, and write
     the --json report and the --heatmap PNG."""
@@ -40,14 +49,11 @@ def _eval_retrieval(args: argparse.Namespace, budgets: list[int]) -> int:
     import numpy as np
     import torch
 
-    from ..retrieval import build_prompts, check_digits, evaluate_retrieval
+    from ..retrieval import build_prompts, evaluate_retrieval
 
     tokenizer_path = _measure_tokenizer_path(args)
     tokenizer = _load_tokenizer(tokenizer_path)
-    try:
-        check_digits(tokenizer)
-    except ValueError as exc:
-        raise _usage_from(exc, "pass --tokenizer a tokenizer with digits") from exc
+    _check_digits(tokenizer)
     tokens = _load_tokens(args, tokenizer_path) if args.task == "needle" else None
     try:
         prompts = build_prompts(args.task, tokenizer, lengths, depths, trials=args.trials, seed=args.prompt_seed,

@@ -17,7 +17,7 @@ from .errors import ConfigError
 from .meta import flag
 
 __all__ = [
-    "BenchConfig", "DataConfig", "DataReportConfig", "EvalConfig", "GradErrorConfig", "JobConfig", "MergeConfig",
+    "BenchConfig", "DataConfig", "DataMakeConfig", "DataReportConfig", "EvalConfig", "GradErrorConfig", "JobConfig", "MergeConfig",
     "ModelConfig", "OPTIMIZERS", "OutputConfig", "PlanConfig", "TrainConfig", "SEED_LIMIT",
 ]
 
@@ -475,6 +475,54 @@ class DataReportConfig:
 
 
 @dataclass
+class DataMakeConfig:
+    """``oomb data --make``: a synthetic retrieval training set written as JSON Lines instead of the report."""
+
+    kind: Optional[Literal["passkey", "needle"]] = field(default=None, metadata=flag("--make"))
+    """Write retrieval training rows ({"text": ...}, read by 'oomb train --data FILE') instead of reporting on the
+    data: passkey (a pass key in filler text, asked for at the end) or needle ("The secret <word> is <number>."
+    sentences in the --data text, the bundled novels by default, one of them asked for); each at a length of
+    lengths and a random depth, seeded by seed, as 'oomb eval --task' scores them."""
+
+    examples: int = 1000
+    """Rows to write."""
+
+    lengths: Optional[List[int]] = field(default=None, metadata=flag("--make-lengths", metavar="T"))
+    """Row lengths in tokens of the tokenizer (each row takes one at random); default: seq_len."""
+
+    needles: int = 4
+    """Needle sentences per needle row (1 to 30; the first is asked for, the others are distractors)."""
+
+    path: Optional[str] = field(default=None, metadata=flag("--make-output", metavar="PATH"))
+    """Where the rows go (new, empty, or an earlier 'oomb data --make' file: any other existing file is refused);
+    default: oomb-<kind>.jsonl in the current folder."""
+
+    @_in("data_make")
+    def __post_init__(self) -> None:
+        if self.kind is not None:
+            check.choice("kind", self.kind, ("passkey", "needle"))
+        check.positive_int("examples", self.examples, "rows")
+        if self.lengths is not None:
+            if not isinstance(self.lengths, (list, tuple)) or not self.lengths or not all(check.is_int(t) for t in self.lengths):
+                raise ConfigError("lengths", f"{{lengths}} is {self.lengths!r}", "pass one or more token counts")
+            if min(self.lengths) < 2:
+                raise ConfigError("lengths", f"{{lengths}} has {min(self.lengths)}", "pass row lengths of 2 tokens or more")
+        if not check.is_int(self.needles) or not 1 <= self.needles <= MAX_NEEDLES:
+            raise ConfigError("needles", f"{{needles}} is {self.needles!r}", f"pass 1 to {MAX_NEEDLES} needles per row")
+        if self.path is not None and (not isinstance(self.path, str) or not self.path):
+            raise ConfigError("path", f"{{path}} is {self.path!r}", "pass a file path, e.g. {path} passkey.jsonl")
+        if self.kind is None:
+            defaults = {f.name: f.default for f in fields(self)}
+            for key in ("examples", "lengths", "needles", "path"):
+                if getattr(self, key) != defaults[key]:
+                    raise ConfigError(key, f"{{{key}}} sets up synthetic rows but {{kind}} is not given",
+                                      f"add {{kind}} passkey or {{kind}} needle, or leave {{{key}}} out")
+        elif self.kind == "passkey" and self.needles != 4:
+            raise ConfigError("needles", "{needles} is for {kind} needle; a passkey row holds one pass key",
+                              "pass {kind} needle, or leave {needles} out")
+
+
+@dataclass
 class MergeConfig:
     """``oomb merge``: the LoRA adapter folder to merge into its base model."""
 
@@ -503,4 +551,5 @@ class JobConfig:
     grad_error: GradErrorConfig = field(default_factory=GradErrorConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     data_report: DataReportConfig = field(default_factory=DataReportConfig)
+    data_make: DataMakeConfig = field(default_factory=DataMakeConfig)
     merge: MergeConfig = field(default_factory=MergeConfig)
