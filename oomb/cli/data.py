@@ -114,7 +114,8 @@ def _make(args: argparse.Namespace) -> int:
         rows = retrieval_rows(args.make, tokenizer, lengths, args.examples, seed=args.seed, tokens=tokens,
                               needles=args.needles)
     except ValueError as exc:
-        raise _usage_from(exc, "see 'oomb data --help'") from exc
+        message = str(exc).replace("pass lengths of", "pass --make-lengths of")
+        raise _usage_from(ValueError(message), "see 'oomb data --help'") from exc
     write_retrieval_jsonl(path, rows)
     print(f"oomb: wrote {len(rows):,} {args.make} rows of {', '.join(f'{n:,}' for n in lengths)} tokens "
           f"(tokenizer {args.tokenizer or 'bundled'}) to {path}; train on them with 'oomb train --data {path}'")

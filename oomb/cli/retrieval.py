@@ -5,9 +5,21 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .checks import _check_backend_device, _last_chunk_past_pages, _resolve_device_dtype, _usage_from
+from .checks import (
+    _check_backend_device,
+    _last_chunk_past_pages,
+    _resolve_device_dtype,
+    _usage_from,
+)
 from .errors import UsageError, _RunError
-from .inputs import _check_json_arg, _check_png_arg, _load_model, _load_tokens, _measure_tokenizer_path, _write_json
+from .inputs import (
+    _check_json_arg,
+    _check_png_arg,
+    _load_model,
+    _load_tokens,
+    _measure_tokenizer_path,
+    _write_json,
+)
 
 DEFAULT_DEPTHS = [0.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0, 100.0]
 """The depths (percent) without --depths."""

@@ -21,13 +21,13 @@ are part of.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch
 
-__all__ = ["RetrievalPrompt", "TASKS", "build_prompts", "check_digits", "needle_prompt", "passkey_prompt"]
+__all__ = ["TASKS", "RetrievalPrompt", "build_prompts", "check_digits", "needle_prompt", "passkey_prompt"]
 
 TASKS = ("passkey", "needle")
 """The retrieval tasks, in the order their seeds number them."""

@@ -7,7 +7,13 @@ import numpy as np
 import pytest
 
 from oomb.data import load_documents, load_tokenizer, tokenize_documents
-from oomb.retrieval import build_prompts, check_digits, needle_prompt, passkey_prompt, retrieval_rows
+from oomb.retrieval import (
+    build_prompts,
+    check_digits,
+    needle_prompt,
+    passkey_prompt,
+    retrieval_rows,
+)
 from oomb.retrieval.prompts import WORDS
 
 

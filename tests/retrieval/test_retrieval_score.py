@@ -13,7 +13,12 @@ from oomb import Engine, OOMBConfig
 from oomb.config import SparseConfig
 from oomb.data import load_tokenizer
 from oomb.models.presets import build_model
-from oomb.retrieval import build_prompts, evaluate_retrieval, passkey_prompt, score_prompt
+from oomb.retrieval import (
+    build_prompts,
+    evaluate_retrieval,
+    passkey_prompt,
+    score_prompt,
+)
 
 
 @pytest.fixture(scope="module")
