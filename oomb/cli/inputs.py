@@ -111,9 +111,27 @@ def _load_tokens(args: argparse.Namespace, tokenizer_path: str | None):
         raise UsageError(exc.problem, exc.fix) from exc
 
 
+def _merged_adapter(adapter: Path, device, dtype):
+    """A LoRA adapter folder (an 'oomb train --lora-rank' output) merged into its base in memory, as 'oomb merge'
+    rebuilds and merges it, then moved to ``device`` and ``dtype``."""
+    from ..models.lora import merge_adapter
+    from .merge import _base_recipe, _build_base
+
+    recipe = _base_recipe(adapter)
+    base = _build_base(recipe)
+    try:
+        merged = merge_adapter(base, adapter)
+    except (ValueError, KeyError, RuntimeError, OSError) as exc:  # an adapter of another model
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UsageError(f"cannot load the adapter {str(adapter)!r} onto its base {recipe['model']!r} ({first})",
+                         "pass an adapter trained on that base model") from exc
+    return merged.to(device=device, dtype=dtype)
+
+
 def _load_model(args: argparse.Namespace, tokens, device, dtype, command: str):
-    """The --model of grad-error and eval (a preset seeded by --seed, or a local folder), its config and
-    vocabulary checked against ``tokens`` before any weight is read."""
+    """The --model of grad-error and eval (a preset seeded by --seed, a local folder, or a LoRA adapter folder of
+    'oomb train', merged into its base in memory), its config and vocabulary checked against ``tokens`` before any
+    weight is read (an adapter's after its base is built)."""
     import torch
 
     from .. import UnsupportedModelError
@@ -124,6 +142,11 @@ def _load_model(args: argparse.Namespace, tokens, device, dtype, command: str):
         load_config,
     )
 
+    folder = Path(args.model)
+    if folder.is_dir() and (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
+        model = _merged_adapter(folder, device, dtype)
+        _check_vocab(int(tokens.max()), _vocab_size(model), args.model)
+        return model
     try:
         model_config = load_config(args.model)
         check_config_supported(model_config)
