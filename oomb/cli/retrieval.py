@@ -84,7 +84,11 @@ def _eval_retrieval(args: argparse.Namespace, budgets: list[int]) -> int:
         file=sys.stderr,
     )
     try:
-        report = evaluate_retrieval(model, prompts, cfg, budgets=budgets, seed=args.prompt_seed, needles=args.needles)
+        report = evaluate_retrieval(model, prompts, cfg, budgets=budgets, seed=args.prompt_seed, needles=args.needles,
+                                    progress=lambda name, i, t: print(
+                                        f"oomb: {name}: prompt {i + 1}/{len(prompts)} ({t.length:,} tokens, depth "
+                                        f"{t.depth:g}%, trial {t.trial}): {'exact' if t.exact else 'missed'}, "
+                                        f"answer log-prob {t.logprob:.3f}", file=sys.stderr, flush=True))
     except torch.OutOfMemoryError as exc:
         raise _RunError(f"out of GPU memory scoring a {max(lengths)}-token prompt",
                         "use a smaller --chunk-size or --offload on (see 'oomb plan')") from exc

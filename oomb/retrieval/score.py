@@ -56,7 +56,8 @@ def evaluate_retrieval(
             as given (see :func:`oomb.evaluation.evaluate_windows`).
         budgets: sparse page budgets (each >= 1); empty: dense only.
         seed, needles: recorded in the report (how the prompts were made).
-        progress: optional callable ``progress(row_name, prompt_index)`` after each prompt.
+        progress: optional callable ``progress(row_name, prompt_index, trial)`` after each prompt, with its
+            :class:`RetrievalTrial`.
 
     Returns:
         :class:`RetrievalReport` (``.table()``, ``.to_dict()``, ``.heatmap(path)``).
@@ -94,7 +95,7 @@ def evaluate_retrieval(
             for i, prompt in enumerate(prompts):
                 row.trials.append(score_prompt(engine, prompt))
                 if progress is not None:
-                    progress(row.name, i)
+                    progress(row.name, i, row.trials[-1])
             row.seconds = time.perf_counter() - t0
             report.rows.append(row)
             del engine
