@@ -203,6 +203,8 @@ _FLAG_NAMES = [
     ("plan(..., machine=Machine(...))", "oomb plan --gpu-gib and --host-gib"),
     ("turn offload on (offload='auto' or True)", "turn offload on (--offload auto, or on)"),
     ("attention_backend='triton'", "--attention-backend triton"),
+    ("pass lengths of", "pass --lengths of"),  # the retrieval prompts' fixes
+    ("pass depths in percent", "pass --depths in percent"),
 ]
 _PARAM_FLAGS = ("offload_segment_pages", "gpu_page_budget", "checkpoint_layers", "seq_len", "chunk_size", "page_size",
                 "page_budget", "sink_pages", "local_pages", "lora_rank", "rope_theta")

@@ -10,29 +10,16 @@ from pathlib import Path
 
 from .checks import _check_vocab, _usage_from
 from .errors import UsageError
-from .inputs import _training_data
+from .inputs import _check_png_path, _training_data
 
 DEFAULT_OUTPUT = "oomb-data-lengths.png"
-_PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def _check_output(given: str | None) -> Path:
     """The PNG path: not a folder, in an existing folder we may write to, new, empty or a PNG (never another
     file)."""
     path = Path(given or DEFAULT_OUTPUT).expanduser()
-    flag = f"--output {given!r}" if given else f"the histogram file {str(path)!r}"
-    if path.is_dir():
-        raise UsageError(f"{flag} is a folder", "pass a file path, e.g. --output lengths.png")
-    if not path.resolve().parent.is_dir():
-        raise UsageError(f"{flag}: its folder does not exist", "pass a path in an existing folder")
-    if not os.access(path.resolve().parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise UsageError(f"{flag} cannot be written", "pass a path you can write to with --output")
-    if path.exists() and path.stat().st_size:
-        with open(path, "rb") as f:
-            if f.read(8) != _PNG:
-                raise UsageError(f"{flag} exists and is not a PNG image, so writing would destroy it",
-                                 "pass --output a new file path, or delete that file first if it is not needed")
-    return path
+    return _check_png_path(path, f"--output {given!r}" if given else f"the histogram file {str(path)!r}", "--output")
 
 
 def render_sequence(tokenizer, sample, limit: int, color: bool = False) -> str:
@@ -98,8 +85,48 @@ def _histogram(path: Path, lengths, seq_len: int, title: str) -> None:
             tmp.unlink()
 
 
+def _make(args: argparse.Namespace) -> int:
+    """``oomb data --make passkey|needle``: write synthetic retrieval rows (JSON Lines) for ``oomb train --data``."""
+    from ..retrieval import is_retrieval_jsonl, retrieval_rows, write_retrieval_jsonl
+    from .inputs import _load_tokens
+    from .retrieval import _check_digits, _load_tokenizer
+
+    given = args.make_output
+    path = Path(given or f"oomb-{args.make}.jsonl").expanduser()
+    shown = f"--make-output {given!r}" if given else f"the rows file {str(path)!r}"
+    if path.is_dir():
+        raise UsageError(f"{shown} is a folder", "pass a file path, e.g. --make-output rows.jsonl")
+    if not path.resolve().parent.is_dir():
+        raise UsageError(f"{shown}: its folder does not exist", "pass a path in an existing folder")
+    if not os.access(path.resolve().parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UsageError(f"{shown} cannot be written", "pass a path you can write to with --make-output")
+    if path.exists() and not is_retrieval_jsonl(path):
+        raise UsageError(f"{shown} exists and is not an earlier 'oomb data --make' file, so writing would destroy it",
+                         "pass --make-output a new file path, or delete that file first if it is not needed")
+    if args.make == "passkey" and args.data is not None:
+        raise UsageError("--data is not read by --make passkey (its haystack is fixed filler text)",
+                         "leave --data out, or pass --make needle to hide needles in that text")
+    tokenizer = _load_tokenizer(args.tokenizer)
+    _check_digits(tokenizer)
+    tokens = _load_tokens(args, args.tokenizer) if args.make == "needle" else None
+    lengths = args.make_lengths or [args.seq_len]
+    try:
+        rows = retrieval_rows(args.make, tokenizer, lengths, args.examples, seed=args.seed, tokens=tokens,
+                              needles=args.needles)
+    except ValueError as exc:
+        message = str(exc).replace("pass lengths of", "pass --make-lengths of")
+        raise _usage_from(ValueError(message), "see 'oomb data --help'") from exc
+    write_retrieval_jsonl(path, rows)
+    print(f"oomb: wrote {len(rows):,} {args.make} rows of {', '.join(f'{n:,}' for n in lengths)} tokens "
+          f"(tokenizer {args.tokenizer or 'bundled'}) to {path}; train on them with 'oomb train --data {path}'")
+    return 0
+
+
 def _data(args: argparse.Namespace) -> int:
-    """``oomb data``: load and pack the data exactly as ``oomb train`` with these settings would."""
+    """``oomb data``: load and pack the data exactly as ``oomb train`` with these settings would (or, with --make,
+    write synthetic retrieval rows)."""
+    if args.make is not None:
+        return _make(args)
     out = _check_output(args.output)
     from .. import UnsupportedModelError
     from ..models.presets import UnknownModelError, load_config

@@ -48,6 +48,33 @@ def _check_json_arg(args: argparse.Namespace, report_keys: frozenset, command: s
         )
 
 
+_PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _check_png_path(path: Path, shown: str, flag: str) -> Path:
+    """A PNG output ``path`` (named ``shown`` in messages, set by ``flag``) can be written: not a folder, in an
+    existing folder we may write to, and new, empty or a PNG (never another file)."""
+    if path.is_dir():
+        raise UsageError(f"{shown} is a folder", f"pass a file path, e.g. {flag} plot.png")
+    if not path.resolve().parent.is_dir():
+        raise UsageError(f"{shown}: its folder does not exist", "pass a path in an existing folder")
+    if not os.access(path.resolve().parent, os.W_OK | os.X_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UsageError(f"{shown} cannot be written", f"pass a path you can write to with {flag}")
+    if path.exists() and path.stat().st_size:
+        with open(path, "rb") as f:
+            if f.read(8) != _PNG:
+                raise UsageError(f"{shown} exists and is not a PNG image, so writing would destroy it",
+                                 f"pass {flag} a new file path, or delete that file first if it is not needed")
+    return path
+
+
+def _check_png_arg(given: str | None, flag: str) -> Path | None:
+    """``flag PATH`` (a PNG to write) checked by :func:`_check_png_path`; None when not given."""
+    if given is None:
+        return None
+    return _check_png_path(Path(given).expanduser(), f"{flag} {given!r}", flag)
+
+
 def _write_json(given: str, data: dict) -> None:
     """Write ``data`` to the --json path atomically (a temporary file beside it, then renamed)."""
     path = Path(given).expanduser()
@@ -84,9 +111,27 @@ def _load_tokens(args: argparse.Namespace, tokenizer_path: str | None):
         raise UsageError(exc.problem, exc.fix) from exc
 
 
+def _merged_adapter(adapter: Path, device, dtype):
+    """A LoRA adapter folder (an 'oomb train --lora-rank' output) merged into its base in memory, as 'oomb merge'
+    rebuilds and merges it, then moved to ``device`` and ``dtype``."""
+    from ..models.lora import merge_adapter
+    from .merge import _base_recipe, _build_base
+
+    recipe = _base_recipe(adapter)
+    base = _build_base(recipe)
+    try:
+        merged = merge_adapter(base, adapter)
+    except (ValueError, KeyError, RuntimeError, OSError) as exc:  # an adapter of another model
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UsageError(f"cannot load the adapter {str(adapter)!r} onto its base {recipe['model']!r} ({first})",
+                         "pass an adapter trained on that base model") from exc
+    return merged.to(device=device, dtype=dtype)
+
+
 def _load_model(args: argparse.Namespace, tokens, device, dtype, command: str):
-    """The --model of grad-error and eval (a preset seeded by --seed, or a local folder), its config and
-    vocabulary checked against ``tokens`` before any weight is read."""
+    """The --model of grad-error and eval (a preset seeded by --seed, a local folder, or a LoRA adapter folder of
+    'oomb train', merged into its base in memory), its config and vocabulary checked against ``tokens`` before any
+    weight is read (an adapter's after its base is built)."""
     import torch
 
     from .. import UnsupportedModelError
@@ -97,6 +142,11 @@ def _load_model(args: argparse.Namespace, tokens, device, dtype, command: str):
         load_config,
     )
 
+    folder = Path(args.model)
+    if folder.is_dir() and (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
+        model = _merged_adapter(folder, device, dtype)
+        _check_vocab(int(tokens.max()), _vocab_size(model), args.model)
+        return model
     try:
         model_config = load_config(args.model)
         check_config_supported(model_config)

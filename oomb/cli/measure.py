@@ -85,14 +85,19 @@ def _grad_error(args: argparse.Namespace) -> int:
 
 
 def _eval(args: argparse.Namespace) -> int:
-    """``oomb eval``: mean loss on consecutive --seq-len windows, dense and per sparse page budget."""
+    """``oomb eval``: mean loss on consecutive --seq-len windows (or, with --task passkey|needle, retrieval accuracy
+    at depth), dense and per sparse page budget."""
     args.budgets = args.budgets or []
     _check_sparse_flags(args, bool(args.budgets), "--budgets", ("sink_pages", "local_pages", "sparse_score"),
                         how="add --budgets with the page budgets to evaluate (e.g. --budgets 16 64)")
     _check_budgets_see_a_past(args)
+    budgets = list(dict.fromkeys(args.budgets))  # in the given order, each once
+    if args.task != "loss":
+        from .retrieval import _eval_retrieval
+
+        return _eval_retrieval(args, budgets)
     _check_backend_device(args)
     _check_json_arg(args, _EVAL_REPORT_KEYS, "eval")
-    budgets = list(dict.fromkeys(args.budgets))  # in the given order, each once
     import torch
 
     from ..evaluation import evaluate_windows

@@ -12,10 +12,10 @@ A bad value raises :class:`ConfigError` (a ``ValueError``) naming the field and 
 
 from .engine import KernelConfig, OffloadConfig, OOMBConfig, SparseConfig
 from .errors import ConfigError
-from .job import (BenchConfig, DataConfig, DataReportConfig, EvalConfig, GradErrorConfig, JobConfig, ModelConfig,
+from .job import (BenchConfig, DataConfig, DataMakeConfig, DataReportConfig, EvalConfig, GradErrorConfig, JobConfig, ModelConfig,
                   OutputConfig, PlanConfig, TrainConfig)
 
 __all__ = [
-    "BenchConfig", "ConfigError", "DataConfig", "DataReportConfig", "EvalConfig", "GradErrorConfig", "JobConfig",
+    "BenchConfig", "ConfigError", "DataConfig", "DataMakeConfig", "DataReportConfig", "EvalConfig", "GradErrorConfig", "JobConfig",
     "KernelConfig", "ModelConfig", "OOMBConfig", "OffloadConfig", "OutputConfig", "PlanConfig", "SparseConfig", "TrainConfig",
 ]

@@ -20,7 +20,7 @@ from typing import Any, Literal, get_args, get_origin
 
 from .engine import KernelConfig, OffloadConfig, OOMBConfig, SparseConfig
 from .errors import ConfigError
-from .job import (BenchConfig, DataConfig, DataReportConfig, EvalConfig, GradErrorConfig, JobConfig, MergeConfig,
+from .job import (BenchConfig, DataConfig, DataMakeConfig, DataReportConfig, EvalConfig, GradErrorConfig, JobConfig, MergeConfig,
                   ModelConfig, OutputConfig, PlanConfig, TrainConfig)
 from .meta import field_docs, has_no_flag
 
@@ -40,6 +40,7 @@ SECTIONS: dict[str, type] = {
     "grad_error": GradErrorConfig,
     "bench": BenchConfig,
     "data_report": DataReportConfig,
+    "data_make": DataMakeConfig,
     "merge": MergeConfig,
 }
 """Every configuration section by its key path in a YAML file."""
@@ -78,13 +79,13 @@ COMMANDS: dict[str, list[tuple[str, tuple[str, ...] | None]]] = {
     ],
     "merge": [("merge", _ALL), ("output", ("dir",))],
 }
-COMMANDS["data"] = COMMANDS["train"] + [("data_report", _ALL)]  # takes train's flags: it shows what train reads
+COMMANDS["data"] = COMMANDS["train"] + [("data_report", _ALL), ("data_make", _ALL)]  # takes train's flags: it shows what train reads
 """The sections and fields (None: all of a section's fields that have a flag) each command reads."""
 
 _GROUPS = {"model": "model", "data": "data", "engine": "engine", "engine.sparse": "sparse attention",
            "engine.offload": "offload", "engine.kernels": "kernels", "train": "optimisation", "output": "output",
            "plan": "plan", "eval": "evaluation", "grad_error": "measurement", "bench": "benchmark",
-           "data_report": "report", "merge": "merge"}
+           "data_report": "report", "data_make": "synthetic retrieval data", "merge": "merge"}
 
 
 @dataclass(frozen=True)

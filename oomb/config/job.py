@@ -17,7 +17,7 @@ from .errors import ConfigError
 from .meta import flag
 
 __all__ = [
-    "BenchConfig", "DataConfig", "DataReportConfig", "EvalConfig", "GradErrorConfig", "JobConfig", "MergeConfig",
+    "BenchConfig", "DataConfig", "DataMakeConfig", "DataReportConfig", "EvalConfig", "GradErrorConfig", "JobConfig", "MergeConfig",
     "ModelConfig", "OPTIMIZERS", "OutputConfig", "PlanConfig", "TrainConfig", "SEED_LIMIT",
 ]
 
@@ -311,26 +311,99 @@ def _budgets(key: str, budgets) -> None:
             raise ConfigError(key, f"{{{key}}} has {b}", "pass page budgets of 0 or more")
 
 
+EvalTask = Literal["loss", "passkey", "needle"]
+MAX_NEEDLES = 30
+"""The most needle sentences in one needle prompt (one per key word of :data:`oomb.retrieval.prompts.WORDS`)."""
+
+
 @dataclass
 class EvalConfig:
-    """``oomb eval``: which windows, and which sparse page budgets beside dense."""
+    """``oomb eval``: held-out loss on windows, or retrieval at depth (passkey, needle), dense and per sparse page
+    budget."""
+
+    task: EvalTask = "loss"
+    """loss: mean loss on consecutive seq_len windows of the data. passkey: a 5-digit pass key hidden at each
+    depth of filler text ("The grass is green. ..."), asked for at the end. needle: "The secret <word> is
+    <number>." sentences hidden in real text of the data (the bundled novels by default), one of them asked for.
+    Retrieval is scored teacher-forced (log-probability of the answer tokens; exact match: every answer token is
+    the most likely one), with no generation."""
 
     num_windows: Optional[int] = None
-    """Windows to evaluate, from the start of the data; default: every whole window, at most 16."""
+    """Windows to evaluate (task loss), from the start of the data; default: every whole window, at most 16."""
+
+    lengths: Optional[List[int]] = field(default=None, metadata=flag("--lengths", metavar="T"))
+    """Retrieval prompt lengths in tokens (haystack, question and answer; each prompt is exactly this long);
+    default: seq_len."""
+
+    depths: Optional[List[float]] = field(default=None, metadata=flag("--depths", metavar="PCT"))
+    """Where the answer hides, in percent of the haystack (0: its start, 100: right before the question);
+    default: 0 10 20 ... 100."""
+
+    trials: int = 1
+    """Retrieval prompts per (length, depth) cell, each with its own seeded position and values."""
+
+    needles: int = 1
+    """Needle sentences per needle prompt (task needle, 1 to 30): the first is asked for and sits at the depth, the
+    others are distractors at seeded sentence ends."""
+
+    seed: int = field(default=0, metadata=flag("--prompt-seed"))
+    """Seed of the retrieval prompts' positions, values and text offsets (the same seed, length, depth and trial
+    give the same prompt)."""
 
     budgets: Optional[List[int]] = field(default=None, metadata=flag("--budgets", metavar="B"))
     """Sparse page budgets to evaluate (pages per query block and KV head, each >= 0, besides the sink and local
     pages); default: dense only. The dense row is always included."""
 
     json: Optional[str] = field(default=None, metadata=flag("--json", metavar="PATH"))
-    """Also write the report (with the per-window losses) as JSON to PATH (new, empty, or an earlier 'oomb eval'
-    report: any other existing file is refused)."""
+    """Also write the report (with the per-window losses, or every retrieval trial) as JSON to PATH (new, empty,
+    or an earlier 'oomb eval' report of the same task kind: any other existing file is refused)."""
+
+    heatmap: Optional[str] = field(default=None, metadata=flag("--heatmap", metavar="PATH"))
+    """Also draw the retrieval accuracy as a PNG heatmap (depth x length, one panel per mode) to PATH (new, or
+    an earlier PNG: any other existing file is refused)."""
 
     @_in("eval")
     def __post_init__(self) -> None:
+        check.choice("task", self.task, ("loss", "passkey", "needle"))
         if self.num_windows is not None:
             check.positive_int("num_windows", self.num_windows, "windows")
         _budgets("budgets", self.budgets)
+        if self.lengths is not None:
+            if not isinstance(self.lengths, (list, tuple)) or not self.lengths or not all(check.is_int(t) for t in self.lengths):
+                raise ConfigError("lengths", f"{{lengths}} is {self.lengths!r}", "pass one or more token counts")
+            if min(self.lengths) < 2:
+                raise ConfigError("lengths", f"{{lengths}} has {min(self.lengths)}", "pass prompt lengths of 2 tokens or more")
+            if len(set(self.lengths)) != len(self.lengths):
+                raise ConfigError("lengths", "{lengths} lists a length twice", "name each length once")
+        if self.depths is not None:
+            if not isinstance(self.depths, (list, tuple)) or not self.depths or not all(check.is_number(d) for d in self.depths):
+                raise ConfigError("depths", f"{{depths}} is {self.depths!r}", "pass one or more percentages, e.g. {depths} 0 50 100")
+            bad = [d for d in self.depths if not (math.isfinite(d) and 0 <= d <= 100)]
+            if bad:
+                raise ConfigError("depths", f"{{depths}} has {bad[0]:g}, outside [0, 100]",
+                                  "pass depths in percent of the haystack, from 0 (its start) to 100 (before the question)")
+            if len(set(self.depths)) != len(self.depths):
+                raise ConfigError("depths", "{depths} lists a depth twice", "name each depth once")
+        check.positive_int("trials", self.trials, "trials")
+        if not check.is_int(self.needles) or not 1 <= self.needles <= MAX_NEEDLES:
+            raise ConfigError("needles", f"{{needles}} is {self.needles!r}", f"pass 1 to {MAX_NEEDLES} needles per prompt")
+        if not check.is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT:
+            raise ConfigError("seed", f"{{seed}} is {self.seed!r}", f"pass an integer from 0 to {SEED_LIMIT - 1}")
+        if self.heatmap is not None and (not isinstance(self.heatmap, str) or not self.heatmap):
+            raise ConfigError("heatmap", f"{{heatmap}} is {self.heatmap!r}", "pass a file path, e.g. {heatmap} passkey.png")
+        defaults = {f.name: f.default for f in fields(self)}
+        if self.task == "loss":
+            for key in ("lengths", "depths", "trials", "needles", "seed", "heatmap"):
+                if getattr(self, key) != defaults[key]:
+                    raise ConfigError(key, f"{{{key}}} sets up a retrieval evaluation but {{task}} is loss",
+                                      f"add {{task}} passkey or {{task}} needle, or leave {{{key}}} out")
+        else:
+            if self.num_windows is not None:
+                raise ConfigError("num_windows", f"{{num_windows}} counts loss windows but {{task}} is {self.task}",
+                                  "leave {num_windows} out (the retrieval grid is {lengths} x {depths} x {trials})")
+            if self.task == "passkey" and self.needles != 1:
+                raise ConfigError("needles", "{needles} is for {task} needle; a passkey prompt holds one pass key",
+                                  "pass {task} needle, or leave {needles} out")
 
 
 @dataclass
@@ -402,6 +475,54 @@ class DataReportConfig:
 
 
 @dataclass
+class DataMakeConfig:
+    """``oomb data --make``: a synthetic retrieval training set written as JSON Lines instead of the report."""
+
+    kind: Optional[Literal["passkey", "needle"]] = field(default=None, metadata=flag("--make"))
+    """Write retrieval training rows ({"text": ...}, read by 'oomb train --data FILE') instead of reporting on the
+    data: passkey (a pass key in filler text, asked for at the end) or needle ("The secret <word> is <number>."
+    sentences in the --data text, the bundled novels by default, one of them asked for); each at a length of
+    lengths and a random depth, seeded by seed, as 'oomb eval --task' scores them."""
+
+    examples: int = 1000
+    """Rows to write."""
+
+    lengths: Optional[List[int]] = field(default=None, metadata=flag("--make-lengths", metavar="T"))
+    """Row lengths in tokens of the tokenizer (each row takes one at random); default: seq_len."""
+
+    needles: int = 4
+    """Needle sentences per needle row (1 to 30; the first is asked for, the others are distractors)."""
+
+    path: Optional[str] = field(default=None, metadata=flag("--make-output", metavar="PATH"))
+    """Where the rows go (new, empty, or an earlier 'oomb data --make' file: any other existing file is refused);
+    default: oomb-<kind>.jsonl in the current folder."""
+
+    @_in("data_make")
+    def __post_init__(self) -> None:
+        if self.kind is not None:
+            check.choice("kind", self.kind, ("passkey", "needle"))
+        check.positive_int("examples", self.examples, "rows")
+        if self.lengths is not None:
+            if not isinstance(self.lengths, (list, tuple)) or not self.lengths or not all(check.is_int(t) for t in self.lengths):
+                raise ConfigError("lengths", f"{{lengths}} is {self.lengths!r}", "pass one or more token counts")
+            if min(self.lengths) < 2:
+                raise ConfigError("lengths", f"{{lengths}} has {min(self.lengths)}", "pass row lengths of 2 tokens or more")
+        if not check.is_int(self.needles) or not 1 <= self.needles <= MAX_NEEDLES:
+            raise ConfigError("needles", f"{{needles}} is {self.needles!r}", f"pass 1 to {MAX_NEEDLES} needles per row")
+        if self.path is not None and (not isinstance(self.path, str) or not self.path):
+            raise ConfigError("path", f"{{path}} is {self.path!r}", "pass a file path, e.g. {path} passkey.jsonl")
+        if self.kind is None:
+            defaults = {f.name: f.default for f in fields(self)}
+            for key in ("examples", "lengths", "needles", "path"):
+                if getattr(self, key) != defaults[key]:
+                    raise ConfigError(key, f"{{{key}}} sets up synthetic rows but {{kind}} is not given",
+                                      f"add {{kind}} passkey or {{kind}} needle, or leave {{{key}}} out")
+        elif self.kind == "passkey" and self.needles != 4:
+            raise ConfigError("needles", "{needles} is for {kind} needle; a passkey row holds one pass key",
+                              "pass {kind} needle, or leave {needles} out")
+
+
+@dataclass
 class MergeConfig:
     """``oomb merge``: the LoRA adapter folder to merge into its base model."""
 
@@ -430,4 +551,5 @@ class JobConfig:
     grad_error: GradErrorConfig = field(default_factory=GradErrorConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     data_report: DataReportConfig = field(default_factory=DataReportConfig)
+    data_make: DataMakeConfig = field(default_factory=DataMakeConfig)
     merge: MergeConfig = field(default_factory=MergeConfig)

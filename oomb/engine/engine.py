@@ -49,7 +49,7 @@ from .offload import OffloadedKVStore
 from .kept_attention import KeptAttention
 from .saved_attention import SavedAttention
 from .sparse_state import SparseAttentionState
-from .loss import IGNORE_INDEX, chunked_cross_entropy_sum
+from .loss import IGNORE_INDEX, chunked_cross_entropy_sum, target_logprobs
 
 # Integer dtypes accepted for input_ids and labels (both are copied to int64). Not bool, not floats:
 # a float tensor would be silently truncated to token ids.
@@ -672,14 +672,10 @@ class Engine:
             if self._sparse is not None:
                 self._sparse.release(s)
 
-    @torch.no_grad()
-    def evaluate(
-        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None
-    ) -> float:
-        """Mean token cross-entropy of one sequence, chunk by chunk, without gradients.
-
-        Same arguments and errors as :meth:`step` (a fully frozen model is fine here); memory is bounded like Stage 1's.
-        """
+    def _no_grad_pass(self, input_ids, labels, cu_seqlens, per_chunk) -> int:
+        """The no-grad chunked forward of :meth:`evaluate` and :meth:`score_targets`: every chunk runs once in
+        order (Stage 1's memory bound) and ``per_chunk(hidden [n, hidden_size], targets [n])`` sees its final
+        hidden states. Returns the sequence's valid target count (> 0)."""
         input_ids, targets, doc_start, positions = self._prepare(input_ids, labels, cu_seqlens)
         T = input_ids.shape[0]
         n_valid = int((targets != IGNORE_INDEX).sum())
@@ -689,14 +685,54 @@ class Engine:
         self._backend = resolve_backend(self.config.attention_backend, self.device)
         self._ensure_store(T)
         self._ensure_sparse(T, stage2=False)
-        total = 0.0
         with _rope_state_of_full_sequence(self._decoder, T, self.device, self.dtype):
             for s in range(0, T, C):
                 n = min(C, T - s)
                 ctx = _ChunkContext(self, 1, s, n, False, _slice(doc_start, s, n))
                 hidden = self._run_chunk(input_ids, positions, ctx)
-                total += float(chunked_cross_entropy_sum(hidden, self._lm_head, targets[s : s + n], self.config.loss_chunk_size))
+                per_chunk(hidden, targets[s : s + n])
                 if self._sparse is not None:
                     self._sparse.release(s)
         self._store.reset()
-        return total / n_valid
+        return n_valid
+
+    @torch.no_grad()
+    def evaluate(
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None
+    ) -> float:
+        """Mean token cross-entropy of one sequence, chunk by chunk, without gradients.
+
+        Same arguments and errors as :meth:`step` (a fully frozen model is fine here); memory is bounded like Stage 1's.
+        """
+        total = [0.0]
+
+        def add(hidden, targets):
+            total[0] += float(chunked_cross_entropy_sum(hidden, self._lm_head, targets, self.config.loss_chunk_size))
+
+        n_valid = self._no_grad_pass(input_ids, labels, cu_seqlens, add)
+        return total[0] / n_valid
+
+    @torch.no_grad()
+    def score_targets(
+        self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, cu_seqlens: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Teacher-forced log-probability of every valid target of one sequence, and whether it is the argmax.
+
+        The same no-grad chunked pass as :meth:`evaluate` (same arguments, errors and memory bound); logits are
+        formed only at the positions whose target is not -100, so scoring a short answer at the end of a long
+        prompt costs one forward.
+
+        Returns:
+            ``(logprobs, greedy)``: float32 ``[n_valid]`` (float64 for a float64 model) ``log softmax(logits)[target]``
+            and bool ``[n_valid]`` ``argmax(logits) == target`` (the first maximum on ties), on the model's device,
+            in position order; position ``t`` predicts ``labels[t + 1]``.
+        """
+        logprobs, greedy = [], []
+
+        def score(hidden, targets):
+            lp, hit = target_logprobs(hidden, self._lm_head, targets, self.config.loss_chunk_size)
+            logprobs.append(lp)
+            greedy.append(hit)
+
+        self._no_grad_pass(input_ids, labels, cu_seqlens, score)
+        return torch.cat(logprobs), torch.cat(greedy)

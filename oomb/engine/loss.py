@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["IGNORE_INDEX", "chunked_cross_entropy_sum"]
+__all__ = ["IGNORE_INDEX", "chunked_cross_entropy_sum", "target_logprobs"]
 
 IGNORE_INDEX = -100
 
@@ -50,3 +50,33 @@ def chunked_cross_entropy_sum(
         else:
             total = total + _block_loss(lm_head, h, t)
     return total
+
+
+def target_logprobs(
+    hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor, block: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probability of each valid target and whether it is the most likely token, ``block`` rows at a time.
+
+    Only the rows whose target is not IGNORE_INDEX go through ``lm_head`` (no gradients are kept).
+
+    Args:
+        hidden: [n, hidden_size] final hidden states (after the final norm).
+        lm_head: the output projection.
+        targets: int64 [n] next-token ids, IGNORE_INDEX (-100) where nothing is scored.
+        block: rows per logits block.
+
+    Returns:
+        ``(logprobs, greedy)``: float32 (float64 for a float64 model) ``[k]`` ``log_softmax(logits)[target]`` and
+        bool ``[k]`` ``argmax(logits) == target`` (the first maximum on ties) for the k valid rows, in row order.
+    """
+    rows = (targets != IGNORE_INDEX).nonzero().view(-1)
+    dtype = torch.promote_types(hidden.dtype, torch.float32)
+    logprobs, greedy = [hidden.new_zeros(0, dtype=dtype)], [torch.zeros(0, dtype=torch.bool, device=hidden.device)]
+    with torch.no_grad():
+        for s in range(0, rows.numel(), block):
+            r = rows[s : s + block]
+            logits = lm_head(hidden[r]).to(dtype)
+            t = targets[r]
+            logprobs.append(torch.log_softmax(logits, dim=-1).gather(1, t.view(-1, 1)).view(-1))
+            greedy.append(logits.argmax(dim=-1) == t)
+    return torch.cat(logprobs), torch.cat(greedy)

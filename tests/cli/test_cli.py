@@ -424,7 +424,7 @@ def test_readme_names_only_flags_that_exist(capsys):
 
     text = open(README, encoding="utf-8").read()
     known = set()
-    for command in ("train", "plan", "eval", "grad-error", "bench"):
+    for command in ("train", "data", "plan", "eval", "grad-error", "bench"):
         known |= _help_flags(capsys, command)
     shown = set(re.findall(rf"(?<![a-z0-9-])({_FLAG})(?![a-z0-9_-])", text))  # not torchrun's --nproc_per_node
     assert shown and shown <= known, shown - known

@@ -1,0 +1,154 @@
+"""`oomb eval --task passkey|needle` and `oomb data --make`: the table, --json and --heatmap of a tiny preset, a
+trained output folder, the same numbers as the library, and one-line refusals of bad input (exit 2)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from oomb.cli import main
+
+PNG = b"\x89PNG\r\n\x1a\n"
+SMALL = ["--chunk-size", "64", "--page-size", "16"]
+
+
+def run_cli(argv):
+    try:
+        return main([str(a) for a in argv])
+    except SystemExit as exc:
+        return exc.code
+
+
+def _check_refused(status, capsys, fragment):
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert status == 2, err
+    assert len(lines) == 1, err
+    assert lines[0].startswith("oomb: error: ") and "; " in lines[0], lines[0]
+    assert fragment in lines[0], lines[0]
+
+
+def test_passkey_on_a_preset_writes_the_table_json_and_heatmap(tmp_path, capsys):
+    js, png = tmp_path / "passkey.json", tmp_path / "passkey.png"
+    argv = ["eval", "--task", "passkey", "--lengths", "96", "160", "--depths", "0", "50", "100", "--trials", "2",
+            "--budgets", "2", *SMALL, "--json", js, "--heatmap", png]
+    assert run_cli(argv) == 0
+    out, err = capsys.readouterr()
+    data = json.loads(js.read_text())
+    assert png.read_bytes()[:8] == PNG and "wrote the accuracy heatmap" in err
+    assert (data["task"], data["lengths"], data["depths"], data["trials"]) == ("passkey", [96, 160], [0.0, 50.0, 100.0], 2)
+    assert [r["mode"] for r in data["rows"]] == ["dense", "sparse"] and data["rows"][1]["budget"] == 2
+    for row in data["rows"]:
+        assert len(row["results"]) == 12
+        grid = [[sum(t["exact"] for t in row["results"] if t["length"] == n and t["depth"] == d) / 2
+                 for n in data["lengths"]] for d in data["depths"]]
+        assert row["accuracy_grid"] == grid
+    tables = [line for line in out.splitlines() if line.startswith("| ")]
+    assert tables.count("| depth \\ length | 96 | 160 |") == 2 and sum(t.startswith("| 50% |") for t in tables) == 2
+    # the library on the same prompts gives the same numbers
+    from oomb import OOMBConfig
+    from oomb.data import load_tokenizer
+    from oomb.models.presets import build_model
+    from oomb.retrieval import build_prompts, evaluate_retrieval
+
+    torch.manual_seed(0)
+    prompts = build_prompts("passkey", load_tokenizer(None), [96, 160], [0, 50, 100], trials=2)
+    ref = evaluate_retrieval(build_model("tiny"), prompts, OOMBConfig(chunk_size=64, page_size=16)).rows[0]
+    assert [t["logprob"] for t in data["rows"][0]["results"]] == pytest.approx([t.logprob for t in ref.trials], abs=1e-6)
+    # the same run again may replace its own report and picture
+    assert run_cli(argv) == 0
+    capsys.readouterr()
+    assert json.loads(js.read_text())["rows"][0]["results"] == data["rows"][0]["results"]
+
+
+def test_needle_on_a_trained_output_folder(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert run_cli(["train", "--output-dir", out, "--seq-len", "128", "--chunk-size", "64", "--page-size", "32",
+                    "--steps", "1", "--no-progress"]) == 0
+    capsys.readouterr()
+    js = tmp_path / "needle.json"
+    assert run_cli(["eval", "--task", "needle", "--model", out, "--needles", "3", "--lengths", "200", "--depths", "0",
+                    "100", *SMALL, "--json", js]) == 0
+    err = capsys.readouterr().err
+    assert f"tokenizer {out}" in err and "3 needles each" in err
+    data = json.loads(js.read_text())
+    assert data["needles"] == 3 and len(data["rows"][0]["results"]) == 2
+
+
+def _digitless_tokenizer(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["[UNK]", "[EOS]", "The", "is", "pass", "key"] + [f"w{i}" for i in range(300)]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="[EOS]").save_pretrained(tmp_path / "tk")
+    return tmp_path / "tk"
+
+
+def test_bad_retrieval_input_gets_one_line(tmp_path, capsys):
+    _check_refused(run_cli(["eval", "--task", "passkey", "--depths", "0", "120"]), capsys,
+                   "--depths has 120, outside [0, 100]")
+    _check_refused(run_cli(["eval", "--task", "needle", "--depths", "-5"]), capsys, "--depths has -5")
+    _check_refused(run_cli(["eval", "--task", "passkey", "--lengths", "40", *SMALL]), capsys,
+                   "length 40 is too short")
+    _check_refused(run_cli(["eval", "--task", "needle", "--lengths", "12", *SMALL]), capsys, "pass --lengths of")
+    _check_refused(run_cli(["eval", "--task", "passkey", "--tokenizer", _digitless_tokenizer(tmp_path), *SMALL]),
+                   capsys, "cannot encode the digits")
+    _check_refused(run_cli(["eval", "--depths", "10"]), capsys, "--depths sets up a retrieval evaluation but --task is loss")
+    _check_refused(run_cli(["eval", "--task", "passkey", "--num-windows", "2"]), capsys, "--num-windows counts loss windows")
+    _check_refused(run_cli(["eval", "--task", "passkey", "--needles", "3"]), capsys, "--needles is for --task needle")
+    _check_refused(run_cli(["eval", "--task", "passkey", "--data", tmp_path]), capsys, "--data is not read by --task passkey")
+    other = tmp_path / "notes.json"
+    other.write_text('{"mine": 1}')
+    _check_refused(run_cli(["eval", "--task", "passkey", "--json", other]), capsys, "is not an earlier")
+    _check_refused(run_cli(["eval", "--task", "passkey", "--heatmap", other]), capsys, "is not a PNG image")
+    assert other.read_text() == '{"mine": 1}'
+    # a loss report and a retrieval report do not replace each other
+    loss = tmp_path / "loss.json"
+    assert run_cli(["eval", "--seq-len", "64", "--num-windows", "1", *SMALL, "--json", loss]) == 0
+    capsys.readouterr()
+    _check_refused(run_cli(["eval", "--task", "passkey", "--json", loss]), capsys, "is not an earlier")
+
+
+def test_oomb_data_make_writes_rows_oomb_train_reads(tmp_path, capsys):
+    rows_file = tmp_path / "passkey.jsonl"
+    assert run_cli(["data", "--make", "passkey", "--examples", "4", "--make-lengths", "120", "--make-output", rows_file]) == 0
+    assert "wrote 4 passkey rows" in capsys.readouterr().out
+    rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
+    assert len(rows) == 4 and all(r["text"].endswith(f"The pass key is {r['answer']}") for r in rows)
+    first = rows_file.read_text()
+    assert run_cli(["data", "--make", "passkey", "--examples", "4", "--make-lengths", "120", "--make-output", rows_file]) == 0
+    assert rows_file.read_text() == first  # same seed, same rows; its own file may be replaced
+    capsys.readouterr()
+    assert run_cli(["train", "--data", rows_file, "--output-dir", tmp_path / "run", "--seq-len", "128",
+                    "--chunk-size", "64", "--page-size", "32", "--steps", "1", "--no-progress"]) == 0
+    capsys.readouterr()
+    other = tmp_path / "notes.jsonl"
+    other.write_text('{"text": "mine"}\n')
+    _check_refused(run_cli(["data", "--make", "needle", "--make-output", other]), capsys, "is not an earlier 'oomb data --make' file")
+    _check_refused(run_cli(["data", "--examples", "5"]), capsys, "--examples sets up synthetic rows but --make is not given")
+    _check_refused(run_cli(["data", "--make", "passkey", "--make-lengths", "30", "--make-output", tmp_path / "x.jsonl"]),
+                   capsys, "pass --make-lengths of")
+
+
+def test_a_lora_output_folder_is_merged_in_memory_and_scored(tmp_path, capsys):
+    """A LoRA `oomb train` output: eval merges it into its base as `oomb merge` does; the scores equal those of
+    the merged folder."""
+    out = tmp_path / "lora"
+    assert run_cli(["train", "--output-dir", out, "--lora-rank", "4", "--seq-len", "128", "--chunk-size", "64",
+                    "--page-size", "32", "--steps", "2", "--lr", "0.05", "--no-progress"]) == 0
+    assert run_cli(["merge", out, "--output-dir", tmp_path / "merged"]) == 0
+    capsys.readouterr()
+    grid = ["--task", "passkey", "--lengths", "100", "--depths", "0", "100", *SMALL]
+    assert run_cli(["eval", "--model", out, *grid, "--json", tmp_path / "a.json"]) == 0
+    assert run_cli(["eval", "--model", tmp_path / "merged", *grid, "--json", tmp_path / "b.json"]) == 0
+    capsys.readouterr()
+    a, b = (json.loads((tmp_path / n).read_text())["rows"][0]["results"] for n in ("a.json", "b.json"))
+    assert [t["logprob"] for t in a] == pytest.approx([t["logprob"] for t in b], abs=1e-5)
+    # and the base preset alone scores differently: the adapter is applied
+    assert run_cli(["eval", *grid, "--json", tmp_path / "c.json"]) == 0
+    c = json.loads((tmp_path / "c.json").read_text())["rows"][0]["results"]
+    assert any(abs(x["logprob"] - y["logprob"]) > 1e-4 for x, y in zip(a, c))

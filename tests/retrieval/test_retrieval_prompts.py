@@ -1,0 +1,154 @@
+"""Retrieval prompts: exactly the requested length, the answer at the requested depth (token positions), the same
+prompts from the same seed, synthetic training rows, and refusals of bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from oomb.data import load_documents, load_tokenizer, tokenize_documents
+from oomb.retrieval import (
+    build_prompts,
+    check_digits,
+    needle_prompt,
+    passkey_prompt,
+    retrieval_rows,
+)
+from oomb.retrieval.prompts import WORDS
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return load_tokenizer(None)
+
+
+@pytest.fixture(scope="module")
+def novels(tok):
+    return tokenize_documents(load_documents(None), tok, cache=True)
+
+
+def _text(tok, ids) -> str:
+    return tok.decode(list(ids))
+
+
+def _make(kind, tok, novels, length, depth, trial=0, seed=0, needles=1):
+    if kind == "passkey":
+        return passkey_prompt(tok, length, depth, trial, seed)
+    return needle_prompt(tok, novels, length, depth, trial, seed, needles)
+
+
+@pytest.mark.parametrize("kind", ["passkey", "needle"])
+@pytest.mark.parametrize("length", [97, 256, 1000])
+def test_a_prompt_is_exactly_as_long_as_asked_and_ends_with_its_answer(tok, novels, kind, length):
+    p = _make(kind, tok, novels, length, 50.0)
+    assert p.input_ids.shape == (length,) and p.length == length
+    answer = _text(tok, p.input_ids[p.answer_start:])
+    assert answer.strip() == p.answer and p.answer.isdigit() and len(p.answer) == 5
+    question = _text(tok, p.input_ids[p.haystack[1]:p.answer_start])
+    asked = "What is the pass key? The pass key is" if kind == "passkey" else "What is the secret "
+    assert question.strip().startswith(asked), question
+    labels = p.labels
+    assert (labels[:p.answer_start] == -100).all() and (labels[p.answer_start:] == p.input_ids[p.answer_start:]).all()
+
+
+@pytest.mark.parametrize("kind", ["passkey", "needle"])
+def test_depth_0_and_100_put_the_needle_at_the_haystacks_start_and_right_before_the_question(tok, novels, kind):
+    for depth in (0.0, 100.0):
+        p = _make(kind, tok, novels, 300, depth, needles=3 if kind == "needle" else 1)
+        start, end = p.haystack
+        expected = start if depth == 0 else end - p.needle_length
+        assert p.needle_start == expected, (depth, p.needle_start, p.haystack)
+        needle = _text(tok, p.input_ids[p.needle_start:p.needle_start + p.needle_length]).strip()
+        if kind == "passkey":
+            assert needle == f"The pass key is {p.answer}. Remember it. {p.answer} is the pass key."
+        else:
+            word = _text(tok, p.input_ids[end:p.answer_start]).split("secret ")[1].split("?")[0]
+            assert word in WORDS and needle == f"The secret {word} is {p.answer}."
+        assert p.depth_reached == depth
+    if kind == "passkey":
+        intro = _text(tok, p.input_ids[:p.haystack[0]])
+        assert intro.startswith("There is an important info hidden")
+
+
+@pytest.mark.parametrize("kind", ["passkey", "needle"])
+@pytest.mark.parametrize("depth", [10.0, 37.5, 90.0])
+def test_a_depth_between_lands_at_a_sentence_start_near_it(tok, novels, kind, depth):
+    p = _make(kind, tok, novels, 2000, depth)
+    assert abs(p.depth_reached - depth) < 5.0, p.depth_reached  # at most about one sentence away
+    before = _text(tok, p.input_ids[p.haystack[0]:p.needle_start]).rstrip().rstrip("\"'")
+    assert before.endswith((".", "!", "?")), before[-40:]
+
+
+def test_several_needles_are_distinct_and_all_in_the_haystack(tok, novels):
+    p = needle_prompt(tok, novels, 800, 50.0, needles=5)
+    hay = _text(tok, p.input_ids[p.haystack[0]:p.haystack[1]])
+    found = [w for w in WORDS if f"The secret {w} is " in hay]
+    assert len(found) == 5
+    values = [hay.split(f"The secret {w} is ")[1][:5] for w in found]
+    assert len(set(values)) == 5 and p.answer in values
+
+
+def test_the_same_seed_gives_the_same_prompts_and_another_seed_others(tok, novels):
+    for kind in ("passkey", "needle"):
+        grid = build_prompts(kind, tok, [200, 300], [0, 50, 100], trials=2, seed=5, tokens=novels)
+        again = build_prompts(kind, tok, [200, 300], [0, 50, 100], trials=2, seed=5, tokens=novels)
+        assert len(grid) == 12
+        assert all(a.input_ids.equal(b.input_ids) and a.needle_start == b.needle_start for a, b in zip(grid, again))
+        # a cell's prompt does not depend on the rest of the grid
+        alone = build_prompts(kind, tok, [300], [50], trials=2, seed=5, tokens=novels)
+        assert alone[1].input_ids.equal(grid[6 + 2 + 1].input_ids)
+        other = build_prompts(kind, tok, [200, 300], [0, 50, 100], trials=2, seed=6, tokens=novels)
+        assert [p.answer for p in other] != [p.answer for p in grid]
+        # trials of one cell differ
+        assert grid[0].answer != grid[1].answer or not grid[0].input_ids.equal(grid[1].input_ids)
+
+
+def test_a_stream_shorter_than_the_haystack_is_repeated(tok):
+    short = np.asarray(tok("It was a fine day. The sun shone. We walked far.", add_special_tokens=False)["input_ids"])
+    p = needle_prompt(tok, short, 200, 50.0)
+    assert p.input_ids.shape == (200,)
+
+
+def _digitless_tokenizer(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["[UNK]", "[EOS]", "The", "the", "is", "pass", "key", "secret", "What", "?", ".", "Remember", "it"]
+    words += [f"w{i}" for i in range(300)]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]", eos_token="[EOS]")
+    fast.save_pretrained(tmp_path / "nodigits")
+    return tmp_path / "nodigits"
+
+
+def test_bad_input_is_refused(tok, novels, tmp_path):
+    with pytest.raises(ValueError, match=r"depth 101 is outside \[0, 100\]"):
+        passkey_prompt(tok, 500, 101)
+    with pytest.raises(ValueError, match=r"depth -1 is outside"):
+        needle_prompt(tok, novels, 500, -1)
+    with pytest.raises(ValueError, match=r"length 50 is too short .* pass lengths of \d+ or more"):
+        passkey_prompt(tok, 50, 0)
+    with pytest.raises(ValueError, match=r"length 20 is too short"):
+        needle_prompt(tok, novels, 20, 0, needles=2)
+    nodigits = load_tokenizer(_digitless_tokenizer(tmp_path))
+    with pytest.raises(ValueError, match="cannot encode the digits"):
+        check_digits(nodigits)
+    with pytest.raises(ValueError, match="cannot encode the digits"):
+        passkey_prompt(nodigits, 500, 0)
+    check_digits(tok)
+    with pytest.raises(ValueError, match="needs a text token stream"):
+        build_prompts("needle", tok, [100], [0])
+
+
+def test_training_rows_reencode_to_about_their_length_and_repeat_with_the_seed(tok, novels):
+    rows = retrieval_rows("passkey", tok, [300, 500], 6, seed=3)
+    assert rows == retrieval_rows("passkey", tok, [300, 500], 6, seed=3)
+    assert rows != retrieval_rows("passkey", tok, [300, 500], 6, seed=4)
+    assert {r["length"] for r in rows} <= {300, 500} and len({r["depth"] for r in rows}) == 6
+    for r in rows:
+        n = len(tok(r["text"], add_special_tokens=False)["input_ids"])
+        assert abs(n - r["length"]) <= 3, (n, r["length"])
+        assert r["text"].endswith(f"The pass key is {r['answer']}") and r["text"].count(r["answer"]) == 3
+    needle = retrieval_rows("needle", tok, [400], 2, seed=0, tokens=novels, needles=3)
+    assert all(n["text"].count("The secret ") == 4 and n["text"].endswith(n["answer"]) for n in needle)
