@@ -48,6 +48,9 @@ def main(argv=None):
     ap.add_argument("--grad-accum-dtypes", nargs="+", default=["param"], choices=["param", "float32"],
                     help="OOMBConfig.grad_accum_dtype values to check (each with every backend); many chunks "
                          "(e.g. --seq-len 262144 --chunk-size 4096) show the per-chunk bf16 rounding of 'param'")
+    ap.add_argument("--fused-glue", nargs="+", default=["none"], choices=["none", "liger"],
+                    help="OOMBConfig.fused_glue values to check (each with every backend; liger patches the model "
+                         "for good, so its runs come last)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
@@ -69,12 +72,14 @@ def main(argv=None):
 
     report = dict(seq_len=args.seq_len, chunk_size=args.chunk_size, loss_ref32=loss32, loss_hf_bf16=loss16, backends={})
     ok = True
-    runs = [(b, g) for b in args.backends for g in args.grad_accum_dtypes]
-    for backend, accum in runs:
+    glues = sorted(set(args.fused_glue), key=["none", "liger"].index)
+    runs = [(b, g, fg) for fg in glues for b in args.backends for g in args.grad_accum_dtypes]
+    for backend, accum, glue in runs:
         key = backend if args.grad_accum_dtypes == ["param"] else f"{backend}/{accum}"
+        key = key if glue == "none" else f"{key}+{glue}"
         m16.zero_grad(set_to_none=True)
         engine = Engine(m16, OOMBConfig(chunk_size=args.chunk_size, page_size=args.page_size, attention_backend=backend,
-                                        grad_accum_dtype=accum))
+                                        grad_accum_dtype=accum, fused_glue=glue))
         out = engine.step(ids)
         worst = (-1.0, None, 0.0, 0.0)  # (ratio, name, err oomb, err hf)
         for n, p in m16.named_parameters():

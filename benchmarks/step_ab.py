@@ -25,7 +25,11 @@ p.add_argument("--autotune", choices=["full", "first"], default="full",
                help="first: every Triton kernel runs its first config (both trees alike; no tuning time)")
 p.add_argument("--checkpoint-layers", action="store_true")
 p.add_argument("--checkpoint-attention", choices=["keep", "recompute"], default="keep")
+p.add_argument("--fused-glue", nargs="+", choices=["none", "liger"], default=["none"],
+               help="engine fused_glue values to time one after the other on the same model and tokens (liger "
+                    "patches the model for good, so it goes last)")
 a = p.parse_args()
+a.fused_glue = sorted(set(a.fused_glue), key=["none", "liger"].index)
 if a.autotune == "first":
     os.environ["OOMB_TRITON_CONFIGS"] = "first"  # the switch of a tree with flat settings; a sectioned tree ignores it
 sys.path.insert(0, os.path.abspath(a.src))
@@ -56,23 +60,33 @@ with dev:
     model = AutoModelForCausalLM.from_config(mc, torch_dtype=torch.bfloat16 if dev.type == "cuda" else torch.float32)
 for p_ in model.parameters():
     p_.requires_grad_(True)
-eng = Engine(model, cfg)
+import dataclasses
 g = torch.Generator().manual_seed(1)
+inputs = {T: torch.randint(0, mc.vocab_size, (1, T), generator=g).to(dev) for T in a.lengths}
 rows = []
-for T in a.lengths:
-    ids = torch.randint(0, mc.vocab_size, (1, T), generator=g).to(dev)
+eng, eng_glue = None, None
+for glue, T in [(glue, T) for glue in a.fused_glue for T in a.lengths]:
+    if glue != eng_glue:  # a new engine (and its KV store) per glue; the first one's is freed first
+        eng = None
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        eng = Engine(model, dataclasses.replace(cfg, fused_glue=glue) if glue != "none" else cfg)
+        eng_glue = glue
+    ids = inputs[T]
+    if dev.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     times, losses, stage2 = [], [], []
     for i in range(a.steps + 1):
         model.zero_grad(set_to_none=True)
         sync(); t0 = time.perf_counter()
         out = eng.step(ids)
         sync(); dt = time.perf_counter() - t0
-        print(f"{a.label} T={T} step {i}: {dt:.2f} s", flush=True)
+        print(f"{a.label} glue={glue} T={T} step {i}: {dt:.2f} s", flush=True)
         if i:
             times.append(dt)
             stage2.append(out.stage2_seconds)
         losses.append(out.loss)
-    row = dict(label=a.label, api=api, model=a.model, tokens=T, sparse=a.sparse, autotune=a.autotune,
+    row = dict(label=a.label, api=api, model=a.model, tokens=T, sparse=a.sparse, autotune=a.autotune, fused_glue=glue,
                checkpoint_layers=a.checkpoint_layers, checkpoint_attention=ckpt.get("checkpoint_attention")
                if api == "sections" else None,
                min_s=min(times), median_s=statistics.median(times), max_s=max(times), times=times,

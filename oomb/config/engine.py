@@ -28,6 +28,7 @@ SparseScore = Literal["mean", "quest"]
 OffloadMode = Literal["auto", "on", "off"]
 StageGrain = Literal["head", "page"]
 Autotune = Literal["full", "first"]
+FusedGlue = Literal["none", "liger"]
 
 HOST_FRACTION = 0.75
 """Share of the available host RAM the pinned KV host tier may take (the planner's and the engine's budget)."""
@@ -242,6 +243,11 @@ class OOMBConfig:
     .grad in the parameter dtype, one rounding per chunk) or 'float32' (a float32 sum rounded into .grad once per
     step, as full-sequence training rounds once; 4 instead of 2 bytes per bf16 trainable parameter)."""
 
+    fused_glue: FusedGlue = "none"
+    """The memory-bound work around the GEMMs: 'none' (the model's own PyTorch code: the exact reference path) or
+    'liger' (RMSNorm, RoPE, SwiGLU and the training cross-entropy through Liger-Kernel's fused Triton kernels;
+    CUDA only, needs ``pip install liger-kernel``; the same math, bf16 rounding in other places)."""
+
     loss_chunk_size: int = field(default=1024, metadata=flag(None))
     """Tokens per logits block in the chunked cross-entropy; logits exist for at most this many tokens."""
 
@@ -273,6 +279,7 @@ class OOMBConfig:
             check.choice("checkpoint_attention", self.checkpoint_attention, ("keep", "recompute"))
             check.choice("save_attention", self.save_attention, ("off", "gpu", "host"))
             check.choice("grad_accum_dtype", self.grad_accum_dtype, ("param", "float32"))
+            check.choice("fused_glue", self.fused_glue, ("none", "liger"))
             if self.sparse is True:
                 self.sparse = SparseConfig()
             elif self.sparse is False:

@@ -35,6 +35,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..config import OOMBConfig
+from ..models.fused_glue import FusedGlue
 from ..models.hf import check_model_supported, use_oomb_attention
 from ..ops.paged_attention import (paged_attention, paged_attention_forward, paged_backend, resolve_backend,
                                    step_backend)
@@ -234,6 +235,8 @@ class Engine:
         self._decoder = base.get_decoder() if hasattr(base, "get_decoder") else base.model
         self._lm_head = base.get_output_embeddings()
         use_oomb_attention(base)
+        # Liger's fused RMSNorm / SwiGLU on this instance; its RoPE inside _glue_active (fused_glue='liger').
+        self._glue = FusedGlue(base) if self.config.fused_glue == "liger" else None
         cfg = base.config
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
@@ -534,11 +537,26 @@ class Engine:
         """Page representatives and stored selections of the last step (config.sparse), else None."""
         return self._sparse
 
+    def _glue_active(self):
+        """The context in which the model runs: the fused glue's RoPE swap, or nothing."""
+        return self._glue.active() if self._glue is not None else contextlib.nullcontext()
+
     def _run_chunk(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: _ChunkContext) -> torch.Tensor:
         s, n = ctx.start, ctx.length
         pos = positions[s : s + n].unsqueeze(0)
-        out = self._decoder(input_ids=input_ids[s : s + n].unsqueeze(0), position_ids=pos, use_cache=False, oomb_ctx=ctx)
+        with self._glue_active():
+            out = self._decoder(input_ids=input_ids[s : s + n].unsqueeze(0), position_ids=pos, use_cache=False,
+                                oomb_ctx=ctx)
         return out.last_hidden_state[0]
+
+    def _loss_sum(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The training loss sum of one chunk: the fused linear cross-entropy where the glue has one, else the
+        chunked cross-entropy."""
+        if self._glue is not None and bool((targets != IGNORE_INDEX).any()):
+            loss_sum = self._glue.cross_entropy_sum(hidden, self._lm_head, targets)
+            if loss_sum is not None:
+                return loss_sum
+        return chunked_cross_entropy_sum(hidden, self._lm_head, targets, self.config.loss_chunk_size)
 
     # --------------------------------------------------------------------- API
     def step(
@@ -660,8 +678,9 @@ class Engine:
                 self._saved.prefetch(c - 1)
             ctx = _ChunkContext(self, 2, s, n, c == N - 1, _slice(doc_start, s, n))
             hidden = self._run_chunk(input_ids, positions, ctx)
-            loss_sum = chunked_cross_entropy_sum(hidden, self._lm_head, targets[s : s + n], self.config.loss_chunk_size)
-            (loss_sum / denom).backward()
+            loss_sum = self._loss_sum(hidden, targets[s : s + n])
+            with self._glue_active():  # layer checkpoints rerun their forward inside backward
+                (loss_sum / denom).backward()
             total += loss_sum.detach()
             del hidden, loss_sum
             if self._kept is not None:  # a layer whose rerun did not take its outputs
