@@ -49,7 +49,11 @@ def _documents(path) -> Rows:
 
 
 def _datasets():
-    import datasets
+    try:
+        import datasets
+    except ImportError as exc:  # a dependency of oomb, but an environment may lack it
+        raise DataError(f"reading JSON Lines, parquet, csv or arrow data needs the datasets library ({exc})",
+                        "pip install datasets") from None
 
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its failures become one DataError line
