@@ -26,6 +26,7 @@
 # quality     (below)                                  sparse quality: train a 100M model, eval and grad-error at 64K
 # dp          (below)                                  data-parallel scaling: torchrun on 2 GPUs against 1
 # finetune    full_finetune.py                         7B full fine-tune per --optimizer (torchao from .whl/ if missing)
+# retrieval   (below)                                  passkey retrieval trained from scratch dense and sparse, then eval
 #
 # Examples:
 #   benchmarks/run_gpu.sh step --lengths 32768 131072 --systems hf oomb-sdpa-save-gpu --oomb-steps 2
@@ -35,7 +36,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 kind=${1:?usage: benchmarks/run_gpu.sh KIND [ARGS...] (kinds: see the top of this file)}; shift
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD TRITON_CACHE_DIR=$PWD/.triton_cache TRITON_CACHE_AUTOTUNING=1
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} TRITON_CACHE_DIR=$PWD/.triton_cache TRITON_CACHE_AUTOTUNING=1
 OUT=${OUT:-benchmarks/results/run}; mkdir -p "$OUT"
 if ls triton_cache.tgz.part-* >/dev/null 2>&1; then cat triton_cache.tgz.part-* | tar xz; fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
@@ -71,6 +72,62 @@ PY
   done
 }
 
+retrieval() {  # a 100M model trained from random weights on passkey rows, per mode (ARGS: dense sparse64 sparse16)
+  # Stage A: RA_STEPS steps of RA_SEQ tokens packed from rows of 128-2048 tokens; stage B: RB_STEPS steps of RB_SEQ
+  # tokens from rows of 8K-32K; both in the mode's attention. Then the passkey grid, dense and sparse, to 2x RB_SEQ.
+  # RPARALLEL=1 trains the modes side by side on the one GPU (a 100M model leaves it mostly idle; the times and
+  # tokens/s of each run are then those of a shared GPU). Sizes come from the environment so that the same script
+  # runs small on a CPU (RDEV=cpu RHIDDEN=64 ...).
+  local W=${RWORK:-/tmp/oomb-retrieval} dev=${RDEV:-cuda} aseq=${RA_SEQ:-8192} asteps=${RA_STEPS:-1200}
+  local bseq=${RB_SEQ:-32768} bsteps=${RB_STEPS:-100} chunk=${RCHUNK:-4096}
+  local alens=${RA_LENS:-"128 192 256 384 512 768 1024 2048"} blens=${RB_LENS:-"8192 16384 24576 32000"}
+  local elens=${RE_LENS:-"4096 8192 16384 32768 65536"}
+  local common="--device $dev --chunk-size $chunk --document-mask --long-examples drop --no-progress --seed 0 --log-every 50"
+  mkdir -p $W; [ $# -gt 0 ] || set -- dense sparse64 sparse16
+  [ -f $W/short.jsonl ] || python3 -m oomb data --make passkey --examples ${RA_ROWS:-12000} --make-lengths $alens \
+    --make-output $W/short.jsonl
+  [ -f $W/long.jsonl ] || python3 -m oomb data --make passkey --examples ${RB_ROWS:-250} --make-lengths $blens \
+    --make-output $W/long.jsonl --seed 1
+  [ -d $W/init ] || RHIDDEN=${RHIDDEN:-768} RINTER=${RINTER:-2048} RLAYERS=${RLAYERS:-12} RHEADS=${RHEADS:-12} python3 - <<'PY'
+import os, torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+torch.manual_seed(0)
+e = lambda k: int(os.environ[k])
+cfg = Qwen2Config(vocab_size=32000, hidden_size=e("RHIDDEN"), intermediate_size=e("RINTER"), num_hidden_layers=e("RLAYERS"),
+                  num_attention_heads=e("RHEADS"), num_key_value_heads=e("RHEADS") // 3, max_position_embeddings=1 << 20,
+                  rope_theta=1e6, rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False, bos_token_id=1,
+                  eos_token_id=2)
+model = AutoModelForCausalLM.from_config(cfg)
+print(f"init: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
+model.save_pretrained(os.environ.get("RWORK", "/tmp/oomb-retrieval") + "/init")
+PY
+  one() {
+    local mode=$1 extra=""; case $mode in sparse*) extra="--sparse --page-budget ${mode#sparse}";; esac
+    local t0=$(date +%s)
+    python3 -m oomb train --model $W/init --data $W/short.jsonl $common $extra --seq-len $aseq --steps $asteps \
+      --lr ${RA_LR:-1e-3} --warmup-steps 30 --output-dir $W/a_$mode --overwrite
+    cp $W/a_$mode/log.jsonl "$OUT/retrieval_train_a_$mode.jsonl"; local t1=$(date +%s)
+    python3 -m oomb train --model $W/a_$mode --data $W/long.jsonl $common $extra --seq-len $bseq --steps $bsteps \
+      --lr ${RB_LR:-5e-4} --warmup-steps 10 --output-dir $W/b_$mode --overwrite
+    cp $W/b_$mode/log.jsonl "$OUT/retrieval_train_b_$mode.jsonl"; local t2=$(date +%s)
+    python3 -m oomb eval --task passkey --model $W/b_$mode --device $dev --chunk-size $chunk --lengths $elens \
+      --depths 0 25 50 75 100 --trials ${RE_TRIALS:-3} --budgets 16 64 --json "$OUT/retrieval_eval_$mode.json" \
+      > "$OUT/retrieval_eval_$mode.md"
+    local t3=$(date +%s)
+    echo "{\"mode\": \"$mode\", \"parallel\": ${RPARALLEL:-0}, \"stage_a_s\": $((t1-t0)), \"stage_b_s\": $((t2-t1)), \"eval_s\": $((t3-t2))}" \
+      | tee -a "$OUT/retrieval_times.jsonl"
+  }
+  for mode in "$@"; do
+    case $mode in dense|sparse[0-9]*) ;; *) echo "retrieval: unknown mode $mode (dense, sparseB)" >&2; return 2;; esac
+  done
+  if [ "${RPARALLEL:-0}" = 1 ]; then
+    for mode in "$@"; do one $mode > "$OUT/retrieval_$mode.txt" 2>&1 & done; wait
+  else
+    for mode in "$@"; do one $mode 2>&1 | tee "$OUT/retrieval_$mode.txt"; done
+  fi
+  grep -h "done in\|error" "$OUT"/retrieval_*.txt || true; cat "$OUT"/retrieval_eval_*.md | grep -v "prompt [0-9]*/" || true
+}
+
 dp() {  # 256K sparse LoRA steps on 2 GPUs, then the same on 1 GPU
   local TRAIN="-m oomb train --model qwen2.5-7b --device cuda --seq-len 262144 --chunk-size 4096 --sparse --page-budget 64
     --lora-rank 16 --lr 1e-4 --steps ${STEPS:-2} --no-progress --overwrite"
@@ -100,6 +157,7 @@ case "$kind" in
   chat-vs-text) python3 benchmarks/chat_vs_text.py --out "$OUT/chat_vs_text.json" "$@" ;;
   quality)    quality "$@" ;;
   dp)         dp "$@" ;;
+  retrieval)  retrieval "$@" ;;
   finetune)   if ! python3 -c "import torchao.optim" 2>/dev/null && ls .whl/torchao-*.whl >/dev/null 2>&1; then
                 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/torchao-*.whl
                 export PYTHONPATH=/tmp/site:$PYTHONPATH; fi
