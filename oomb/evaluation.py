@@ -10,7 +10,6 @@ off directly.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -19,8 +18,7 @@ import numpy as np
 import torch
 
 from .config import OOMBConfig, SparseConfig
-from .engine.engine import Engine
-from .sparse_quality import dense_like_sparse
+from .sparse_quality import check_budgets, engines_by_budget
 
 __all__ = ["EvalReport", "EvalRow", "evaluate_windows", "token_windows"]
 
@@ -197,11 +195,9 @@ def evaluate_windows(
     Raises:
         ValueError: an empty window list or a budget < 1, and whatever :meth:`Engine.evaluate` raises.
     """
-    budgets = list(budgets)
+    budgets = check_budgets(budgets)
     if not windows:
         raise ValueError("windows is empty; pass at least one token window")
-    if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in budgets):
-        raise ValueError(f"budgets must be page counts >= 1, got {budgets}")
     T = int(windows[0].shape[-1])
     if window_starts is None:
         window_starts = [i * T for i in range(len(windows))]
@@ -209,26 +205,16 @@ def evaluate_windows(
     report = EvalReport(seq_len=T, page_size=config.page_size, sink_pages=sparse.sink_pages, local_pages=sparse.local_pages,
                         sparse_score=sparse.score, window_starts=list(window_starts))
     device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    try:
-        for budget in [None, *budgets]:
-            cfg = (dense_like_sparse(config, device) if budget is None
-                   else dataclasses.replace(config, sparse=dataclasses.replace(sparse, page_budget=budget)))
-            engine = Engine(model, cfg)
-            row = EvalRow(mode="dense" if budget is None else "sparse", budget=budget)
-            t0 = time.perf_counter()
-            for i, ids in enumerate(windows):
-                ids = ids.to(device)
-                row.window_losses.append(float(engine.evaluate(ids)))
-                row.window_tokens.append(int(ids.shape[-1]) - 1)
-                if progress is not None:
-                    progress(row.name, i)
-            row.seconds = time.perf_counter() - t0
-            report.rows.append(row)
-            del engine
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    finally:
-        model.train(was_training)
+    for budget, engine in engines_by_budget(model, config, budgets):
+        row = EvalRow(mode="dense" if budget is None else "sparse", budget=budget)
+        t0 = time.perf_counter()
+        for i, ids in enumerate(windows):
+            ids = ids.to(device)
+            row.window_losses.append(float(engine.evaluate(ids)))
+            row.window_tokens.append(int(ids.shape[-1]) - 1)
+            if progress is not None:
+                progress(row.name, i)
+        row.seconds = time.perf_counter() - t0
+        report.rows.append(row)
+        del engine
     return report

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -31,7 +32,40 @@ def dense_like_sparse(config: OOMBConfig, device: torch.device) -> OOMBConfig:
     backend = paged_backend(resolve_backend(config.attention_backend, device), device)
     return dataclasses.replace(config.dense(), attention_backend=backend)
 
-__all__ = ["GradErrorReport", "sparse_grad_error"]
+
+def check_budgets(budgets: Sequence[int]) -> list[int]:
+    """``budgets`` as a list of page counts, or ValueError naming them when one is not an int >= 1."""
+    budgets = list(budgets)
+    if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in budgets):
+        raise ValueError(f"budgets must be page counts >= 1, got {budgets}")
+    return budgets
+
+
+def engines_by_budget(model: torch.nn.Module, config: OOMBConfig, budgets: Sequence[int],
+                      reserve_tokens: int | None = None) -> Iterator[tuple[int | None, Engine]]:
+    """``(None, dense engine)``, then ``(budget, sparse engine)`` per page budget, one alive at a time, the model
+    in eval mode throughout (its mode restored at the end). The dense engine runs on the kernels of the sparse
+    ones (:func:`dense_like_sparse`); the sparse ones take ``config``'s sparse settings with that budget.
+    ``reserve_tokens``: each engine's KV store is sized for that many tokens before it is yielded."""
+    sparse = config.sparse or SparseConfig()
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        for budget in [None, *budgets]:
+            cfg = (dense_like_sparse(config, device) if budget is None
+                   else dataclasses.replace(config, sparse=dataclasses.replace(sparse, page_budget=budget)))
+            engine = Engine(model, cfg)
+            if reserve_tokens is not None:
+                engine.reserve(reserve_tokens)
+            yield budget, engine
+            del engine
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    finally:
+        model.train(was_training)
+
+__all__ = ["GradErrorReport", "check_budgets", "dense_like_sparse", "engines_by_budget", "sparse_grad_error"]
 
 
 @dataclass

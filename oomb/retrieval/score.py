@@ -9,7 +9,6 @@ generation loop.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -17,7 +16,7 @@ import torch
 
 from ..config import OOMBConfig, SparseConfig
 from ..engine.engine import Engine
-from ..sparse_quality import dense_like_sparse
+from ..sparse_quality import check_budgets, engines_by_budget
 from .prompts import RetrievalPrompt
 from .report import RetrievalReport, RetrievalRow, RetrievalTrial
 
@@ -67,40 +66,26 @@ def evaluate_retrieval(
             raises.
     """
     prompts = list(prompts)
-    budgets = list(budgets)
+    budgets = check_budgets(budgets)
     if not prompts:
         raise ValueError("prompts is empty; pass at least one retrieval prompt")
     tasks = {p.task for p in prompts}
     if len(tasks) != 1:
         raise ValueError(f"the prompts are of several tasks ({', '.join(sorted(tasks))}); score one task at a time")
-    if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in budgets):
-        raise ValueError(f"budgets must be page counts >= 1, got {budgets}")
     sparse = config.sparse or SparseConfig()
     report = RetrievalReport(
         task=prompts[0].task, lengths=list(dict.fromkeys(p.length for p in prompts)),
         depths=list(dict.fromkeys(p.depth for p in prompts)), trials=max(p.trial for p in prompts) + 1,
         needles=needles, seed=seed, page_size=config.page_size, sink_pages=sparse.sink_pages,
         local_pages=sparse.local_pages, sparse_score=sparse.score)
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    try:
-        for budget in [None, *budgets]:
-            cfg = (dense_like_sparse(config, device) if budget is None
-                   else dataclasses.replace(config, sparse=dataclasses.replace(sparse, page_budget=budget)))
-            engine = Engine(model, cfg)
-            engine.reserve(max(report.lengths))
-            row = RetrievalRow(mode="dense" if budget is None else "sparse", budget=budget)
-            t0 = time.perf_counter()
-            for i, prompt in enumerate(prompts):
-                row.trials.append(score_prompt(engine, prompt))
-                if progress is not None:
-                    progress(row.name, i, row.trials[-1])
-            row.seconds = time.perf_counter() - t0
-            report.rows.append(row)
-            del engine
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-    finally:
-        model.train(was_training)
+    for budget, engine in engines_by_budget(model, config, budgets, reserve_tokens=max(report.lengths)):
+        row = RetrievalRow(mode="dense" if budget is None else "sparse", budget=budget)
+        t0 = time.perf_counter()
+        for i, prompt in enumerate(prompts):
+            row.trials.append(score_prompt(engine, prompt))
+            if progress is not None:
+                progress(row.name, i, row.trials[-1])
+        row.seconds = time.perf_counter() - t0
+        report.rows.append(row)
+        del engine
     return report
