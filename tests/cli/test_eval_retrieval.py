@@ -8,26 +8,10 @@ import json
 import pytest
 import torch
 
-from oomb.cli import main
+from tests.cli.test_eval import _check_refused, run_cli
 
 PNG = b"\x89PNG\r\n\x1a\n"
 SMALL = ["--chunk-size", "64", "--page-size", "16"]
-
-
-def run_cli(argv):
-    try:
-        return main([str(a) for a in argv])
-    except SystemExit as exc:
-        return exc.code
-
-
-def _check_refused(status, capsys, fragment):
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.strip()]
-    assert status == 2, err
-    assert len(lines) == 1, err
-    assert lines[0].startswith("oomb: error: ") and "; " in lines[0], lines[0]
-    assert fragment in lines[0], lines[0]
 
 
 def test_passkey_on_a_preset_writes_the_table_json_and_heatmap(tmp_path, capsys):
