@@ -26,6 +26,7 @@
 # quality     (below)                                  sparse quality: train a 100M model, eval and grad-error at 64K
 # dp          (below)                                  data-parallel scaling: torchrun on 2 GPUs against 1
 # finetune    full_finetune.py                         7B full fine-tune per --optimizer (torchao from .whl/ if missing)
+# glue        (below)                                  fused_glue none vs liger: bf16 parity, then 7B step times
 # retrieval   (below)                                  passkey retrieval trained from scratch dense and sparse, then eval
 #
 # Examples:
@@ -70,6 +71,15 @@ PY
     python3 -m oomb grad-error --model $W/m8k --data oomb/resources/austen/emma.txt --seq-len $L --chunk-size 4096 \
       --budgets 4 16 64 --device cuda --dtype float32 --attention-backend torch --json "$OUT/grad_error_100m_$L.json"
   done
+}
+
+glue() {  # fused_glue none vs liger (Liger-Kernel from .whl/ if missing): bf16 parity over 33 chunks, then step A/B
+  if ! python3 -c "import liger_kernel" 2>/dev/null && ls .whl/liger_kernel-*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/liger_kernel-*.whl
+    export PYTHONPATH=$PYTHONPATH:/tmp/site; fi
+  python3 $B/check_gpu_parity.py --out "$OUT" --chunk-size 384 --backends triton sdpa --fused-glue none liger || true
+  python3 $B/step_ab.py --src . --label glue --lengths ${GLUE_LENGTHS:-32768} --steps 3 --fused-glue none liger \
+    --out "$OUT/fused_glue_ab.jsonl" "$@"
 }
 
 retrieval() {  # a 100M model trained from random weights on passkey rows, per mode (ARGS: dense sparse64 sparse16)
@@ -158,6 +168,7 @@ case "$kind" in
   quality)    quality "$@" ;;
   dp)         dp "$@" ;;
   retrieval)  retrieval "$@" ;;
+  glue)       glue "$@" ;;
   finetune)   if ! python3 -c "import torchao.optim" 2>/dev/null && ls .whl/torchao-*.whl >/dev/null 2>&1; then
                 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/torchao-*.whl
                 export PYTHONPATH=/tmp/site:$PYTHONPATH; fi
