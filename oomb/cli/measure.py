@@ -160,12 +160,6 @@ def _bench(args: argparse.Namespace) -> int:
     if args.warmup_len == 1:
         raise UsageError(f"--warmup-len is {args.warmup_len}", "pass 0 (no warm-up) or 2 or more tokens")
     _check_backend_device(args)
-    from ..models.fused_glue import FusedGlueError, check_fused_glue
-
-    try:
-        check_fused_glue(args.fused_glue, args.device)
-    except FusedGlueError as exc:
-        raise UsageError(*exc.parts(lambda field: "--fused-glue")) from exc
     if len(set(args.systems)) != len(args.systems):
         raise UsageError(f"--systems lists a system twice: {' '.join(args.systems)}", "name each of hf and oomb at most once")
     _check_json_arg(args, _BENCH_REPORT_KEYS, "bench")

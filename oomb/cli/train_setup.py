@@ -8,7 +8,6 @@ import sys
 import time
 from pathlib import Path
 
-from ..models.fused_glue import FusedGlueError, check_fused_glue
 from .checks import (
     _check_cpu_memory,
     _check_lora_targets,
@@ -91,6 +90,8 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         check_available(args.optimizer)  # a missing library before any weight is built
     except OptimizerUnavailable as exc:
         raise _usage_from(exc, "pass --optimizer adamw") from exc
+    from ..models.fused_glue import FusedGlueError, check_fused_glue
+
     try:
         check_fused_glue(args.fused_glue, device)  # the CPU or a missing Liger-Kernel before any weight is built
     except FusedGlueError as exc:

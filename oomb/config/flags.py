@@ -74,7 +74,7 @@ COMMANDS: dict[str, list[tuple[str, tuple[str, ...] | None]]] = {
     "bench": [
         ("model", ("name", "device", "dtype", "seed")),
         ("engine", ("chunk_size", "page_size", "attention_backend", "save_attention", "checkpoint_layers",
-                    "checkpoint_attention", "fused_glue")),
+                    "checkpoint_attention")),
         ("engine.kernels", _ALL), ("bench", _ALL),
     ],
     "merge": [("merge", _ALL), ("output", ("dir",))],
