@@ -106,6 +106,20 @@ def _warn_if_offload_on_keeps_every_page(args: argparse.Namespace, offloads: boo
         "of them on the GPU", stacklevel=2)
 
 
+def _warn_if_adamw_rounds_bf16_updates(args: argparse.Namespace, dtype) -> None:
+    """Warn that plain AdamW on bfloat16 weights (a full fine-tune) rounds away the updates below half a bf16 step
+    of their weight (~1/256 of it): at fine-tuning learning rates most of them. Measured on an H200 (Qwen2.5-7B
+    shape, 64K, lr 1e-5): step-3 loss 11.97 with adamw against 10.70 with adamw-bf16."""
+    import torch
+
+    if args.optimizer != "adamw" or dtype != torch.bfloat16 or args.lora_rank > 0:
+        return
+    warnings.warn(
+        "--optimizer adamw on bfloat16 weights rounds away every update smaller than half a bf16 step of its weight "
+        "(~1/256 of it), most of them at fine-tuning learning rates; pass --optimizer adamw-bf16 (stochastic "
+        "rounding, same memory) or --dtype float32", stacklevel=2)
+
+
 def _warn_if_gpu_saved_attention_on_cpu(args: argparse.Namespace, device) -> None:
     """Warn that --save-attention gpu on the CPU keeps the outputs in the CPU's memory (the compute device's, as
     SavedAttention does): the run works, but the flag asked for GPU memory (train and bench)."""

@@ -13,6 +13,7 @@ from .checks import (
     _check_lora_targets,
     _check_vocab,
     _usage_from,
+    _warn_if_adamw_rounds_bf16_updates,
     _warn_if_gpu_saved_attention_on_cpu,
     _warn_if_offload_moves_nothing,
     _warn_if_offload_on_keeps_every_page,
@@ -233,6 +234,7 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         _warn_if_offload_moves_nothing(args, engine.num_layers)
         _warn_if_sparse_is_dense(args)
         _warn_if_gpu_saved_attention_on_cpu(args, device)
+        _warn_if_adamw_rounds_bf16_updates(args, dtype)
         _warn_if_offload_segments_are_small(args, getattr(store, "segment_pages", None) is not None)
     return dict(tokenizer=tokenizer, sequences=sequences, model=model, engine=engine, params=params,
                 optimizer=optimizer, fingerprint=fingerprint, settings=_resume_settings(args), start_step=start_step,

@@ -1200,3 +1200,15 @@ def test_saved_files_follow_the_umask(tmp_path, text_file):
     assert mode(out / "model.safetensors") == 0o644 and mode(out / "config.json") == 0o644
     ckpts = [p for p in (out / "checkpoints").iterdir() if p.is_dir()]
     assert ckpts and all(mode(p) == 0o755 for p in ckpts)
+
+
+def test_train_warns_that_adamw_rounds_away_bf16_updates(tmp_path, text_file, capsys):
+    """A full fine-tune with plain AdamW on bfloat16 weights: a warning naming adamw-bf16; not with LoRA, not in
+    float32."""
+    argv = ["train", "--data", text_file, *FAST, "--steps", "1"]
+    assert run_cli([*argv, "--output-dir", tmp_path / "a", "--dtype", "bfloat16"]) == 0
+    err = capsys.readouterr().err
+    assert "oomb: warning: --optimizer adamw on bfloat16 weights rounds away" in err and "--optimizer adamw-bf16" in err
+    for extra, where in ((["--dtype", "float32"], "b"), (["--dtype", "bfloat16", "--lora-rank", "4"], "c")):
+        assert run_cli([*argv, "--output-dir", tmp_path / where, *extra]) == 0
+        assert "rounds away" not in capsys.readouterr().err
