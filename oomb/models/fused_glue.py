@@ -26,15 +26,17 @@ import contextlib
 import importlib
 import sys
 from types import MethodType
+from typing import get_args
 
 import torch
 
+from ..config.engine import FusedGlue as FusedGlueKind
 from ..config.errors import ConfigError
 
 __all__ = ["FUSED_GLUE", "FusedGlue", "FusedGlueError", "check_fused_glue"]
 
-FUSED_GLUE = ("none", "liger")
-"""The choices of the engine's ``fused_glue`` setting."""
+FUSED_GLUE = get_args(FusedGlueKind)
+"""The choices of the engine's ``fused_glue`` setting (declared in :mod:`oomb.config.engine`)."""
 
 
 class FusedGlueError(ConfigError):
