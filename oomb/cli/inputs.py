@@ -114,17 +114,10 @@ def _load_tokens(args: argparse.Namespace, tokenizer_path: str | None):
 def _merged_adapter(adapter: Path, device, dtype):
     """A LoRA adapter folder (an 'oomb train --lora-rank' output) merged into its base in memory, as 'oomb merge'
     rebuilds and merges it, then moved to ``device`` and ``dtype``."""
-    from ..models.lora import merge_adapter
-    from .merge import _base_recipe, _build_base
+    from .merge import _base_recipe, _build_base, _merged
 
     recipe = _base_recipe(adapter)
-    base = _build_base(recipe)
-    try:
-        merged = merge_adapter(base, adapter)
-    except (ValueError, KeyError, RuntimeError, OSError) as exc:  # an adapter of another model
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise UsageError(f"cannot load the adapter {str(adapter)!r} onto its base {recipe['model']!r} ({first})",
-                         "pass an adapter trained on that base model") from exc
+    merged = _merged(_build_base(recipe), adapter, recipe, f"the adapter {str(adapter)!r}")
     return merged.to(device=device, dtype=dtype)
 
 

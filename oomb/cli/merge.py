@@ -112,6 +112,19 @@ def _tokenizer(adapter: Path, recipe: dict):
     return None
 
 
+def _merged(base, adapter: Path, recipe: dict, shown: str):
+    """``base`` with the LoRA adapter folder ``adapter`` merged into it; an adapter of another model is one
+    UsageError naming ``shown`` (how the command's user gave the adapter) and the base."""
+    from ..models.lora import merge_adapter
+
+    try:
+        return merge_adapter(base, adapter)
+    except (ValueError, KeyError, RuntimeError, OSError) as exc:  # an adapter of another model
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UsageError(f"cannot load {shown} onto its base {recipe['model']!r} ({first})",
+                         "pass an adapter trained on that base model") from exc
+
+
 def _merge(args: argparse.Namespace) -> int:
     """``oomb merge``: every check first; then the merged model and tokenizer are written to a temporary folder
     beside --output-dir and moved into place."""
@@ -123,14 +136,7 @@ def _merge(args: argparse.Namespace) -> int:
     hf_logging.disable_progress_bar()
     base = _build_base(recipe)
     tokenizer = _tokenizer(adapter, recipe)
-    from ..models.lora import merge_adapter
-
-    try:
-        merged = merge_adapter(base, adapter)
-    except (ValueError, KeyError, RuntimeError, OSError) as exc:  # an adapter of another model
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise UsageError(f"cannot load ADAPTER_DIR {str(adapter)!r} onto its base {recipe['model']!r} ({first})",
-                         "pass an adapter trained on that base model") from exc
+    merged = _merged(base, adapter, recipe, f"ADAPTER_DIR {str(adapter)!r}")
     from ..models.saving import save_tokenizer
 
     out.parent.mkdir(parents=True, exist_ok=True)
