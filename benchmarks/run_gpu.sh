@@ -83,21 +83,29 @@ glue() {  # fused_glue none vs liger (Liger-Kernel from .whl/ if missing): bf16 
 }
 
 retrieval() {  # a 100M model trained from random weights on passkey rows, per mode (ARGS: dense sparse64 sparse16)
-  # Stage A: RA_STEPS steps of RA_SEQ tokens packed from rows of 128-2048 tokens; stage B: RB_STEPS steps of RB_SEQ
-  # tokens from rows of 8K-32K; both in the mode's attention. Then the passkey grid, dense and sparse, to 2x RB_SEQ.
-  # RPARALLEL=1 trains the modes side by side on the one GPU (a 100M model leaves it mostly idle; the times and
-  # tokens/s of each run are then those of a shared GPU). Sizes come from the environment so that the same script
-  # runs small on a CPU (RDEV=cpu RHIDDEN=64 ...).
-  local W=${RWORK:-/tmp/oomb-retrieval} dev=${RDEV:-cuda} aseq=${RA_SEQ:-8192} asteps=${RA_STEPS:-1200}
-  local bseq=${RB_SEQ:-32768} bsteps=${RB_STEPS:-100} chunk=${RCHUNK:-4096}
-  local alens=${RA_LENS:-"128 192 256 384 512 768 1024 2048"} blens=${RB_LENS:-"8192 16384 24576 32000"}
+  # The rows are prompt/completion rows (`oomb data --make passkey`): only the answer and EOS are trained, which is
+  # what makes retrieval learnable from random weights (benchmarks/passkey_loss_recipe_cpu.py). Stage A: RA_STEPS
+  # steps of RA_SEQ tokens (chunk RA_CHUNK) packed from rows of 128-512 tokens; stage B: RB_STEPS steps of RB_SEQ
+  # tokens (chunk RCHUNK) from rows of 8K-32K; both in the mode's attention. Then the passkey grid, dense and sparse,
+  # to 2x RB_SEQ. RPARALLEL=1 trains the modes side by side on the one GPU (a 100M model leaves it mostly idle; the
+  # times and tokens/s of each run are then those of a shared GPU). Sizes come from the environment so that the
+  # same script runs small on a CPU (RDEV=cpu RHIDDEN=64 ...).
+  local W=${RWORK:-/tmp/oomb-retrieval} dev=${RDEV:-cuda} aseq=${RA_SEQ:-16384} asteps=${RA_STEPS:-800}
+  local achunk=${RA_CHUNK:-8192} bseq=${RB_SEQ:-32768} bsteps=${RB_STEPS:-60} chunk=${RCHUNK:-4096}
+  local alens=${RA_LENS:-"128 192 256 320 384 512"} blens=${RB_LENS:-"8192 16384 24576 32000"}
   local elens=${RE_LENS:-"4096 8192 16384 32768 65536"}
-  local common="--device $dev --chunk-size $chunk --document-mask --long-examples drop --no-progress --seed 0 --log-every 50"
-  mkdir -p $W; [ $# -gt 0 ] || set -- dense sparse64 sparse16
-  [ -f $W/short.jsonl ] || python3 -m oomb data --make passkey --examples ${RA_ROWS:-12000} --make-lengths $alens \
-    --make-output $W/short.jsonl
-  [ -f $W/long.jsonl ] || python3 -m oomb data --make passkey --examples ${RB_ROWS:-250} --make-lengths $blens \
-    --make-output $W/long.jsonl --seed 1
+  local common="--device $dev --document-mask --long-examples drop --no-progress --seed 0 --log-every 50"
+  mkdir -p $W/short; [ $# -gt 0 ] || set -- dense sparse64 sparse16
+  for mode in "$@"; do
+    case $mode in dense|sparse[0-9]*) ;; *) echo "retrieval: unknown mode $mode (dense, sparseB)" >&2; return 2;; esac
+  done
+  local rows=${RA_ROWS:-12000} seed
+  for seed in 10 11 12; do  # three files made side by side: the short rows are a folder of them
+    [ -f $W/short/s$seed.jsonl ] || python3 -m oomb data --make passkey --examples $rows --make-lengths $alens \
+      --make-output $W/short/s$seed.jsonl --seed $seed &
+  done
+  [ -f $W/long.jsonl ] || python3 -m oomb data --make passkey --examples ${RB_ROWS:-200} --make-lengths $blens \
+    --make-output $W/long.jsonl --seed 1 &
   [ -d $W/init ] || RHIDDEN=${RHIDDEN:-768} RINTER=${RINTER:-2048} RLAYERS=${RLAYERS:-12} RHEADS=${RHEADS:-12} python3 - <<'PY'
 import os, torch
 from transformers import AutoModelForCausalLM, Qwen2Config
@@ -111,31 +119,30 @@ model = AutoModelForCausalLM.from_config(cfg)
 print(f"init: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
 model.save_pretrained(os.environ.get("RWORK", "/tmp/oomb-retrieval") + "/init")
 PY
+  wait
   one() {
     local mode=$1 extra=""; case $mode in sparse*) extra="--sparse --page-budget ${mode#sparse}";; esac
     local t0=$(date +%s)
-    python3 -m oomb train --model $W/init --data $W/short.jsonl $common $extra --seq-len $aseq --steps $asteps \
-      --lr ${RA_LR:-1e-3} --warmup-steps 30 --output-dir $W/a_$mode --overwrite
+    python3 -m oomb train --model $W/init --data $W/short $common $extra --seq-len $aseq --chunk-size $achunk \
+      --steps $asteps --lr ${RA_LR:-1e-3} --warmup-steps 30 --output-dir $W/a_$mode --overwrite
     cp $W/a_$mode/log.jsonl "$OUT/retrieval_train_a_$mode.jsonl"; local t1=$(date +%s)
-    python3 -m oomb train --model $W/a_$mode --data $W/long.jsonl $common $extra --seq-len $bseq --steps $bsteps \
-      --lr ${RB_LR:-5e-4} --warmup-steps 10 --output-dir $W/b_$mode --overwrite
+    python3 -m oomb train --model $W/a_$mode --data $W/long.jsonl $common $extra --seq-len $bseq --chunk-size $chunk \
+      --steps $bsteps --lr ${RB_LR:-5e-4} --warmup-steps 10 --output-dir $W/b_$mode --overwrite
     cp $W/b_$mode/log.jsonl "$OUT/retrieval_train_b_$mode.jsonl"; local t2=$(date +%s)
     python3 -m oomb eval --task passkey --model $W/b_$mode --device $dev --chunk-size $chunk --lengths $elens \
-      --depths 0 25 50 75 100 --trials ${RE_TRIALS:-3} --budgets 16 64 --json "$OUT/retrieval_eval_$mode.json" \
+      --depths 0 25 50 75 100 --trials ${RE_TRIALS:-2} --budgets 16 64 --json "$OUT/retrieval_eval_$mode.json" \
       > "$OUT/retrieval_eval_$mode.md"
     local t3=$(date +%s)
     echo "{\"mode\": \"$mode\", \"parallel\": ${RPARALLEL:-0}, \"stage_a_s\": $((t1-t0)), \"stage_b_s\": $((t2-t1)), \"eval_s\": $((t3-t2))}" \
       | tee -a "$OUT/retrieval_times.jsonl"
   }
-  for mode in "$@"; do
-    case $mode in dense|sparse[0-9]*) ;; *) echo "retrieval: unknown mode $mode (dense, sparseB)" >&2; return 2;; esac
-  done
   if [ "${RPARALLEL:-0}" = 1 ]; then
     for mode in "$@"; do one $mode > "$OUT/retrieval_$mode.txt" 2>&1 & done; wait
   else
     for mode in "$@"; do one $mode 2>&1 | tee "$OUT/retrieval_$mode.txt"; done
   fi
   grep -h "done in\|error" "$OUT"/retrieval_*.txt || true; cat "$OUT"/retrieval_eval_*.md | grep -v "prompt [0-9]*/" || true
+  python3 $B/plot_retrieval.py "$OUT" || true
 }
 
 dp() {  # 256K sparse LoRA steps on 2 GPUs, then the same on 1 GPU

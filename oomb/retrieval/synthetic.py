@@ -1,10 +1,15 @@
-"""Synthetic retrieval training text: passkey and needle prompts with their answers, as ``{"text": ...}`` rows.
+"""Synthetic retrieval training rows: passkey and needle prompts with their answers, as prompt/completion rows.
 
-Each row is one prompt of :mod:`oomb.retrieval.prompts` (haystack, question and answer) decoded to text, at a
-length drawn from the given lengths and a depth drawn uniformly from [0, 100], so that a model trained on the
-rows (``oomb train --data rows.jsonl``: text rows, every token trained) learns to retrieve at every depth. The
-rows also carry ``task``, ``length``, ``depth`` and ``answer`` (the text reader reads only ``text``). Lengths
-are in tokens of the tokenizer the rows are made with; the decoded text re-encodes to about that many.
+Each row is one prompt of :mod:`oomb.retrieval.prompts` (haystack and question) decoded to text as ``prompt``,
+and its answer decoded as ``completion``, at a length drawn from the given lengths and a depth drawn uniformly
+from [0, 100]. ``oomb train --data rows.jsonl`` reads them as prompt/completion rows: the answer and the EOS
+token after it are trained, the prompt is not (``--loss-on all`` trains every token). Training the answer only
+is what makes a model learn retrieval from random weights: with every token trained, the loss is dominated by
+the predictable filler and the answer's log-probability stays at chance (``benchmarks/passkey_loss_recipe_cpu.py``
+measures both). The rows also carry ``task``, ``length``, ``depth`` and ``answer``. Lengths are in tokens of
+the tokenizer the rows are made with. The prompt and the completion, each encoded without special tokens,
+re-encode to the scored prompt's tokens (BOS dropped where it had one; a needle haystack that begins inside a
+word of the text may re-encode differently there), so what is trained is what ``oomb eval --task`` scores.
 """
 
 from __future__ import annotations
@@ -20,8 +25,12 @@ from .prompts import needle_prompt, passkey_prompt
 
 __all__ = ["ROW_KEYS", "is_retrieval_jsonl", "retrieval_rows", "write_retrieval_jsonl"]
 
-ROW_KEYS = ("text", "task", "length", "depth", "answer")
-"""The keys of every row (what tells a file of these rows from any other)."""
+ROW_KEYS = ("prompt", "completion", "task", "length", "depth", "answer")
+"""The keys of every row."""
+
+_OWN_KEYS = ("task", "length", "depth", "answer")
+"""The keys that tell a file of these rows from any other (also one written with a ``text`` key instead of
+prompt and completion)."""
 
 _TRIAL_BASE = 1 << 20
 """Trial numbers of the training rows start here, away from the few trials an evaluation grid uses."""
@@ -57,8 +66,11 @@ def retrieval_rows(task: str, tokenizer, lengths: Sequence[int], examples: int, 
             prompt = passkey_prompt(tokenizer, length, depth, _TRIAL_BASE + i, seed)
         else:
             prompt = needle_prompt(tokenizer, tokens, length, depth, _TRIAL_BASE + i, seed, needles)
-        text = tokenizer.decode(prompt.input_ids.tolist(), skip_special_tokens=True)
-        rows.append({"text": text, "task": task, "length": length, "depth": depth, "answer": prompt.answer})
+        ids = prompt.input_ids.tolist()
+        question = tokenizer.decode(ids[:prompt.answer_start], skip_special_tokens=True)
+        answer = tokenizer.decode(ids[prompt.answer_start:], skip_special_tokens=True)
+        rows.append({"prompt": question, "completion": answer, "task": task, "length": length, "depth": depth,
+                     "answer": prompt.answer})
     return rows
 
 
@@ -75,7 +87,7 @@ def is_retrieval_jsonl(path: str | os.PathLike) -> bool:
         row = json.loads(first)
     except ValueError:
         return False
-    return isinstance(row, dict) and set(ROW_KEYS) <= row.keys()
+    return isinstance(row, dict) and set(_OWN_KEYS) <= row.keys()
 
 
 def write_retrieval_jsonl(path: str | os.PathLike, rows: Sequence[dict]) -> Path:

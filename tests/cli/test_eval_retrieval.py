@@ -102,7 +102,8 @@ def test_oomb_data_make_writes_rows_oomb_train_reads(tmp_path, capsys):
     assert run_cli(["data", "--make", "passkey", "--examples", "4", "--make-lengths", "120", "--make-output", rows_file]) == 0
     assert "wrote 4 passkey rows" in capsys.readouterr().out
     rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
-    assert len(rows) == 4 and all(r["text"].endswith(f"The pass key is {r['answer']}") for r in rows)
+    assert len(rows) == 4 and all(r["prompt"].endswith("The pass key is") and r["completion"] == r["answer"]
+                                  for r in rows)
     first = rows_file.read_text()
     assert run_cli(["data", "--make", "passkey", "--examples", "4", "--make-lengths", "120", "--make-output", rows_file]) == 0
     assert rows_file.read_text() == first  # same seed, same rows; its own file may be replaced

@@ -147,8 +147,35 @@ def test_training_rows_reencode_to_about_their_length_and_repeat_with_the_seed(t
     assert rows != retrieval_rows("passkey", tok, [300, 500], 6, seed=4)
     assert {r["length"] for r in rows} <= {300, 500} and len({r["depth"] for r in rows}) == 6
     for r in rows:
-        n = len(tok(r["text"], add_special_tokens=False)["input_ids"])
+        n = len(tok(r["prompt"] + " " + r["completion"], add_special_tokens=False)["input_ids"])
         assert abs(n - r["length"]) <= 3, (n, r["length"])
-        assert r["text"].endswith(f"The pass key is {r['answer']}") and r["text"].count(r["answer"]) == 3
+        assert r["prompt"].endswith("The pass key is") and r["prompt"].count(r["answer"]) == 2
+        assert r["completion"] == r["answer"]
     needle = retrieval_rows("needle", tok, [400], 2, seed=0, tokens=novels, needles=3)
-    assert all(n["text"].count("The secret ") == 4 and n["text"].endswith(n["answer"]) for n in needle)
+    assert all(n["prompt"].count("The secret ") == 4 and n["completion"] == n["answer"] for n in needle)
+
+
+@pytest.mark.parametrize("task", ["passkey", "needle"])
+def test_training_rows_encode_to_the_scored_prompt_with_only_the_answer_trained(tok, novels, task):
+    """What oomb train trains on a row is the prompt oomb eval scores (BOS aside), with the answer and EOS trained
+    and nothing else."""
+    from oomb.data.chat import IGNORE_INDEX, encode_prompt_completion
+    from oomb.retrieval.synthetic import _TRIAL_BASE
+
+    rows = retrieval_rows(task, tok, [160, 300, 700], 5, seed=2, tokens=novels, needles=2)
+    for i, row in enumerate(rows):
+        make = passkey_prompt if task == "passkey" else needle_prompt
+        args = (tok, row["length"], row["depth"], _TRIAL_BASE + i, 2) if task == "passkey" else \
+            (tok, novels, row["length"], row["depth"], _TRIAL_BASE + i, 2, 2)
+        scored = make(*args)
+        bos = 1 if scored.input_ids[0].item() == tok.bos_token_id else 0
+        ids, labels = encode_prompt_completion(tok, row["prompt"], row["completion"], None, "assistant", "row")
+        want = scored.input_ids[bos:].tolist() + [tok.eos_token_id]
+        if task == "passkey":
+            assert ids.tolist() == want
+        else:  # the novel's text may re-encode differently where the haystack cuts into a word; the rest is exact
+            tail = len(want) - (scored.needle_start - bos)
+            assert ids[-tail:].tolist() == want[-tail:] and abs(len(ids) - len(want)) <= 3
+        start = len(ids) - (len(want) - (scored.answer_start - bos))
+        assert (labels[:start] == IGNORE_INDEX).all() and labels[start:].tolist() == ids[start:].tolist()
+        assert tok.decode(ids[start:-1].tolist()).strip() == row["answer"]
