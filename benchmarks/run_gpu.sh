@@ -89,12 +89,12 @@ retrieval() {  # a 100M model trained from random weights on passkey rows, per m
   # tokens (chunk RCHUNK) from rows of 8K-32K; both in the mode's attention. Then the passkey grid, dense and sparse,
   # to 2x RB_SEQ. RPARALLEL=1 trains the modes side by side on the one GPU (a 100M model leaves it mostly idle; the
   # times and tokens/s of each run are then those of a shared GPU). Sizes come from the environment so that the
-  # same script runs small on a CPU (RDEV=cpu RHIDDEN=64 ...).
+  # same script runs small on a CPU (RDEV=cpu RHIDDEN=64 ...). ROPT: the --optimizer of both stages.
   local W=${RWORK:-/tmp/oomb-retrieval} dev=${RDEV:-cuda} aseq=${RA_SEQ:-16384} asteps=${RA_STEPS:-800}
   local achunk=${RA_CHUNK:-8192} bseq=${RB_SEQ:-32768} bsteps=${RB_STEPS:-60} chunk=${RCHUNK:-4096}
   local alens=${RA_LENS:-"128 192 256 320 384 512"} blens=${RB_LENS:-"8192 16384 24576 32000"}
   local elens=${RE_LENS:-"4096 8192 16384 32768 65536"}
-  local common="--device $dev --document-mask --long-examples drop --no-progress --seed 0 --log-every 50"
+  local common="--device $dev --document-mask --long-examples drop --no-progress --seed 0 --log-every 50 ${ROPT:+--optimizer $ROPT}"
   mkdir -p $W/short; [ $# -gt 0 ] || set -- dense sparse64 sparse16
   for mode in "$@"; do
     case $mode in dense|sparse[0-9]*) ;; *) echo "retrieval: unknown mode $mode (dense, sparseB)" >&2; return 2;; esac
