@@ -153,7 +153,7 @@ def _select(C=16, Hq=4, Hkv=2, D=8, past_len=64, S=4, budget=3, sink=1, local=2,
 @pytest.mark.parametrize("score", ["mean", "quest"])
 @pytest.mark.parametrize("budget,sink,local", [(3, 1, 2), (5, 0, 0), (0, 2, 3), (2, 3, 0), (4, 0, 1)])
 def test_selection_invariants(score, budget, sink, local):
-    past_len, S = 66, 4  # 17 pages, the last one partial
+    past_len = 66  # 17 pages of 4 tokens, the last one partial
     n = 17
     sel = _select(past_len=past_len, budget=budget, sink=sink, local=local, score=score, C=14, block=4)
     nb, Hkv, K = sel.page_idx.shape

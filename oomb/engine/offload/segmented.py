@@ -94,7 +94,7 @@ class _SegmentedStaging:
         """(use, buffer, tensors) of segment ``index`` of ``past``, acquired."""
         use = SegUse(past.layer, past.start, index, grad)
         b = self._sched.acquire(use)
-        L, R, SP = self.num_layers, self.resident_pages_per_layer, self.segment_pages
+        R, SP = self.resident_pages_per_layer, self.segment_pages
         if b is None or index == 0:
             table = self._first_tables[0 if b is None else b, past.layer]
         else:
