@@ -164,10 +164,8 @@ def test_training_rows_encode_to_the_scored_prompt_with_only_the_answer_trained(
 
     rows = retrieval_rows(task, tok, [160, 300, 700], 5, seed=2, tokens=novels, needles=2)
     for i, row in enumerate(rows):
-        make = passkey_prompt if task == "passkey" else needle_prompt
-        args = (tok, row["length"], row["depth"], _TRIAL_BASE + i, 2) if task == "passkey" else \
-            (tok, novels, row["length"], row["depth"], _TRIAL_BASE + i, 2, 2)
-        scored = make(*args)
+        scored = (passkey_prompt(tok, row["length"], row["depth"], _TRIAL_BASE + i, 2) if task == "passkey" else
+                  needle_prompt(tok, novels, row["length"], row["depth"], _TRIAL_BASE + i, 2, 2))
         bos = 1 if scored.input_ids[0].item() == tok.bos_token_id else 0
         ids, labels = encode_prompt_completion(tok, row["prompt"], row["completion"], None, "assistant", "row")
         want = scored.input_ids[bos:].tolist() + [tok.eos_token_id]
