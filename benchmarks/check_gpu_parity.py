@@ -5,7 +5,8 @@ dim 128) but few layers. Three runs on the same weights and tokens:
 
 * ``ref32``: full-sequence HF training in float32 (SDPA math) -- the reference;
 * ``hf16``: the same in bf16 -- what plain training gives;
-* ``oomb16``: oomb's two-stage step in bf16 with the chosen attention backend.
+* ``oomb16``: oomb's two-stage step in bf16 with the chosen attention backend (and, with ``--offload on``,
+  its pages offloaded: half of them on the GPU, the rest staged in ``--offload-segment-pages`` segments).
 
 Pass: for the loss and every parameter gradient, ``err(oomb16, ref32) <= 2 *
 err(hf16, ref32) + 1e-6`` (relative Frobenius errors; flash-attention's rule).
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from oomb import Engine, OOMBConfig  # noqa: E402
+from oomb.config import OffloadConfig  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 
 
@@ -51,6 +53,10 @@ def main(argv=None):
     ap.add_argument("--fused-glue", nargs="+", default=["none"], choices=["none", "liger"],
                     help="OOMBConfig.fused_glue values to check (each with every backend; liger patches the model "
                          "for good, so its runs come last)")
+    ap.add_argument("--offload", nargs="+", default=["off"], choices=["off", "on"],
+                    help="offload modes to check (each with every backend); on: half the pages on the GPU")
+    ap.add_argument("--offload-segment-pages", type=int, default=64,
+                    help="pages per staged segment with --offload on (a few segments per call)")
     ap.add_argument("--out", default="benchmarks/results")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
@@ -73,13 +79,17 @@ def main(argv=None):
     report = dict(seq_len=args.seq_len, chunk_size=args.chunk_size, loss_ref32=loss32, loss_hf_bf16=loss16, backends={})
     ok = True
     glues = sorted(set(args.fused_glue), key=["none", "liger"].index)
-    runs = [(b, g, fg) for fg in glues for b in args.backends for g in args.grad_accum_dtypes]
-    for backend, accum, glue in runs:
+    runs = [(b, g, fg, o) for fg in glues for o in args.offload for b in args.backends for g in args.grad_accum_dtypes]
+    half = args.layers * -(-args.seq_len // args.page_size) // 2
+    for backend, accum, glue, off in runs:
         key = backend if args.grad_accum_dtypes == ["param"] else f"{backend}/{accum}"
         key = key if glue == "none" else f"{key}+{glue}"
+        key = key if off == "off" else f"{key}+offload"
+        offload = OffloadConfig(mode="off") if off == "off" else OffloadConfig(
+            mode="on", gpu_page_budget=half, segment_pages=args.offload_segment_pages)
         m16.zero_grad(set_to_none=True)
         engine = Engine(m16, OOMBConfig(chunk_size=args.chunk_size, page_size=args.page_size, attention_backend=backend,
-                                        grad_accum_dtype=accum, fused_glue=glue))
+                                        grad_accum_dtype=accum, fused_glue=glue, offload=offload))
         out = engine.step(ids)
         worst = (-1.0, None, 0.0, 0.0)  # (ratio, name, err oomb, err hf)
         for n, p in m16.named_parameters():
@@ -92,7 +102,9 @@ def main(argv=None):
         le_o, le_h = abs(out.loss - loss32) / loss32, abs(loss16 - loss32) / loss32
         ok &= le_o <= 2 * le_h + 1e-3
         report["backends"][key] = dict(loss=out.loss, loss_err=le_o, hf_loss_err=le_h, worst_param=worst[1],
-                                           worst_grad_err=worst[2], hf_grad_err_same_param=worst[3], seconds=out.seconds)
+                                           worst_grad_err=worst[2], hf_grad_err_same_param=worst[3], seconds=out.seconds,
+                                           store=type(engine.kv_store).__name__,
+                                           h2d_bytes=getattr(engine.kv_store, "stats", {}).get("h2d_bytes"))
         print(json.dumps({key: report["backends"][key]}), flush=True)
         del engine
     report["pass"] = ok

@@ -15,10 +15,10 @@ once and reused by later steps of the same or a smaller size.
 Each layer owns one region of ``max_pages_per_layer`` consecutive pages
 (``[l * M, (l + 1) * M)``) and hands them out in ascending order, so a layer's
 past is normally ONE contiguous ``[past_len, Hkv, D]`` run of the pool: the
-views :meth:`PagedKVStore.attention_view` then also passes (``PagedKV.past_k``
-...) let the fused SDPA path (:mod:`oomb.ops.sdpa_attention`) read it without a
-block table. Where the pages are not in order (tests shuffle the free lists),
-the views are None and the block-table kernels serve the call.
+views :meth:`PagedKVStore.attention_view` then also passes (``PagedKV.past_runs``
+and ``past_grad_runs``, one run each) let the fused SDPA path (:mod:`oomb.ops.sdpa_attention`)
+read it without a block table. Where the pages are not in order (tests shuffle the free
+lists), there are no runs and the block-table kernels serve the call.
 """
 
 from __future__ import annotations
@@ -200,10 +200,11 @@ class PagedKVStore:
         views = {}
         if 0 < n_past <= self._run[layer]:  # the past is one run of consecutive pages: contiguous views
             p0 = self._host_table[layer][0]
-            pools = ("k", self.k_cache), ("v", self.v_cache)
+            k, v, dk, dv = (pool[p0 : p0 + n_past].flatten(0, 1) for pool in (self.k_cache, self.v_cache, self.dk_cache,
+                                                                            self.dv_cache))
+            views["past_runs"] = ((k, v),)
             if stage == 2:
-                pools += ("dk", self.dk_cache), ("dv", self.dv_cache)
-            views = {f"past_{n}": pool[p0 : p0 + n_past].flatten(0, 1) for n, pool in pools}
+                views["past_grad_runs"] = ((dk, dv),)
         if stage == 1:
             return PagedKV(self.k_cache, self.v_cache, past, start, q_doc_start=q_doc_start, **views)
         own = None if is_last else self.layer_block_table(layer, n_past + -(-length // S))[n_past:]

@@ -14,8 +14,9 @@ Backends, which share one contract: ``"torch"`` (the reference in
 :mod:`oomb.ops.attention_ref`), ``"triton"`` (the paged kernels,
 :mod:`oomb.ops.triton.paged_attention`), and ``"sdpa"``: PyTorch's fused cuDNN
 attention (:mod:`oomb.ops.sdpa_attention`; on the CPU its flash kernel) for every call
-whose past lies contiguously in the pool (``PagedKV.past_k`` set) and has no
-packed-document mask, the paged kernels (Triton on CUDA, else the reference) for the
+whose past lies in a few runs of consecutive pool pages (``PagedKV.past_runs`` set; with
+a segmented past, per segment: ``PastSegments.runs``) and has no packed-document mask,
+the paged kernels (Triton on CUDA, else the reference) for the
 rest -- and for all calls while ``torch.use_deterministic_algorithms(True)`` is on, since
 cuDNN's attention backward is not deterministic.
 
@@ -68,6 +69,14 @@ class PastSegments(Protocol):
         entries are never read); the gradient pools are None unless ``grad``.
         """
 
+    def runs(self, index: int, grad: bool) -> tuple[tuple, tuple]:
+        """Segment ``index`` (acquired) as contiguous views, for the ``'sdpa'`` backend.
+
+        Returns ``(kv_runs, grad_runs)``: ``(k, v)`` views of [n_r, Hkv, D] in token order covering the segment's
+        tokens ``[a, b)``, and with ``grad`` the ``(dk, dv)`` views of the same pages (else ``()``); ``((), ())``
+        where the segment does not lie in a few runs (its calls then read the block table).
+        """
+
     def release(self, index: int, grad: bool) -> None:
         """The kernels reading (and, with ``grad``, adding into) segment ``index`` are enqueued."""
 
@@ -96,9 +105,10 @@ class PagedKV:
         segments: None (the whole past through ``block_table``), or the past in segments
             (:class:`PastSegments`); then k_cache, v_cache, block_table, dk_cache, dv_cache and
             own_block_table are unused (None) and ``segments.own_grad`` gives the own stored gradient.
-        past_k, past_v: [past_len, Hkv, D] views of the same past K/V where it lies contiguously in
-            the pool (the ``'sdpa'`` backend reads these), else None.
-        past_dk, past_dv: [past_len, Hkv, D] views of the past's gradient pages (Stage 2), else None.
+        past_runs: the same past K/V where it lies in a few runs of consecutive pool pages: ``(k, v)`` views of
+            [n_r, Hkv, D] in token order, their lengths summing to ``past_len`` (the ``'sdpa'`` backend reads
+            these); ``()`` otherwise.
+        past_grad_runs: ``(dk, dv)`` views of the gradient pages of the same runs (Stage 2), else ``()``.
     """
 
     k_cache: torch.Tensor | None
@@ -111,10 +121,8 @@ class PagedKV:
     q_doc_start: torch.Tensor | None = None
     after_backward: Callable[[], None] | None = None
     segments: PastSegments | None = None
-    past_k: torch.Tensor | None = None
-    past_v: torch.Tensor | None = None
-    past_dk: torch.Tensor | None = None
-    past_dv: torch.Tensor | None = None
+    past_runs: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
+    past_grad_runs: tuple[tuple[torch.Tensor, torch.Tensor], ...] = ()
 
 
 @lru_cache(maxsize=None)
@@ -165,14 +173,14 @@ def step_backend(config, device: torch.device) -> str:
 
 
 def _sdpa_serves(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: PagedKV, grad: bool) -> bool:
-    """Whether the 'sdpa' backend runs this unsegmented call through :mod:`oomb.ops.sdpa_attention`."""
+    """Whether the 'sdpa' backend runs this call (or segment) through :mod:`oomb.ops.sdpa_attention`."""
     from .sdpa_attention import sdpa_available
 
     if kv.q_doc_start is not None or (q.is_cuda and torch.are_deterministic_algorithms_enabled()):
         return False
-    if kv.past_len and (kv.past_k is None or (grad and kv.past_dk is None)):
+    if kv.past_len and (not kv.past_runs or (grad and not kv.past_grad_runs)):
         return False
-    if k.dtype != q.dtype or v.dtype != q.dtype or (kv.past_len and kv.past_k.dtype != q.dtype):
+    if k.dtype != q.dtype or v.dtype != q.dtype or any(pk.dtype != q.dtype for pk, _ in kv.past_runs):
         return False  # mixed dtypes (autocast: bf16 projections, float32 RoPE or store): the paged path reads them
     return sdpa_available(q)
 
@@ -194,13 +202,22 @@ def _part_kwargs(part: tuple | None, dtype_name: str) -> dict:
     return kw
 
 
+def _sdpa_kwargs(part: tuple | None, dtype_name: str) -> dict:
+    """:mod:`oomb.ops.sdpa_attention` keywords of one segment call (``part`` as in :func:`_part_kwargs`; its
+    past_start is implied by the segment's runs)."""
+    if part is None:
+        return {}
+    _, include_own, dtype = part
+    return {"include_own": include_own, dtype_name: dtype}
+
+
 def _fwd(backend: str, q, k, v, kv: PagedKV, scale: float, block_size: int, part: tuple | None = None,
          kernels: KernelConfig | None = None):
     if backend == "sdpa":
-        if part is None and _sdpa_serves(q, k, v, kv, False):
+        if _sdpa_serves(q, k, v, kv, False):
             from .sdpa_attention import sdpa_attention_fwd
 
-            return sdpa_attention_fwd(q, k, v, kv.past_k, kv.past_v, scale)
+            return sdpa_attention_fwd(q, k, v, kv.past_runs, scale, **_sdpa_kwargs(part, "out_dtype"))
         backend = paged_backend(backend, q.device)
     kw = _part_kwargs(part, "out_dtype")
     if backend == "triton":
@@ -218,10 +235,11 @@ def _fwd(backend: str, q, k, v, kv: PagedKV, scale: float, block_size: int, part
 def _bwd(backend: str, dout, q, k, v, out, lse, kv: PagedKV, scale: float, block_size: int, part: tuple | None = None,
          delta: torch.Tensor | None = None, kernels: KernelConfig | None = None):
     if backend == "sdpa":
-        if part is None and _sdpa_serves(q, k, v, kv, True):
+        if _sdpa_serves(q, k, v, kv, True):
             from .sdpa_attention import sdpa_attention_bwd
 
-            return sdpa_attention_bwd(dout, q, k, v, out, lse, kv.past_k, kv.past_v, kv.past_dk, kv.past_dv, scale)
+            return sdpa_attention_bwd(dout, q, k, v, out, lse, kv.past_runs, kv.past_grad_runs, scale,
+                                      **_sdpa_kwargs(part, "dq_dtype"))
         backend = paged_backend(backend, q.device)
     args = (dout, q, k, v, out, lse, kv.k_cache, kv.v_cache, kv.block_table, kv.past_len, kv.dk_cache, kv.dv_cache)
     kw = _part_kwargs(part, "dq_dtype")
@@ -241,13 +259,16 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
 def _segment_view(kv: PagedKV, index: int, grad: bool) -> PagedKV:
     """Acquire segment ``index`` and return the PagedKV of one call over it."""
     kc, vc, bt, dkc, dvc = kv.segments.acquire(index, grad)
-    return PagedKV(kc, vc, bt, kv.segments.bounds[index][1], dkc, dvc, q_doc_start=kv.q_doc_start)
+    runs, grad_runs = kv.segments.runs(index, grad)
+    return PagedKV(kc, vc, bt, kv.segments.bounds[index][1], dkc, dvc, q_doc_start=kv.q_doc_start, past_runs=runs,
+                   past_grad_runs=grad_runs)
 
 
 def _fwd_segmented(backend: str, q, k, v, kv: PagedKV, scale: float, block_size: int,
                    kernels: KernelConfig | None = None):
-    """Forward over the segments of ``kv.segments`` merged by log-sum-exp -> (out in q's dtype, lse [Hq, C])."""
-    backend = paged_backend(backend, q.device)  # segments are read through block tables
+    """Forward over the segments of ``kv.segments`` merged by log-sum-exp -> (out in q's dtype, lse [Hq, C]).
+    With ``backend='sdpa'`` each segment that shows contiguous runs goes through cuDNN, the others through the
+    block table."""
     bounds = list(kv.segments.bounds)
     if not bounds:  # no past: the own chunk alone
         return _fwd(backend, q, k, v, PagedKV(None, None, None, 0, q_doc_start=kv.q_doc_start), scale, block_size,
@@ -276,7 +297,6 @@ def _fwd_segmented(backend: str, q, k, v, kv: PagedKV, scale: float, block_size:
 def _bwd_segmented(backend: str, dout, q, k, v, out, lse, kv: PagedKV, scale: float, block_size: int,
                    kernels: KernelConfig | None = None):
     """Backward over the segments in reverse -> (dq, dk, dv) of the own chunk (dK/dV of the past added in place)."""
-    backend = paged_backend(backend, q.device)
     seg = kv.segments
     bounds = list(seg.bounds)
     seg.begin_backward()
@@ -286,14 +306,17 @@ def _bwd_segmented(backend: str, dout, q, k, v, out, lse, kv: PagedKV, scale: fl
     n = len(bounds)
     acc = None if n == 1 else _acc_dtype(q.dtype)
     delta = None
-    if backend == "triton" and n > 1:
-        from .triton.inputs import _delta
-
-        delta = _delta(dout, out)
     dq = dk = dv = None
     for i in range(n - 1, -1, -1):
         part_kv = _segment_view(kv, i, True)
-        dq_i, dk_i, dv_i = _bwd(backend, dout, q, k, v, out, lse, part_kv, scale, block_size,
+        call = backend
+        if backend != "sdpa" or not _sdpa_serves(q, k, v, part_kv, True):
+            call = paged_backend(backend, q.device)
+            if call == "triton" and n > 1 and delta is None:  # rowsum(dout * out), once for the Triton segments
+                from .triton.inputs import _delta
+
+                delta = _delta(dout, out)
+        dq_i, dk_i, dv_i = _bwd(call, dout, q, k, v, out, lse, part_kv, scale, block_size,
                                 (bounds[i][0], i == n - 1, acc), delta, kernels)
         seg.release(i, True)
         dq = dq_i if dq is None else dq + dq_i

@@ -1,11 +1,13 @@
-"""Chunk attention through PyTorch's fused SDPA kernels, for a past stored contiguously.
+"""Chunk attention through PyTorch's fused SDPA kernels, for a past held in a few contiguous runs.
 
 Same contract as :mod:`oomb.ops.attention_ref` for the calls it serves: one chunk of ``C``
 queries over ``past_len`` earlier tokens plus its own ``C`` tokens, causal inside the chunk;
 the backward adds the past dK/dV into float32 gradient storage in place and returns the own
-chunk's dk/dv. It serves only a past that lies in memory as one ``[past_len, Hkv, D]`` view
-(a :class:`~oomb.engine.kv_store.PagedKVStore` layer whose pages are consecutive), with no
-packed-document mask; the engine sends every other call to the paged Triton kernels.
+chunk's dk/dv. It serves a past that lies in memory as a few ``[n_r, Hkv, D]`` views of
+consecutive pool pages (a :class:`~oomb.engine.kv_store.PagedKVStore` layer whose pages are
+consecutive: one run; an offloaded store's resident pages and staging buffer: one or two runs
+per segment), with no packed-document mask; the engine sends every other call to the paged
+Triton kernels.
 
 Why: on an H200 the cuDNN fused attention behind ``torch.nn.functional.scaled_dot_product_attention``
 runs this split at ~580 TFLOP/s forward and ~520 backward on the Qwen2.5-7B shape (4096 queries,
@@ -13,14 +15,15 @@ runs this split at ~580 TFLOP/s forward and ~520 backward on the Qwen2.5-7B shap
 sdpa_attention_kernels_h200.md). Where the layout allows it, the chunk-recurrent
 step then runs its attention at the speed of the full-sequence baseline's.
 
-Algorithm: the attention is split into two calls over disjoint keys -- the chunk's queries
-over the whole past (no mask) and over its own keys (causal, square) -- merged with the
-log-sum-exp rule (as FlashAttention's split-KV decoding and ring attention do)::
+Algorithm: the attention is split into calls over disjoint keys -- the chunk's queries
+over each run of the past (no mask) and over its own keys (causal, square) -- merged with the
+log-sum-exp rule, as FlashAttention's split-KV decoding and ring attention do (two parts shown;
+more are merged one after the other)::
 
     lse = logaddexp(lse_past, lse_own)
     out = exp(lse_past - lse) * out_past + exp(lse_own - lse) * out_own      (in float32)
 
-The backward runs both calls' backward kernels with the FINAL ``out`` and ``lse``: a
+The backward runs every call's backward kernel with the FINAL ``out`` and ``lse``: a
 FlashAttention backward recomputes ``P = exp(scale * q k^T - lse)`` and uses
 ``delta = rowsum(dout * out)``, which with the merged values are exactly each part's share of
 the full softmax (Dao 2023, §3.2), so dq = dq_past + dq_own and the past's dk/dv come out
@@ -37,6 +40,7 @@ with the final out/lse.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
 
 import torch
@@ -107,28 +111,43 @@ def _part_bwd(do4, q4, k4, v4, o4, lse, causal: bool, scale: float):
 
 
 def sdpa_attention_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past_k: torch.Tensor | None, past_v: torch.Tensor | None,
-    softmax_scale: float,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    softmax_scale: float, *, include_own: bool = True, out_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward of one chunk over a contiguous past plus its own keys (causal).
+    """Forward of one chunk over a past held in a few contiguous runs, plus its own keys (causal).
 
     Args:
         q: [C, Hq, D]; k, v: [C, Hkv, D] the chunk's own (Hq a multiple of Hkv).
-        past_k, past_v: [past_len, Hkv, D] in q's dtype (any strides with a unit last stride), or
-            None for no past.
+        past: the past K/V as runs in token order, ``(k_run, v_run)`` of [n_r, Hkv, D] each in q's dtype (any
+            strides with a unit last stride); empty for no past. Each run is one unmasked SDPA call.
         softmax_scale: multiplier of q·k.
+        include_own: attend to the chunk's own keys too (False: the past runs only, as one segment of a
+            segmented past whose own keys go with its last segment; then ``past`` must not be empty).
+        out_dtype: dtype of ``out`` (default q's); float32 keeps a multi-part merge unrounded for a caller that
+            merges further.
 
     Returns:
-        out [C, Hq, D] in q's dtype, lse [Hq, C] float32 (float64 for float64 inputs), natural log.
+        out [C, Hq, D] in ``out_dtype``, lse [Hq, C] float32 (float64 for float64 inputs), natural log. With one
+        past run and the own keys this is exactly the two-part split of the module docstring; more parts are
+        merged one after the other in float32 (float64) and rounded once.
     """
     q4 = _bhsd(q)
-    out_own, lse_own = _part_fwd(q4, _bhsd(k), _bhsd(v), True, softmax_scale)
-    if past_k is None or past_k.shape[0] == 0:
-        return out_own[0].transpose(0, 1), lse_own
-    out_past, lse_past = _part_fwd(q4, _bhsd(past_k), _bhsd(past_v), False, softmax_scale)
-    if q.is_cuda and _triton_merge() is not None:  # one pass instead of ~8 elementwise kernels
-        return _triton_merge()(out_past[0], lse_past, out_own[0], lse_own, q.dtype)
-    return merge_parts(out_past[0], lse_past, out_own[0], lse_own, q.dtype)
+    parts = [_part_fwd(q4, _bhsd(pk), _bhsd(pv), False, softmax_scale) for pk, pv in past]
+    if include_own:
+        parts.append(_part_fwd(q4, _bhsd(k), _bhsd(v), True, softmax_scale))
+    if not parts:
+        raise ValueError("sdpa_attention_fwd: no keys (no past runs and include_own=False)")
+    dtype = out_dtype or q.dtype
+    if len(parts) == 1:
+        out, lse = parts[0]
+        return out[0].transpose(0, 1).to(dtype), lse
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    merge = _triton_merge() if q.is_cuda and _triton_merge() is not None else merge_parts  # one pass, not ~8 kernels
+    out, lse = parts[0][0][0], parts[0][1]
+    for i, (o, l) in enumerate(parts[1:], 2):
+        out, lse = merge(out, lse, o[0], l, dtype if i == len(parts) else acc)
+        out = out.transpose(0, 1)  # [Hq, C, D] for the next merge
+    return out.transpose(0, 1), lse
 
 
 def merge_parts(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor,
@@ -154,27 +173,49 @@ def _triton_merge():
 
 def sdpa_attention_bwd(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-    past_k: torch.Tensor | None, past_v: torch.Tensor | None, past_dk: torch.Tensor | None,
-    past_dv: torch.Tensor | None, softmax_scale: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Backward of :func:`sdpa_attention_fwd`; adds the past's dK/dV into ``past_dk``/``past_dv`` in place.
+    past: Sequence[tuple[torch.Tensor, torch.Tensor]], past_grad: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    softmax_scale: float, *, include_own: bool = True, dq_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Backward of :func:`sdpa_attention_fwd`; adds each past run's dK/dV into its gradient views in place.
 
     Args:
-        dout, out: [C, Hq, D]; q, k, v, past_k, past_v as in :func:`sdpa_attention_fwd`.
+        dout, out: [C, Hq, D]; q, k, v, past, include_own as in :func:`sdpa_attention_fwd`. ``out`` and ``lse``
+            are the FINAL ones (of the whole attention, every segment merged).
         lse: [Hq, C] from the forward.
-        past_dk, past_dv: [past_len, Hkv, D] float32/float64 views of the gradient storage, or None
-            for no past.
+        past_grad: ``(dk_run, dv_run)`` float32/float64 [n_r, Hkv, D] views of the gradient storage, one per run
+            of ``past`` (same lengths); empty for no past.
+        dq_dtype: dtype of ``dq`` (default q's).
 
     Returns:
-        dq [C, Hq, D], dk, dv [C, Hkv, D] in q's dtype (the own chunk's; nothing stored added).
+        dq [C, Hq, D] in ``dq_dtype``; dk, dv [C, Hkv, D] in q's dtype, the own chunk's (nothing stored added),
+        or None without ``include_own``.
+
+    Raises:
+        ValueError: ``past_grad`` does not pair with ``past``.
     """
+    if len(past_grad) != len(past):
+        raise ValueError(f"sdpa_attention_bwd: {len(past)} past runs but {len(past_grad)} gradient runs")
     q4, o4, do4 = _bhsd(q), _bhsd(out), _bhsd(dout)
-    dq, dk, dv = _part_bwd(do4, q4, _bhsd(k), _bhsd(v), o4, lse, True, softmax_scale)
-    dq, dk, dv = dq[0].transpose(0, 1), dk[0].transpose(0, 1), dv[0].transpose(0, 1)
-    if past_k is None or past_k.shape[0] == 0:
-        return dq, dk, dv
-    dq_p, dk_p, dv_p = _part_bwd(do4, q4, _bhsd(past_k), _bhsd(past_v), o4, lse, False, softmax_scale)
-    past_dk.add_(dk_p[0].transpose(0, 1))
-    past_dv.add_(dv_p[0].transpose(0, 1))
-    # One add: for bf16/fp16 PyTorch adds in float32 and rounds once, as (dq.float() + dq_p.float()).to(dtype) would.
-    return dq + dq_p[0].transpose(0, 1), dk, dv
+    dqs, dk, dv = [], None, None
+    if include_own:
+        dq, dk, dv = _part_bwd(do4, q4, _bhsd(k), _bhsd(v), o4, lse, True, softmax_scale)
+        dqs.append(dq[0].transpose(0, 1))
+        dk, dv = dk[0].transpose(0, 1), dv[0].transpose(0, 1)
+    for (pk, pv), (pdk, pdv) in zip(past, past_grad):
+        dq_p, dk_p, dv_p = _part_bwd(do4, q4, _bhsd(pk), _bhsd(pv), o4, lse, False, softmax_scale)
+        pdk.add_(dk_p[0].transpose(0, 1))
+        pdv.add_(dv_p[0].transpose(0, 1))
+        dqs.append(dq_p[0].transpose(0, 1))
+    if not dqs:
+        raise ValueError("sdpa_attention_bwd: no keys (no past runs and include_own=False)")
+    dtype = dq_dtype or q.dtype
+    if len(dqs) == 1:
+        return dqs[0].to(dtype), dk, dv
+    if len(dqs) == 2 and dtype == q.dtype:
+        # One add: for bf16/fp16 PyTorch adds in float32 and rounds once, as (dq.float() + dq_p.float()).to(dtype) would.
+        return dqs[0] + dqs[1], dk, dv
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dq = dqs[0].to(acc)
+    for d in dqs[1:]:
+        dq += d
+    return dq.to(dtype), dk, dv

@@ -90,6 +90,28 @@ def test_offload_matches_full_sequence_training_fp64():
     assert err <= 1e-10, f"worst gradient {where}: rel err {err:.3e}"
 
 
+@pytest.mark.parametrize("budget,segment_pages,ckpt", [(24, None, False), (24, 1, True), (None, 2, False)])
+def test_offloaded_dense_through_sdpa_matches_full_sequence_fp64(monkeypatch, budget, segment_pages, ckpt):
+    """The 'sdpa' backend runs each staged segment as cuDNN-style calls over its contiguous runs (the resident pages
+    and the staging buffer; the CPU flash kernel here): full-sequence gradients to fp64 rounding, every call with a
+    past went through it, and segment 0 came in two runs where pages are resident."""
+    import oomb.ops.sdpa_attention as sa
+
+    runs = []
+    bwd = sa.sdpa_attention_bwd
+    monkeypatch.setattr(sa, "sdpa_attention_bwd", lambda *a, **k: (runs.append(len(a[6])), bwd(*a, **k))[1])
+    out, ref_loss, (err, where), engine = run_parity(
+        tiny("qwen2", 4, 2, layers=3), 41, 8, 4, offload=True, gpu_page_budget=budget, offload_segment_pages=segment_pages,
+        checkpoint_layers=ckpt, attention_backend="sdpa", shuffle_pages=False)
+    store = engine.kv_store
+    assert isinstance(store, OffloadedKVStore) and store.segmented and store.stats["h2d_bytes"] > 0
+    assert abs(out.loss - ref_loss) <= 1e-10 * abs(ref_loss)
+    assert err <= 1e-10, f"worst gradient {where}: rel err {err:.3e}"
+    n_chunks, layers = -(-41 // 8), 3
+    assert sum(1 for r in runs if r) >= (n_chunks - 1) * layers  # at least one call per (chunk with a past, layer)
+    assert (2 in runs) == (store.resident_pages_per_layer > 0)  # segment 0: resident pages, then the buffer
+
+
 def test_packed_documents_and_two_steps_reuse_the_store():
     torch.manual_seed(5)
     m_ref = tiny("llama", 4, 2, layers=3).double()
@@ -268,6 +290,9 @@ def test_page_placement_and_staged_views_read_the_written_pages(segment_pages, R
     store.begin_step(T)
     g = torch.Generator().manual_seed(0)
     written = {}
+
+    def written_v(layer, start):
+        return torch.cat([written[(layer, s)][1] for s in range(0, start, C)]) if start else torch.empty(0, Hkv, D)
     for start in range(0, T - C, C):  # Stage 1 of a 40-token sequence: chunks 0..3
         for layer in range(L):
             kv = store.attention_view(layer, 1, start, C, False)
@@ -288,6 +313,12 @@ def test_page_placement_and_staged_views_read_the_written_pages(segment_pages, R
                     assert dkc is None and dvc is None
                     got = kc[bt[a // S : -(-b // S)].long()].flatten(0, 1)
                     assert torch.equal(got, past[a:b]), (layer, start, i)
+                    # The same tokens as contiguous views of the pool (the 'sdpa' backend's runs).
+                    runs, grads = segs.runs(i, False)
+                    assert grads == () and len(runs) == 1 + (i == 0 and a < R * S < b)
+                    assert all(rk.untyped_storage().data_ptr() == kc.untyped_storage().data_ptr() for rk, _ in runs)
+                    assert torch.equal(torch.cat([rk for rk, _ in runs]), past[a:b]), (layer, start, i)
+                    assert torch.equal(torch.cat([rv for _, rv in runs]), written_v(layer, start)[a:b])
                     segs.release(i, False)
                 assert all(hi - lo == W * S for lo, hi in segs.bounds[1:-1])  # full segments but the last
                 assert not segs.bounds or segs.bounds[0][1] == min(start, (R + W) * S)  # resident prefix + one segment
@@ -490,6 +521,26 @@ SEGMENT_CASES = [
     ("qwen2", 4, 2, 3, 41, 8, 4, 64, None, True),  # a segment larger than the whole past: one segment
     ("qwen2", 4, 2, 3, 41, 8, 4, 64, 2 * 3 + 2 * 9, False),  # R = 2 + one segment
 ]
+
+
+@pytest.mark.parametrize("family,heads,kv_heads,layers,T,chunk,page,sp,budget,ckpt",
+                         [SEGMENT_CASES[0], SEGMENT_CASES[5], SEGMENT_CASES[6]])
+def test_segmented_offload_through_sdpa_waits_for_its_copies(family, heads, kv_heads, layers, T, chunk, page, sp,
+                                                             budget, ckpt, monkeypatch):
+    """The 'sdpa' backend's contiguous views of a staged segment are read only after the copies into them ran
+    (lazy side stream, pools and host pages poisoned with NaN): the all-on-device step's loss and gradients
+    (the torch reference attention there) to fp64 rounding."""
+    _lazy(monkeypatch)
+    torch.manual_seed(0)
+    m_ref = tiny(family, heads, kv_heads, layers=layers).double()
+    m_off = clone_model(m_ref)
+    ids = torch.randint(0, VOCAB, (1, T))
+    common = dict(chunk_size=chunk, page_size=page, checkpoint_layers=bool(ckpt))
+    out_ref, _ = _step(m_ref, ids, offload=False, **common)
+    out_off, e_off = _step(m_off, ids, offload=True, gpu_page_budget=budget, offload_segment_pages=sp,
+                           attention_backend="sdpa", **common)
+    assert e_off.kv_store.segmented and e_off.kv_store.stats["on_demand"] == 0
+    _assert_close_training(m_ref, m_off, out_ref, out_off, tol=1e-11)
 
 
 @pytest.mark.parametrize("save", ["off", "host"])

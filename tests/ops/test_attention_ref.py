@@ -168,6 +168,9 @@ class FakeSegments:
         kc, vc, bt, dkc, dvc = self.pools
         return kc, vc, bt, dkc if grad else None, dvc if grad else None
 
+    def runs(self, index, grad):
+        return (), ()  # no contiguous views: the block-table path
+
     def release(self, index, grad):
         assert self.log[-1] == ("acquire", index, grad), self.log
         self.log.append(("release", index, grad))

@@ -8,6 +8,8 @@ benchmarks/bench_sdpa_attention.py and the CUDA test at the end.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -44,15 +46,18 @@ def _reference(x, scale):
     return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, past_dk=dkc.reshape(P, Hkv, D), past_dv=dvc.reshape(P, Hkv, D))
 
 
-def _sdpa(x, scale):
+def _runs(t, splits):
+    """[P, Hkv, D] -> views of its runs, cut at the token positions ``splits``."""
+    return [t[a:b] for a, b in itertools.pairwise([0, *splits, t.shape[0]])]
+
+
+def _sdpa(x, scale, splits=()):
     P = x["past_k"].shape[0]
-    has_past = P > 0
-    out, lse = sa.sdpa_attention_fwd(x["q"], x["k"], x["v"], x["past_k"] if has_past else None,
-                                     x["past_v"] if has_past else None, scale)
+    past = list(zip(_runs(x["past_k"], splits), _runs(x["past_v"], splits))) if P else []
+    out, lse = sa.sdpa_attention_fwd(x["q"], x["k"], x["v"], past, scale)
     pdk, pdv = x["base_dk"].clone(), x["base_dv"].clone()
-    dq, dk, dv = sa.sdpa_attention_bwd(x["dout"], x["q"], x["k"], x["v"], out, lse, x["past_k"] if has_past else None,
-                                       x["past_v"] if has_past else None, pdk if has_past else None,
-                                       pdv if has_past else None, scale)
+    grads = list(zip(_runs(pdk, splits), _runs(pdv, splits))) if P else []
+    dq, dk, dv = sa.sdpa_attention_bwd(x["dout"], x["q"], x["k"], x["v"], out, lse, past, grads, scale)
     return dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, past_dk=pdk, past_dv=pdv)
 
 
@@ -66,12 +71,23 @@ SHAPES = [
 ]
 
 
+def _splits(past_len, runs):
+    """Token positions that cut a past of ``past_len`` tokens into ``runs`` uneven runs (fewer for a short past)."""
+    cuts = {1: [], 2: [past_len // 3], 3: [1, past_len // 2]}[runs]
+    return sorted({c for c in cuts if 0 < c < past_len})
+
+
 @pytest.mark.parametrize("C,Hq,Hkv,D,past_len", SHAPES)
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
-def test_split_merge_matches_reference(C, Hq, Hkv, D, past_len, dtype, tol):
+@pytest.mark.parametrize("runs", [1, 2, 3])
+def test_split_merge_matches_reference(C, Hq, Hkv, D, past_len, dtype, tol, runs):
+    """One call per past run and one over the own keys, merged: the reference's out, lse and gradients, the past
+    gradient ADDED into each run's views (one run: the engine's contiguous store; 2-3: an offloaded segment)."""
     x = _inputs(C, Hq, Hkv, D, past_len, dtype, seed=C + past_len)
     scale = 0.37
-    want, got = _reference(x, scale), _sdpa(x, scale)
+    splits = _splits(past_len, runs)
+    assert past_len < 3 or len(splits) == runs - 1
+    want, got = _reference(x, scale), _sdpa(x, scale, splits)
     for name in want:
         assert got[name].dtype == want[name].dtype, name
         assert got[name].shape == want[name].shape, name
@@ -116,23 +132,24 @@ def test_store_hands_each_layer_consecutive_pages():
             store.write(layer, start, *kv)
     for layer in range(L):
         view = store.attention_view(layer, 2, 16, 4, True)
-        assert view.past_k is not None and view.past_k.shape == (16, Hkv, D)
+        (past_k, _), = view.past_runs
+        assert past_k.shape == (16, Hkv, D)
         gathered = store.k_cache[store.block_table[layer, :4].long()].flatten(0, 1)
-        assert torch.equal(view.past_k, gathered)
-        assert view.past_dk.data_ptr() == store.dk_cache[layer * 5].data_ptr()  # a view into the pool
-        assert store.attention_view(layer, 1, 8, 8, False).past_dk is None  # Stage 1: no gradient views
-        assert store.attention_view(layer, 1, 0, 8, False).past_k is None  # no past
+        assert torch.equal(past_k, gathered)
+        assert view.past_grad_runs[0][0].data_ptr() == store.dk_cache[layer * 5].data_ptr()  # a view into the pool
+        assert store.attention_view(layer, 1, 8, 8, False).past_grad_runs == ()  # Stage 1: no gradient views
+        assert store.attention_view(layer, 1, 0, 8, False).past_runs == ()  # no past
     # Released from the end and written again (the next step): still consecutive.
     for layer in range(L):
         store.release_from(layer, 8)
         store.write(layer, 8, torch.zeros(4, Hkv, D, dtype=torch.float64), torch.zeros(4, Hkv, D, dtype=torch.float64))
-        assert store.attention_view(layer, 2, 12, 4, True).past_k.shape == (12, Hkv, D)
+        assert store.attention_view(layer, 2, 12, 4, True).past_runs[0][0].shape == (12, Hkv, D)
     # Shuffled pages: no view, the block table serves the call.
     store.reset()
     store.shuffle_free_list(torch.Generator().manual_seed(1))
     for layer in range(L):
         store.write(layer, 0, torch.zeros(16, Hkv, D, dtype=torch.float64), torch.zeros(16, Hkv, D, dtype=torch.float64))
-    assert any(store.attention_view(layer, 2, 16, 4, True).past_k is None for layer in range(L))
+    assert any(store.attention_view(layer, 2, 16, 4, True).past_runs == () for layer in range(L))
 
 
 class _Count:
@@ -140,12 +157,16 @@ class _Count:
         self.fwd = self.bwd = 0
         f, b = sa.sdpa_attention_fwd, sa.sdpa_attention_bwd
 
+        self.runs = []  # past runs of each backward call with a past
+
         def fwd(*a, **k):
-            self.fwd += a[3] is not None  # calls with a past
+            self.fwd += len(a[3]) > 0  # calls with a past
             return f(*a, **k)
 
         def bwd(*a, **k):
-            self.bwd += a[6] is not None
+            self.bwd += len(a[6]) > 0
+            if a[6]:
+                self.runs.append(len(a[6]))
             return b(*a, **k)
 
         monkeypatch.setattr(sa, "sdpa_attention_fwd", fwd)

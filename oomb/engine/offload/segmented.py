@@ -103,6 +103,23 @@ class _SegmentedStaging:
         grads = (self.dk_cache, self.dv_cache) if grad else (None, None)
         return b, (self.k_cache, self.v_cache, table, *grads)
 
+    def _segment_runs(self, past: _SegmentedPast, index: int, b: int | None, grad: bool) -> tuple[tuple, tuple]:
+        """Segment ``index`` of ``past`` (acquired into buffer ``b``; None: all resident) as contiguous views: the
+        layer's resident pages ``[l*R, l*R + min(hi, R))`` (segment 0) and the buffer's first pages (the host pages
+        it holds, in order), as the tables of :func:`~oomb.engine.offload.layout.segment_tables` address them."""
+        R, S, layer = self.resident_pages_per_layer, self.page_size, past.layer
+        lo, hi = (t // S for t in past.bounds[index])
+        spans = []  # (first slot, pages)
+        if index == 0 and min(hi, R):
+            spans.append((layer * R, min(hi, R)))
+        if hi > max(lo, R):
+            spans.append((self._slots(b), hi - max(lo, R)))
+        kv = tuple((self.k_cache[s0 : s0 + m].flatten(0, 1), self.v_cache[s0 : s0 + m].flatten(0, 1)) for s0, m in spans)
+        if not grad:
+            return kv, ()
+        return kv, tuple((self.dk_cache[s0 : s0 + m].flatten(0, 1), self.dv_cache[s0 : s0 + m].flatten(0, 1))
+                         for s0, m in spans)
+
     def _own_grad(self, past: "_SegmentedPast", n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         if past.own == 0:
             return None
@@ -134,6 +151,9 @@ class _SegmentedPast:
         b, tensors = self.store._segment(self, index, grad)
         self._held[(index, grad)] = b
         return tensors
+
+    def runs(self, index: int, grad: bool) -> tuple[tuple, tuple]:
+        return self.store._segment_runs(self, index, self._held[(index, grad)], grad)
 
     def release(self, index: int, grad: bool) -> None:
         b = self._held.pop((index, grad))
