@@ -86,13 +86,14 @@ retrieval() {  # a 100M model trained from random weights on passkey rows, per m
   # The rows are prompt/completion rows (`oomb data --make passkey`): only the answer and EOS are trained, which is
   # what makes retrieval learnable from random weights (benchmarks/passkey_loss_recipe_cpu.py). Stage A: RA_STEPS
   # steps of RA_SEQ tokens (chunk RA_CHUNK) packed from rows of 128-512 tokens; stage B: RB_STEPS steps of RB_SEQ
-  # tokens (chunk RCHUNK) from rows of 8K-32K; both in the mode's attention. Then the passkey grid, dense and sparse,
+  # tokens (chunk RCHUNK) packed from rows of 2K-32K (several answers per sequence: a run with rows of 8K-32K saw
+  # one per step); both in the mode's attention. Then the passkey grid, dense and sparse,
   # to 2x RB_SEQ. RPARALLEL=1 trains the modes side by side on the one GPU (a 100M model leaves it mostly idle; the
   # times and tokens/s of each run are then those of a shared GPU). Sizes come from the environment so that the
   # same script runs small on a CPU (RDEV=cpu RHIDDEN=64 ...). ROPT: the --optimizer of both stages.
-  local W=${RWORK:-/tmp/oomb-retrieval} dev=${RDEV:-cuda} aseq=${RA_SEQ:-16384} asteps=${RA_STEPS:-800}
-  local achunk=${RA_CHUNK:-8192} bseq=${RB_SEQ:-32768} bsteps=${RB_STEPS:-60} chunk=${RCHUNK:-4096}
-  local alens=${RA_LENS:-"128 192 256 320 384 512"} blens=${RB_LENS:-"8192 16384 24576 32000"}
+  local W=${RWORK:-/tmp/oomb-retrieval} dev=${RDEV:-cuda} aseq=${RA_SEQ:-16384} asteps=${RA_STEPS:-1200}
+  local achunk=${RA_CHUNK:-8192} bseq=${RB_SEQ:-32768} bsteps=${RB_STEPS:-150} chunk=${RCHUNK:-4096}
+  local alens=${RA_LENS:-"128 192 256 320 384 512"} blens=${RB_LENS:-"2048 4096 8192 16384 32000"}
   local elens=${RE_LENS:-"4096 8192 16384 32768 65536"}
   local common="--device $dev --document-mask --long-examples drop --no-progress --seed 0 --log-every 50 ${ROPT:+--optimizer $ROPT}"
   mkdir -p $W/short; [ $# -gt 0 ] || set -- dense sparse64 sparse16
@@ -104,7 +105,7 @@ retrieval() {  # a 100M model trained from random weights on passkey rows, per m
     [ -f $W/short/s$seed.jsonl ] || python3 -m oomb data --make passkey --examples $rows --make-lengths $alens \
       --make-output $W/short/s$seed.jsonl --seed $seed &
   done
-  [ -f $W/long.jsonl ] || python3 -m oomb data --make passkey --examples ${RB_ROWS:-200} --make-lengths $blens \
+  [ -f $W/long.jsonl ] || python3 -m oomb data --make passkey --examples ${RB_ROWS:-450} --make-lengths $blens \
     --make-output $W/long.jsonl --seed 1 &
   [ -d $W/init ] || RHIDDEN=${RHIDDEN:-768} RINTER=${RINTER:-2048} RLAYERS=${RLAYERS:-12} RHEADS=${RHEADS:-12} python3 - <<'PY'
 import os, torch

@@ -508,6 +508,11 @@ def plan(
         problems.insert(0, f"weights, gradients, optimizer states and one chunk's activations need {fixed / GiB:.2f} GiB "
                            f"but {gpu_budget / GiB:.2f} GiB of GPU memory is free (after a {reserve / GiB:.1f} GiB reserve); "
                            "use LoRA, checkpoint_layers or a smaller chunk_size, or shorten the context")
+    longest = max(longest_gpu, longest_off)
+    if 0 < longest < seq_len:  # a message that says to shorten the context says to how much
+        where = " with offload" if longest_off > longest_gpu else ""
+        problems = [p.replace("; shorten the context, ", f"; shorten the context to {longest:,} tokens or fewer (the "
+                              f"longest that fits{where}), ") for p in problems]
     # The fixes the messages name: leave out what this plan already uses.
     fixes = [f for f, used in (("LoRA", lora_rank > 0), ("checkpoint_layers", checkpoint_layers)) if not used]
     fixes.append("a smaller chunk_size")
@@ -552,7 +557,7 @@ def plan(
                                 checkpoint_layers=checkpoint_layers and checkpoint_attention == "recompute",
                                 saved_attention=save != "off" and SP is not None, staging_sets=tiering.staging_sets,
                                 stage1_shadow=stage1_shadow)
-        if tiering.offload else {},
+        if tiering.offload and host_kv <= kv_host_budget else {},  # (no copies to count for a host tier that cannot be)
         segment_pages=SP if tiering.offload else None, own_buffers=own_b, host_fraction=host_fraction,
         save_attention=save, saved_attention_host=saved_for(seq_len, save)["host"], save_attention_note=save_note,
         grad_accum_dtype=grad_accum_dtype, kv_stash_reserved=kv_stash, layout_note=shown_note,

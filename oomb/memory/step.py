@@ -35,7 +35,10 @@ outputs + 0.87 GiB for the layer being recomputed.
 score-sized tensors (s, p, ds) of ``Hq x C x W`` (W = max(C, min(block, past)))
 plus ~6 fp32 ``C x q`` copies: 5.25 + 0.33 GiB at C = 4096, Hq = 28. The Triton
 kernels keep only an fp32 ``dq`` and ``delta`` (2 x C x q x 4 B; to be
-measured). **Loss temporaries:** one block of logits, ``loss_chunk x V x (2e + 8)``.
+measured). The fused (cuDNN) path adds, per call over up to ``MAX_RUN_TOKENS`` past
+tokens, ``2 e (kv + q)`` bytes per past token (measured: 4 (q + kv) B in bf16 for three
+GQA shapes, ``benchmarks/results/sdpa_backward_memory_h200.jsonl``): 2.0 GiB for
+Qwen2.5-7B. **Loss temporaries:** one block of logits, ``loss_chunk x V x (2e + 8)``.
 
 Calibration (H200, Qwen2.5-7B, bf16, chunk 4096, torch reference, no per-layer
 checkpointing): measured peak minus KV store 58.36 GiB at 32K and 128K;
@@ -61,6 +64,7 @@ from typing import Any
 import torch
 
 from ..ops.attention_ref import acc_dtype_for
+from ..ops.sdpa_attention import MAX_RUN_TOKENS
 from .shape import LORA_TARGETS, GiB, ModelShape, dtype_size
 from .optimizer import optimizer_bytes
 
@@ -121,9 +125,11 @@ def activation_bytes(
     else:
         attn = 2 * C * q * acc
         if attention_backend == "sdpa":
-            # cuDNN returns the past's dK/dV in the model dtype before they are added into the float32 pages
-            # (oomb.ops.sdpa_attention), and each part's out/dq in the model dtype before the merge.
-            attn += 2 * (max_past or 0) * kv * e + 2 * C * q * e
+            # One call's backward over at most MAX_RUN_TOKENS past tokens holds the past's dK/dV in the model dtype
+            # (before they are added into the float32 pages) and, with GQA, dK/dV of every query head: 2 e (kv + q)
+            # per past token, measured (oomb.ops.sdpa_attention.MAX_RUN_TOKENS); each part's out/dq in the model
+            # dtype before the merge.
+            attn += 2 * min(max_past or 0, MAX_RUN_TOKENS) * (kv + q) * e + 2 * C * q * e
     loss = min(loss_chunk_size, C) * shape.vocab_size * (2 * e + 8)
     other = C * h * (a + 2 * e)  # final norm and the hidden state's gradient
     total = saved + kept + max(attn, loss) + other

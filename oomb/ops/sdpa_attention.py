@@ -45,7 +45,15 @@ from functools import lru_cache
 
 import torch
 
-__all__ = ["merge_parts", "sdpa_available", "sdpa_attention_fwd", "sdpa_attention_bwd"]
+__all__ = ["MAX_RUN_TOKENS", "merge_parts", "sdpa_available", "sdpa_attention_fwd", "sdpa_attention_bwd"]
+
+MAX_RUN_TOKENS = 131072
+"""Longest piece of a past run one fused-attention call reads; a longer run is split into calls of at most this
+many tokens, merged like any other parts. It bounds the backward's workspace, which grows with the keys of a call:
+cuDNN holds 4 (Hq + Hkv) D bytes per past token of a call beyond its inputs and outputs -- the past dK/dV in bf16
+and, with grouped-query attention, dK/dV for every query head (``benchmarks/results/sdpa_backward_memory_h200.jsonl``,
+H200, cuDNN 9.19; 2 GiB per call for the Qwen2.5-7B shape at this length). The memory model counts it
+(:func:`oomb.memory.activation_bytes`)."""
 
 _DTYPES_CUDA = (torch.float16, torch.bfloat16)
 _HEAD_DIMS_CUDA = (64, 80, 96, 128)  # what cuDNN's fused SDPA runs on Hopper for training (d <= 128, d % 8 == 0)
@@ -110,6 +118,12 @@ def _part_bwd(do4, q4, k4, v4, o4, lse, causal: bool, scale: float):
     return dq, dk, dv
 
 
+def _pieces(runs: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The runs cut into views of at most :data:`MAX_RUN_TOKENS` tokens, in token order."""
+    n = MAX_RUN_TOKENS
+    return [(a[i : i + n], b[i : i + n]) for a, b in runs for i in range(0, a.shape[0], n)]
+
+
 def sdpa_attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, past: Sequence[tuple[torch.Tensor, torch.Tensor]],
     softmax_scale: float, *, include_own: bool = True, out_dtype: torch.dtype | None = None,
@@ -119,7 +133,8 @@ def sdpa_attention_fwd(
     Args:
         q: [C, Hq, D]; k, v: [C, Hkv, D] the chunk's own (Hq a multiple of Hkv).
         past: the past K/V as runs in token order, ``(k_run, v_run)`` of [n_r, Hkv, D] each in q's dtype (any
-            strides with a unit last stride); empty for no past. Each run is one unmasked SDPA call.
+            strides with a unit last stride); empty for no past. Each run is one unmasked SDPA call (or several, of
+            at most :data:`MAX_RUN_TOKENS` tokens each).
         softmax_scale: multiplier of q·k.
         include_own: attend to the chunk's own keys too (False: the past runs only, as one segment of a
             segmented past whose own keys go with its last segment; then ``past`` must not be empty).
@@ -132,7 +147,7 @@ def sdpa_attention_fwd(
         merged one after the other in float32 (float64) and rounded once.
     """
     q4 = _bhsd(q)
-    parts = [_part_fwd(q4, _bhsd(pk), _bhsd(pv), False, softmax_scale) for pk, pv in past]
+    parts = [_part_fwd(q4, _bhsd(pk), _bhsd(pv), False, softmax_scale) for pk, pv in _pieces(past)]
     if include_own:
         parts.append(_part_fwd(q4, _bhsd(k), _bhsd(v), True, softmax_scale))
     if not parts:
@@ -201,7 +216,7 @@ def sdpa_attention_bwd(
         dq, dk, dv = _part_bwd(do4, q4, _bhsd(k), _bhsd(v), o4, lse, True, softmax_scale)
         dqs.append(dq[0].transpose(0, 1))
         dk, dv = dk[0].transpose(0, 1), dv[0].transpose(0, 1)
-    for (pk, pv), (pdk, pdv) in zip(past, past_grad):
+    for (pk, pv), (pdk, pdv) in zip(_pieces(past), _pieces(past_grad)):
         dq_p, dk_p, dv_p = _part_bwd(do4, q4, _bhsd(pk), _bhsd(pv), o4, lse, False, softmax_scale)
         pdk.add_(dk_p[0].transpose(0, 1))
         pdv.add_(dv_p[0].transpose(0, 1))

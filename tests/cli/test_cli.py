@@ -1156,30 +1156,27 @@ def test_plan_refusals_name_fixes_that_apply(capsys):
     assert "raise --gpu-page-budget (16,384 pages keep 0 of 8,192 pages per layer on the GPU)" in out
     assert run_cli(["plan", "--model", "qwen2.5-7b", "--gpu-gib", "139.8", "--host-gib", "125", "--seq-len", "100000000000"]) == 1
     out = capsys.readouterr().out
-    assert "; shorten the context to 909,312 tokens or fewer (the longest that fits with offload)" in out
-    assert "--lora-rank" not in out  # the attention temporaries, not the weights and states, are what does not fit
+    # the host tier is what does not fit (one chunk's attention temporaries are bounded: MAX_RUN_TOKENS)
+    assert "the host tier needs" in out and "; shorten the context to 905,216 tokens or fewer (the longest that fits " \
+        "with offload), free host RAM" in out
 
 
 def test_plan_refusal_names_what_grows_with_the_context(capsys):
-    """At --seq-len 99999999999 oomb plan said the weights, gradients, optimizer states and one chunk's activations
-    need 23842.02 GiB (that is the attention temporaries, which grow with the context), 'tiering: every page on the
-    GPU' beside a 286,102 GiB KV row, and suggested --lora-rank and --checkpoint-layers, which cannot help
-    ."""
+    """A context far too long for the host: the verdict names the host tier and the longest context that fits (one
+    chunk's attention temporaries do not grow past MAX_RUN_TOKENS keys per call, so they are not what fails), not
+    LoRA for the weights."""
     base = ["plan", "--model", "tiny", "--gpu-gib", "80", "--host-gib", "100"]
     assert run_cli([*base, "--seq-len", "99999999999"]) == 1
     out = capsys.readouterr().out
-    assert "tiering: none fits (shown: every page on the GPU)" in out
     verdict = out.splitlines()[-1]
-    assert verdict.startswith("DOES NOT FIT: at 99,999,999,999 tokens one chunk's attention temporaries grow with the "
-                              "context: with the weights, gradients, optimizer states and activations they need 23842.00 GiB")
-    assert verdict.endswith("and the KV store needs 286,102.29 GiB on top (GPU and host); shorten the context to "
-                            "49,172,480 tokens or fewer (the longest that fits with offload)")
-    # where the Triton kernels' temporaries (one chunk's, whatever the context) make it fit, that is named too
-    assert run_cli(["plan", "--model", "tiny", "--gpu-gib", "20", "--host-gib", "1000", "--seq-len", "100000000"]) == 1
-    assert capsys.readouterr().out.rstrip().endswith(
-        "or use --attention-backend triton (its attention temporaries do not grow with the context)")
-    assert run_cli(["plan", "--model", "tiny", "--gpu-gib", "20", "--host-gib", "1000", "--seq-len", "100000000",
-                    "--attention-backend", "triton"]) == 0
+    assert verdict.startswith("DOES NOT FIT: the host tier needs 286025.25 GiB of pinned memory but the budget is "
+                              "75.00 GiB; shorten the context to 53,141,504 tokens or fewer (the longest that fits "
+                              "with offload), free host RAM")
+    # bounded attention temporaries: the fused path plans a 100M-token context on 20 GiB like the Triton kernels
+    for backend in ("sdpa", "triton"):
+        assert run_cli(["plan", "--model", "tiny", "--gpu-gib", "20", "--host-gib", "1000", "--seq-len", "100000000",
+                        "--attention-backend", backend]) == 0
+        capsys.readouterr()
     # a plan whose weights and states do not fit keeps its advice
     assert run_cli(["plan", "--model", "qwen2.5-7b", "--gpu-gib", "8", "--host-gib", "64"]) == 1
     assert "DOES NOT FIT: weights, gradients, optimizer states and one chunk's activations need" in capsys.readouterr().out

@@ -98,6 +98,22 @@ def test_split_merge_matches_reference(C, Hq, Hkv, D, past_len, dtype, tol, runs
         assert not torch.allclose(got["past_dk"], got["past_dk"] - x["base_dk"])
 
 
+@pytest.mark.parametrize("runs", [1, 2])
+def test_runs_longer_than_one_call_are_split(monkeypatch, runs):
+    """A run longer than MAX_RUN_TOKENS is read by several calls (pieces of at most that many tokens), merged:
+    the reference's results, and that many more primitive calls."""
+    x = _inputs(8, 4, 2, 16, 37, torch.float64, seed=9)
+    calls = []
+    part_fwd = sa._part_fwd
+    monkeypatch.setattr(sa, "_part_fwd", lambda *a: (calls.append(a[1].shape[2]), part_fwd(*a))[1])
+    monkeypatch.setattr(sa, "MAX_RUN_TOKENS", 5)
+    want, got = _reference(x, 0.3), _sdpa(x, 0.3, _splits(37, runs))
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-12, atol=1e-12)
+    assert max(calls[:-1]) == 5 and sum(calls[:-1]) == 37 and calls[-1] == 8  # the past in pieces, then the own keys
+    assert len(calls) == 1 + sum(-(-len(r) // 5) for r in _runs(torch.empty(37), _splits(37, runs)))
+
+
 def test_strided_past_views_are_read_as_such():
     """The engine passes [past, Hkv, D] views of a [pages, page_size, Hkv, D] pool: same results as copies."""
     x = _inputs(8, 4, 2, 16, 32, torch.float64, seed=3)
@@ -244,7 +260,10 @@ def test_planner_counts_the_sdpa_transients():
     C, past = 64, 4096
     t = activation_bytes(shape, C, torch.bfloat16, attention_backend="triton", max_past=past)["attention_temp"]
     s = activation_bytes(shape, C, torch.bfloat16, attention_backend="sdpa", max_past=past)["attention_temp"]
-    assert s - t == 2 * past * shape.kv_dim * 2 + 2 * C * shape.q_dim * 2  # past dK/dV and part outputs in bf16
+    # the past's dK/dV, with GQA dK/dV of every query head, and the part outputs, in bf16
+    assert s - t == 2 * past * (shape.kv_dim + shape.q_dim) * 2 + 2 * C * shape.q_dim * 2
+    long = activation_bytes(shape, C, torch.bfloat16, attention_backend="sdpa", max_past=10 * sa.MAX_RUN_TOKENS)
+    assert long["attention_temp"] - t == 2 * sa.MAX_RUN_TOKENS * (shape.kv_dim + shape.q_dim) * 2 + 2 * C * shape.q_dim * 2
 
 
 @pytest.mark.parametrize("C,Hq,D,dtype", [(37, 3, 16, torch.float32), (64, 4, 80, torch.float32),
