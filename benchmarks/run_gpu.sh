@@ -16,6 +16,8 @@
 # sparse      bench_sparse.py                          sparse (and dense) steps, with or without offload, 64K-1M
 # offload     bench_offload.py                         dense offload: memory vs length, overhead, longest context
 # offload-ab  offload_ab.py                            offload settings A/B in one process (staging sets, stash, copies)
+# overhead    offload_overhead.py                      dense step all on the GPU vs offloaded (cuDNN, Triton), one process
+# sdpa-memory bench_sdpa_memory.py                     the fused attention backward's workspace per past token
 # stage2      profile_offload_stage2.py                CUDA timeline of Stage-2 chunks with every page offloaded
 # copy        bench_copy_duplex.py                     pinned host<->device bandwidth, one and two streams
 # gather      bench_page_gather.py                     the zero-copy tile copy kernels, alone and beside GEMMs
@@ -177,6 +179,8 @@ case "$kind" in
   dp)         dp "$@" ;;
   retrieval)  retrieval "$@" ;;
   glue)       glue "$@" ;;
+  overhead)   python3 $B/offload_overhead.py --out "$OUT/offload_overhead.jsonl" "$@" ;;
+  sdpa-memory) python3 $B/bench_sdpa_memory.py --out "$OUT/sdpa_memory.jsonl" "$@" ;;
   finetune)   if ! python3 -c "import torchao.optim" 2>/dev/null && ls .whl/torchao-*.whl >/dev/null 2>&1; then
                 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/torchao-*.whl
                 export PYTHONPATH=/tmp/site:$PYTHONPATH; fi
