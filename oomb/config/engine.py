@@ -219,9 +219,9 @@ class OOMBConfig:
     attention_backend: AttentionBackend = "auto"
     """Attention over the paged KV cache: 'torch' (PyTorch reference), 'triton' (the paged Triton kernels for
     every call), 'sdpa' (PyTorch's fused attention -- cuDNN on CUDA, the flash kernel on the CPU -- over each
-    contiguous run of a layer's past in the page pool, offloaded segments included; the paged kernels for sparse,
-    packed-document and scattered-page calls; on CUDA not bitwise reproducible), or 'auto' (sdpa on CUDA, torch
-    on the CPU)."""
+    contiguous run of a layer's past in the page pool, offloaded segments included; for sparse, packed-document
+    and scattered-page calls the paged Triton kernels on CUDA, the reference on the CPU; on CUDA not bitwise
+    reproducible), or 'auto' (sdpa on CUDA, torch on the CPU)."""
 
     checkpoint_layers: bool = False
     """Per-layer activation checkpointing inside each chunk's Stage-2 recompute."""

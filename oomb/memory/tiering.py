@@ -160,8 +160,10 @@ def resident_pages_for_budget(
     if gpu_pages < need:
         what = (f"{K} layers' staging" if segment_pages is None
                 else f"two staging buffers of {staging_pages(n, 0, segment_pages)} pages")
-        fewer = (", lower staging_sets (2 needs "
-                 f"{min_gpu_pages(L, n, segment_pages, 2):,})" if segment_pages is None and K > 2 else "")
+        if segment_pages is None:
+            fewer = f", lower staging_sets (2 needs {min_gpu_pages(L, n, segment_pages, 2):,})" if K > 2 else ""
+        else:  # smaller segments need smaller buffers
+            fewer = ", lower offload_segment_pages (the two buffers hold that many pages each)" if need > 2 else ""
         raise ValueError(
             f"a GPU page budget of {gpu_pages} pages cannot stage {n} pages per layer: offload needs at least "
             f"{need} pages on the GPU ({what}); raise gpu_page_budget{fewer} or shorten the sequence"
