@@ -203,12 +203,11 @@ def _part_kwargs(part: tuple | None, dtype_name: str) -> dict:
 
 
 def _sdpa_kwargs(part: tuple | None, dtype_name: str) -> dict:
-    """:mod:`oomb.ops.sdpa_attention` keywords of one segment call (``part`` as in :func:`_part_kwargs`; its
-    past_start is implied by the segment's runs)."""
-    if part is None:
-        return {}
-    _, include_own, dtype = part
-    return {"include_own": include_own, dtype_name: dtype}
+    """:mod:`oomb.ops.sdpa_attention` keywords of one segment call: :func:`_part_kwargs` less ``past_start``,
+    which the segment's runs imply."""
+    kw = _part_kwargs(part, dtype_name)
+    kw.pop("past_start", None)
+    return kw
 
 
 def _fwd(backend: str, q, k, v, kv: PagedKV, scale: float, block_size: int, part: tuple | None = None,

@@ -114,11 +114,11 @@ class _SegmentedStaging:
             spans.append((layer * R, min(hi, R)))
         if hi > max(lo, R):
             spans.append((self._slots(b), hi - max(lo, R)))
-        kv = tuple((self.k_cache[s0 : s0 + m].flatten(0, 1), self.v_cache[s0 : s0 + m].flatten(0, 1)) for s0, m in spans)
-        if not grad:
-            return kv, ()
-        return kv, tuple((self.dk_cache[s0 : s0 + m].flatten(0, 1), self.dv_cache[s0 : s0 + m].flatten(0, 1))
-                         for s0, m in spans)
+
+        def views(a: torch.Tensor, b: torch.Tensor) -> tuple:
+            return tuple((a[s0 : s0 + m].flatten(0, 1), b[s0 : s0 + m].flatten(0, 1)) for s0, m in spans)
+
+        return views(self.k_cache, self.v_cache), views(self.dk_cache, self.dv_cache) if grad else ()
 
     def _own_grad(self, past: "_SegmentedPast", n: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         if past.own == 0:
