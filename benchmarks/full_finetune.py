@@ -30,7 +30,9 @@ For longer runs start it detached and collect the rows in a later call, e.g.::
 
     setsid nohup python3 benchmarks/full_finetune.py --budget-s 1700 --out /tmp/ff/rows.jsonl \\
         --only 1048576:sparse:adamw8bit 262144:dense:adamw,adamw8bit > /tmp/ff/log.txt 2>&1 &
-    sleep 570; cp /tmp/ff/* $OUT/      # then, in the next calls: sleep 570; cp /tmp/ff/* $OUT/
+    sleep 570; cp /tmp/ff/* $OUT/
+    # then, in the next calls (a machine lost between calls comes back bare: stop at once, not after the sleep):
+    [ -d /tmp/ff ] || { echo machine lost; exit 3; }; sleep 570; cp /tmp/ff/* $OUT/
 """
 from __future__ import annotations
 
