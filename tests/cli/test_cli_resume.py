@@ -30,9 +30,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _python(script: str, *args: str, timeout: float = 300, cwd: str | None = None) -> subprocess.CompletedProcess:
-    """Run ``script`` in a fresh Python that imports this checkout's oomb (output captured as text)."""
+    """Run ``script`` in a fresh Python that imports this checkout's oomb (output captured as text), with as many
+    CPU threads as this process: a float32 sum over a different number of threads rounds differently, and the
+    tests compare losses of the two processes exactly."""
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "OMP_NUM_THREADS": str(torch.get_num_threads())}
     return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=cwd, env={**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")})
+                          cwd=cwd, env=env)
 
 
 @pytest.fixture
