@@ -9,6 +9,13 @@ Layout under a run's ``checkpoints/`` folder::
         meta.json               step, run fingerprint, sizes and SHA-256 of the files above
       latest                    name of the newest complete checkpoint (replaced atomically)
 
+A run whose parameters are sharded over ranks (FSDP2, :mod:`oomb.engine.sharding`) writes, with ``sharded=True``
+on every rank, ``dcp/`` instead of ``trainable.safetensors``: the trainable parameters and the optimizer state as
+``torch.distributed.checkpoint`` (DCP) files, each rank writing its shards (the state dicts of
+``torch.distributed.checkpoint.state_dict.get_state_dict``, frozen parameters left out); ``trainer_state.pt``
+then holds the rest (scheduler, RNG states, data position) and ``meta.json`` lists and hashes every DCP file
+too, with ``"sharded": {"world_size": W}``. It loads on the same number of ranks, sharded the same way.
+
 A checkpoint is written into a hidden temporary folder, every file is flushed and
 fsync'ed, ``meta.json`` is written last, and only then is the folder renamed
 into place and ``latest`` replaced (``os.replace``: atomic on POSIX). A process
@@ -54,6 +61,7 @@ _PREFIX = "step-"
 _META = "meta.json"
 _WEIGHTS = "trainable.safetensors"
 _STATE = "trainer_state.pt"
+_DCP = "dcp"
 _FORMAT = 1
 _META_KEYS = frozenset({"format", "step", "fingerprint", "files"})
 """Keys of every meta.json :func:`save_checkpoint` writes."""
@@ -134,6 +142,8 @@ def save_checkpoint(
     extra: dict[str, Any] | None = None,
     keep_last: int = 2,
     settings: dict[str, Any] | None = None,
+    *,
+    sharded: bool = False,
 ) -> Path:
     """Write a complete checkpoint of ``step`` under ``root`` atomically; return its folder.
 
@@ -149,35 +159,57 @@ def save_checkpoint(
             steps (left by a run resumed from an earlier checkpoint) are kept until their step is saved again.
         settings: JSON-serialisable settings saved in meta.json for the caller to compare on resume
             with its own rules (:func:`read_settings`); not part of the fingerprint.
+        sharded: the model's parameters are FSDP2 shards: every rank calls this (a collective) and writes its
+            shards of the trainable parameters and optimizer state with DCP; rank 0 writes the rest. Every rank
+            returns the folder or raises the same error.
     """
+    if sharded:
+        return _save_sharded(Path(root), step, model, optimizer, scheduler, fingerprint, extra, keep_last, settings)
     root = Path(root)
+    tmp = _new_tmp(root, step)
+    weights = {name: p.detach().to("cpu").contiguous() for name, p in _trainable(model).items()}
+    try:
+        save_file(weights, str(tmp / _WEIGHTS))
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    state = {"optimizer": optimizer.state_dict() if optimizer is not None else None}
+    return _finish(root, tmp, step, state, scheduler, fingerprint, extra, keep_last, settings, {})
+
+
+def _new_tmp(root: Path, step: int) -> Path:
+    """A new hidden folder for the checkpoint of ``step`` under ``root`` (created; the debris of writes that were
+    killed removed)."""
     root.mkdir(parents=True, exist_ok=True)
     for debris in root.glob(f".tmp-{_PREFIX}*"):  # left by a process killed mid-write
         shutil.rmtree(debris, ignore_errors=True)
-    final = root / f"{_PREFIX}{step:08d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{_PREFIX}{step:08d}-", dir=root))
     os.chmod(tmp, 0o777 & ~_umask())  # mkdtemp makes it 0700: as any folder the user makes (shared servers)
+    return tmp
+
+
+def _finish(root: Path, tmp: Path, step: int, state: dict, scheduler, fingerprint: dict, extra: dict | None,
+            keep_last: int, settings: dict | None, meta_extra: dict) -> Path:
+    """Write trainer_state.pt (``state`` + scheduler + extra) and meta.json (every file of ``tmp`` listed and hashed)
+    into ``tmp``, then move it into place as step ``step``, point ``latest`` at it and prune (see save_checkpoint)."""
+    final = root / f"{_PREFIX}{step:08d}"
     try:
-        weights = {name: p.detach().to("cpu").contiguous() for name, p in _trainable(model).items()}
-        save_file(weights, str(tmp / _WEIGHTS))
-        state = {
-            "optimizer": optimizer.state_dict() if optimizer is not None else None,
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "extra": extra or {},
-        }
+        state = dict(state, scheduler=scheduler.state_dict() if scheduler is not None else None, extra=extra or {})
         torch.save(state, tmp / _STATE)
         files = {}
-        for name in (_WEIGHTS, _STATE):
-            _fsync_file(tmp / name)
-            files[name] = {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
-        meta = {"format": _FORMAT, "step": step, "fingerprint": fingerprint, "files": files}
+        for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            name = f.relative_to(tmp).as_posix()
+            _fsync_file(f)
+            files[name] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
+        meta = {"format": _FORMAT, "step": step, "fingerprint": fingerprint, "files": files, **meta_extra}
         if settings is not None:
             meta["settings"] = settings
         with open(tmp / _META, "w") as f:
             json.dump(meta, f, indent=2, sort_keys=True)
             f.flush()
             os.fsync(f.fileno())
-        _fsync_dir(tmp)
+        for d in {p.parent for p in tmp.rglob("*")}:
+            _fsync_dir(d)
         if final.exists():  # re-saving the same step (e.g. on a signal right after a periodic save)
             shutil.rmtree(final)
         os.rename(tmp, final)
@@ -197,6 +229,57 @@ def save_checkpoint(
     for old in earlier[: max(0, len(earlier) - (max(1, keep_last) - 1))]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _dcp_options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(ignore_frozen_params=True)
+
+
+def _sharded_state(model: torch.nn.Module, optimizer) -> dict[str, Any]:
+    """``{"model": ..., "optimizer": ...}``: this rank's shards of the trainable parameters and of the optimizer
+    state, keyed by parameter name (``get_state_dict``), as DCP saves and loads them."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizer is None:
+        return {"model": get_model_state_dict(model, options=_dcp_options())}
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=_dcp_options())
+    return {"model": model_sd, "optimizer": optim_sd}
+
+
+def _on_rank0(fn):
+    """``fn()`` on rank 0, its result (or the one-line text of its error) given to every rank; every rank returns
+    the result or raises :class:`CheckpointError` with that text."""
+    import torch.distributed as dist
+
+    box: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", fn())
+        except Exception as exc:  # noqa: BLE001 - any failure is told to every rank
+            box[0] = ("error", f"{type(exc).__name__}: {exc}" if not isinstance(exc, CheckpointError) else str(exc))
+    dist.broadcast_object_list(box, src=0)
+    kind, value = box[0]
+    if kind == "error":
+        raise CheckpointError(value)
+    return value
+
+
+def _save_sharded(root: Path, step: int, model, optimizer, scheduler, fingerprint, extra, keep_last, settings) -> Path:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    tmp = Path(_on_rank0(lambda: str(_new_tmp(root, step))))
+    try:
+        dcp.save(_sharded_state(model, optimizer), checkpoint_id=str(tmp / _DCP))
+    except BaseException:
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    meta_extra = {"sharded": {"world_size": dist.get_world_size()}}
+    return Path(_on_rank0(lambda: str(_finish(root, tmp, step, {"optimizer": None}, scheduler, fingerprint, extra,
+                                              keep_last, settings, meta_extra))))
 
 
 # ----------------------------------------------------------------------------- load
@@ -281,26 +364,39 @@ def load_checkpoint(
     optimizer: torch.optim.Optimizer | None,
     scheduler: Any | None,
     fingerprint: dict[str, Any],
+    *,
+    sharded: bool = False,
 ) -> tuple[int, dict[str, Any]]:
     """Verify and load a checkpoint into ``model``, ``optimizer`` and ``scheduler``.
+
+    Args:
+        sharded: the model's parameters are FSDP2 shards (as in :func:`save_checkpoint`): every rank calls this
+            (a collective); rank 0 verifies the files, every rank reads its shards (DCP). The checkpoint must be
+            a sharded one of as many ranks.
 
     Returns:
         (step, extra): the completed step count and the ``extra`` dict given to save.
 
     Raises:
         CheckpointError: missing/corrupt/truncated files (named), or a fingerprint that differs
-            from the current run's (the differing keys are named with both values).
+            from the current run's (the differing keys are named with both values); with ``sharded``, on every
+            rank, also a checkpoint of one process or of another number of ranks.
     """
     path = Path(path)
-    meta = _read_meta(path)
-    saved = meta.get("fingerprint", {})
-    diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {fingerprint.get(k)!r}"
-             for k in sorted(set(saved) | set(fingerprint)) if saved.get(k) != fingerprint.get(k)]
-    if diffs:
-        raise CheckpointError(
-            f"{path} was written by a different run ({'; '.join(diffs)}); resume with the same settings, "
-            f"or start a new run in another --output-dir"
-        )
+    if sharded:
+        meta = _on_rank0(lambda: _checked_meta(path, fingerprint, sharded=True))
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        state = _sharded_state(model, optimizer)
+        dcp.load(state, checkpoint_id=str(path / _DCP))
+        set_state_dict(model, optimizer if optimizer is not None else [], model_state_dict=state["model"],
+                       optim_state_dict=state.get("optimizer", {}), options=_dcp_options())
+        trainer_state = _trainer_state(path)
+        if scheduler is not None and trainer_state.get("scheduler") is not None:
+            scheduler.load_state_dict(trainer_state["scheduler"])
+        return int(meta["step"]), trainer_state.get("extra", {})
+    meta = _checked_meta(path, fingerprint, sharded=False)
     try:
         weights = load_file(str(path / _WEIGHTS))
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
@@ -321,15 +417,44 @@ def load_checkpoint(
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(weights[name].to(p.device, p.dtype))
-    try:
-        state = torch.load(path / _STATE, map_location="cpu", weights_only=False)
-    except Exception as exc:  # noqa: BLE001 - any unpickling failure means a bad file
-        raise CheckpointError(f"{path / _STATE} cannot be read ({exc}); resume from another checkpoint") from exc
+    state = _trainer_state(path)
     if optimizer is not None and state.get("optimizer") is not None:
         optimizer.load_state_dict(state["optimizer"])
     if scheduler is not None and state.get("scheduler") is not None:
         scheduler.load_state_dict(state["scheduler"])
     return int(meta["step"]), state.get("extra", {})
+
+
+def _trainer_state(path: Path) -> dict:
+    try:
+        return torch.load(path / _STATE, map_location="cpu", weights_only=False)
+    except Exception as exc:  # noqa: BLE001 - any unpickling failure means a bad file
+        raise CheckpointError(f"{path / _STATE} cannot be read ({exc}); resume from another checkpoint") from exc
+
+
+def _checked_meta(path: Path, fingerprint: dict[str, Any], sharded: bool) -> dict[str, Any]:
+    """The verified meta.json of ``path`` (every file's size and hash), refused where its run fingerprint differs
+    from ``fingerprint`` or its format (sharded over how many ranks, or one process) is not the run's."""
+    meta = _read_meta(path)
+    saved = meta.get("fingerprint", {})
+    diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {fingerprint.get(k)!r}"
+             for k in sorted(set(saved) | set(fingerprint)) if saved.get(k) != fingerprint.get(k)]
+    if diffs:
+        raise CheckpointError(
+            f"{path} was written by a different run ({'; '.join(diffs)}); resume with the same settings, "
+            f"or start a new run in another --output-dir"
+        )
+    ranks = meta.get("sharded", {}).get("world_size") if isinstance(meta.get("sharded"), dict) else None
+    if sharded:
+        import torch.distributed as dist
+
+        if ranks != dist.get_world_size():
+            was = f"sharded over {ranks} ranks" if ranks else "written by one process or unsharded ranks"
+            raise CheckpointError(f"{path} was {was}, this run is sharded over {dist.get_world_size()}; resume with "
+                                  "the checkpoint's ranks and sharding")
+    elif ranks:
+        raise CheckpointError(f"{path} holds parameter shards of {ranks} ranks; resume it with the same sharding")
+    return meta
 
 
 # -------------------------------------------------------------------------- signals

@@ -1,14 +1,11 @@
 """Data parallelism over ranks started by ``torchrun``: one sequence per rank per step.
 
-Choice: plain data parallelism with ONE gradient all-reduce per step, not FSDP.
-A chunk-recurrent step runs every layer 2N times (Stage 1 and Stage 2 over N
-chunks); FSDP would all-gather each layer's weights on every one of those
-passes and reduce-scatter its gradients on every chunk's backward (for a 7B
-model at 256K tokens, 64 chunks: ~2 TB of traffic per step). Replicated
-weights with gradients summed once after the whole step cost one all-reduce of
-the trainable gradients -- with LoRA, a few MB. (A 7B full fine-tune with AdamW
-needs ~120 GB of weights, gradients and fp32 optimizer state per GPU; use LoRA
-there, or shard only the optimizer state.)
+Without sharding (``train.shard='none'``) every rank holds the whole model, its gradients and optimizer states,
+and the gradients are summed with ONE all-reduce per step (:func:`all_reduce_gradients`), not per chunk: a
+chunk-recurrent step runs every layer 3N - 1 times (Stage 1 and Stage 2 over N chunks), and a reduction per
+chunk would move N times the bytes. With LoRA that all-reduce is a few MB. Models whose weights, gradients and
+states do not fit one GPU are sharded with FSDP2 instead (:mod:`oomb.engine.sharding`, docs/design.md §8);
+:func:`clip_grad_norm` then takes the norm over every rank's shards.
 
 The loss is normalised by the GLOBAL number of valid tokens: each rank divides
 its token-loss sum by the total over all ranks, so summing gradients across
@@ -28,7 +25,8 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistributedContext", "RankFailedError", "agree_ok", "all_reduce_gradients", "global_sum", "init_from_env"]
+__all__ = ["DistributedContext", "RankFailedError", "agree_ok", "all_reduce_gradients", "clip_grad_norm", "global_sum",
+           "init_from_env"]
 
 
 class RankFailedError(RuntimeError):
@@ -140,3 +138,23 @@ def all_reduce_gradients(params, bucket_bytes: int = 256 << 20) -> None:
         bucket.append(g)
         size += g.numel() * g.element_size()
     flush()
+
+
+def clip_grad_norm(params, max_norm: float) -> float:
+    """Scale the gradients of ``params`` in place so that their total 2-norm is at most ``max_norm`` (``inf``: no
+    clipping); return the norm before clipping.
+
+    Gradients that are ``DTensor`` shards (FSDP2: :mod:`oomb.engine.sharding`) count with the norm over every
+    rank's shards, the norm of the whole gradient, so every rank clips by the same factor (a collective: every
+    rank must call it). Other gradients: as ``torch.nn.utils.clip_grad_norm_``.
+    """
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in params if p.grad is not None]
+    if not any(isinstance(p.grad, DTensor) for p in params):
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    total = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()  # the sum of the squared shard norms over the ranks
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return float(total)

@@ -222,17 +222,19 @@ def _prepare_output(out: Path, overwrite: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
-def _save(model, tokenizer, out: Path, lora: bool, train_args: dict) -> list[str]:
-    """Write model (or adapter) + tokenizer + train_args.json to a temp dir in ``out``, then move them in."""
+def _save(model, tokenizer, out: Path, lora: bool, train_args: dict, state_dict: dict | None = None) -> list[str]:
+    """Write model (or adapter) + tokenizer + train_args.json to a temp dir in ``out``, then move them in;
+    ``state_dict``: the weights to write instead of the model's own (a sharded model's, gathered)."""
     tmp = out / f".oomb-save-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
+        given = {} if state_dict is None else {"state_dict": state_dict}
         if lora:
-            model.save_pretrained(str(tmp), safe_serialization=True)
+            model.save_pretrained(str(tmp), safe_serialization=True, **given)
         else:
-            model.save_pretrained(str(tmp))
+            model.save_pretrained(str(tmp), **given)
         from ..models.saving import save_tokenizer
 
         save_tokenizer(tokenizer, tmp)  # after the model: AutoTokenizer's class depends on its config.json

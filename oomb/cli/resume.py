@@ -94,12 +94,13 @@ def _check_resume_fingerprint(saved: dict | None, now: dict, path: Path) -> None
 
 
 _RESUME_SETTINGS = ("sparse", "page_budget", "sink_pages", "local_pages", "sparse_score", "chunk_size", "page_size",
-                    "optimizer")
+                    "optimizer", "shard")
 """Settings saved with every checkpoint (meta.json "settings") and compared on --resume: a different sparse
 attention changes the gradients (refused); a different chunk or page size changes them only with --sparse (the
 selection is per chunk and page), while dense attention is exact at any (a note); another optimizer cannot
-load the checkpoint's optimizer state (refused; a checkpoint that records none was written with adamw)."""
-_SAVED_DEFAULTS = {"optimizer": "adamw"}
+load the checkpoint's optimizer state (refused; a checkpoint that records none was written with adamw); another
+shard mode has another checkpoint format (refused; one that records none was unsharded)."""
+_SAVED_DEFAULTS = {"optimizer": "adamw", "shard": "none"}
 
 
 def _resume_settings(args: argparse.Namespace) -> dict:

@@ -93,6 +93,7 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
 
     tokenizer, sequences, model, engine = run["tokenizer"], run["sequences"], run["model"], run["engine"]
     params, optimizer, start_step = run["params"], run["optimizer"], run["start_step"]
+    sharding = run["sharding"]  # FSDP2 shards (--shard under torchrun): checkpoints and the saved model gather them
     main_rank = ctx.is_main
     log_path = out / "log.jsonl"
     log = board = None
@@ -146,15 +147,16 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
                   file=sys.stderr)
 
     def checkpoint(step: int, rng: dict | None = None) -> Path | None:
-        if not main_rank:
+        if not main_rank and sharding is None:
             return None
         extra = {"rng": rng if rng is not None else rng_state(), "step": step, "sequences_per_step": K * W}
         return save_checkpoint(ckpt_root, step, model, optimizer, None, run["fingerprint"], extra, keep_last=2,
-                               settings=run["settings"])
+                               settings=run["settings"], sharded=sharding is not None)
 
     model.train()
     trainer = Trainer(engine, optimizer, stream, args.job.train, params=params, dist=ctx, device=device,
-                      eos_token_id=tokenizer.eos_token_id, document_mask=args.document_mask, progress=show)
+                      eos_token_id=tokenizer.eos_token_id, document_mask=args.document_mask, progress=show,
+                      sharding=sharding)
     first_loss = last_loss = None
     saved_at = start_step
     t_start = time.perf_counter()
@@ -215,7 +217,7 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
                 if ctx.enabled:
                     requested = global_sum(1.0 if requested else 0.0, device) > 0
                 if requested and step < args.steps:
-                    path = checkpoint(step) if saved_at != step else find_latest(ckpt_root)
+                    path = checkpoint(step) if saved_at != step else (find_latest(ckpt_root) if main_rank else None)
                     if main_rank:
                         import signal as _signal
 
@@ -233,11 +235,23 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
                 board.close()
             _draw_loss_png(log_path, out / _LOSS_PNG)
 
+    checkpoint(args.steps)
+    state_dict = None
+    if sharding is not None:  # every rank sends its shards; rank 0 gets the whole model (or adapter) on the CPU
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state_dict = get_model_state_dict(model, options=StateDictOptions(
+            full_state_dict=True, cpu_offload=True, ignore_frozen_params=args.lora_rank > 0))
+        # A tied weight (the output head of a model that ties it to the input embeddings) gathers as a copy of its
+        # own; the model's save writes it once, under the first name, as an unsharded model's save does.
+        first = {name for name, _ in model.named_parameters()}
+        for name, _ in model.named_parameters(remove_duplicate=False):
+            if name not in first:
+                state_dict.pop(name, None)
     if main_rank:
-        checkpoint(args.steps)
         train_args = {k: v for k, v in vars(args).items() if k not in ("command", "job") and not k.startswith("_")}
         train_args.update(oomb_version=_version(), num_tokens=int(sequences.stats.tokens), num_sequences=len(sequences), world_size=W)
-        saved = _save(model, tokenizer, out, lora=args.lora_rank > 0, train_args=train_args)
+        saved = _save(model, tokenizer, out, lora=args.lora_rank > 0, train_args=train_args, state_dict=state_dict)
         shutil.rmtree(out / _REPLACED, ignore_errors=True)  # the run --overwrite replaced: this one is saved now
         elapsed = time.perf_counter() - t_start
         losses = f"loss {first_loss:.4f} -> {last_loss:.4f}" if first_loss is not None else "no steps left to train"

@@ -71,6 +71,13 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         load_config,
     )
 
+    if args.shard != "none" and not ctx.enabled:
+        # As accelerate, Lightning and DeepSpeed run a sharding config on one device: the same settings serve a
+        # one-GPU trial. The checkpoints are then those of one process (resumed without --shard).
+        if ctx.is_main:
+            print(f"oomb: note: --shard {args.shard} shards over the ranks of torchrun; this is one process, so it "
+                  "trains unsharded (as --shard none)", file=sys.stderr)
+        args.shard = "none"
     tokenizer, sequences = _training_data(args)
 
     # The model's config is checked before any weight is read or initialised.
@@ -114,7 +121,7 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         from .plan import job_plan
 
         try:
-            plan = job_plan(args, dtype)
+            plan = job_plan(args, dtype, nproc=ctx.world_size)
             plan.check()
         except ValueError as exc:
             raise _usage_from(exc, "see 'oomb plan' for what fits") from exc
@@ -157,6 +164,15 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         if args.model not in PRESETS:  # adapter_config.json names the base folder so that it loads from anywhere
             model.peft_config["default"].base_model_name_or_path = str(Path(args.model).resolve())
 
+    sharding = None
+    if args.shard != "none":
+        from ..engine.sharding import shard_model
+
+        try:
+            sharding = shard_model(model, args.shard,
+                                   reduce_dtype=torch.float32 if args.grad_accum_dtype == "float32" else None)
+        except ValueError as exc:
+            raise _usage_from(exc, "see --shard in 'oomb train --help'") from exc
     try:
         engine = Engine(model, cfg)
     except ValueError as exc:  # UnsupportedModelError is a ValueError
@@ -199,7 +215,7 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         if args.resume == "latest":
             notes += _broken_latest_pointer(ckpt_root, path)
         try:
-            start_step, extra = load_checkpoint(path, model, optimizer, None, fingerprint)
+            start_step, extra = load_checkpoint(path, model, optimizer, None, fingerprint, sharded=sharding is not None)
         except CheckpointError as exc:
             problem, sep, fix = _one_line(exc).rpartition("; ")
             raise UsageError(problem, fix) if sep else UsageError(fix, "resume from another checkpoint") from exc
@@ -236,7 +252,7 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         _warn_if_gpu_saved_attention_on_cpu(args, device)
         _warn_if_adamw_rounds_bf16_updates(args, dtype)
         _warn_if_offload_segments_are_small(args, getattr(store, "segment_pages", None) is not None)
-    return dict(tokenizer=tokenizer, sequences=sequences, model=model, engine=engine, params=params,
+    return dict(tokenizer=tokenizer, sequences=sequences, model=model, engine=engine, params=params, sharding=sharding,
                 optimizer=optimizer, fingerprint=fingerprint, settings=_resume_settings(args), start_step=start_step,
                 finished=finished,
                 store_summary=_store_summary(store, args.seq_len, args.page_size, t_reserve_s))

@@ -57,7 +57,7 @@ COMMANDS: dict[str, list[tuple[str, tuple[str, ...] | None]]] = {
     ],
     "plan": [
         ("model", ("name", "dtype", "lora_rank", "lora_targets", "train_embeddings_norms")), ("data", ("seq_len",)),
-        ("engine", _ENGINE_CORE), ("engine.sparse", _ALL), ("engine.offload", _ALL), ("train", ("optimizer",)),
+        ("engine", _ENGINE_CORE), ("engine.sparse", _ALL), ("engine.offload", _ALL), ("train", ("optimizer", "shard")),
         ("plan", _ALL),
     ],
     "eval": [

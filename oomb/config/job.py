@@ -18,7 +18,7 @@ from .meta import flag
 
 __all__ = [
     "BenchConfig", "DataConfig", "DataMakeConfig", "DataReportConfig", "EvalConfig", "GradErrorConfig", "JobConfig", "MergeConfig",
-    "ModelConfig", "OPTIMIZERS", "OutputConfig", "PlanConfig", "TrainConfig", "SEED_LIMIT",
+    "ModelConfig", "OPTIMIZERS", "OutputConfig", "PlanConfig", "SHARDS", "TrainConfig", "SEED_LIMIT",
 ]
 
 SEED_LIMIT = 2**32
@@ -29,6 +29,9 @@ Optimizer = Literal["adamw", "adamw8bit", "adamw-bf16", "adamw-cpu"]
 OPTIMIZERS = ("adamw", "adamw8bit", "adamw-bf16", "adamw-cpu")
 """The optimizers ``train.optimizer`` names (:func:`oomb.train.optim.build_optimizer` builds them)."""
 Dtype = Literal["auto", "float32", "bfloat16"]
+Shard = Literal["none", "params", "grads-optim"]
+SHARDS = ("none", "params", "grads-optim")
+"""What ``train.shard`` shards over the ranks of torchrun (:func:`oomb.engine.sharding.shard_model`)."""
 
 
 def _in(section: str):
@@ -215,6 +218,15 @@ class TrainConfig:
     max_grad_norm: float = 1.0
     """Clip the gradient norm to this (0: no clipping)."""
 
+    shard: Shard = "none"
+    """Under torchrun, what each of the N ranks keeps of the trained model (PyTorch FSDP2 over the decoder layers;
+    docs/design.md §8): none: all of it (data parallelism, one gradient all-reduce per step); params: 1/N of the
+    weights, gradients and optimizer states, each layer's weights all-gathered for each use (ZeRO-3); grads-optim:
+    the weights gathered once per step, the gradients reduce-scattered once per step, 1/N of the optimizer states
+    (ZeRO-2). Checkpoints are written with torch.distributed.checkpoint. With --optimizer adamw only. In one
+    process it trains as none (a note says so), as accelerate, Lightning and DeepSpeed run a sharding config on
+    one device: the same settings serve a one-GPU trial run."""
+
     @_in("train")
     def __post_init__(self) -> None:
         check.positive_int("steps", self.steps)
@@ -226,6 +238,15 @@ class TrainConfig:
         if self.warmup_steps is not None:
             check.nonnegative_int("warmup_steps", self.warmup_steps, "steps")
         check.nonnegative_float("max_grad_norm", self.max_grad_norm, "pass 0 (no clipping) or a positive number")
+        check.choice("shard", self.shard, SHARDS)
+        if self.shard != "none" and self.optimizer != "adamw":
+            why = {"adamw-cpu": "copies whole tensors to the host",
+                   "adamw8bit": "quantizes by tensor size, which a shard changes",
+                   "adamw-bf16": "is not verified on parameter shards"}[self.optimizer]
+            raise ConfigError("shard", f"{{shard}} {self.shard} updates the ranks' parameter shards, which {{optimizer}} "
+                              f"{self.optimizer} cannot ({why})",
+                              "pass {optimizer} adamw (torch's AdamW: its states are sharded with the parameters), or "
+                              "{shard} none")
 
 
 @dataclass
@@ -291,6 +312,10 @@ class PlanConfig:
     no_optimizer: bool = False
     """Leave out the optimizer states (memory of the step alone)."""
 
+    nproc: int = 1
+    """Ranks (GPUs) of the run, as torchrun's --nproc_per_node: with shard params or grads-optim the plan counts one
+    rank's shard of the weights, gradients and optimizer states and the gathered layers."""
+
     @_in("plan")
     def __post_init__(self) -> None:
         for key in ("gpu_gib", "host_gib"):
@@ -299,6 +324,7 @@ class PlanConfig:
                 raise ConfigError(key, f"{{{key}}} is {value!r}",
                                   f"pass a positive number of GiB for {{{key}}}, or leave it out to use this machine's")
         check.boolean("no_optimizer", self.no_optimizer)
+        check.positive_int("nproc", self.nproc, "ranks")
 
 
 def _budgets(key: str, budgets) -> None:

@@ -49,6 +49,7 @@ from .grad_accum import LOW_PRECISION, Float32GradAccumulator, extra_grad_bytes
 from .offload import OffloadedKVStore
 from .kept_attention import KeptAttention
 from .saved_attention import SavedAttention
+from .sharding import sharding_of
 from .sparse_state import SparseAttentionState
 from .loss import IGNORE_INDEX, chunked_cross_entropy_sum, target_logprobs
 
@@ -56,7 +57,10 @@ from .loss import IGNORE_INDEX, chunked_cross_entropy_sum, target_logprobs
 # a float tensor would be silently truncated to token ids.
 _TOKEN_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 
-__all__ = ["Engine", "StepOutput"]
+__all__ = ["NO_TARGETS", "Engine", "StepOutput"]
+
+NO_TARGETS = "every label is -100 (ignored): the loss is undefined; give at least one target token"
+"""The ValueError of a step or evaluation of a sequence without a target token."""
 
 
 @dataclass
@@ -234,6 +238,8 @@ class Engine:
         self._base = base
         self._decoder = base.get_decoder() if hasattr(base, "get_decoder") else base.model
         self._lm_head = base.get_output_embeddings()
+        # A model sharded by oomb.engine.sharding.shard_model (FSDP2): every chunk runs through its root.
+        self._sharding = sharding_of(base)
         use_oomb_attention(base)
         # Liger's fused RMSNorm / SwiGLU on this instance; its RoPE inside _glue_active (fused_glue='liger').
         self._glue = FusedGlue(base) if self.config.fused_glue == "liger" else None
@@ -416,6 +422,8 @@ class Engine:
         """GPU bytes of the parameter gradients a step will allocate that do not exist yet (with
         ``grad_accum_dtype='float32'``: the float32 sums instead of the low-precision ``.grad``)."""
         float32_sums = self.config.grad_accum_dtype == "float32"  # the step's float32 gradient sums (grad_accum)
+        if self._sharding is not None:
+            return self._sharding.gradient_bytes(float32_sums)
         params = list(self.model.parameters())
         missing = sum(p.numel() * p.element_size() for p in params
                       if p.requires_grad and p.grad is None and not (float32_sums and p.dtype in LOW_PRECISION))
@@ -541,6 +549,11 @@ class Engine:
         """The context in which the model runs: the fused glue's RoPE swap, or nothing."""
         return self._glue.active() if self._glue is not None else contextlib.nullcontext()
 
+    def _in_root(self, fn):
+        """``fn()``; on a sharded model as a forward of its FSDP2 root (oomb.engine.sharding), so that the root's
+        parameters (embeddings, final norm, output head) are gathered and the backward of its result is hooked."""
+        return fn() if self._sharding is None else self._sharding.run(fn)
+
     def _run_chunk(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: _ChunkContext) -> torch.Tensor:
         s, n = ctx.start, ctx.length
         pos = positions[s : s + n].unsqueeze(0)
@@ -566,6 +579,7 @@ class Engine:
         progress: bool = False,
         loss_normalizer: int | None = None,
         cu_seqlens: torch.Tensor | None = None,
+        sync_gradients: bool = True,
     ) -> StepOutput:
         """One chunk-recurrent forward + backward over one sequence.
 
@@ -584,6 +598,11 @@ class Engine:
                 (0 first, T last, increasing; flash-attention's convention). Attention never
                 crosses a boundary, positions restart at 0 in each document, and the last token
                 of a document predicts nothing. None = one document.
+            sync_gradients: only for a model sharded with ``shard_model(..., "grads-optim")``
+                (:mod:`oomb.engine.sharding`): True reduce-scatters the gradients summed since the last reduction
+                after this sequence's last backward; False keeps summing them unsharded (a gradient-accumulation
+                step whose last sequence passes True). Ignored otherwise (``"params"`` reduce-scatters after
+                every chunk; an unsharded model keeps its gradients in ``.grad``).
 
         Returns:
             :class:`StepOutput`; ``loss`` is the mean over this sequence's valid tokens either way.
@@ -603,7 +622,7 @@ class Engine:
         T = input_ids.shape[0]
         n_valid = int((targets != IGNORE_INDEX).sum())
         if n_valid == 0:
-            raise ValueError("every label is -100 (ignored): the loss is undefined; give at least one target token")
+            raise ValueError(NO_TARGETS)
         if loss_normalizer is not None and loss_normalizer < n_valid:
             raise ValueError(f"loss_normalizer ({loss_normalizer}) must count at least this sequence's {n_valid} valid tokens")
         denom = loss_normalizer if loss_normalizer is not None else n_valid
@@ -620,7 +639,8 @@ class Engine:
 
         try:
             with _rope_state_of_full_sequence(self._decoder, T, device, self.dtype):
-                t0, t1, t2, total = self._stages(input_ids, targets, doc_start, positions, denom, progress, store)
+                t0, t1, t2, total = self._stages(input_ids, targets, doc_start, positions, denom, progress, store,
+                                                 sync_gradients)
         finally:
             if self._kept is not None:
                 self._kept.clear()
@@ -639,7 +659,7 @@ class Engine:
             kv_store_bytes=store.nbytes,
         )
 
-    def _stages(self, input_ids, targets, doc_start, positions, denom, progress, store):
+    def _stages(self, input_ids, targets, doc_start, positions, denom, progress, store, sync=True):
         """Stage 1 and Stage 2 of one step -> (t0, t1, t2, summed token loss) with t* host times."""
         T = input_ids.shape[0]
         C = self.config.chunk_size
@@ -650,23 +670,27 @@ class Engine:
         with torch.no_grad():
             for c in tqdm(range(N - 1), desc="stage 1 (K/V; not the last chunk)", unit="chunk", disable=not progress, leave=False):
                 ctx = _ChunkContext(self, 1, c * C, C, False, _slice(doc_start, c * C, C))
-                self._run_chunk(input_ids, positions, ctx)
+                self._in_root(lambda: self._run_chunk(input_ids, positions, ctx))
         _sync(device)
         t1 = time.perf_counter()
 
         total = torch.zeros((), dtype=torch.float64, device=device)
-        if self.config.grad_accum_dtype == "float32":
-            accumulate = Float32GradAccumulator(self.model.parameters())
+        sharding = self._sharding
+        if self.config.grad_accum_dtype == "float32" and (sharding is None or sharding.reduces_every_chunk):
+            # (sharded: the float32 sums are of each chunk's reduce-scattered shard; with grads-optim FSDP2 sums
+            # the unsharded gradients in float32 itself)
+            accumulate = Float32GradAccumulator(self.model.parameters() if sharding is None else sharding.parameters)
         else:  # weight gradients added into .grad inside the GEMM from the second chunk on
             accumulate = FusedWeightGradAccumulation(self.model, enabled=self.config.kernels.fused_wgrad)
         with accumulate:
-            self._stage2(input_ids, targets, doc_start, positions, denom, progress, store, total)
+            self._stage2(input_ids, targets, doc_start, positions, denom, progress, store, total, sync)
         _sync(device)
         t2 = time.perf_counter()
         return t0, t1, t2, total
 
-    def _stage2(self, input_ids, targets, doc_start, positions, denom, progress, store, total) -> None:
-        """Stage 2: chunks N-1 .. 0 recomputed with autograd and back-propagated; their loss sums added to ``total``."""
+    def _stage2(self, input_ids, targets, doc_start, positions, denom, progress, store, total, sync=True) -> None:
+        """Stage 2: chunks N-1 .. 0 recomputed with autograd and back-propagated; their loss sums added to ``total``
+        (``sync``: see :meth:`step`'s ``sync_gradients``)."""
         T = input_ids.shape[0]
         C = self.config.chunk_size
         N = -(-T // C)
@@ -677,12 +701,14 @@ class Engine:
                 self._saved.prefetch(c)
                 self._saved.prefetch(c - 1)
             ctx = _ChunkContext(self, 2, s, n, c == N - 1, _slice(doc_start, s, n))
-            hidden = self._run_chunk(input_ids, positions, ctx)
-            loss_sum = self._loss_sum(hidden, targets[s : s + n])
+            t = targets[s : s + n]
+            loss_sum = self._in_root(lambda: self._loss_sum(self._run_chunk(input_ids, positions, ctx), t))
+            if self._sharding is not None:
+                self._sharding.before_backward(last_chunk=c == 0, sync=sync)
             with self._glue_active():  # layer checkpoints rerun their forward inside backward
                 (loss_sum / denom).backward()
             total += loss_sum.detach()
-            del hidden, loss_sum
+            del loss_sum
             if self._kept is not None:  # a layer whose rerun did not take its outputs
                 self._kept.clear()
             if c < N - 1:
@@ -699,7 +725,7 @@ class Engine:
         T = input_ids.shape[0]
         n_valid = int((targets != IGNORE_INDEX).sum())
         if n_valid == 0:
-            raise ValueError("every label is -100 (ignored): the loss is undefined; give at least one target token")
+            raise ValueError(NO_TARGETS)
         C = self.config.chunk_size
         self._backend = resolve_backend(self.config.attention_backend, self.device)
         self._ensure_store(T)
@@ -708,8 +734,8 @@ class Engine:
             for s in range(0, T, C):
                 n = min(C, T - s)
                 ctx = _ChunkContext(self, 1, s, n, False, _slice(doc_start, s, n))
-                hidden = self._run_chunk(input_ids, positions, ctx)
-                per_chunk(hidden, targets[s : s + n])
+                t = targets[s : s + n]
+                self._in_root(lambda: per_chunk(self._run_chunk(input_ids, positions, ctx), t))
                 if self._sparse is not None:
                     self._sparse.release(s)
         self._store.reset()

@@ -10,7 +10,8 @@ from typing import Callable, Optional
 
 import torch
 
-from ..distributed import DistributedContext, RankFailedError, agree_ok, all_reduce_gradients, global_sum
+from ..distributed import DistributedContext, RankFailedError, agree_ok, all_reduce_gradients, clip_grad_norm, global_sum
+from ..engine.engine import NO_TARGETS
 from .schedule import lr_at, warmup_steps
 from .sequences import Sample, SequenceStream, document_bounds
 
@@ -76,9 +77,16 @@ class Trainer:
     """Optimizer steps of the engine over a :class:`SequenceStream`, on one rank or under torchrun.
 
     Each step trains ``train.grad_accum`` sequences on every rank; gradients accumulate in the model, the loss
-    is normalised by the valid targets of the whole step (all ranks), gradients are summed over ranks once,
-    clipped to ``train.max_grad_norm`` (0: no clipping) and applied at the learning rate of
-    :func:`~oomb.train.schedule.lr_at`.
+    is normalised by the valid targets of the whole step (all ranks), gradients are summed over ranks once
+    (all-reduced; with a sharded model FSDP2 reduce-scatters them, :mod:`oomb.engine.sharding`), clipped to
+    ``train.max_grad_norm`` (0: no clipping; the norm of the whole gradient over all shards) and applied at the
+    learning rate of :func:`~oomb.train.schedule.lr_at`.
+
+    Every sequence is checked (its targets counted) on every rank before any rank runs a step, and the ranks agree
+    on the outcome: a sequence without a target stops every rank with its error. With a sharded model the step
+    itself is full of collectives, so a rank that fails inside it (out of memory) raises at once without telling
+    the others, which wait in their next collective until torchrun ends them (it does when a rank exits) or the
+    process group's timeout.
 
     Args:
         engine: an :class:`oomb.Engine` over the model being trained.
@@ -93,17 +101,20 @@ class Trainer:
             carries its own ``cu_seqlens`` keeps them).
         document_mask: attention and positions restart per document.
         progress: show the engine's per-chunk progress bar.
+        sharding: the model's :class:`~oomb.engine.sharding.Sharding` (None: not sharded).
     """
 
     def __init__(self, engine, optimizer: torch.optim.Optimizer, stream: SequenceStream, train, *, params=None,
                  dist: DistributedContext | None = None, device: torch.device | None = None,
-                 eos_token_id: int | None = None, document_mask: bool = False, progress: bool = False) -> None:
+                 eos_token_id: int | None = None, document_mask: bool = False, progress: bool = False,
+                 sharding=None) -> None:
         self.engine, self.optimizer, self.stream, self.train = engine, optimizer, stream, train
         self.params = list(params) if params is not None else [p for g in optimizer.param_groups for p in g["params"]]
         self.dist = dist or DistributedContext()
         self.device = device if device is not None else torch.device("cpu")
         self.eos_token_id, self.document_mask, self.progress = eos_token_id, document_mask, progress
         self.warmup = warmup_steps(train.steps, train.warmup_steps)
+        self.sharding = sharding
 
     def lr(self, step: int) -> float:
         """The learning rate of ``step`` (from 1)."""
@@ -151,7 +162,10 @@ class Trainer:
                 ids = s.input_ids.to(self.device)
                 labels = s.labels.to(self.device) if s.labels is not None else None
                 cu = self.document_bounds(s)
-                micro.append((ids, labels, cu, self.engine.count_valid_tokens(ids, labels, cu)))
+                n = self.engine.count_valid_tokens(ids, labels, cu)
+                if n == 0:  # what engine.step would refuse, found before any rank starts the step's collectives
+                    raise ValueError(NO_TARGETS)
+                micro.append((ids, labels, cu, n))
         except ValueError as exc:
             error = StepError(step, "data", str(exc))
         self._agree(error is None, step)
@@ -167,13 +181,18 @@ class Trainer:
                     self.optimizer.zero_grad(set_to_none=True)
                     return StepStopped(step, i, K)
                 r = self.engine.step(ids, labels, progress=self.progress, cu_seqlens=cu,
-                                     loss_normalizer=total_valid if (K > 1 or W > 1) else None)
+                                     loss_normalizer=total_valid if (K > 1 or W > 1) else None,
+                                     sync_gradients=i == len(micro) - 1)
                 results.append(r)
                 loss_sum += r.loss * r.num_valid_tokens
         except ValueError as exc:
             error = StepError(step, "data", str(exc))
         except torch.OutOfMemoryError as exc:
             error = StepError(step, "out_of_memory", str(exc).splitlines()[0] if str(exc) else "")
+        if self.sharding is not None:
+            if error is not None:  # the other ranks are inside the step's collectives: no agreement can be reached
+                raise error
+            self.sharding.end_step()
         self._agree(error is None, step)
         if error is not None:
             self.optimizer.zero_grad(set_to_none=True)
@@ -182,9 +201,10 @@ class Trainer:
         if not math.isfinite(loss):
             self.optimizer.zero_grad(set_to_none=True)
             raise StepError(step, "non_finite", loss=loss)
-        all_reduce_gradients(self.params)
+        if self.sharding is None:
+            all_reduce_gradients(self.params)
         max_norm = self.train.max_grad_norm if self.train.max_grad_norm > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        grad_norm = clip_grad_norm(self.params, max_norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - t0
