@@ -39,6 +39,8 @@ from .memory import (
     resident_pages_for_budget,
     resolve_segment_pages,
     saved_attention_bytes,
+    shard_bytes,
+    shard_traffic,
     sparse_headroom_bytes,
     sparse_state_bytes,
     staging_pages,
@@ -100,6 +102,10 @@ class MemoryPlan:
     optimizer_name: str | None = "adamw"  # the optimizer planned for (None: no states)
     optimizer_host: int = 0  # host bytes of the optimizer (adamw-cpu), in the host budget before the KV pages
     optimizer_pinned: int = 0  # the pinned part of optimizer_host
+    shard: str = "none"  # train.shard: the weights, grads and optimizer rows are one rank's of nproc
+    nproc: int = 1
+    shard_detail: Any = None  # oomb.memory.ShardBytes of a sharded plan (gathered weights, unsharded grads)
+    collectives: dict = field(default_factory=dict)  # bytes per optimizer step: all_gather, reduce_scatter, all_reduce
 
     @property
     def fits(self) -> bool:
@@ -139,9 +145,12 @@ class MemoryPlan:
             f"  parameters {_count(self.num_params)}, trainable {_count(self.trainable_params)}; "
             f"KV {self.page_bytes * self.shape.num_layers // self.page_size / 1024:.0f} KiB/token (K/V + dK/dV)",
             "",
+            *([f"one rank of {self.nproc}, " + ("shard='none' (data parallel: every rank holds the whole model)"
+                                                 if self.shard == "none" else f"shard={self.shard!r} (FSDP2)")]
+              if self.nproc > 1 else []),
             f"{'GPU':<42}{'GiB':>9}",
-            f"  {'weights':<40}{g(self.weights)}",
-            f"  {'gradients' + (' (float32 sums)' if self.grad_accum_dtype == 'float32' else ''):<40}{g(self.grads)}",
+            f"  {self._weights_label():<40}{g(self.weights)}",
+            f"  {self._grads_label():<40}{g(self.grads)}",
             f"  {self._optimizer_label():<40}{g(self.optimizer)}",
             f"  {'activations: saved':<40}{g(act['saved'])}",
             *([f"  {'activations: kept attention out + lse':<40}{g(act['kept_attention'])}"]
@@ -170,6 +179,12 @@ class MemoryPlan:
         ]
         if self.save_attention_note:
             rows.append(self.save_attention_note)
+        if self.collectives:
+            c = self.collectives
+            parts = [f"{c[k] / GiB:,.1f} GiB {k.replace('_', '-')}" for k in ("all_gather", "reduce_scatter", "all_reduce")
+                     if c[k]]
+            rows.append(f"collectives per optimizer step (one sequence per rank; unsharded bytes, a rank moves (N-1)/N "
+                        f"of each): {', '.join(parts) or 'none'}")
         if t.offload and self.traffic:
             h2d, d2h = self.traffic["h2d_bytes"], self.traffic["d2h_bytes"]
             rows.append(f"host<->GPU traffic per step: {h2d / GiB:,.1f} GiB in, {d2h / GiB:,.1f} GiB out "
@@ -194,6 +209,20 @@ class MemoryPlan:
         ]
         return "\n".join(rows)
 
+
+    def _weights_label(self) -> str:
+        d = self.shard_detail
+        if d is None or self.nproc == 1 or self.shard == "none":
+            return "weights"
+        if self.shard == "grads-optim":
+            return "weights (shard + all gathered)"
+        return f"weights (shard + {d.gathered / GiB:.2f} gathered)"
+
+    def _grads_label(self) -> str:
+        label = "gradients" + (" (float32 sums)" if self.grad_accum_dtype == "float32" else "")
+        if self.shard_detail is None or self.nproc == 1 or self.shard == "none":
+            return label
+        return label + (" (the step's sums)" if self.shard == "grads-optim" else " (shard + buffers)")
 
     def _optimizer_label(self) -> str:
         if self.optimizer_name is None:
@@ -284,6 +313,8 @@ def plan(
     stage1_shadow: bool = True,
     kv_stash_mib: int = 0,
     suggest_optimizer: bool = True,
+    shard: str = "none",
+    nproc: int = 1,
 ) -> MemoryPlan:
     """Predict GPU and host memory of training ``model`` on ``seq_len``-token sequences; nothing is allocated.
 
@@ -328,7 +359,12 @@ def plan(
             sets (None: picked from the pool, 2 where more would overflow the host budget), the Stage-1 shadow
             (traffic only) and the MiB kept free for the K/V stash of a sparse offloaded store.
         suggest_optimizer: where the run does not fit, plan it with the other optimizers ('adamw8bit', then
-            'adamw-cpu') and name the first that fits in the problems.
+            'adamw-cpu'; unsharded) or, over several ranks, the other shard modes, and name the first that fits in
+            the problems.
+        shard, nproc: ``train.shard`` ('none', 'params', 'grads-optim') over ``nproc`` ranks (torchrun): the plan is
+            one rank's, its weights, gradients and optimizer states as :func:`oomb.memory.shard_bytes` counts them,
+            and ``collectives`` the bytes of one optimizer step's collectives (:func:`oomb.memory.shard_traffic`,
+            one sequence per rank). One rank: as 'none'.
 
     Returns:
         :class:`MemoryPlan`; ``plan.fits`` / ``plan.check()`` say whether it fits.
@@ -373,7 +409,7 @@ def plan(
     def fixed_for(T: int, save: str = "off") -> tuple:
         parts = base_gpu_bytes(shape, T, chunk_size, dtype, lora_rank, optimizer, checkpoint_layers, backend,
                           attention_block_size, loss_chunk_size, grad_accum_dtype, lora_targets, train_embeddings_norms,
-                          checkpoint_attention == "keep")
+                          checkpoint_attention == "keep", shard, nproc)
         n_params, trainable, weights, grads, optim, act = parts
         if sparse is not None:
             act = dict(act, sparse_state=sparse_state_bytes(shape, T, sparse_cfg, dtype))
@@ -524,15 +560,19 @@ def plan(
     if opt.host > host_budget and machine.gpu_total_bytes:
         problems.insert(0, f"optimizer={optimizer!r} keeps {opt.host / GiB:.2f} GiB in host memory but the host budget is "
                            f"{host_budget / GiB:.2f} GiB; use another optimizer or free host RAM")
-    if problems and suggest_optimizer and optimizer is not None and machine.gpu_total_bytes:
-        for alt in ("adamw8bit", "adamw-cpu"):
-            if alt != optimizer:
-                q = plan(**dict(kwargs, optimizer=alt, suggest_optimizer=False))
-                if q.fits:
-                    problems.append(f"with optimizer={alt!r} it fits (GPU {q.gpu_peak / GiB:.2f} of "
-                                    f"{q.gpu_budget / GiB:.2f} GiB, host {q.host_peak / GiB:.2f} of "
-                                    f"{q.host_budget / GiB:.2f} GiB)")
-                    break
+    if problems and suggest_optimizer and machine.gpu_total_bytes:
+        # unsharded: another optimizer; over several ranks: another shard mode (they shard adamw's states only)
+        alts = ([("shard", m) for m in ("grads-optim", "params") if m != shard] if nproc > 1 else
+                [("optimizer", o) for o in ("adamw8bit", "adamw-cpu") if o != optimizer and optimizer is not None])
+        if nproc > 1 and shard == "none" and optimizer not in (None, "adamw"):
+            alts = []  # the shard modes need adamw; the optimizer was chosen
+        for key, alt in alts:
+            q = plan(**dict(kwargs, **{key: alt}, suggest_optimizer=False))
+            if q.fits:
+                problems.append(f"with {key}={alt!r} it fits (GPU {q.gpu_peak / GiB:.2f} of "
+                                f"{q.gpu_budget / GiB:.2f} GiB, host {q.host_peak / GiB:.2f} of "
+                                f"{q.host_budget / GiB:.2f} GiB)")
+                break
     own_b = 0
     if tiering.offload:
         R = tiering.resident_pages_per_layer
@@ -562,7 +602,11 @@ def plan(
         save_attention=save, saved_attention_host=saved_for(seq_len, save)["host"], save_attention_note=save_note,
         grad_accum_dtype=grad_accum_dtype, kv_stash_reserved=kv_stash, layout_note=shown_note,
         gpu_page_budget=gpu_page_budget, tiering_found=tiering_found, optimizer_name=optimizer,
-        optimizer_host=opt.host, optimizer_pinned=opt.pinned,
+        optimizer_host=opt.host, optimizer_pinned=opt.pinned, shard=shard, nproc=nproc,
+        shard_detail=shard_bytes(shape, dtype, shard, nproc, lora_rank, lora_targets, train_embeddings_norms,
+                                 optimizer, grad_accum_dtype) if nproc > 1 and shard != "none" else None,
+        collectives=shard_traffic(shape, dtype, shard, nproc, seq_len, chunk_size, 1, lora_rank, lora_targets,
+                                  train_embeddings_norms, grad_accum_dtype) if nproc > 1 else {},
     )
 
 

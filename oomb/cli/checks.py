@@ -231,6 +231,7 @@ def _flag_names(text: str) -> str:
     for old, new in _FLAG_NAMES:
         text = text.replace(old, new)
     text = re.sub(r"\boptimizer='([\w-]+)'", r"--optimizer \1", text)
+    text = re.sub(r"\bshard='([\w-]+)'", r"--shard \1", text)
     return re.sub(r"(?<![\w/.-])(" + "|".join(_PARAM_FLAGS) + r")(?![\w/-]|\.\w)", lambda m: "--" + m.group(1).replace("_", "-"), text)
 
 

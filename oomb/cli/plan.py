@@ -23,10 +23,10 @@ from .checks import (
 GiB = 1024**3
 
 
-def job_plan(args: argparse.Namespace, dtype, optimizer: str | None = "job", machine=None):
+def job_plan(args: argparse.Namespace, dtype, optimizer: str | None = "job", machine=None, nproc: int | None = None):
     """The :class:`oomb.planner.MemoryPlan` of the job ``args.job`` (model, sequence length, LoRA rank, engine
-    settings) with ``optimizer`` ('job': the job's ``train.optimizer``; None: no optimizer states), for
-    ``machine`` (None: this one)."""
+    settings, ``train.shard``) with ``optimizer`` ('job': the job's ``train.optimizer``; None: no optimizer
+    states), for ``machine`` (None: this one), per rank of ``nproc`` (None: the job's ``plan.nproc``)."""
     from ..planner import plan_for_config
 
     job = args.job
@@ -35,7 +35,8 @@ def job_plan(args: argparse.Namespace, dtype, optimizer: str | None = "job", mac
     m = job.model
     return plan_for_config(m.name, job.data.seq_len, job.engine, dtype=dtype, lora_rank=m.lora_rank,
                            lora_targets=m.lora_targets, train_embeddings_norms=m.train_embeddings_norms,
-                           optimizer=optimizer, machine=machine)
+                           optimizer=optimizer, machine=machine, shard=job.train.shard,
+                           nproc=job.plan.nproc if nproc is None else nproc)
 
 
 def _machine(args: argparse.Namespace):
@@ -77,6 +78,9 @@ def _plan(args: argparse.Namespace) -> int:
         if args.lora_rank:
             _check_lora_targets(config, args)
         machine = _machine(args)
+        if args.shard != "none" and args.nproc == 1:
+            print(f"oomb: note: --shard {args.shard} shards over ranks but --nproc is 1: planned as one process (as "
+                  "--shard none); pass --nproc N for one rank of N", file=sys.stderr)
         warning = context_length_warning(config, args.seq_len, args.model)
         if warning:
             print(warning, file=sys.stderr)

@@ -67,6 +67,7 @@ from ..ops.attention_ref import acc_dtype_for
 from ..ops.sdpa_attention import MAX_RUN_TOKENS
 from .shape import LORA_TARGETS, GiB, ModelShape, dtype_size
 from .optimizer import optimizer_bytes
+from .sharding import shard_bytes
 
 __all__ = [
     "activation_bytes",
@@ -146,12 +147,13 @@ def page_bytes(shape: ModelShape, page_size: int, dtype: torch.dtype) -> int:
 
 def base_gpu_bytes(shape, seq_len, chunk_size, dtype, lora_rank, optimizer, checkpoint_layers, attention_backend,
                    attention_block_size, loss_chunk_size, grad_accum_dtype="param", lora_targets=LORA_TARGETS,
-                   train_embeddings_norms=False, keep_attention=True):
+                   train_embeddings_norms=False, keep_attention=True, shard="none", nproc=1):
     """``(num_params, trainable, weights, grads, optimizer, activations)`` of a step: parameter counts, bytes of the
     weights, gradients and the optimizer's GPU states (:func:`oomb.memory.optimizer.optimizer_bytes`; ``optimizer``
     None: 0), and the :func:`activation_bytes` dict of one chunk. With LoRA, ``lora_targets`` are the adapted
     layers and ``train_embeddings_norms`` adds a trained copy (in ``dtype``) of the embeddings and norms;
-    ``keep_attention`` as :func:`activation_bytes`'s."""
+    ``keep_attention`` as :func:`activation_bytes`'s. ``shard`` ('none', 'params', 'grads-optim') over ``nproc``
+    ranks: the weights, gradients and states are one rank's (:func:`oomb.memory.sharding.shard_bytes`)."""
     n_params = shape.num_params()
     e = dtype_size(dtype)
     if lora_rank:
@@ -166,6 +168,10 @@ def base_gpu_bytes(shape, seq_len, chunk_size, dtype, lora_rank, optimizer, chec
         # grad_accum_dtype='float32': bf16/fp16 gradients are summed in float32 during the step (4 B each).
         grads = n_params * (4 if grad_accum_dtype == "float32" and e < 4 else e)
     optim = optimizer_bytes(shape, dtype, lora_rank, optimizer, lora_targets, train_embeddings_norms).gpu
+    if shard != "none" and nproc > 1:
+        per_rank = shard_bytes(shape, dtype, shard, nproc, lora_rank, lora_targets, train_embeddings_norms, optimizer,
+                               grad_accum_dtype)
+        weights, grads, optim = per_rank.weights, per_rank.grads, per_rank.optimizer
     # A sequence shorter than the chunk is one chunk of seq_len tokens: activations for those only.
     act = activation_bytes(shape, min(chunk_size, seq_len), dtype, checkpoint_layers, attention_backend,
                            attention_block_size, loss_chunk_size, max(seq_len - chunk_size, 0), lora_rank, lora_targets,
