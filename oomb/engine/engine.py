@@ -549,10 +549,17 @@ class Engine:
         """The context in which the model runs: the fused glue's RoPE swap, or nothing."""
         return self._glue.active() if self._glue is not None else contextlib.nullcontext()
 
-    def _in_root(self, fn):
-        """``fn()``; on a sharded model as a forward of its FSDP2 root (oomb.engine.sharding), so that the root's
+    def _in_root(self, fn, *args):
+        """``fn(*args)``; on a sharded model as a forward of its FSDP2 root (oomb.engine.sharding), so that the root's
         parameters (embeddings, final norm, output head) are gathered and the backward of its result is hooked."""
-        return fn() if self._sharding is None else self._sharding.run(fn)
+        return fn(*args) if self._sharding is None else self._sharding.run(lambda: fn(*args))
+
+    def _chunk_loss(self, input_ids, positions, ctx: _ChunkContext, targets: torch.Tensor) -> torch.Tensor:
+        """Stage 2's forward of one chunk: its summed token loss (``targets``: the chunk's)."""
+        return self._loss_sum(self._run_chunk(input_ids, positions, ctx), targets)
+
+    def _chunk_scored(self, input_ids, positions, ctx: _ChunkContext, targets: torch.Tensor, per_chunk) -> None:
+        per_chunk(self._run_chunk(input_ids, positions, ctx), targets)
 
     def _run_chunk(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: _ChunkContext) -> torch.Tensor:
         s, n = ctx.start, ctx.length
@@ -670,7 +677,7 @@ class Engine:
         with torch.no_grad():
             for c in tqdm(range(N - 1), desc="stage 1 (K/V; not the last chunk)", unit="chunk", disable=not progress, leave=False):
                 ctx = _ChunkContext(self, 1, c * C, C, False, _slice(doc_start, c * C, C))
-                self._in_root(lambda: self._run_chunk(input_ids, positions, ctx))
+                self._in_root(self._run_chunk, input_ids, positions, ctx)
         _sync(device)
         t1 = time.perf_counter()
 
@@ -701,8 +708,7 @@ class Engine:
                 self._saved.prefetch(c)
                 self._saved.prefetch(c - 1)
             ctx = _ChunkContext(self, 2, s, n, c == N - 1, _slice(doc_start, s, n))
-            t = targets[s : s + n]
-            loss_sum = self._in_root(lambda: self._loss_sum(self._run_chunk(input_ids, positions, ctx), t))
+            loss_sum = self._in_root(self._chunk_loss, input_ids, positions, ctx, targets[s : s + n])
             if self._sharding is not None:
                 self._sharding.before_backward(last_chunk=c == 0, sync=sync)
             with self._glue_active():  # layer checkpoints rerun their forward inside backward
@@ -734,8 +740,7 @@ class Engine:
             for s in range(0, T, C):
                 n = min(C, T - s)
                 ctx = _ChunkContext(self, 1, s, n, False, _slice(doc_start, s, n))
-                t = targets[s : s + n]
-                self._in_root(lambda: per_chunk(self._run_chunk(input_ids, positions, ctx), t))
+                self._in_root(self._chunk_scored, input_ids, positions, ctx, targets[s : s + n], per_chunk)
                 if self._sparse is not None:
                     self._sparse.release(s)
         self._store.reset()
