@@ -27,6 +27,8 @@
 # chat-vs-text chat_vs_text.py                         oomb train on a chat set made from the novels vs plain text
 # quality     (below)                                  sparse quality: train a 100M model, eval and grad-error at 64K
 # dp          (below)                                  data-parallel scaling: torchrun on 2 GPUs against 1
+# shard       bench_shard.py                           --shard params/grads-optim on NPROC GPUs (default 2) against 1:
+#                                                      s/step, tok/s/GPU, peak/GPU, collective time; largest shape
 # finetune    full_finetune.py                         7B full fine-tune per --optimizer (torchao from .whl/ if missing)
 # glue        (below)                                  fused_glue none vs liger: bf16 parity, then 7B step times
 # retrieval   (below)                                  passkey retrieval trained from scratch dense and sparse, then eval
@@ -36,6 +38,7 @@
 #   benchmarks/run_gpu.sh sparse --lengths 1048576 --systems sparse --offload on --checkpoint-layers --progress
 #   benchmarks/run_gpu.sh offload-ab --set sets
 #   benchmarks/run_gpu.sh tests tests/engine/test_offload.py -k cuda
+#   NPROC=2 benchmarks/run_gpu.sh shard --part step --configs params:2   (one configuration per device call)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 kind=${1:?usage: benchmarks/run_gpu.sh KIND [ARGS...] (kinds: see the top of this file)}; shift
@@ -177,6 +180,7 @@ case "$kind" in
   chat-vs-text) python3 benchmarks/chat_vs_text.py --out "$OUT/chat_vs_text.json" "$@" ;;
   quality)    quality "$@" ;;
   dp)         dp "$@" ;;
+  shard)      python3 $B/bench_shard.py --nproc "${NPROC:-2}" --out "$OUT/bench_shard.jsonl" "$@" ;;
   retrieval)  retrieval "$@" ;;
   glue)       glue "$@" ;;
   overhead)   python3 $B/offload_overhead.py --out "$OUT/offload_overhead.jsonl" "$@" ;;

@@ -181,8 +181,8 @@ class MemoryPlan:
             rows.append(self.save_attention_note)
         if self.collectives:
             c = self.collectives
-            parts = [f"{c[k] / GiB:,.1f} GiB {k.replace('_', '-')}" for k in ("all_gather", "reduce_scatter", "all_reduce")
-                     if c[k]]
+            parts = [f"{c[k] / GiB:,.{1 if c[k] >= 10 * GiB else 2}f} GiB {k.replace('_', '-')}"
+                     for k in ("all_gather", "reduce_scatter", "all_reduce") if c[k]]
             rows.append(f"collectives per optimizer step (one sequence per rank; unsharded bytes, a rank moves (N-1)/N "
                         f"of each): {', '.join(parts) or 'none'}")
         if t.offload and self.traffic:

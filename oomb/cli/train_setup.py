@@ -140,7 +140,10 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         hf_logging.disable_progress_bar()
     torch.manual_seed(args.seed)
     try:
-        model = build_model(args.model, dtype=dtype, device=device)
+        # Sharded: each rank builds the model in host memory and shard_model moves only its shards to the GPU, one
+        # layer at a time, so a model larger than one GPU can be built (a preset's random weights are then drawn
+        # by the CPU's generator).
+        model = build_model(args.model, dtype=dtype, device="cpu" if args.shard != "none" else device)
     except (UnknownModelError, UnsupportedModelError) as exc:
         raise _usage_from(exc, "use a Qwen2/2.5, Llama 2/3, Mistral or Qwen3 causal LM (see 'oomb train --help')") from exc
     _check_vocab(sequences.max_token(), _vocab_size(model), args.model)
@@ -169,7 +172,7 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         from ..engine.sharding import shard_model
 
         try:
-            sharding = shard_model(model, args.shard,
+            sharding = shard_model(model, args.shard, device=device,
                                    reduce_dtype=torch.float32 if args.grad_accum_dtype == "float32" else None)
         except ValueError as exc:
             raise _usage_from(exc, "see --shard in 'oomb train --help'") from exc

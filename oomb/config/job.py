@@ -51,7 +51,7 @@ class ModelConfig:
     """The model: which one, its dtype and device, and what of it is trained."""
 
     name: str = field(default="tiny", metadata=flag("--model"))
-    """A preset (tiny, tiny-llama, tiny-mistral, tiny-qwen3, qwen2.5-0.5b, qwen2.5-7b; random weights) or a
+    """A preset (tiny, tiny-llama, tiny-mistral, tiny-qwen3, qwen2.5-0.5b, qwen2.5-7b, qwen2.5-32b, qwen2.5-72b; random weights) or a
     local Hugging Face model directory; nothing is downloaded. A bare preset name always means the preset, so
     write a local folder of that name as a path (./tiny)."""
 

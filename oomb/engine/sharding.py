@@ -143,15 +143,19 @@ def _check_uniform_grad_dtypes(units: list[torch.nn.Module]) -> None:
                 "(dtype float32), leave out train_embeddings_norms, or use shard none")
 
 
-def shard_model(model: torch.nn.Module, mode: str, *, reduce_dtype: torch.dtype | None = None) -> Sharding | None:
+def shard_model(model: torch.nn.Module, mode: str, *, device: torch.device | str | None = None,
+                reduce_dtype: torch.dtype | None = None) -> Sharding | None:
     """Shard ``model``'s parameters over the default process group with FSDP2, in place (module docstring).
 
-    Call it after the model is on its device (and after peft has added its adapters), before the optimizer is
-    built over ``model.parameters()`` (they become ``DTensor`` shards) and before :class:`oomb.engine.Engine`.
+    Call it after peft has added its adapters, before the optimizer is built over ``model.parameters()`` (they
+    become ``DTensor`` shards) and before :class:`oomb.engine.Engine`.
 
     Args:
-        model: a transformers ``*ForCausalLM``, optionally peft-wrapped.
+        model: a transformers ``*ForCausalLM``, optionally peft-wrapped, on ``device`` or in host memory: FSDP2
+            moves each unit (a layer, then the root) to ``device`` and keeps only this rank's shard there, so
+            the GPU never holds more than the shards and one whole unit.
         mode: ``"params"``, ``"grads-optim"`` or ``"none"`` (nothing is done; returns None).
+        device: where the shards live ('cuda': this rank's current CUDA device); None: where the model is.
         reduce_dtype: dtype of the gradient reduction (and, with ``grads-optim``, of the unsharded sums):
             ``torch.float32`` for ``grad_accum_dtype='float32'``; None: the gradients' dtype.
 
@@ -175,7 +179,7 @@ def shard_model(model: torch.nn.Module, mode: str, *, reduce_dtype: torch.dtype 
     base = _causal_lm(model)
     layers = _decoder_layers(base)
     _check_uniform_grad_dtypes([base, *layers])
-    device = next(base.parameters()).device
+    device = torch.device(device) if device is not None else next(base.parameters()).device
     world = dist.get_world_size()
     mesh = init_device_mesh(device.type, (world,))
     mp = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)

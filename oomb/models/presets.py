@@ -1,9 +1,10 @@
 """Built-in model presets (random weights) and loading of local Hugging Face models.
 
 A preset is a transformers config with random initial weights: ``tiny`` runs a
-real training job on two CPU cores in minutes; ``qwen2.5-0.5b`` and
-``qwen2.5-7b`` have the shapes of the released Qwen2.5 models for GPU runs and
-benchmarks (docs/design.md §3 uses the 7B shape). Every preset's vocabulary covers
+real training job on two CPU cores in minutes; ``qwen2.5-0.5b``, ``qwen2.5-7b``,
+``qwen2.5-32b`` and ``qwen2.5-72b`` have the shapes of the released Qwen2.5 models
+for GPU runs and benchmarks (docs/design.md §3 uses the 7B shape; the two larger
+ones need more than one GPU: --shard, docs/design.md §8). Every preset's vocabulary covers
 the bundled 32,000-token tokenizer, and every preset allows positions past one
 million tokens (RoPE is computed per position, so this costs no memory).
 
@@ -107,6 +108,25 @@ def _qwen25_7b() -> PretrainedConfig:
     )
 
 
+def _qwen25_large(hidden: int, intermediate: int, layers: int, heads: int) -> PretrainedConfig:
+    # The larger Qwen2.5 shapes (8 KV heads, untied embeddings), for models sharded over GPUs (--shard).
+    return Qwen2Config(
+        vocab_size=152064,
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=8,
+        max_position_embeddings=_MAX_POSITIONS,
+        rope_theta=1e6,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        bos_token_id=151643,
+        eos_token_id=151643,
+    )
+
+
 PRESETS: dict[str, Preset] = {
     "tiny": Preset("Qwen2-style, 4 layers, hidden 128, 4 query / 2 KV heads, vocab 32000 (CPU)", _tiny),
     "tiny-llama": Preset("Llama-style, 4 layers, hidden 128, 4 query / 2 KV heads, vocab 32000 (CPU)", _tiny_llama),
@@ -114,6 +134,10 @@ PRESETS: dict[str, Preset] = {
     "tiny-qwen3": Preset("Qwen3-style (QK norm), 4 layers, hidden 128, 4 query / 2 KV heads, vocab 32000 (CPU)", _tiny_qwen3),
     "qwen2.5-0.5b": Preset("Qwen2.5-0.5B shape, 24 layers, hidden 896, 14 query / 2 KV heads (GPU)", _qwen25_05b),
     "qwen2.5-7b": Preset("Qwen2.5-7B shape, 28 layers, hidden 3584, 28 query / 4 KV heads (GPU, bf16 ~15 GiB)", _qwen25_7b),
+    "qwen2.5-32b": Preset("Qwen2.5-32B shape, 64 layers, hidden 5120, 40 query / 8 KV heads (GPUs, bf16 ~61 GiB)",
+                          lambda: _qwen25_large(5120, 27648, 64, 40)),
+    "qwen2.5-72b": Preset("Qwen2.5-72B shape, 80 layers, hidden 8192, 64 query / 8 KV heads (GPUs, bf16 ~135 GiB)",
+                          lambda: _qwen25_large(8192, 29568, 80, 64)),
 }
 
 

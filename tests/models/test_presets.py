@@ -34,6 +34,13 @@ def test_qwen25_7b_has_the_published_shape():
     assert 7.5e9 < n < 7.7e9  # Qwen2.5-7B: 7.62B parameters
 
 
+@pytest.mark.parametrize("name, low, high", [("qwen2.5-32b", 32.5e9, 33.0e9), ("qwen2.5-72b", 72.5e9, 72.9e9)])
+def test_the_large_qwen25_presets_have_the_published_sizes(name, low, high):
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(preset_config(name))
+    assert low < sum(p.numel() for p in model.parameters()) < high  # Qwen2.5-32B: 32.8B; 72B: 72.7B parameters
+
+
 def test_qwen25_05b_has_the_published_shape():
     cfg = preset_config("qwen2.5-0.5b")
     with torch.device("meta"):
