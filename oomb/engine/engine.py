@@ -18,6 +18,10 @@ Stage 2, c = N-1 .. 0:
     with ``config.grad_accum_dtype='float32'``, :mod:`oomb.engine.grad_accum`);
     then chunk c's pages go back to the free list.
 
+A model sharded over ranks by :func:`oomb.engine.sharding.shard_model` (FSDP2) runs every chunk through its
+root's registered forward, so that FSDP2 gathers and frees the layers around each use; its gradients are
+reduce-scattered into the parameters' ``DTensor`` shards instead of staying in ``.grad`` (docs/design.md §8).
+
 In dense mode this gives full-sequence gradients up to rounding. With ``config.sparse``
 (docs/design.md §2.4, :mod:`oomb.ops.sparse_attention`) each chunk's Stage-1 write also summarises its pages,
 and each (chunk, layer) selects its past pages once, before attending; Stage 2 reuses that
