@@ -125,17 +125,6 @@ def _worker(rank, port, out_dir):
         torch.save(results, os.path.join(out_dir, "results.pt"))
 
 
-@pytest.fixture(scope="module")
-def sharded(tmp_path_factory):
-    out = tmp_path_factory.mktemp("sharded")
-    procs = mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=2, join=False, start_method="spawn")
-    for p in procs.processes:
-        p.join(300)
-        assert not p.is_alive(), "a rank hung"
-    assert all(p.exitcode == 0 for p in procs.processes), [p.exitcode for p in procs.processes]
-    return torch.load(out / "results.pt", weights_only=False)
-
-
 @functools.cache
 def _reference(variant: str) -> dict:
     """One process trains the four sequences of both ranks, each normalised by the valid tokens of all."""
@@ -148,19 +137,23 @@ def _reference(variant: str) -> dict:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-pytestmark = pytest.mark.slow  # two gloo processes
+def _sharded_run(out) -> dict:
+    """Every scenario on 2 gloo ranks (one spawn: starting the processes is most of the time)."""
+    procs = mp.start_processes(_worker, args=(_free_port(), str(out)), nprocs=2, join=False, start_method="spawn")
+    for p in procs.processes:
+        p.join(300)
+        assert not p.is_alive(), "a rank hung"
+    assert all(p.exitcode == 0 for p in procs.processes), [p.exitcode for p in procs.processes]
+    return torch.load(out / "results.pt", weights_only=False)
 
 
-@pytest.mark.parametrize("mode, variant", SCENARIOS)
-def test_gathered_gradients_equal_one_process_over_every_ranks_sequences(sharded, mode, variant):
-    got, want = sharded[(mode, variant)]["grads"], _reference(variant)
-    assert set(got) == set(want) and len(want) > 10
+def _check_gradients(got: dict, want: dict, what) -> None:
+    assert set(got) == set(want) and len(want) > 10, what
     for name, g in want.items():
-        torch.testing.assert_close(got[name], g, rtol=1e-10, atol=1e-13, msg=name)
+        torch.testing.assert_close(got[name], g, rtol=1e-10, atol=1e-13, msg=f"{what}: {name}")
 
 
-def test_the_clip_takes_the_norm_over_every_shard(sharded):
-    r = sharded[("params", "plain")]
+def _check_clip(r: dict) -> None:
     grads = list(r["grads"].values())
     norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
     assert abs(r["norm"] - norm) <= 1e-12 * norm
@@ -168,20 +161,30 @@ def test_the_clip_takes_the_norm_over_every_shard(sharded):
         torch.testing.assert_close(r["clipped"][name], g * (1e-3 / (norm + 1e-6)), rtol=1e-10, atol=1e-15, msg=name)
 
 
-@pytest.mark.parametrize("mode, variant", SCENARIOS)
-def test_fsdp_collectives_are_those_the_memory_model_counts(sharded, mode, variant):
+def _check_collectives(got: dict, mode: str, variant: str) -> None:
     """Per unit and step: the gathers of the root, first, middle and last layer and the reduce-scatters that
     oomb.memory.collective_counts gives (2 sequences of 5 chunks per rank, 3 layers); the plain model's bytes
     also equal oomb.memory.shard_traffic's."""
-    got = sharded[(mode, variant)]["collectives"]
     n = collective_counts(mode, num_layers=3, chunks=5, sequences=2)
-    assert len(got["all_gather"]) == n["root"] + n["first"] + n["middle"] + n["last"]
+    assert len(got["all_gather"]) == n["root"] + n["first"] + n["middle"] + n["last"], (mode, variant)
     units = 3 + ("lora" not in variant)  # the layers, and the root where it trains (not under LoRA)
-    assert len(got["reduce_scatter"]) == units * n["reduce_scatter"]
+    assert len(got["reduce_scatter"]) == units * n["reduce_scatter"], (mode, variant)
     if variant == "plain":
         shape = ModelShape.from_config(_config())
         traffic = shard_traffic(shape, torch.float64, mode, 2, seq_len=40, chunk_size=8, sequences=2)
-        assert sum(got["all_gather"]) == traffic["all_gather"]
-        assert sum(got["reduce_scatter"]) == traffic["reduce_scatter"]
+        assert sum(got["all_gather"]) == traffic["all_gather"], mode
+        assert sum(got["reduce_scatter"]) == traffic["reduce_scatter"], mode
         u = unit_bytes(shape, torch.float64)
-        assert sorted(set(got["all_gather"])) == sorted({u.root_weights, u.layer_weights})
+        assert sorted(set(got["all_gather"])) == sorted({u.root_weights, u.layer_weights}), mode
+
+
+@pytest.mark.slow  # two gloo processes
+def test_sharded_gradients_clip_and_collectives_on_two_ranks(tmp_path):
+    """For params and grads-optim, dense and LoRA + sparse + per-layer checkpointing: the gathered fp64 gradients
+    equal one process over every rank's sequences; the clip's norm is the whole gradient's; FSDP2's collectives are
+    those the memory model counts. (One test: a module fixture would be run by each pytest-xdist worker.)"""
+    sharded = _sharded_run(tmp_path)
+    for mode, variant in SCENARIOS:
+        _check_gradients(sharded[(mode, variant)]["grads"], _reference(variant), (mode, variant))
+        _check_collectives(sharded[(mode, variant)]["collectives"], mode, variant)
+    _check_clip(sharded[("params", "plain")])
