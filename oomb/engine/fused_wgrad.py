@@ -22,6 +22,11 @@ patched weight's gradient never reaches autograd once ``.grad`` exists, so a
 ``torch.autograd.grad(...)`` or ``backward(inputs=...)`` that leaves the weight out still adds into
 its ``.grad``, and a hook registered on the weight after entry sees None; hooks present at entry
 exclude their layer.
+
+Under FSDP2 sharding (:mod:`oomb.engine.sharding`) the patched layers see the gathered (unsharded) weight FSDP2
+puts on the module for the forward, and add into its ``.grad``: FSDP2 reduce-scatters that ``.grad`` (``params``:
+after every chunk, so each chunk's first GEMM takes the default path; ``grads-optim``: once per step, so the
+GEMM sums the whole step in place).
 """
 
 from __future__ import annotations

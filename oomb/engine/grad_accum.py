@@ -14,6 +14,12 @@ rounded into ``.grad`` once, at the end of the step.
 Memory: 4 bytes per such parameter during the step instead of its gradient's 2 (bf16/fp16),
 e.g. +14.2 GiB for a 7.6B-parameter full fine-tune; nothing for float32 parameters (peft's LoRA
 adapters are float32) or frozen ones.
+
+Under FSDP2 sharding (:mod:`oomb.engine.sharding`) the accumulator is given the parameters' shards
+(``Sharding.parameters``, not ``model.parameters()``, which yields the gathered weight of a unit FSDP2 holds
+gathered, whose ``.grad`` FSDP2 must reduce): FSDP2 calls its hooks after each chunk's reduce-scatter
+(``params``), so the float32 sums are of 1/W of the gradient. With ``grads-optim`` FSDP2 keeps the unsharded
+sums in float32 itself (reduce dtype float32) and the engine does not use this class.
 """
 
 from __future__ import annotations
