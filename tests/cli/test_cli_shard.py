@@ -1,7 +1,7 @@
 """`oomb train --shard params|grads-optim` under torchrun with 2 gloo ranks (tiny preset): losses and final weights
-equal one process accumulating the same sequences (a full fine-tune; a LoRA adapter with sparse attention), a DCP
-checkpoint resumed equals the uninterrupted run, a refused resume, a failing rank (one launch for all); --shard in
-one process and the optimizers it refuses."""
+equal one process accumulating the same sequences (a full fine-tune; a LoRA adapter with sparse attention and
+offload), a DCP checkpoint resumed equals the uninterrupted run, a refused resume, a failing rank (one launch for
+all); --shard in one process and the optimizers it refuses."""
 
 from __future__ import annotations
 
@@ -18,9 +18,10 @@ from safetensors.torch import load_file
 from oomb.cli import main
 
 FAST = ["--seq-len", "64", "--chunk-size", "32", "--page-size", "16", "--no-progress"]
-# pages of 8 tokens: the second chunk of 32 keeps 3 (sink, local, 1 chosen) of its 4 past pages
+# pages of 8 tokens: the second chunk of 32 keeps 3 (sink, local, 1 chosen) of its 4 past pages; every page
+# offloaded (the CPU simulation of the host tier)
 SPARSE_LORA = ["--seq-len", "64", "--chunk-size", "32", "--page-size", "8", "--no-progress", "--lora-rank", "4",
-               "--sparse", "--page-budget", "1", "--local-pages", "1", "--lr", "1e-2", "--steps", "2"]
+               "--sparse", "--page-budget", "1", "--local-pages", "1", "--lr", "1e-2", "--steps", "2", "--offload", "on"]
 TEXT = (
     "It is a truth universally acknowledged, that a single man in possession of a good fortune, "
     "must be in want of a wife. However little known the feelings or views of such a man may be "
@@ -97,7 +98,7 @@ def test_torchrun_shard_modes_lora_sparse_resume_and_a_failing_rank(tmp_path, te
     err = res.stderr  # both ranks' lines (torchrun may join two ranks' lines into one)
 
     # One process accumulating the two ranks' sequences of each step: the full fine-tune (params) and the LoRA
-    # adapter with sparse attention (grads-optim).
+    # adapter with sparse attention and offload (grads-optim).
     assert run_cli([*dense, "--grad-accum", "2", "--output-dir", d / "one"]) == 0
     assert run_cli(["train", "--data", text_file, *SPARSE_LORA, "--grad-accum", "2", "--output-dir", d / "lora-one"]) == 0
     for mode, one, weights in (("params", "one", "model.safetensors"),
