@@ -242,12 +242,14 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
 
         state_dict = get_model_state_dict(model, options=StateDictOptions(
             full_state_dict=True, cpu_offload=True, ignore_frozen_params=args.lora_rank > 0))
-        # A tied weight (the output head of a model that ties it to the input embeddings) gathers as a copy of its
-        # own; the model's save writes it once, under the first name, as an unsharded model's save does.
-        first = {name for name, _ in model.named_parameters()}
-        for name, _ in model.named_parameters(remove_duplicate=False):
-            if name not in first:
-                state_dict.pop(name, None)
+        if args.lora_rank == 0:
+            # A tied weight (the output head of a model that ties it to the input embeddings) gathers as a copy of
+            # its own; the model is written with it once, under the first name, as an unsharded model's save does.
+            # (peft picks an adapter's tensors by name, tied or not.)
+            first = {name for name, _ in model.named_parameters()}
+            for name, _ in model.named_parameters(remove_duplicate=False):
+                if name not in first:
+                    state_dict.pop(name, None)
     if main_rank:
         train_args = {k: v for k, v in vars(args).items() if k not in ("command", "job") and not k.startswith("_")}
         train_args.update(oomb_version=_version(), num_tokens=int(sequences.stats.tokens), num_sequences=len(sequences), world_size=W)

@@ -19,9 +19,10 @@ from oomb.cli import main
 
 FAST = ["--seq-len", "64", "--chunk-size", "32", "--page-size", "16", "--no-progress"]
 # pages of 8 tokens: the second chunk of 32 keeps 3 (sink, local, 1 chosen) of its 4 past pages; every page
-# offloaded (the CPU simulation of the host tier)
+# offloaded (the CPU simulation of the host tier); the adapter also trains the (tied) embeddings and the norms
 SPARSE_LORA = ["--seq-len", "64", "--chunk-size", "32", "--page-size", "8", "--no-progress", "--lora-rank", "4",
-               "--sparse", "--page-budget", "1", "--local-pages", "1", "--lr", "1e-2", "--steps", "2", "--offload", "on"]
+               "--train-embeddings-norms", "--sparse", "--page-budget", "1", "--local-pages", "1", "--lr", "1e-2",
+               "--steps", "2", "--offload", "on"]
 TEXT = (
     "It is a truth universally acknowledged, that a single man in possession of a good fortune, "
     "must be in want of a wife. However little known the feelings or views of such a man may be "
