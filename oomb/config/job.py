@@ -270,8 +270,8 @@ class OutputConfig:
     """Continue the run in the output dir from its latest checkpoint ('latest') or from the checkpoint folder
     PATH (a checkpoint of another folder only into a new or empty output dir; that folder is left as it is). The
     model, seq_len, data, tokenizer, seed, LoRA settings, grad_accum, dtype, document_mask, RoPE settings,
-    weight_decay, optimizer, sparse attention and its options (with it also chunk_size and page_size) and the
-    number of ranks must be those of the run; steps, lr, the schedule and max_grad_norm may change."""
+    weight_decay, optimizer, sparse attention and its options (with it also chunk_size and page_size), the
+    number of ranks and shard must be those of the run; steps, lr, the schedule and max_grad_norm may change."""
 
     log_every: int = 1
     """Print a loss line every N steps (log.jsonl gets every step)."""
