@@ -221,7 +221,7 @@ _FLAG_NAMES = [
     ("pass depths in percent", "pass --depths in percent"),
 ]
 _PARAM_FLAGS = ("offload_segment_pages", "gpu_page_budget", "checkpoint_layers", "seq_len", "chunk_size", "page_size",
-                "page_budget", "sink_pages", "local_pages", "lora_rank", "rope_theta")
+                "page_budget", "sink_pages", "local_pages", "lora_rank", "rope_theta", "train_embeddings_norms")
 
 
 def _flag_names(text: str) -> str:
@@ -231,7 +231,7 @@ def _flag_names(text: str) -> str:
     for old, new in _FLAG_NAMES:
         text = text.replace(old, new)
     text = re.sub(r"\boptimizer='([\w-]+)'", r"--optimizer \1", text)
-    text = re.sub(r"\bshard='([\w-]+)'", r"--shard \1", text)
+    text = re.sub(r"\b(shard|dtype)='([\w-]+)'", r"--\1 \2", text)
     return re.sub(r"(?<![\w/.-])(" + "|".join(_PARAM_FLAGS) + r")(?![\w/-]|\.\w)", lambda m: "--" + m.group(1).replace("_", "-"), text)
 
 

@@ -10,9 +10,9 @@ around them (the root: input embeddings, final norm, output head, tied or not), 
   gathered at a chunk's peak, the start of its backward, anyway: the root holds the loss head, the last
   layer's backward follows its forward), and the first layer stays gathered from a chunk's backward, its
   last use, into the next chunk's forward, its next one: no peak memory for fewer gathers. Each layer
-  prefetches the next one in the forward
-  (``set_modules_to_forward_prefetch``); the backward prefetches in reverse order (FSDP2's default). Gradients
-  are reduce-scattered after every chunk's backward, so no full-size gradient exists.
+  prefetches the next one in the forward (``set_modules_to_forward_prefetch``); the backward prefetches in
+  reverse order (FSDP2's default). Gradients are reduce-scattered after every chunk's backward, so no
+  full-size gradient exists.
 * ``"grads-optim"`` (ZeRO-2-like): every layer is all-gathered once per optimizer step (at its first use) and
   kept through the step (``reshard_after_forward=False``, ``reshard_after_backward=False``); gradients are
   summed unsharded over all chunks and sequences of the step and reduce-scattered once, at the step's last
@@ -140,7 +140,7 @@ def _check_uniform_grad_dtypes(units: list[torch.nn.Module]) -> None:
             raise ValueError(
                 f"a sharded layer trains parameters of two dtypes ({names}: float32 LoRA adapters beside model-dtype "
                 "copies of the norms or embeddings), and FSDP2 reduce-scatters one dtype per layer; train in float32 "
-                "(dtype float32), leave out train_embeddings_norms, or use shard none")
+                "(dtype='float32'), leave out train_embeddings_norms, or use shard='none'")
 
 
 def shard_model(model: torch.nn.Module, mode: str, *, device: torch.device | str | None = None,

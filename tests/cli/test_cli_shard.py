@@ -85,6 +85,8 @@ def test_torchrun_shard_modes_lora_sparse_resume_and_a_failing_rank(tmp_path, te
                         "--output-dir", d / "grads-optim"],
         "resumed": [*dense, "--shard", "params", "--resume", first, "--output-dir", d / "resumed"],
         "refused": [*dense, "--shard", "grads-optim", "--resume", first, "--output-dir", d / "refused"],
+        "two-dtypes": [*dense, "--dtype", "bfloat16", "--lora-rank", "4", "--train-embeddings-norms", "--shard",
+                       "params", "--output-dir", d / "two-dtypes"],
         "failing": ["train", "--data", bad, "--document-mask", "--seq-len", "16", "--chunk-size", "16",
                     "--page-size", "16", "--steps", "2", "--no-progress", "--shard", "params", "--output-dir",
                     d / "failing"],
@@ -95,7 +97,8 @@ def test_torchrun_shard_modes_lora_sparse_resume_and_a_failing_rank(tmp_path, te
     res = _torchrun(target)
     assert res.returncode == 0, res.stderr[-3000:]
     statuses = dict(zip(commands, json.loads((d / "statuses.json").read_text())))
-    assert statuses == {"params": 0, "grads-optim": 0, "resumed": 0, "refused": 2, "failing": 1}, res.stderr[-3000:]
+    assert statuses == {"params": 0, "grads-optim": 0, "resumed": 0, "refused": 2, "two-dtypes": 2, "failing": 1}, \
+        res.stderr[-3000:]
     err = res.stderr  # both ranks' lines (torchrun may join two ranks' lines into one)
 
     # One process accumulating the two ranks' sequences of each step: the full fine-tune (params) and the LoRA
@@ -123,10 +126,13 @@ def test_torchrun_shard_modes_lora_sparse_resume_and_a_failing_rank(tmp_path, te
     assert err.count("oomb: error: --resume:") == 2, err[-3000:]
     assert err.count("was trained with --shard params but this command has --shard grads-optim") == 2
     assert not (d / "refused").exists()
+    # bf16 weights with float32 LoRA adapters and bf16 copies of the norms in one layer: FSDP2 reduces one dtype
+    assert err.count("oomb: error: a sharded layer trains parameters of two dtypes (bfloat16 and float32") == 2
+    assert err.count("train in float32 (--dtype float32), leave out --train-embeddings-norms, or use --shard none") == 2
     # A rank without a target stops both ranks, each with one line, before the step's collectives begin.
     assert err.count("oomb: error: step 1 failed: every label is -100") == 1, err[-3000:]
     assert err.count("oomb: error: step 1: another rank failed") == 1
-    assert err.count("oomb: error:") == 4
+    assert err.count("oomb: error:") == 6
     assert not (d / "failing" / "model.safetensors").exists()
 
 
