@@ -26,13 +26,11 @@ Estimates on an H200 (summary.json: dense 256K 2,151 tok/s = 122 s/step; sparse 
 pins ~77 GiB in ~50 s): setup of a length ~60-90 s (model init, KV store, torchao's compile at the first step:
 tens of seconds), (a) ~370 s per optimizer (3 x 122 s), ~1,500 s for all four; (b) ~950 s. A 600-second call
 holds the setup and ~4 steps of 256K (one optimizer plus one step of a second), or setup + 1 step of 1M.
-For longer runs start it detached and collect the rows in a later call, e.g.::
+For longer runs start it detached and collect the rows in later calls (benchmarks/detach.sh), e.g.::
 
-    setsid nohup python3 benchmarks/full_finetune.py --budget-s 1700 --out /tmp/ff/rows.jsonl \\
-        --only 1048576:sparse:adamw8bit 262144:dense:adamw,adamw8bit > /tmp/ff/log.txt 2>&1 &
-    sleep 570; cp /tmp/ff/* $OUT/
-    # then, in the next calls (a machine lost between calls comes back bare: stop at once, not after the sleep):
-    [ -d /tmp/ff ] || { echo machine lost; exit 3; }; sleep 570; cp /tmp/ff/* $OUT/
+    benchmarks/detach.sh start ff benchmarks/run_gpu.sh finetune --budget-s 1700 \\
+        --only 1048576:sparse:adamw8bit 262144:dense:adamw,adamw8bit
+    benchmarks/detach.sh collect ff 560        # in this call and the next ones, until it says the run ended
 """
 from __future__ import annotations
 
