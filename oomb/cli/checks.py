@@ -198,14 +198,15 @@ def _check_backend_device(args: argparse.Namespace) -> None:
 
 
 def _resolve_device_dtype(args: argparse.Namespace):
+    """(torch device, torch dtype) of a command that runs a model: --dtype resolved for --device by
+    :func:`oomb.config.resolve_dtype` (as ``oomb plan`` resolves it). Refuses --device cuda without a CUDA GPU."""
     import torch
+
+    from ..config import resolve_dtype
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was given but no CUDA GPU is available to PyTorch", "pass --device cpu, or install a CUDA build of torch")
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype)
-    if dtype is None:
-        dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    return torch.device(args.device), dtype
+    return torch.device(args.device), getattr(torch, resolve_dtype(args.dtype, args.device))
 
 
 _FLAG_NAMES = [

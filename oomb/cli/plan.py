@@ -67,6 +67,7 @@ def _plan(args: argparse.Namespace) -> int:
     beyond the model's max_position_embeddings is warned about on stderr (as ``oomb train`` does)."""
     _check_offload_flags(args)
     try:
+        from ..config import resolve_dtype
         from ..models.limits import context_length_warning, lora_rank_problem
         from ..models.presets import load_config
 
@@ -80,8 +81,7 @@ def _plan(args: argparse.Namespace) -> int:
         warning = context_length_warning(config, args.seq_len, args.model)
         if warning:
             print(warning, file=sys.stderr)
-        dtype = "bfloat16" if args.dtype == "auto" else args.dtype  # 'auto' is bfloat16 on a GPU, what a plan is for
-        p = job_plan(args, dtype, optimizer=None if args.no_optimizer else "job", machine=machine)
+        p = job_plan(args, resolve_dtype(args.dtype, args.device), optimizer=None if args.no_optimizer else "job", machine=machine)
     except ValueError as exc:  # MemoryPlanError, UnknownModelError, UnsupportedModelError
         raise _usage_from(exc, "see 'oomb plan --help'") from exc
     print(_flag_names(p.table()))  # the planner speaks in config fields; the command line in flags
