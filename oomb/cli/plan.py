@@ -38,6 +38,14 @@ def job_plan(args: argparse.Namespace, dtype, optimizer: str | None = "job", mac
                            optimizer=optimizer, machine=machine)
 
 
+def _refuse_bad_setting(p) -> None:
+    """Refuse the plan ``p`` as bad input (exit status 2) where its settings fit no machine
+    (:attr:`oomb.planner.MemoryPlan.bad_setting`: a --gpu-page-budget below the smallest pool the run stages
+    through): ``oomb plan`` and ``oomb train`` alike, where a run too large for the machine is plan's exit 1."""
+    if p.bad_setting:
+        raise _usage_from(ValueError(p.bad_setting), "see 'oomb plan --help'")
+
+
 def _machine(args: argparse.Namespace):
     """The machine to plan for: this one, or the GPU memory and host RAM of --gpu-gib / --host-gib.
 
@@ -63,8 +71,9 @@ def _machine(args: argparse.Namespace):
 
 
 def _plan(args: argparse.Namespace) -> int:
-    """``oomb plan``: print the predicted memory of a run; 0 if it fits, 1 if not, 2 on bad input. A --seq-len
-    beyond the model's max_position_embeddings is warned about on stderr (as ``oomb train`` does)."""
+    """``oomb plan``: print the predicted memory of a run; 0 if it fits, 1 if not, 2 on bad input (a setting that
+    fits no machine included: one line, no table). A --seq-len beyond the model's max_position_embeddings is warned
+    about on stderr (as ``oomb train`` does)."""
     _check_offload_flags(args)
     try:
         from ..config import resolve_dtype
@@ -84,6 +93,7 @@ def _plan(args: argparse.Namespace) -> int:
         p = job_plan(args, resolve_dtype(args.dtype, args.device), optimizer=None if args.no_optimizer else "job", machine=machine)
     except ValueError as exc:  # MemoryPlanError, UnknownModelError, UnsupportedModelError
         raise _usage_from(exc, "see 'oomb plan --help'") from exc
+    _refuse_bad_setting(p)
     print(_flag_names(p.table()))  # the planner speaks in config fields; the command line in flags
     if p.fits:  # a refused plan has said what is wrong with the budget already
         offloads = bool(p.tiering.offload)

@@ -111,10 +111,11 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
     cfg = args.job.engine
     if device.type == "cuda":
         # Predict the GPU and host memory of the run before allocating anything (docs/design.md §4 sizes).
-        from .plan import job_plan
+        from .plan import _refuse_bad_setting, job_plan
 
         try:
             plan = job_plan(args, dtype)
+            _refuse_bad_setting(plan)  # in oomb plan's words
             plan.check()
         except ValueError as exc:
             raise _usage_from(exc, "see 'oomb plan' for what fits") from exc
