@@ -166,7 +166,7 @@ class MemoryPlan:
             *([f"  {'attention outputs (save_attention=host)':<40}{g(self.saved_attention_host)}"]
               if self.saved_attention_host else []),
             *([f"  {'optimizer: states + pinned copies':<40}{g(self.optimizer_host)}"] if self.optimizer_host else []),
-            f"  {f'budget ({self.host_fraction:.0%} of available RAM)':<40}{g(self.host_budget)}",
+            f"  {f'budget ({self.host_fraction:.0%} of {self.machine.host_name})':<40}{g(self.host_budget)}",
             "",
             f"tiering: {self._tiering_label()}",
         ]

@@ -67,7 +67,8 @@ def _machine(args: argparse.Namespace):
         print(f"oomb: note: --host-gib not given, so the host budget comes from this machine's available RAM "
               f"({host / GiB:.1f} GiB); pass --host-gib H for the machine you plan for", file=sys.stderr)
     return Machine(gpu, max(gpu, machine.gpu_total_bytes if args.gpu_gib is None else gpu), host,
-                   max(host, machine.host_total_bytes), "given" if args.gpu_gib is not None else machine.gpu_name)
+                   max(host, machine.host_total_bytes), "given" if args.gpu_gib is not None else machine.gpu_name,
+                   f"--host-gib {args.host_gib:g}" if args.host_gib is not None else machine.host_name)
 
 
 def _plan(args: argparse.Namespace) -> int:

@@ -1172,6 +1172,23 @@ def test_plan_notes_whose_host_ram_it_uses_without_host_gib(capsys):
     assert "--host-gib not given" not in capsys.readouterr().err
 
 
+def test_plan_host_budget_line_says_where_the_budget_comes_from(capsys, monkeypatch):
+    """The host budget row names its source: 75% of --host-gib H where it was given, else of this machine's
+    available RAM (the GPU row likewise says 'given' for --gpu-gib)."""
+    from oomb.planner import Machine
+
+    monkeypatch.setattr(Machine, "detect", classmethod(lambda cls, device=None: Machine(0, 0, 64 << 30, 64 << 30, "no GPU")))
+    base = ["plan", "--device", "cuda", "--model", "tiny", "--seq-len", "4096", "--chunk-size", "512", "--gpu-gib", "8"]
+
+    def host_row(extra):
+        assert run_cli([*base, *extra]) == 0
+        return next(line.split() for line in capsys.readouterr().out.splitlines() if line.strip().startswith("budget (75%"))
+
+    assert host_row(["--host-gib", "120"]) == ["budget", "(75%", "of", "--host-gib", "120)", "90.00"]
+    assert host_row(["--host-gib", "0.5"]) == ["budget", "(75%", "of", "--host-gib", "0.5)", "0.38"]
+    assert host_row([]) == ["budget", "(75%", "of", "available", "RAM)", "48.00"]
+
+
 def test_plan_refusals_name_fixes_that_apply(capsys):
     """A refused plan named --checkpoint-layers with it given, never named the user's own too-small
     --gpu-page-budget when that was what overflowed the host tier, and offered only memory flags for a context far
