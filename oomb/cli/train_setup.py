@@ -22,7 +22,7 @@ from .checks import (
 )
 from .inputs import _training_data, _vocab_size
 from .errors import UsageError, _one_line
-from .output import _broken_latest_pointer, _saved_model_of
+from .output import _broken_latest_pointer, _replaced_run_resume, _saved_model_of
 from .resume import (
     _check_resume_fingerprint,
     _check_resume_settings,
@@ -189,6 +189,9 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         ckpt_root = out / "checkpoints"
         path = find_latest(ckpt_root) if args.resume == "latest" else Path(args.resume).expanduser()
         if path is None:
+            replaced = _replaced_run_resume(out)
+            if replaced is not None:
+                raise UsageError(f"--resume latest: {ckpt_root} holds no complete checkpoint: {replaced[0]}", replaced[1])
             raise UsageError(f"--resume latest: {ckpt_root} holds no complete checkpoint", "start without --resume (with --overwrite)")
         if not path.is_dir():
             latest = find_latest(ckpt_root) if ckpt_root.is_dir() else None

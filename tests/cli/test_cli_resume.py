@@ -379,6 +379,40 @@ def test_resume_from_another_folder_never_touches_either_run(tmp_path, text_file
     assert _files(a) == before
 
 
+@pytest.mark.parametrize("partial", [False, True])
+def test_resume_latest_after_an_unfinished_overwrite_names_the_replaced_run(tmp_path, text_file, capsys, monkeypatch,
+                                                                            partial):
+    """--overwrite moves the earlier run to DIR/.oomb-replaced; where the new run stops before its first checkpoint,
+    --resume latest says where the earlier run's checkpoint is and the command that continues it (exit 2, one
+    line, nothing touched), and that command continues it."""
+    from oomb.train import Trainer
+
+    out = tmp_path / "run"
+    argv = ["train", "--data", text_file, *FAST, "--output-dir", out]
+    assert run_cli([*argv, "--steps", "2"]) == 0
+
+    def killed(self, *args, **kwargs):
+        raise KeyboardInterrupt  # as a kill in the first step would: no checkpoint written
+
+    monkeypatch.setattr(Trainer, "step", killed)
+    assert run_cli([*argv, "--steps", "2", "--overwrite"]) == 130
+    monkeypatch.undo()
+    if partial:  # a checkpoint cut short (no meta.json): not a complete one
+        (out / "checkpoints" / "step-00000001").mkdir(parents=True)
+    capsys.readouterr()
+    ckpt = out / ".oomb-replaced" / "checkpoints" / "step-00000002"
+    before = _files(out)
+    assert run_cli([*argv, "--steps", "3", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("oomb: error: --resume latest: "), err
+    assert f"the run it replaced is in {out / '.oomb-replaced'} (its last checkpoint: step-00000002)" in err, err
+    assert f"continue that run with --resume {ckpt} --output-dir NEW_DIR" in err, err
+    assert _files(out) == before
+    new = tmp_path / "new"
+    assert run_cli([*argv[:-1], new, "--steps", "3", "--resume", ckpt]) == 0
+    assert [s for s, _ in losses(new)] == [3] and _files(out) == before
+
+
 def test_a_signal_during_grad_accum_stops_at_the_sequence_boundary(tmp_path, text_file, capsys, monkeypatch):
     """SIGINT in the middle of a --grad-accum step stops before the step's next sequence (not after all of them),
     saves the checkpoint of the step before, and --resume re-runs the interrupted step: the same losses as an
