@@ -51,18 +51,39 @@ def _store_summary(store, seq_len: int, page_size: int, seconds: float) -> str:
             f"{'pinned ' if dev == 'cuda' else ''}host memory (allocated once, in {seconds:.1f} s)")
 
 
+def _resume_checkpoint(args: argparse.Namespace, out: Path, dtype, world_size: int) -> tuple[Path, list[str]]:
+    """The checkpoint --resume names, checked against every fingerprint fact but the data (read later) and the
+    settings that must match: (its folder, notes on harmless differences). Refuses a missing or foreign one."""
+    from ..checkpoint import find_latest, read_settings
+
+    ckpt_root = out / "checkpoints"
+    path = find_latest(ckpt_root) if args.resume == "latest" else Path(args.resume).expanduser()
+    if path is None:
+        replaced = _replaced_run_resume(out)
+        if replaced is not None:
+            raise UsageError(f"--resume latest: {ckpt_root} holds no complete checkpoint: {replaced[0]}", replaced[1])
+        raise UsageError(f"--resume latest: {ckpt_root} holds no complete checkpoint", "start without --resume (with --overwrite)")
+    if not path.is_dir():
+        latest = find_latest(ckpt_root) if ckpt_root.is_dir() else None
+        raise UsageError(f"--resume {args.resume}: {path} is not a checkpoint folder",
+                         "pass 'latest' or a checkpoint folder" + (f" such as {latest}" if latest is not None else
+                                                                   f" (step-NNNNNNNN under {ckpt_root})"))
+    saved = read_settings(path, "fingerprint")
+    if saved is not None:
+        saved = {k: v for k, v in saved.items() if k != "data_sha256"}
+    _check_resume_fingerprint(saved, _fingerprint(args, None, dtype, world_size), path)
+    notes = _check_resume_settings(args, read_settings(path), path)
+    if args.resume == "latest":
+        notes += _broken_latest_pointer(ckpt_root, path)
+    return path, notes
+
+
 def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
     """Every check, the model, engine and optimizer, and the checkpoint to resume from: nothing written yet."""
     import torch
 
     from .. import Engine, UnsupportedModelError
-    from ..checkpoint import (
-        CheckpointError,
-        find_latest,
-        load_checkpoint,
-        read_settings,
-        set_rng_state,
-    )
+    from ..checkpoint import CheckpointError, load_checkpoint, read_settings, set_rng_state
     from ..models.presets import (
         PRESETS,
         UnknownModelError,
@@ -71,7 +92,14 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         load_config,
     )
 
+    if args.resume is not None:
+        # What the flags alone say of the checkpoint's run, before the data, model and store are checked: a
+        # --seq-len (or any fingerprint fact) other than the checkpoint's is the problem to name, not what it breaks.
+        path, notes = _resume_checkpoint(args, out, dtype, ctx.world_size)
     tokenizer, sequences = _training_data(args)
+    fingerprint = _fingerprint(args, sequences, dtype, ctx.world_size)
+    if args.resume is not None:
+        _check_resume_fingerprint(read_settings(path, "fingerprint"), fingerprint, path)  # the data's digest too
 
     # The model's config is checked before any weight is read or initialised.
     try:
@@ -182,26 +210,9 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(args.optimizer, params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95),
                                 device=device)
-    fingerprint = _fingerprint(args, sequences, dtype, ctx.world_size)
 
     start_step, finished = 0, False
     if args.resume is not None:
-        ckpt_root = out / "checkpoints"
-        path = find_latest(ckpt_root) if args.resume == "latest" else Path(args.resume).expanduser()
-        if path is None:
-            replaced = _replaced_run_resume(out)
-            if replaced is not None:
-                raise UsageError(f"--resume latest: {ckpt_root} holds no complete checkpoint: {replaced[0]}", replaced[1])
-            raise UsageError(f"--resume latest: {ckpt_root} holds no complete checkpoint", "start without --resume (with --overwrite)")
-        if not path.is_dir():
-            latest = find_latest(ckpt_root) if ckpt_root.is_dir() else None
-            raise UsageError(f"--resume {args.resume}: {path} is not a checkpoint folder",
-                             "pass 'latest' or a checkpoint folder" + (f" such as {latest}" if latest is not None else
-                                                                       f" (step-NNNNNNNN under {ckpt_root})"))
-        _check_resume_fingerprint(read_settings(path, "fingerprint"), fingerprint, path)
-        notes = _check_resume_settings(args, read_settings(path), path)
-        if args.resume == "latest":
-            notes += _broken_latest_pointer(ckpt_root, path)
         try:
             start_step, extra = load_checkpoint(path, model, optimizer, None, fingerprint)
         except CheckpointError as exc:

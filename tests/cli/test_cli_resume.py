@@ -117,6 +117,20 @@ def test_resume_refuses_other_settings_and_corrupt_checkpoints(tmp_path, text_fi
     assert err.count("\n") == 1 and "meta.json" in err
 
 
+def test_resume_names_the_other_seq_len_before_what_it_breaks(tmp_path, text_file, capsys):
+    """--resume with a --seq-len other than the checkpoint's is refused for that mismatch first, not for what the
+    other length breaks (a --gpu-page-budget too small for it, data shorter than it): exit 2, one line."""
+    out = tmp_path / "run"
+    argv = ["train", "--data", text_file, *FAST, "--steps", "2", "--output-dir", out, "--offload", "on",
+            "--gpu-page-budget", "8"]  # 8 pages: two staging buffers of the 4 pages of a 64-token layer
+    assert run_cli(argv) == 0
+    capsys.readouterr()
+    for seq_len in ("128", "4096"):  # 128: the budget is too small for it; 4096: the data too
+        assert run_cli([*argv, "--resume", "latest", "--seq-len", seq_len]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"is a checkpoint of another run (--seq-len 64 there, {seq_len} here)" in err, err
+
+
 @pytest.mark.parametrize("meta", ["[1, 2]", "no-step"])
 def test_resume_from_a_damaged_meta_json_exits_2_with_one_line(tmp_path, text_file, capsys, meta):
     out = tmp_path / "run"
