@@ -70,7 +70,7 @@ def _check_lora_targets(model_config, args: argparse.Namespace) -> None:
 
 
 def _check_offload_flags(args: argparse.Namespace) -> None:
-    """--offload-segment-pages with --sparse is not used (train and plan): a warning."""
+    """--offload-segment-pages with --sparse is not used: a warning (train and plan, once every refusal is behind)."""
     if args.offload_segment_pages is not None and getattr(args, "sparse", False):
         warnings.warn("--offload-segment-pages is not used with --sparse: sparse attention reads the past through one "
                       "block table, so offload stages whole layers (leave the flag out)", stacklevel=2)
@@ -179,7 +179,6 @@ def _warn_if_sparse_is_dense(args: argparse.Namespace) -> None:
 def _check_sizes(args: argparse.Namespace) -> None:
     """The checks of ``oomb train`` that need more than one section (the configuration checked each value)."""
     _check_backend_device(args)
-    _check_offload_flags(args)
     args.rope_scaling_dict = None
     if args.rope_scaling is not None:
         from ..models.rope import parse_rope_scaling

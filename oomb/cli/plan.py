@@ -47,7 +47,8 @@ def _refuse_bad_setting(p) -> None:
 
 
 def _machine(args: argparse.Namespace):
-    """The machine to plan for: this one, or the GPU memory and host RAM of --gpu-gib / --host-gib.
+    """(the machine to plan for, a note or None): this one, or the GPU memory and host RAM of --gpu-gib /
+    --host-gib; the note says where the host RAM comes from when it is this machine's and there is no GPU here.
 
     Raises:
         ValueError: without a visible CUDA GPU and without --gpu-gib (there is no GPU to plan for).
@@ -59,23 +60,23 @@ def _machine(args: argparse.Namespace):
         raise ValueError("no CUDA GPU is visible, so there is no GPU memory to plan for; pass --gpu-gib G and --host-gib H "
                          "(the free GPU memory and the available host RAM, in GiB, of the machine to plan for)")
     if args.gpu_gib is None and args.host_gib is None:
-        return machine
+        return machine, None
     gpu = int(args.gpu_gib * GiB) if args.gpu_gib is not None else machine.gpu_free_bytes
     host = int(args.host_gib * GiB) if args.host_gib is not None else machine.host_available_bytes
+    note = None
     if args.host_gib is None and machine.gpu_total_bytes == 0:
         # planning for another machine (no GPU here): this one's RAM is most likely not that machine's
-        print(f"oomb: note: --host-gib not given, so the host budget comes from this machine's available RAM "
-              f"({host / GiB:.1f} GiB); pass --host-gib H for the machine you plan for", file=sys.stderr)
+        note = (f"oomb: note: --host-gib not given, so the host budget comes from this machine's available RAM "
+                f"({host / GiB:.1f} GiB); pass --host-gib H for the machine you plan for")
     return Machine(gpu, max(gpu, machine.gpu_total_bytes if args.gpu_gib is None else gpu), host,
                    max(host, machine.host_total_bytes), "given" if args.gpu_gib is not None else machine.gpu_name,
-                   f"--host-gib {args.host_gib:g}" if args.host_gib is not None else machine.host_name)
+                   f"--host-gib {args.host_gib:g}" if args.host_gib is not None else machine.host_name), note
 
 
 def _plan(args: argparse.Namespace) -> int:
     """``oomb plan``: print the predicted memory of a run; 0 if it fits, 1 if not, 2 on bad input (a setting that
-    fits no machine included: one line, no table). A --seq-len beyond the model's max_position_embeddings is warned
-    about on stderr (as ``oomb train`` does)."""
-    _check_offload_flags(args)
+    fits no machine included: one line, no table, no note or warning). A --seq-len beyond the model's
+    max_position_embeddings is warned about on stderr (as ``oomb train`` does)."""
     try:
         from ..config import resolve_dtype
         from ..models.limits import context_length_warning, lora_rank_problem
@@ -87,14 +88,17 @@ def _plan(args: argparse.Namespace) -> int:
             raise ValueError("; ".join(lora_problem))
         if args.lora_rank:
             _check_lora_targets(config, args)
-        machine = _machine(args)
+        machine, note = _machine(args)
         warning = context_length_warning(config, args.seq_len, args.model)
-        if warning:
-            print(warning, file=sys.stderr)
         p = job_plan(args, resolve_dtype(args.dtype, args.device), optimizer=None if args.no_optimizer else "job", machine=machine)
     except ValueError as exc:  # MemoryPlanError, UnknownModelError, UnsupportedModelError
         raise _usage_from(exc, "see 'oomb plan --help'") from exc
     _refuse_bad_setting(p)
+    # every refusal is behind: a note or warning never comes with an error line
+    _check_offload_flags(args)
+    for line in (note, warning):
+        if line:
+            print(line, file=sys.stderr)
     print(_flag_names(p.table()))  # the planner speaks in config fields; the command line in flags
     if p.fits:  # a refused plan has said what is wrong with the budget already
         offloads = bool(p.tiering.offload)

@@ -11,6 +11,7 @@ from pathlib import Path
 from .checks import (
     _check_cpu_memory,
     _check_lora_targets,
+    _check_offload_flags,
     _check_vocab,
     _usage_from,
     _warn_if_adamw_rounds_bf16_updates,
@@ -147,7 +148,7 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
             plan.check()
         except ValueError as exc:
             raise _usage_from(exc, "see 'oomb plan' for what fits") from exc
-        _warn_if_offload_on_keeps_every_page(args, plan.tiering.offload, plan.shape.num_layers)
+        planned_offload = plan.tiering.offload
         settings = plan.engine_settings()
         if args.offload != "off" and args.gpu_page_budget is None:
             # The plan sizes the GPU page pool with the optimizer states counted; the engine alone would size
@@ -176,8 +177,6 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
     from ..models.limits import context_length_warning
 
     warning = context_length_warning(model.config, args.seq_len, args.model)  # after --rope-scaling, as oomb plan
-    if warning and ctx.is_main:
-        print(warning, file=sys.stderr)
 
     if args.lora_rank > 0:
         from ..models.lora import apply_lora
@@ -246,6 +245,11 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
             print(f"oomb: resuming from {path} (step {start_step})", file=sys.stderr)
         finished = start_step == args.steps and _saved_model_of(out, path, start_step)
     if ctx.is_main:  # after every refusal: a warning never comes with an error line
+        if warning:
+            print(warning, file=sys.stderr)
+        _check_offload_flags(args)
+        if device.type == "cuda":
+            _warn_if_offload_on_keeps_every_page(args, planned_offload, engine.num_layers)
         _warn_if_offload_moves_nothing(args, engine.num_layers)
         _warn_if_sparse_is_dense(args)
         _warn_if_gpu_saved_attention_on_cpu(args, device)

@@ -961,6 +961,23 @@ def test_oomb_warnings_are_one_line_and_sparse_ignores_segment_pages(tmp_path, t
     assert "\n--save-attention host (save_attention='host'): not kept (offload stages whole layers" in capsys.readouterr().out
 
 
+def test_a_refused_run_prints_its_error_line_and_no_warning_or_note(tmp_path, text_file, capsys, monkeypatch):
+    """Warnings and notes come once every refusal is behind: a train or plan refused as bad input prints its one
+    error line only, though its flags would be warned about (--offload-segment-pages with --sparse) or noted
+    (--host-gib not given on a machine without a GPU)."""
+    from oomb.planner import Machine
+
+    sizes = ["--seq-len", "128", "--chunk-size", "64", "--page-size", "32"]
+    warned = ["--sparse", "--offload", "on", "--offload-segment-pages", "2", "--gpu-page-budget", "3"]
+    _check_refused(run_cli(["train", "--data", text_file, "--output-dir", tmp_path / "run", "--steps", "1",
+                            "--no-progress", *sizes, *warned]), capsys, "--gpu-page-budget 3 pages is below")
+    monkeypatch.setattr(Machine, "detect", classmethod(lambda cls, device=None: Machine(0, 0, 8 << 30, 8 << 30, "no GPU")))
+    for extra in (warned, ["--offload", "on", "--gpu-page-budget", "3"]):
+        _check_refused(run_cli(["plan", "--device", "cuda", "--gpu-gib", "8", *sizes, *extra]), capsys,
+                       "--gpu-page-budget 3 pages is below")
+    assert not (tmp_path / "run").exists()
+
+
 def test_save_attention_gpu_on_the_cpu_says_where_the_outputs_are_kept(tmp_path, text_file, capsys):
     """`--save-attention gpu --device cpu` was accepted without a word: the run works, with the
     outputs in CPU memory (SavedAttention keeps them on the compute device), and one warning says so; 'host' on the
