@@ -101,7 +101,7 @@ class MemoryPlan:
     optimizer_name: str | None = "adamw"  # the optimizer planned for (None: no states)
     optimizer_host: int = 0  # host bytes of the optimizer (adamw-cpu), in the host budget before the KV pages
     optimizer_pinned: int = 0  # the pinned part of optimizer_host
-    bad_setting: str = ""  # why the settings fit no machine (a gpu_page_budget below the smallest pool); fits is then False
+    bad_setting: str = ""  # why the settings fit no machine (a gpu_page_budget below the smallest pool); fits: False
 
     @property
     def fits(self) -> bool:

@@ -211,8 +211,8 @@ def _resolve_device_dtype(args: argparse.Namespace):
 _FLAG_NAMES = [
     ("use LoRA, checkpoint_layers or a smaller chunk_size", "use --lora-rank, --checkpoint-layers or a smaller --chunk-size"),
     ("use a smaller chunk, LoRA or checkpoint_layers", "use a smaller --chunk-size, --lora-rank or --checkpoint-layers"),
-    ("use LoRA", "use --lora-rank"),
-    ("lower staging_sets", "lower --offload-staging-sets"),  # the planner's fixes without the flags a plan already has
+    ("use LoRA", "use --lora-rank"),  # the planner's fixes without the flags a plan already has
+    ("lower staging_sets", "lower --offload-staging-sets"),
     ("plan for one with plan(..., machine=Machine(...))",
      "plan for a GPU machine with --gpu-gib and --host-gib (its free GPU memory and available host RAM, in GiB)"),
     ("plan(..., machine=Machine(...))", "oomb plan --gpu-gib and --host-gib"),

@@ -82,7 +82,7 @@ def _build_base(recipe: dict):
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("the adapter's base is the random preset of a run on cuda, whose weights only a CUDA GPU "
                          "draws again", "run oomb merge on a machine with a CUDA GPU")
-    given = recipe["dtype"] if recipe["dtype"] in ("float32", "bfloat16") else "auto"  # another value: resolved as 'auto'
+    given = recipe["dtype"] if recipe["dtype"] in ("float32", "bfloat16") else "auto"  # anything else: as 'auto'
     dtype = getattr(torch, resolve_dtype(given, device))
     if recipe["model"] not in PRESETS and not os.path.isdir(recipe["model"]):
         raise UsageError(f"the adapter's base model folder {recipe['model']!r} does not exist",

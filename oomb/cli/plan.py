@@ -90,7 +90,8 @@ def _plan(args: argparse.Namespace) -> int:
             _check_lora_targets(config, args)
         machine, note = _machine(args)
         warning = context_length_warning(config, args.seq_len, args.model)
-        p = job_plan(args, resolve_dtype(args.dtype, args.device), optimizer=None if args.no_optimizer else "job", machine=machine)
+        p = job_plan(args, resolve_dtype(args.dtype, args.device), optimizer=None if args.no_optimizer else "job",
+                     machine=machine)
     except ValueError as exc:  # MemoryPlanError, UnknownModelError, UnsupportedModelError
         raise _usage_from(exc, "see 'oomb plan --help'") from exc
     _refuse_bad_setting(p)
