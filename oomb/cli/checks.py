@@ -69,6 +69,17 @@ def _check_lora_targets(model_config, args: argparse.Namespace) -> None:
                          f"{', '.join(exc.unknown)}", f"pass some of {', '.join(exc.available)}, or all-linear") from exc
 
 
+def _check_cpu_offload_sizes(args: argparse.Namespace) -> None:
+    """Refuse offload sizes (--gpu-page-budget, --offload-segment-pages) for a --device cpu run with --offload auto,
+    which never offloads there (train, and plan of the same run)."""
+    if args.device == "cuda" or args.offload != "auto":
+        return
+    for flag, value in (("--gpu-page-budget", args.gpu_page_budget), ("--offload-segment-pages", args.offload_segment_pages)):
+        if value is not None:
+            raise UsageError(f"{flag} sizes offload, which --offload auto never uses on the CPU",
+                             f"pass --offload on to run the offloaded store on the CPU, --device cuda, or leave {flag} out")
+
+
 def _check_offload_flags(args: argparse.Namespace) -> None:
     """--offload-segment-pages with --sparse is not used: a warning (train and plan, once every refusal is behind)."""
     if args.offload_segment_pages is not None and getattr(args, "sparse", False):

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .checks import (
     _check_cpu_memory,
+    _check_cpu_offload_sizes,
     _check_lora_targets,
     _check_offload_flags,
     _check_vocab,
@@ -130,11 +131,7 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         _check_lora_targets(model_config, args)
     if device.type != "cuda":
         _check_cpu_memory(args, model_config, dtype)
-    if device.type != "cuda" and args.offload == "auto":
-        for flag, value in (("--gpu-page-budget", args.gpu_page_budget), ("--offload-segment-pages", args.offload_segment_pages)):
-            if value is not None:
-                raise UsageError(f"{flag} sizes offload, which --offload auto never uses on the CPU",
-                                 f"pass --offload on to run the offloaded store on the CPU, or leave {flag} out")
+    _check_cpu_offload_sizes(args)
     from dataclasses import replace
 
     cfg = args.job.engine

@@ -661,6 +661,11 @@ def test_grad_error_attention_backend(tmp_path, text_file, capsys, monkeypatch):
     (["--offload", "off", "--gpu-page-budget", "5"], "--offload is off"),
     (["--gpu-page-budget", "0"], "--gpu-page-budget is 0"),
     (["--offload-segment-pages", "0"], "--offload-segment-pages is 0"),
+    # a --device cpu run (the default) with --offload auto never offloads: refused as train refuses it
+    (["--gpu-gib", "8", "--host-gib", "8", "--gpu-page-budget", "64"],
+     "--gpu-page-budget sizes offload, which --offload auto never uses on the CPU"),
+    (["--gpu-gib", "8", "--host-gib", "8", "--offload-segment-pages", "64"],
+     "--offload-segment-pages sizes offload, which --offload auto never uses on the CPU"),
 ])
 def test_plan_refuses_bad_machines_and_offload_flags(capsys, extra, fragment):
     _check_refused(run_cli(["plan", "--model", "tiny", "--seq-len", "4096", "--chunk-size", "512", *extra]), capsys, fragment)
