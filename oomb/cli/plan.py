@@ -10,6 +10,7 @@ import argparse
 import sys
 
 from .checks import (
+    _check_backend_device,
     _check_cpu_offload_sizes,
     _check_lora_targets,
     _check_offload_flags,
@@ -89,6 +90,7 @@ def _plan(args: argparse.Namespace) -> int:
             raise ValueError("; ".join(lora_problem))
         if args.lora_rank:
             _check_lora_targets(config, args)
+        _check_backend_device(args)  # the settings a --device cpu run refuses, as train refuses them
         _check_cpu_offload_sizes(args)
         machine, note = _machine(args)
         warning = context_length_warning(config, args.seq_len, args.model)

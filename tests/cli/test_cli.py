@@ -666,6 +666,7 @@ def test_grad_error_attention_backend(tmp_path, text_file, capsys, monkeypatch):
      "--gpu-page-budget sizes offload, which --offload auto never uses on the CPU"),
     (["--gpu-gib", "8", "--host-gib", "8", "--offload-segment-pages", "64"],
      "--offload-segment-pages sizes offload, which --offload auto never uses on the CPU"),
+    (["--gpu-gib", "8", "--host-gib", "8", "--attention-backend", "triton"], "--attention-backend triton runs on the GPU only"),
 ])
 def test_plan_refuses_bad_machines_and_offload_flags(capsys, extra, fragment):
     _check_refused(run_cli(["plan", "--model", "tiny", "--seq-len", "4096", "--chunk-size", "512", *extra]), capsys, fragment)
