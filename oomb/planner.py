@@ -30,6 +30,7 @@ from .memory import (
     choose_staging_sets,
     dtype_size,
     fit_tiering,
+    gpu_page_budget_problem,
     kv_stash_reserve_bytes,
     min_gpu_pages,
     offload_traffic,
@@ -100,6 +101,7 @@ class MemoryPlan:
     optimizer_name: str | None = "adamw"  # the optimizer planned for (None: no states)
     optimizer_host: int = 0  # host bytes of the optimizer (adamw-cpu), in the host budget before the KV pages
     optimizer_pinned: int = 0  # the pinned part of optimizer_host
+    bad_setting: str = ""  # why the settings fit no machine (a gpu_page_budget below the smallest pool); fits: False
 
     @property
     def fits(self) -> bool:
@@ -164,7 +166,7 @@ class MemoryPlan:
             *([f"  {'attention outputs (save_attention=host)':<40}{g(self.saved_attention_host)}"]
               if self.saved_attention_host else []),
             *([f"  {'optimizer: states + pinned copies':<40}{g(self.optimizer_host)}"] if self.optimizer_host else []),
-            f"  {f'budget ({self.host_fraction:.0%} of available RAM)':<40}{g(self.host_budget)}",
+            f"  {f'budget ({self.host_fraction:.0%} of {self.machine.host_name})':<40}{g(self.host_budget)}",
             "",
             f"tiering: {self._tiering_label()}",
         ]
@@ -366,6 +368,8 @@ def plan(
     SP = resolve_segment_pages(offload_segment_pages, page_size)
     gsize = 8 if dtype == torch.float64 else 4
     own_max = 0 if SP is None else 2 * 2 * chunk_size * shape.kv_dim * gsize  # two dK+dV buffers of one chunk
+    bad_setting = (gpu_page_budget_problem(L, -(-seq_len // page_size), gpu_page_budget, SP, staging_sets)
+                   if gpu_page_budget is not None and offload is not False else None) or ""
 
     def saved_for(T: int, save: str) -> dict[str, int]:
         return saved_attention_bytes(L, shape.num_heads, shape.head_dim, T, chunk_size, dtype_size(dtype), save)
@@ -562,7 +566,7 @@ def plan(
         save_attention=save, saved_attention_host=saved_for(seq_len, save)["host"], save_attention_note=save_note,
         grad_accum_dtype=grad_accum_dtype, kv_stash_reserved=kv_stash, layout_note=shown_note,
         gpu_page_budget=gpu_page_budget, tiering_found=tiering_found, optimizer_name=optimizer,
-        optimizer_host=opt.host, optimizer_pinned=opt.pinned,
+        optimizer_host=opt.host, optimizer_pinned=opt.pinned, bad_setting=bad_setting,
     )
 
 

@@ -108,9 +108,11 @@ _HELP = {
              "--local-pages": "with --budgets: latest past pages always attended; 0 allowed",
              "--sparse-score": "with --budgets: page score (mean key, or Quest's min/max bound)"},
     "merge": {"--output-dir": "where the merged model and tokenizer go: a new or empty folder"},
+    "plan": {"--device": "where the planned run runs, as in 'oomb train' (it sets what --dtype auto means: bfloat16 "
+                         "on cuda, float32 on cpu); a plan needs no GPU here"},
 }
 """Where a field's docstring reads wrong for one command (eval and grad-error make their own sparse runs; merge
-writes a model folder, not a training run's output)."""
+writes a model folder, not a training run's output; plan runs nothing)."""
 
 META_FLAGS = ("--help", "--version", "--config", "--print-config")
 """The only flags that are not configuration fields: they say what to do with the configuration."""

@@ -56,7 +56,7 @@ COMMANDS: dict[str, list[tuple[str, tuple[str, ...] | None]]] = {
         ("engine.offload", _ALL), ("engine.kernels", _ALL), ("train", _ALL), ("output", _ALL),
     ],
     "plan": [
-        ("model", ("name", "dtype", "lora_rank", "lora_targets", "train_embeddings_norms")), ("data", ("seq_len",)),
+        ("model", ("name", "device", "dtype", "lora_rank", "lora_targets", "train_embeddings_norms")), ("data", ("seq_len",)),
         ("engine", _ENGINE_CORE), ("engine.sparse", _ALL), ("engine.offload", _ALL), ("train", ("optimizer",)),
         ("plan", _ALL),
     ],

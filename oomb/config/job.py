@@ -18,7 +18,7 @@ from .meta import flag
 
 __all__ = [
     "BenchConfig", "DataConfig", "DataMakeConfig", "DataReportConfig", "EvalConfig", "GradErrorConfig", "JobConfig", "MergeConfig",
-    "ModelConfig", "OPTIMIZERS", "OutputConfig", "PlanConfig", "TrainConfig", "SEED_LIMIT",
+    "ModelConfig", "OPTIMIZERS", "OutputConfig", "PlanConfig", "TrainConfig", "SEED_LIMIT", "resolve_dtype",
 ]
 
 SEED_LIMIT = 2**32
@@ -29,6 +29,16 @@ Optimizer = Literal["adamw", "adamw8bit", "adamw-bf16", "adamw-cpu"]
 OPTIMIZERS = ("adamw", "adamw8bit", "adamw-bf16", "adamw-cpu")
 """The optimizers ``train.optimizer`` names (:func:`oomb.train.optim.build_optimizer` builds them)."""
 Dtype = Literal["auto", "float32", "bfloat16"]
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """The parameter dtype of a run whose ``model.dtype`` is ``dtype`` on ``device`` ('cpu' or 'cuda'), as
+    ``ModelConfig.dtype`` documents it: 'float32' or 'bfloat16' as given; 'auto' is 'bfloat16' on 'cuda' and
+    'float32' on 'cpu'. The one rule of every command (train, plan, eval, grad-error, bench, merge): a plan of a
+    run counts the bytes the run allocates. Needs no GPU (a plan for a CUDA run is made anywhere)."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device == "cuda" else "float32"
 
 
 def _in(section: str):

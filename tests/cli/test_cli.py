@@ -130,10 +130,10 @@ def test_offloaded_kv_store_gives_the_same_losses(tmp_path, text_file, capsys):
 
 
 def test_plan_subcommand(capsys):
-    status = run_cli(["plan", "--model", "qwen2.5-7b", "--seq-len", "65536", "--gpu-gib", "139", "--host-gib", "120", "--checkpoint-layers"])
+    status = run_cli(["plan", "--device", "cuda", "--model", "qwen2.5-7b", "--seq-len", "65536", "--gpu-gib", "139", "--host-gib", "120", "--checkpoint-layers"])
     assert status == 0
     assert "predicted peak" in capsys.readouterr().out
-    assert run_cli(["plan", "--model", "qwen2.5-7b", "--seq-len", str(1 << 23), "--gpu-gib", "80", "--host-gib", "64"]) == 1
+    assert run_cli(["plan", "--device", "cuda", "--model", "qwen2.5-7b", "--seq-len", str(1 << 23), "--gpu-gib", "80", "--host-gib", "64"]) == 1
     assert "DOES NOT FIT" in capsys.readouterr().out
     _check_refused(run_cli(["plan", "--model", "gpt-17"]), capsys, "unknown model")
     _check_refused(run_cli(["plan", "--seq-len", "0"]), capsys, "--seq-len is 0")
@@ -252,7 +252,7 @@ def _bad_inputs(tmp_path, text_file):
         ("not an integer", ["--data", text_file, "--seq-len", "ten"], "invalid int value"),
         ("unknown preset", ["--data", text_file, "--model", "gpt-17"], "unknown model 'gpt-17'"),
         ("missing tokenizer", ["--data", text_file, "--tokenizer", tmp_path / "no-tok"], "tokenizer folder"),
-        ("page budget too small", ["--data", text_file, "--offload", "on", "--gpu-page-budget", "3"], "page budget of 3 pages"),
+        ("page budget too small", ["--data", text_file, "--offload", "on", "--gpu-page-budget", "3"], "--gpu-page-budget 3 pages is below the 8 pages"),
         ("page budget without offload", ["--data", text_file, "--offload", "off", "--gpu-page-budget", "64"], "--offload is off"),
         ("zero page budget", ["--data", text_file, "--gpu-page-budget", "0"], "--gpu-page-budget is 0"),
         ("page budget on the cpu with auto offload", ["--data", text_file, "--gpu-page-budget", "64"],
@@ -275,6 +275,7 @@ def _check_refused(status, capsys, fragment):
     assert lines[0].startswith("oomb: error: ") and "; " in lines[0], lines[0]
     assert fragment in lines[0], lines[0]
     assert "Traceback" not in err
+    return lines[0]
 
 
 def test_every_bad_input_exits_2_with_one_line_and_touches_nothing(tmp_path, text_file, capsys):
@@ -660,6 +661,12 @@ def test_grad_error_attention_backend(tmp_path, text_file, capsys, monkeypatch):
     (["--offload", "off", "--gpu-page-budget", "5"], "--offload is off"),
     (["--gpu-page-budget", "0"], "--gpu-page-budget is 0"),
     (["--offload-segment-pages", "0"], "--offload-segment-pages is 0"),
+    # a --device cpu run (the default) with --offload auto never offloads: refused as train refuses it
+    (["--gpu-gib", "8", "--host-gib", "8", "--gpu-page-budget", "64"],
+     "--gpu-page-budget sizes offload, which --offload auto never uses on the CPU"),
+    (["--gpu-gib", "8", "--host-gib", "8", "--offload-segment-pages", "64"],
+     "--offload-segment-pages sizes offload, which --offload auto never uses on the CPU"),
+    (["--gpu-gib", "8", "--host-gib", "8", "--attention-backend", "triton"], "--attention-backend triton runs on the GPU only"),
 ])
 def test_plan_refuses_bad_machines_and_offload_flags(capsys, extra, fragment):
     _check_refused(run_cli(["plan", "--model", "tiny", "--seq-len", "4096", "--chunk-size", "512", *extra]), capsys, fragment)
@@ -696,7 +703,7 @@ def test_cli_errors_name_flags_not_python_names(tmp_path, text_file, capsys):
 
 
 def test_plan_advice_names_flags(capsys):
-    assert run_cli(["plan", "--model", "qwen2.5-7b", "--gpu-gib", "8", "--host-gib", "64"]) == 1
+    assert run_cli(["plan", "--device", "cuda", "--model", "qwen2.5-7b", "--gpu-gib", "8", "--host-gib", "64"]) == 1
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "--lora-rank, --checkpoint-layers or a smaller --chunk-size" in out
     assert "checkpoint_layers" not in out and "chunk_size" not in out
@@ -716,16 +723,44 @@ def test_plan_messages_speak_to_cli_users(capsys, monkeypatch):
     """What `oomb plan` prints when a run does not fit names flags, not Python (`offload='auto' or True`), blames
     the right thing, and says how to plan without a GPU (--gpu-gib and --host-gib)."""
 
-    base = ["plan", "--model", "qwen2.5-7b", "--seq-len", "1048576", "--host-gib", "100"]
+    base = ["plan", "--device", "cuda", "--model", "qwen2.5-7b", "--seq-len", "1048576", "--host-gib", "100"]
     assert run_cli([*base, "--gpu-gib", "139", "--offload", "off"]) == 1
     out = capsys.readouterr().out
     assert "GiB of GPU memory is left for it; turn offload on (--offload auto, or on)" in out and "True" not in out
-    assert run_cli([*base, "--gpu-gib", "139", "--checkpoint-layers", "--offload", "on", "--gpu-page-budget", "100"]) == 1
-    out = capsys.readouterr().out
-    assert "--gpu-page-budget 100 pages is below the 512 pages offload needs" in out and "raise --gpu-page-budget to 512" in out
+    line = _check_refused(run_cli([*base, "--gpu-gib", "139", "--checkpoint-layers", "--offload", "on", "--gpu-page-budget",
+                                   "100"]), capsys, "--gpu-page-budget 100 pages is below the 512 pages offload needs")
+    assert "raise --gpu-page-budget to 512" in line
     assert run_cli([*base, "--gpu-gib", "8"]) == 1
     out = capsys.readouterr().out
     assert "of GPU memory is left for KV pages" in out and "use --lora-rank, --checkpoint-layers or a smaller --chunk-size" in out
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--gpu-page-budget", "3"], "--gpu-page-budget 3 pages is below the 8 pages offload needs for 4 pages per layer "
+     "(two staging buffers of 4 pages); raise --gpu-page-budget to 8 or more, lower --offload-segment-pages"),
+    (["--sparse", "--offload-staging-sets", "3", "--gpu-page-budget", "11"], "--gpu-page-budget 11 pages is below the "
+     "12 pages offload needs for 4 pages per layer (3 layers of staging); raise --gpu-page-budget to 12 or more, lower "
+     "--offload-staging-sets (2 needs 8)"),
+])
+def test_a_gpu_page_budget_below_the_smallest_pool_is_bad_input_in_plan_and_train(tmp_path, text_file, capsys,
+                                                                                   monkeypatch, extra, says):
+    """A --gpu-page-budget below the smallest pool the run stages through fits no machine: `oomb plan` and
+    `oomb train` (on the CPU, and on a GPU before the model is built) refuse it alike, exit status 2 and the same
+    one line naming the minimum, nothing written."""
+    import oomb.models.presets as presets
+    from oomb.planner import Machine
+
+    run = ["--seq-len", "128", "--chunk-size", "64", "--page-size", "32", "--offload", "on", *extra]
+    train = ["train", "--data", text_file, "--output-dir", tmp_path / "run", "--steps", "2", "--no-progress"]
+    lines = [_check_refused(run_cli(["plan", "--gpu-gib", "8", "--host-gib", "8", *run]), capsys, says),
+             _check_refused(run_cli([*train, *run]), capsys, says)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(Machine, "detect", classmethod(lambda cls, device=None: Machine(8 << 30, 8 << 30, 8 << 30,
+                                                                                        8 << 30, "fake GPU")))
+    monkeypatch.setattr(presets, "build_model", lambda *a, **k: pytest.fail("the model was built before the check"))
+    lines.append(_check_refused(run_cli([*train, "--device", "cuda", *run]), capsys, says))
+    assert len(set(lines)) == 1, lines
+    assert not (tmp_path / "run").exists()
 
 
 def test_plan_without_a_gpu_needs_the_machine_sizes(capsys, monkeypatch):
@@ -927,9 +962,26 @@ def test_oomb_warnings_are_one_line_and_sparse_ignores_segment_pages(tmp_path, t
     assert "or pass --save-attention off (save_attention='off') to silence this" in err
     assert "warnings.warn(" not in err and "UserWarning" not in err
     # oomb plan's note on the same case leads with the flag too
-    assert run_cli(["plan", "--model", "qwen2.5-7b", "--seq-len", "1048576", "--gpu-gib", "139", "--host-gib", "1000",
+    assert run_cli(["plan", "--device", "cuda", "--model", "qwen2.5-7b", "--seq-len", "1048576", "--gpu-gib", "139", "--host-gib", "1000",
                     "--checkpoint-layers", "--sparse", "--save-attention", "host"]) == 0
     assert "\n--save-attention host (save_attention='host'): not kept (offload stages whole layers" in capsys.readouterr().out
+
+
+def test_a_refused_run_prints_its_error_line_and_no_warning_or_note(tmp_path, text_file, capsys, monkeypatch):
+    """Warnings and notes come once every refusal is behind: a train or plan refused as bad input prints its one
+    error line only, though its flags would be warned about (--offload-segment-pages with --sparse) or noted
+    (--host-gib not given on a machine without a GPU)."""
+    from oomb.planner import Machine
+
+    sizes = ["--seq-len", "128", "--chunk-size", "64", "--page-size", "32"]
+    warned = ["--sparse", "--offload", "on", "--offload-segment-pages", "2", "--gpu-page-budget", "3"]
+    _check_refused(run_cli(["train", "--data", text_file, "--output-dir", tmp_path / "run", "--steps", "1",
+                            "--no-progress", *sizes, *warned]), capsys, "--gpu-page-budget 3 pages is below")
+    monkeypatch.setattr(Machine, "detect", classmethod(lambda cls, device=None: Machine(0, 0, 8 << 30, 8 << 30, "no GPU")))
+    for extra in (warned, ["--offload", "on", "--gpu-page-budget", "3"]):
+        _check_refused(run_cli(["plan", "--device", "cuda", "--gpu-gib", "8", *sizes, *extra]), capsys,
+                       "--gpu-page-budget 3 pages is below")
+    assert not (tmp_path / "run").exists()
 
 
 def test_save_attention_gpu_on_the_cpu_says_where_the_outputs_are_kept(tmp_path, text_file, capsys):
@@ -959,7 +1011,7 @@ def test_tiny_offload_segments_are_warned_about(tmp_path, text_file, capsys):
     assert "pass 128 pages (4,096 tokens) or more, or leave the flag out for the default, 32,768 tokens' worth" in err
     assert run_cli([*base, "--output-dir", tmp_path / "four", "--offload-segment-pages", "4"]) == 0
     assert "warning" not in capsys.readouterr().err
-    plan = ["plan", "--model", "qwen2.5-7b", "--seq-len", "1048576", "--gpu-gib", "139", "--host-gib", "1000",
+    plan = ["plan", "--device", "cuda", "--model", "qwen2.5-7b", "--seq-len", "1048576", "--gpu-gib", "139", "--host-gib", "1000",
             "--checkpoint-layers"]
     assert run_cli([*plan, "--offload-segment-pages", "16"]) == 0
     err = capsys.readouterr().err
@@ -1117,7 +1169,7 @@ def test_overwrite_keeps_the_earlier_run_until_the_new_one_is_saved(tmp_path, te
 def test_plan_warns_when_offload_on_keeps_every_page_on_the_gpu(capsys):
     """`--offload on` where every page fits was planned (and, on a GPU, trained) with no host tier and no word about
     it: the plan now warns, and names the flag that makes a host tier."""
-    base = ["plan", "--model", "qwen2.5-7b", "--gpu-gib", "139.8", "--host-gib", "125"]
+    base = ["plan", "--device", "cuda", "--model", "qwen2.5-7b", "--gpu-gib", "139.8", "--host-gib", "125"]
     assert run_cli([*base, "--seq-len", "131072", "--offload", "on"]) == 0
     captured = capsys.readouterr()
     assert "every page on the GPU" in captured.out
@@ -1137,24 +1189,41 @@ def test_plan_notes_whose_host_ram_it_uses_without_host_gib(capsys):
 
     if torch.cuda.is_available():
         pytest.skip("the note is for planning on a machine without a GPU")
-    run_cli(["plan", "--model", "qwen2.5-7b", "--seq-len", "65536", "--gpu-gib", "139.8"])
+    run_cli(["plan", "--device", "cuda", "--model", "qwen2.5-7b", "--seq-len", "65536", "--gpu-gib", "139.8"])
     assert "oomb: note: --host-gib not given, so the host budget comes from this machine's available RAM" in capsys.readouterr().err
-    run_cli(["plan", "--model", "qwen2.5-7b", "--seq-len", "65536", "--gpu-gib", "139.8", "--host-gib", "120"])
+    run_cli(["plan", "--device", "cuda", "--model", "qwen2.5-7b", "--seq-len", "65536", "--gpu-gib", "139.8", "--host-gib", "120"])
     assert "--host-gib not given" not in capsys.readouterr().err
+
+
+def test_plan_host_budget_line_says_where_the_budget_comes_from(capsys, monkeypatch):
+    """The host budget row names its source: 75% of --host-gib H where it was given, else of this machine's
+    available RAM (the GPU row likewise says 'given' for --gpu-gib)."""
+    from oomb.planner import Machine
+
+    monkeypatch.setattr(Machine, "detect", classmethod(lambda cls, device=None: Machine(0, 0, 64 << 30, 64 << 30, "no GPU")))
+    base = ["plan", "--device", "cuda", "--model", "tiny", "--seq-len", "4096", "--chunk-size", "512", "--gpu-gib", "8"]
+
+    def host_row(extra):
+        assert run_cli([*base, *extra]) == 0
+        return next(line.split() for line in capsys.readouterr().out.splitlines() if line.strip().startswith("budget (75%"))
+
+    assert host_row(["--host-gib", "120"]) == ["budget", "(75%", "of", "--host-gib", "120)", "90.00"]
+    assert host_row(["--host-gib", "0.5"]) == ["budget", "(75%", "of", "--host-gib", "0.5)", "0.38"]
+    assert host_row([]) == ["budget", "(75%", "of", "available", "RAM)", "48.00"]
 
 
 def test_plan_refusals_name_fixes_that_apply(capsys):
     """A refused plan named --checkpoint-layers with it given, never named the user's own too-small
     --gpu-page-budget when that was what overflowed the host tier, and offered only memory flags for a context far
     too long."""
-    base = ["plan", "--model", "qwen2.5-7b", "--gpu-gib", "139.8", "--host-gib", "125", "--sparse"]
+    base = ["plan", "--device", "cuda", "--model", "qwen2.5-7b", "--gpu-gib", "139.8", "--host-gib", "125", "--sparse"]
     assert run_cli([*base, "--seq-len", "1048576", "--checkpoint-layers"]) == 1
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "use --lora-rank or a smaller --chunk-size" in out and "--checkpoint-layers or" not in out
     assert run_cli([*base, "--seq-len", "1048576", "--checkpoint-layers", "--no-optimizer", "--gpu-page-budget", "16384"]) == 1
     out = capsys.readouterr().out
     assert "raise --gpu-page-budget (16,384 pages keep 0 of 8,192 pages per layer on the GPU)" in out
-    assert run_cli(["plan", "--model", "qwen2.5-7b", "--gpu-gib", "139.8", "--host-gib", "125", "--seq-len", "100000000000"]) == 1
+    assert run_cli(["plan", "--device", "cuda", "--model", "qwen2.5-7b", "--gpu-gib", "139.8", "--host-gib", "125", "--seq-len", "100000000000"]) == 1
     out = capsys.readouterr().out
     # the host tier is what does not fit (one chunk's attention temporaries are bounded: MAX_RUN_TOKENS)
     assert "the host tier needs" in out and "; shorten the context to 905,216 tokens or fewer (the longest that fits " \
@@ -1165,7 +1234,7 @@ def test_plan_refusal_names_what_grows_with_the_context(capsys):
     """A context far too long for the host: the verdict names the host tier and the longest context that fits (one
     chunk's attention temporaries do not grow past MAX_RUN_TOKENS keys per call, so they are not what fails), not
     LoRA for the weights."""
-    base = ["plan", "--model", "tiny", "--gpu-gib", "80", "--host-gib", "100"]
+    base = ["plan", "--device", "cuda", "--model", "tiny", "--gpu-gib", "80", "--host-gib", "100"]
     assert run_cli([*base, "--seq-len", "99999999999"]) == 1
     out = capsys.readouterr().out
     verdict = out.splitlines()[-1]
@@ -1174,11 +1243,11 @@ def test_plan_refusal_names_what_grows_with_the_context(capsys):
                               "with offload), free host RAM")
     # bounded attention temporaries: the fused path plans a 100M-token context on 20 GiB like the Triton kernels
     for backend in ("sdpa", "triton"):
-        assert run_cli(["plan", "--model", "tiny", "--gpu-gib", "20", "--host-gib", "1000", "--seq-len", "100000000",
+        assert run_cli(["plan", "--device", "cuda", "--model", "tiny", "--gpu-gib", "20", "--host-gib", "1000", "--seq-len", "100000000",
                         "--attention-backend", backend]) == 0
         capsys.readouterr()
     # a plan whose weights and states do not fit keeps its advice
-    assert run_cli(["plan", "--model", "qwen2.5-7b", "--gpu-gib", "8", "--host-gib", "64"]) == 1
+    assert run_cli(["plan", "--device", "cuda", "--model", "qwen2.5-7b", "--gpu-gib", "8", "--host-gib", "64"]) == 1
     assert "DOES NOT FIT: weights, gradients, optimizer states and one chunk's activations need" in capsys.readouterr().out
 
 

@@ -96,6 +96,40 @@ def test_plan_and_train_read_the_same_file_and_share_defaults(tmp_path, capsys):
     assert defaults["train"]["data"]["seq_len"] == defaults["plan"]["data"]["seq_len"]
 
 
+def test_plan_resolves_dtype_auto_from_the_device_as_train_does(tmp_path, capsys, monkeypatch):
+    """--dtype auto is float32 with --device cpu and bfloat16 with --device cuda in every command: `oomb plan` of the
+    file `oomb train --print-config` writes counts the dtype train runs in, and a plan of a CUDA run (--device cuda,
+    flag or file) is made on a machine without a GPU, given --gpu-gib and --host-gib."""
+    import torch
+
+    from oomb.cli.checks import _resolve_device_dtype
+    from oomb.cli.parser import _job_config, _namespace
+    from oomb.config import resolve_dtype
+    from oomb.planner import Machine
+
+    no_gpu = Machine(0, 0, 64 << 30, 64 << 30, "no GPU")
+    monkeypatch.setattr(Machine, "detect", classmethod(lambda cls, device=None: no_gpu))
+    machine = ["--gpu-gib", "8", "--host-gib", "8"]
+    code, text, _ = _run(["train", "--output-dir", tmp_path / "o", "--print-config"], capsys)
+    assert code == 0 and yaml.safe_load(text)["model"]["device"] == "cpu" and yaml.safe_load(text)["model"]["dtype"] == "auto"
+    cpu = tmp_path / "cpu.yaml"
+    cpu.write_text(text)
+    job, _ = _job_config("train", ["train", "--config", str(cpu)], str(cpu))
+    assert _resolve_device_dtype(_namespace("train", job))[1] == torch.float32  # what train runs in
+    cuda = tmp_path / "cuda.yaml"
+    cuda.write_text(text.replace("device: cpu", "device: cuda"))
+    for argv, dtype, kib in ((["--config", cpu], "float32", 4), ([], "float32", 4),
+                             (["--config", cuda], "bfloat16", 3), (["--config", cpu, "--device", "cuda"], "bfloat16", 3),
+                             (["--device", "cuda"], "bfloat16", 3), (["--device", "cuda", "--dtype", "float32"], "float32", 4),
+                             (["--config", cpu, "--dtype", "bfloat16"], "bfloat16", 3)):
+        code, out, err = _run(["plan", *argv, *machine], capsys)
+        assert code == 0, (argv, err)
+        head = out.splitlines()
+        assert head[0].endswith(f", {dtype}") and f"KV {kib} KiB/token" in head[1], (argv, head[:2])
+    assert [resolve_dtype(d, dev) for d in ("auto", "float32", "bfloat16") for dev in ("cpu", "cuda")] == [
+        "float32", "bfloat16", "float32", "float32", "bfloat16", "bfloat16"]
+
+
 def test_a_bad_file_gets_one_line_naming_the_key(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("engine:\n  chunk_sise: 512\n")
