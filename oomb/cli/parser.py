@@ -108,8 +108,9 @@ _HELP = {
              "--local-pages": "with --budgets: latest past pages always attended; 0 allowed",
              "--sparse-score": "with --budgets: page score (mean key, or Quest's min/max bound)"},
     "merge": {"--output-dir": "where the merged model and tokenizer go: a new or empty folder"},
-    "plan": {"--device": "where the planned run runs, as in 'oomb train' (it sets what --dtype auto means: bfloat16 "
-                         "on cuda, float32 on cpu); a plan needs no GPU here"},
+    "plan": {"--device": "the planned run's device: cuda (the default here; --dtype auto is then bfloat16, as in "
+                         "'oomb train'); a plan needs no GPU on this machine, and a cpu run is refused (no GPU memory "
+                         "to plan)"},
 }
 """Where a field's docstring reads wrong for one command (eval and grad-error make their own sparse runs; merge
 writes a model folder, not a training run's output; plan runs nothing)."""

@@ -10,8 +10,6 @@ import argparse
 import sys
 
 from .checks import (
-    _check_backend_device,
-    _check_cpu_offload_sizes,
     _check_lora_targets,
     _check_offload_flags,
     _flag_names,
@@ -76,8 +74,9 @@ def _machine(args: argparse.Namespace):
 
 
 def _plan(args: argparse.Namespace) -> int:
-    """``oomb plan``: print the predicted memory of a run; 0 if it fits, 1 if not, 2 on bad input (a setting that
-    fits no machine included: one line, no table, no note or warning). A --seq-len beyond the model's
+    """``oomb plan``: print the predicted memory of a run on a GPU (``--device`` is cuda unless the file or the flag
+    says cpu, which is refused: a CPU run has no GPU memory or pinned tier to plan); 0 if it fits, 1 if not, 2 on
+    bad input (a setting that fits no machine included: one line, no table, no note or warning). A --seq-len beyond the model's
     max_position_embeddings is warned about on stderr (as ``oomb train`` does)."""
     try:
         from ..config import resolve_dtype
@@ -90,8 +89,10 @@ def _plan(args: argparse.Namespace) -> int:
             raise ValueError("; ".join(lora_problem))
         if args.lora_rank:
             _check_lora_targets(config, args)
-        _check_backend_device(args)  # the settings a --device cpu run refuses, as train refuses them
-        _check_cpu_offload_sizes(args)
+        if args.device != "cuda":
+            raise ValueError("oomb plan plans a run on a GPU (its GPU memory and pinned host tier), and this run's "
+                             "device is cpu; pass --device cuda, or set model.device: cuda in the --config file "
+                             "(a plan needs no GPU on this machine)")
         machine, note = _machine(args)
         warning = context_length_warning(config, args.seq_len, args.model)
         p = job_plan(args, resolve_dtype(args.dtype, args.device), optimizer=None if args.no_optimizer else "job",

@@ -130,10 +130,10 @@ def test_offloaded_kv_store_gives_the_same_losses(tmp_path, text_file, capsys):
 
 
 def test_plan_subcommand(capsys):
-    status = run_cli(["plan", "--device", "cuda", "--model", "qwen2.5-7b", "--seq-len", "65536", "--gpu-gib", "139", "--host-gib", "120", "--checkpoint-layers"])
+    status = run_cli(["plan", "--model", "qwen2.5-7b", "--seq-len", "65536", "--gpu-gib", "139", "--host-gib", "120", "--checkpoint-layers"])
     assert status == 0
     assert "predicted peak" in capsys.readouterr().out
-    assert run_cli(["plan", "--device", "cuda", "--model", "qwen2.5-7b", "--seq-len", str(1 << 23), "--gpu-gib", "80", "--host-gib", "64"]) == 1
+    assert run_cli(["plan", "--model", "qwen2.5-7b", "--seq-len", str(1 << 23), "--gpu-gib", "80", "--host-gib", "64"]) == 1
     assert "DOES NOT FIT" in capsys.readouterr().out
     _check_refused(run_cli(["plan", "--model", "gpt-17"]), capsys, "unknown model")
     _check_refused(run_cli(["plan", "--seq-len", "0"]), capsys, "--seq-len is 0")
@@ -661,12 +661,8 @@ def test_grad_error_attention_backend(tmp_path, text_file, capsys, monkeypatch):
     (["--offload", "off", "--gpu-page-budget", "5"], "--offload is off"),
     (["--gpu-page-budget", "0"], "--gpu-page-budget is 0"),
     (["--offload-segment-pages", "0"], "--offload-segment-pages is 0"),
-    # a --device cpu run (the default) with --offload auto never offloads: refused as train refuses it
-    (["--gpu-gib", "8", "--host-gib", "8", "--gpu-page-budget", "64"],
-     "--gpu-page-budget sizes offload, which --offload auto never uses on the CPU"),
-    (["--gpu-gib", "8", "--host-gib", "8", "--offload-segment-pages", "64"],
-     "--offload-segment-pages sizes offload, which --offload auto never uses on the CPU"),
-    (["--gpu-gib", "8", "--host-gib", "8", "--attention-backend", "triton"], "--attention-backend triton runs on the GPU only"),
+    # a plan is of a GPU run: a --device cpu run has no GPU memory or pinned tier to plan
+    (["--gpu-gib", "8", "--host-gib", "8", "--device", "cpu"], "oomb plan plans a run on a GPU"),
 ])
 def test_plan_refuses_bad_machines_and_offload_flags(capsys, extra, fragment):
     _check_refused(run_cli(["plan", "--model", "tiny", "--seq-len", "4096", "--chunk-size", "512", *extra]), capsys, fragment)
@@ -703,7 +699,7 @@ def test_cli_errors_name_flags_not_python_names(tmp_path, text_file, capsys):
 
 
 def test_plan_advice_names_flags(capsys):
-    assert run_cli(["plan", "--device", "cuda", "--model", "qwen2.5-7b", "--gpu-gib", "8", "--host-gib", "64"]) == 1
+    assert run_cli(["plan", "--model", "qwen2.5-7b", "--gpu-gib", "8", "--host-gib", "64"]) == 1
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "--lora-rank, --checkpoint-layers or a smaller --chunk-size" in out
     assert "checkpoint_layers" not in out and "chunk_size" not in out
@@ -723,7 +719,7 @@ def test_plan_messages_speak_to_cli_users(capsys, monkeypatch):
     """What `oomb plan` prints when a run does not fit names flags, not Python (`offload='auto' or True`), blames
     the right thing, and says how to plan without a GPU (--gpu-gib and --host-gib)."""
 
-    base = ["plan", "--device", "cuda", "--model", "qwen2.5-7b", "--seq-len", "1048576", "--host-gib", "100"]
+    base = ["plan", "--model", "qwen2.5-7b", "--seq-len", "1048576", "--host-gib", "100"]
     assert run_cli([*base, "--gpu-gib", "139", "--offload", "off"]) == 1
     out = capsys.readouterr().out
     assert "GiB of GPU memory is left for it; turn offload on (--offload auto, or on)" in out and "True" not in out
@@ -962,7 +958,7 @@ def test_oomb_warnings_are_one_line_and_sparse_ignores_segment_pages(tmp_path, t
     assert "or pass --save-attention off (save_attention='off') to silence this" in err
     assert "warnings.warn(" not in err and "UserWarning" not in err
     # oomb plan's note on the same case leads with the flag too
-    assert run_cli(["plan", "--device", "cuda", "--model", "qwen2.5-7b", "--seq-len", "1048576", "--gpu-gib", "139", "--host-gib", "1000",
+    assert run_cli(["plan", "--model", "qwen2.5-7b", "--seq-len", "1048576", "--gpu-gib", "139", "--host-gib", "1000",
                     "--checkpoint-layers", "--sparse", "--save-attention", "host"]) == 0
     assert "\n--save-attention host (save_attention='host'): not kept (offload stages whole layers" in capsys.readouterr().out
 
@@ -979,7 +975,7 @@ def test_a_refused_run_prints_its_error_line_and_no_warning_or_note(tmp_path, te
                             "--no-progress", *sizes, *warned]), capsys, "--gpu-page-budget 3 pages is below")
     monkeypatch.setattr(Machine, "detect", classmethod(lambda cls, device=None: Machine(0, 0, 8 << 30, 8 << 30, "no GPU")))
     for extra in (warned, ["--offload", "on", "--gpu-page-budget", "3"]):
-        _check_refused(run_cli(["plan", "--device", "cuda", "--gpu-gib", "8", *sizes, *extra]), capsys,
+        _check_refused(run_cli(["plan", "--gpu-gib", "8", *sizes, *extra]), capsys,
                        "--gpu-page-budget 3 pages is below")
     assert not (tmp_path / "run").exists()
 
@@ -1011,7 +1007,7 @@ def test_tiny_offload_segments_are_warned_about(tmp_path, text_file, capsys):
     assert "pass 128 pages (4,096 tokens) or more, or leave the flag out for the default, 32,768 tokens' worth" in err
     assert run_cli([*base, "--output-dir", tmp_path / "four", "--offload-segment-pages", "4"]) == 0
     assert "warning" not in capsys.readouterr().err
-    plan = ["plan", "--device", "cuda", "--model", "qwen2.5-7b", "--seq-len", "1048576", "--gpu-gib", "139", "--host-gib", "1000",
+    plan = ["plan", "--model", "qwen2.5-7b", "--seq-len", "1048576", "--gpu-gib", "139", "--host-gib", "1000",
             "--checkpoint-layers"]
     assert run_cli([*plan, "--offload-segment-pages", "16"]) == 0
     err = capsys.readouterr().err
@@ -1169,7 +1165,7 @@ def test_overwrite_keeps_the_earlier_run_until_the_new_one_is_saved(tmp_path, te
 def test_plan_warns_when_offload_on_keeps_every_page_on_the_gpu(capsys):
     """`--offload on` where every page fits was planned (and, on a GPU, trained) with no host tier and no word about
     it: the plan now warns, and names the flag that makes a host tier."""
-    base = ["plan", "--device", "cuda", "--model", "qwen2.5-7b", "--gpu-gib", "139.8", "--host-gib", "125"]
+    base = ["plan", "--model", "qwen2.5-7b", "--gpu-gib", "139.8", "--host-gib", "125"]
     assert run_cli([*base, "--seq-len", "131072", "--offload", "on"]) == 0
     captured = capsys.readouterr()
     assert "every page on the GPU" in captured.out
@@ -1189,9 +1185,9 @@ def test_plan_notes_whose_host_ram_it_uses_without_host_gib(capsys):
 
     if torch.cuda.is_available():
         pytest.skip("the note is for planning on a machine without a GPU")
-    run_cli(["plan", "--device", "cuda", "--model", "qwen2.5-7b", "--seq-len", "65536", "--gpu-gib", "139.8"])
+    run_cli(["plan", "--model", "qwen2.5-7b", "--seq-len", "65536", "--gpu-gib", "139.8"])
     assert "oomb: note: --host-gib not given, so the host budget comes from this machine's available RAM" in capsys.readouterr().err
-    run_cli(["plan", "--device", "cuda", "--model", "qwen2.5-7b", "--seq-len", "65536", "--gpu-gib", "139.8", "--host-gib", "120"])
+    run_cli(["plan", "--model", "qwen2.5-7b", "--seq-len", "65536", "--gpu-gib", "139.8", "--host-gib", "120"])
     assert "--host-gib not given" not in capsys.readouterr().err
 
 
@@ -1201,7 +1197,7 @@ def test_plan_host_budget_line_says_where_the_budget_comes_from(capsys, monkeypa
     from oomb.planner import Machine
 
     monkeypatch.setattr(Machine, "detect", classmethod(lambda cls, device=None: Machine(0, 0, 64 << 30, 64 << 30, "no GPU")))
-    base = ["plan", "--device", "cuda", "--model", "tiny", "--seq-len", "4096", "--chunk-size", "512", "--gpu-gib", "8"]
+    base = ["plan", "--model", "tiny", "--seq-len", "4096", "--chunk-size", "512", "--gpu-gib", "8"]
 
     def host_row(extra):
         assert run_cli([*base, *extra]) == 0
@@ -1216,14 +1212,14 @@ def test_plan_refusals_name_fixes_that_apply(capsys):
     """A refused plan named --checkpoint-layers with it given, never named the user's own too-small
     --gpu-page-budget when that was what overflowed the host tier, and offered only memory flags for a context far
     too long."""
-    base = ["plan", "--device", "cuda", "--model", "qwen2.5-7b", "--gpu-gib", "139.8", "--host-gib", "125", "--sparse"]
+    base = ["plan", "--model", "qwen2.5-7b", "--gpu-gib", "139.8", "--host-gib", "125", "--sparse"]
     assert run_cli([*base, "--seq-len", "1048576", "--checkpoint-layers"]) == 1
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "use --lora-rank or a smaller --chunk-size" in out and "--checkpoint-layers or" not in out
     assert run_cli([*base, "--seq-len", "1048576", "--checkpoint-layers", "--no-optimizer", "--gpu-page-budget", "16384"]) == 1
     out = capsys.readouterr().out
     assert "raise --gpu-page-budget (16,384 pages keep 0 of 8,192 pages per layer on the GPU)" in out
-    assert run_cli(["plan", "--device", "cuda", "--model", "qwen2.5-7b", "--gpu-gib", "139.8", "--host-gib", "125", "--seq-len", "100000000000"]) == 1
+    assert run_cli(["plan", "--model", "qwen2.5-7b", "--gpu-gib", "139.8", "--host-gib", "125", "--seq-len", "100000000000"]) == 1
     out = capsys.readouterr().out
     # the host tier is what does not fit (one chunk's attention temporaries are bounded: MAX_RUN_TOKENS)
     assert "the host tier needs" in out and "; shorten the context to 905,216 tokens or fewer (the longest that fits " \
@@ -1234,7 +1230,7 @@ def test_plan_refusal_names_what_grows_with_the_context(capsys):
     """A context far too long for the host: the verdict names the host tier and the longest context that fits (one
     chunk's attention temporaries do not grow past MAX_RUN_TOKENS keys per call, so they are not what fails), not
     LoRA for the weights."""
-    base = ["plan", "--device", "cuda", "--model", "tiny", "--gpu-gib", "80", "--host-gib", "100"]
+    base = ["plan", "--model", "tiny", "--gpu-gib", "80", "--host-gib", "100"]
     assert run_cli([*base, "--seq-len", "99999999999"]) == 1
     out = capsys.readouterr().out
     verdict = out.splitlines()[-1]
@@ -1243,11 +1239,11 @@ def test_plan_refusal_names_what_grows_with_the_context(capsys):
                               "with offload), free host RAM")
     # bounded attention temporaries: the fused path plans a 100M-token context on 20 GiB like the Triton kernels
     for backend in ("sdpa", "triton"):
-        assert run_cli(["plan", "--device", "cuda", "--model", "tiny", "--gpu-gib", "20", "--host-gib", "1000", "--seq-len", "100000000",
+        assert run_cli(["plan", "--model", "tiny", "--gpu-gib", "20", "--host-gib", "1000", "--seq-len", "100000000",
                         "--attention-backend", backend]) == 0
         capsys.readouterr()
     # a plan whose weights and states do not fit keeps its advice
-    assert run_cli(["plan", "--device", "cuda", "--model", "qwen2.5-7b", "--gpu-gib", "8", "--host-gib", "64"]) == 1
+    assert run_cli(["plan", "--model", "qwen2.5-7b", "--gpu-gib", "8", "--host-gib", "64"]) == 1
     assert "DOES NOT FIT: weights, gradients, optimizer states and one chunk's activations need" in capsys.readouterr().out
 
 

@@ -250,11 +250,11 @@ def test_cli_flag_and_plan_row(capsys):
     from oomb.cli import main
 
     with pytest.raises(SystemExit) as exc:
-        main(["plan", "--device", "cuda", "--model", "qwen2.5-7b", "--seq-len", "65536", "--checkpoint-attention", "recompute"])
+        main(["plan", "--model", "qwen2.5-7b", "--seq-len", "65536", "--checkpoint-attention", "recompute"])
     assert exc.value.code == 2
     assert "without --checkpoint-layers no layer is checkpointed" in capsys.readouterr().err
     machine = ["--gpu-gib", "139.8", "--host-gib", "125"]
-    base = ["plan", "--device", "cuda", "--model", "qwen2.5-7b", "--seq-len", "65536", "--checkpoint-layers", *machine]
+    base = ["plan", "--model", "qwen2.5-7b", "--seq-len", "65536", "--checkpoint-layers", *machine]
     assert main(base) == 0
     assert re.search(r"activations: kept attention out \+ lse +0\.78\n", capsys.readouterr().out)
     assert main([*base, "--checkpoint-attention", "recompute"]) == 0

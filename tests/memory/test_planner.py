@@ -245,12 +245,12 @@ def test_choose_tiering():
 
 
 def test_plan_subcommand(capsys):
-    args = _parsed(["plan", "--device", "cuda", "--model", "qwen2.5-7b", "--seq-len", "1048576", "--checkpoint-layers",
+    args = _parsed(["plan", "--model", "qwen2.5-7b", "--seq-len", "1048576", "--checkpoint-layers",
                     "--no-optimizer", "--gpu-gib", "139.3", "--host-gib", "120"])
     assert run_plan(args) == 0
     out = capsys.readouterr().out
     assert "predicted peak" in out and "offload, GPU pool" in out and "largest context" in out
-    args = _parsed(["plan", "--device", "cuda", "--model", "qwen2.5-7b", "--seq-len", "4194304", "--gpu-gib", "139.3", "--host-gib", "120"])
+    args = _parsed(["plan", "--model", "qwen2.5-7b", "--seq-len", "4194304", "--gpu-gib", "139.3", "--host-gib", "120"])
     assert run_plan(args) == 1
     assert "DOES NOT FIT" in capsys.readouterr().out
 
@@ -304,7 +304,7 @@ def test_sparse_plan_counts_the_sparse_state_and_stages_whole_layers(capsys):
             == plan("qwen2.5-7b", T, **kw_nockpt).gpu_budget - 4 * GiB)
     assert sp.tiering.offload and sp.segment_pages is None and dense.segment_pages is not None
     assert "sparse: page summaries + selections" in sp.table()
-    args = _parsed(["plan", "--device", "cuda", "--model", "qwen2.5-7b", "--seq-len", str(T), "--sparse", "--checkpoint-layers",
+    args = _parsed(["plan", "--model", "qwen2.5-7b", "--seq-len", str(T), "--sparse", "--checkpoint-layers",
                     "--no-optimizer", "--gpu-gib", "139.3", "--host-gib", "120"])
     run_plan(args)
     assert "sparse: page summaries + selections" in capsys.readouterr().out
