@@ -22,17 +22,16 @@ each part the script estimates its time (the last step of the same part, else ``
 in time, with a row saying so. Rows are JSON lines appended to ``--out`` and flushed one by one, so a call that
 is stopped keeps every finished step. The first row records the command, GPU, versions and host RAM.
 
-Estimates on an H200 (summary.json: dense 256K 2,151 tok/s = 122 s/step; sparse 1M 279 s/step; the store of 1M
-pins ~77 GiB in ~50 s): setup of a length ~60-90 s (model init, KV store, torchao's compile at the first step:
-tens of seconds), (a) ~370 s per optimizer (3 x 122 s), ~1,500 s for all four; (b) ~950 s. A 600-second call
-holds the setup and ~4 steps of 256K (one optimizer plus one step of a second), or setup + 1 step of 1M.
-For longer runs start it detached and collect the rows in a later call, e.g.::
+Times measured on an H200 (docs/performance.md, "Full fine-tune per optimizer"): a dense 256K step 142-143 s
+(the first of a process ~10 s more for autotuning, adamw8bit's first +28 s for torchao's compile); a sparse 1M step
+262 s (the first ~350 s); the store of 1M pins ~77 GiB in ~50 s; setup of a length 15-90 s. So (a) ~450 s per
+optimizer, ~1,800 s for all four; (b) ~950 s. A 600-second call holds the setup and three steps of 256K (one
+optimizer), or setup + 1 step of 1M.
+For longer runs start it detached and collect the rows in later calls (benchmarks/detach.sh), e.g.::
 
-    setsid nohup python3 benchmarks/full_finetune.py --budget-s 1700 --out /tmp/ff/rows.jsonl \\
-        --only 1048576:sparse:adamw8bit 262144:dense:adamw,adamw8bit > /tmp/ff/log.txt 2>&1 &
-    sleep 570; cp /tmp/ff/* $OUT/
-    # then, in the next calls (a machine lost between calls comes back bare: stop at once, not after the sleep):
-    [ -d /tmp/ff ] || { echo machine lost; exit 3; }; sleep 570; cp /tmp/ff/* $OUT/
+    benchmarks/detach.sh start ff benchmarks/run_gpu.sh finetune --budget-s 1700 \\
+        --only 1048576:sparse:adamw8bit 262144:dense:adamw,adamw8bit
+    benchmarks/detach.sh collect ff 560        # in this call and the next ones, until it says the run ended
 """
 from __future__ import annotations
 
@@ -76,7 +75,7 @@ def parse_args(argv=None):
     p.add_argument("--device", default="cuda", help="cpu: a smoke test of the script (e.g. --model tiny, planned "
                    "for an 80 GiB GPU it does not use)")
     p.add_argument("--page-size", type=int, default=128)
-    p.add_argument("--est-dense-s", type=float, default=125.0, help="est. seconds of a dense 256K step")
+    p.add_argument("--est-dense-s", type=float, default=145.0, help="est. seconds of a dense 256K step")
     p.add_argument("--est-sparse-s", type=float, default=70.0, help="est. seconds per 256K tokens, sparse")
     p.add_argument("--est-setup-s", type=float, default=90.0, help="est. seconds to build a length's model+store")
     return p.parse_args(argv)

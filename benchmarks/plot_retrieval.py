@@ -2,7 +2,8 @@
 
     python3 benchmarks/plot_retrieval.py DIR [--prefix NAME]
 
-Reads DIR/retrieval_train_{a,b}_MODE.jsonl (the two training stages' log.jsonl) and DIR/retrieval_eval_MODE.json
+Reads the two training stages' log.jsonl, DIR/retrieval_train_a.jsonl (stage A, shared by every mode; or one
+DIR/retrieval_train_a_MODE.jsonl per mode) and DIR/retrieval_train_b_MODE.jsonl, and DIR/retrieval_eval_MODE.json
 (``oomb eval --task passkey --json``); writes DIR/NAME_loss.png (stage A then stage B, steps one after the other,
 log-scale loss, one line per mode) and DIR/NAME_heatmap_MODE.png (one panel per evaluation mode).
 """
@@ -42,11 +43,13 @@ def main(argv=None) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    modes = sorted({p.stem[len("retrieval_train_a_"):] for p in a.dir.glob("retrieval_train_a_*.jsonl")})
+    shared = a.dir / "retrieval_train_a.jsonl"
+    modes = sorted({p.stem.rsplit("_", 1)[1] for p in a.dir.glob("retrieval_train_[ab]_*.jsonl")})
     fig, ax = plt.subplots(figsize=(8, 4.5), dpi=110)
     split = None
     for mode in modes:
-        a_log = read_log(a.dir / f"retrieval_train_a_{mode}.jsonl")
+        a_path = shared if shared.exists() else a.dir / f"retrieval_train_a_{mode}.jsonl"
+        a_log = read_log(a_path) if a_path.exists() else []
         b_path = a.dir / f"retrieval_train_b_{mode}.jsonl"
         b_log = read_log(b_path) if b_path.exists() else []
         split = len(a_log)

@@ -30,6 +30,7 @@ from .memory import (
     choose_staging_sets,
     dtype_size,
     fit_tiering,
+    gpu_page_budget_problem,
     kv_stash_reserve_bytes,
     min_gpu_pages,
     offload_traffic,
@@ -106,6 +107,7 @@ class MemoryPlan:
     nproc: int = 1
     shard_detail: Any = None  # oomb.memory.ShardBytes of a sharded plan (gathered weights, unsharded grads)
     collectives: dict = field(default_factory=dict)  # bytes per optimizer step: all_gather, reduce_scatter, all_reduce
+    bad_setting: str = ""  # why the settings fit no machine (a gpu_page_budget below the smallest pool); fits: False
 
     @property
     def fits(self) -> bool:
@@ -173,7 +175,7 @@ class MemoryPlan:
             *([f"  {'attention outputs (save_attention=host)':<40}{g(self.saved_attention_host)}"]
               if self.saved_attention_host else []),
             *([f"  {'optimizer: states + pinned copies':<40}{g(self.optimizer_host)}"] if self.optimizer_host else []),
-            f"  {f'budget ({self.host_fraction:.0%} of available RAM)':<40}{g(self.host_budget)}",
+            f"  {f'budget ({self.host_fraction:.0%} of {self.machine.host_name})':<40}{g(self.host_budget)}",
             "",
             f"tiering: {self._tiering_label()}",
         ]
@@ -402,6 +404,8 @@ def plan(
     SP = resolve_segment_pages(offload_segment_pages, page_size)
     gsize = 8 if dtype == torch.float64 else 4
     own_max = 0 if SP is None else 2 * 2 * chunk_size * shape.kv_dim * gsize  # two dK+dV buffers of one chunk
+    bad_setting = (gpu_page_budget_problem(L, -(-seq_len // page_size), gpu_page_budget, SP, staging_sets)
+                   if gpu_page_budget is not None and offload is not False else None) or ""
 
     def saved_for(T: int, save: str) -> dict[str, int]:
         return saved_attention_bytes(L, shape.num_heads, shape.head_dim, T, chunk_size, dtype_size(dtype), save)
@@ -607,6 +611,7 @@ def plan(
                                  optimizer, grad_accum_dtype) if nproc > 1 and shard != "none" else None,
         collectives=shard_traffic(shape, dtype, shard, nproc, seq_len, chunk_size, 1, lora_rank, lora_targets,
                                   train_embeddings_norms, grad_accum_dtype) if nproc > 1 else {},
+        bad_setting=bad_setting,
     )
 
 

@@ -69,8 +69,19 @@ def _check_lora_targets(model_config, args: argparse.Namespace) -> None:
                          f"{', '.join(exc.unknown)}", f"pass some of {', '.join(exc.available)}, or all-linear") from exc
 
 
+def _check_cpu_offload_sizes(args: argparse.Namespace) -> None:
+    """Refuse offload sizes (--gpu-page-budget, --offload-segment-pages) for a --device cpu run with --offload auto,
+    which never offloads there (train, and plan of the same run)."""
+    if args.device == "cuda" or args.offload != "auto":
+        return
+    for flag, value in (("--gpu-page-budget", args.gpu_page_budget), ("--offload-segment-pages", args.offload_segment_pages)):
+        if value is not None:
+            raise UsageError(f"{flag} sizes offload, which --offload auto never uses on the CPU",
+                             f"pass --offload on to run the offloaded store on the CPU, --device cuda, or leave {flag} out")
+
+
 def _check_offload_flags(args: argparse.Namespace) -> None:
-    """--offload-segment-pages with --sparse is not used (train and plan): a warning."""
+    """--offload-segment-pages with --sparse is not used: a warning (train and plan, once every refusal is behind)."""
     if args.offload_segment_pages is not None and getattr(args, "sparse", False):
         warnings.warn("--offload-segment-pages is not used with --sparse: sparse attention reads the past through one "
                       "block table, so offload stages whole layers (leave the flag out)", stacklevel=2)
@@ -179,7 +190,6 @@ def _warn_if_sparse_is_dense(args: argparse.Namespace) -> None:
 def _check_sizes(args: argparse.Namespace) -> None:
     """The checks of ``oomb train`` that need more than one section (the configuration checked each value)."""
     _check_backend_device(args)
-    _check_offload_flags(args)
     args.rope_scaling_dict = None
     if args.rope_scaling is not None:
         from ..models.rope import parse_rope_scaling
@@ -198,20 +208,22 @@ def _check_backend_device(args: argparse.Namespace) -> None:
 
 
 def _resolve_device_dtype(args: argparse.Namespace):
+    """(torch device, torch dtype) of a command that runs a model: --dtype resolved for --device by
+    :func:`oomb.config.resolve_dtype` (as ``oomb plan`` resolves it). Refuses --device cuda without a CUDA GPU."""
     import torch
+
+    from ..config import resolve_dtype
 
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda was given but no CUDA GPU is available to PyTorch", "pass --device cpu, or install a CUDA build of torch")
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype)
-    if dtype is None:
-        dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
-    return torch.device(args.device), dtype
+    return torch.device(args.device), getattr(torch, resolve_dtype(args.dtype, args.device))
 
 
 _FLAG_NAMES = [
     ("use LoRA, checkpoint_layers or a smaller chunk_size", "use --lora-rank, --checkpoint-layers or a smaller --chunk-size"),
     ("use a smaller chunk, LoRA or checkpoint_layers", "use a smaller --chunk-size, --lora-rank or --checkpoint-layers"),
     ("use LoRA", "use --lora-rank"),  # the planner's fixes without the flags a plan already has
+    ("lower staging_sets", "lower --offload-staging-sets"),
     ("plan for one with plan(..., machine=Machine(...))",
      "plan for a GPU machine with --gpu-gib and --host-gib (its free GPU memory and available host RAM, in GiB)"),
     ("plan(..., machine=Machine(...))", "oomb plan --gpu-gib and --host-gib"),

@@ -75,14 +75,15 @@ def _base_recipe(adapter: Path) -> dict:
 def _build_base(recipe: dict):
     import torch
 
+    from ..config import resolve_dtype
     from ..models.presets import PRESETS, UnknownModelError, build_model
 
     device = recipe["device"]
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("the adapter's base is the random preset of a run on cuda, whose weights only a CUDA GPU "
                          "draws again", "run oomb merge on a machine with a CUDA GPU")
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(
-        recipe["dtype"], torch.bfloat16 if device == "cuda" else torch.float32)
+    given = recipe["dtype"] if recipe["dtype"] in ("float32", "bfloat16") else "auto"  # anything else: as 'auto'
+    dtype = getattr(torch, resolve_dtype(given, device))
     if recipe["model"] not in PRESETS and not os.path.isdir(recipe["model"]):
         raise UsageError(f"the adapter's base model folder {recipe['model']!r} does not exist",
                          "put the base model back there, or set base_model_name_or_path in adapter_config.json")

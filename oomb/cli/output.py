@@ -113,6 +113,10 @@ def _check_output_dir(args: argparse.Namespace) -> Path:
     _check_writable_dir_path("--output-dir", args.output_dir, out)
     if args.resume is not None:
         if args.resume == "latest" and not (out / "checkpoints").is_dir():
+            replaced = _replaced_run_resume(out)
+            if replaced is not None:
+                raise UsageError(f"--resume latest: --output-dir {args.output_dir!r} has no checkpoints folder: "
+                                 f"{replaced[0]}", replaced[1])
             raise UsageError(
                 f"--resume: --output-dir {args.output_dir!r} has no checkpoints folder",
                 "pass the --output-dir of the run to continue, or start without --resume",
@@ -189,6 +193,22 @@ def _oomb_outputs(out: Path) -> set[str] | None:
 # run that fails or is killed before that leaves the earlier one recoverable (a user lost a finished run
 # to a killed --overwrite run, which deleted it at its start).
 _REPLACED = ".oomb-replaced"
+
+
+def _replaced_run_resume(out: Path) -> tuple[str, str] | None:
+    """Where to resume the run that an unfinished --overwrite moved to ``out/.oomb-replaced``, for a --resume latest
+    that finds no checkpoint of ``out``'s own: (what happened, the fix: the command that continues it in a new
+    folder). None where .oomb-replaced holds no complete checkpoint."""
+    from ..checkpoint import find_latest
+
+    backup = out / _REPLACED
+    latest = find_latest(backup / "checkpoints") if (backup / "checkpoints").is_dir() else None
+    if latest is None:
+        return None
+    return (f"the --overwrite run started there has written none, and the run it replaced is in {backup} (its last "
+            f"checkpoint: {latest.name})",
+            f"continue that run with --resume {latest} --output-dir NEW_DIR (a new folder; {backup} is left as it is), "
+            "or start again with --overwrite")
 
 
 def _prepare_output(out: Path, overwrite: bool) -> None:

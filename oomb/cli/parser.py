@@ -108,9 +108,12 @@ _HELP = {
              "--local-pages": "with --budgets: latest past pages always attended; 0 allowed",
              "--sparse-score": "with --budgets: page score (mean key, or Quest's min/max bound)"},
     "merge": {"--output-dir": "where the merged model and tokenizer go: a new or empty folder"},
+    "plan": {"--device": "the planned run's device: cuda (the default here; --dtype auto is then bfloat16, as in "
+                         "'oomb train'); a plan needs no GPU on this machine, and a cpu run is refused (no GPU memory "
+                         "to plan)"},
 }
 """Where a field's docstring reads wrong for one command (eval and grad-error make their own sparse runs; merge
-writes a model folder, not a training run's output)."""
+writes a model folder, not a training run's output; plan runs nothing)."""
 
 META_FLAGS = ("--help", "--version", "--config", "--print-config")
 """The only flags that are not configuration fields: they say what to do with the configuration."""

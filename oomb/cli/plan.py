@@ -39,8 +39,17 @@ def job_plan(args: argparse.Namespace, dtype, optimizer: str | None = "job", mac
                            nproc=job.plan.nproc if nproc is None else nproc)
 
 
+def _refuse_bad_setting(p) -> None:
+    """Refuse the plan ``p`` as bad input (exit status 2) where its settings fit no machine
+    (:attr:`oomb.planner.MemoryPlan.bad_setting`: a --gpu-page-budget below the smallest pool the run stages
+    through): ``oomb plan`` and ``oomb train`` alike, where a run too large for the machine is plan's exit 1."""
+    if p.bad_setting:
+        raise _usage_from(ValueError(p.bad_setting), "see 'oomb plan --help'")
+
+
 def _machine(args: argparse.Namespace):
-    """The machine to plan for: this one, or the GPU memory and host RAM of --gpu-gib / --host-gib.
+    """(the machine to plan for, a note or None): this one, or the GPU memory and host RAM of --gpu-gib /
+    --host-gib; the note says where the host RAM comes from when it is this machine's and there is no GPU here.
 
     Raises:
         ValueError: without a visible CUDA GPU and without --gpu-gib (there is no GPU to plan for).
@@ -52,22 +61,26 @@ def _machine(args: argparse.Namespace):
         raise ValueError("no CUDA GPU is visible, so there is no GPU memory to plan for; pass --gpu-gib G and --host-gib H "
                          "(the free GPU memory and the available host RAM, in GiB, of the machine to plan for)")
     if args.gpu_gib is None and args.host_gib is None:
-        return machine
+        return machine, None
     gpu = int(args.gpu_gib * GiB) if args.gpu_gib is not None else machine.gpu_free_bytes
     host = int(args.host_gib * GiB) if args.host_gib is not None else machine.host_available_bytes
+    note = None
     if args.host_gib is None and machine.gpu_total_bytes == 0:
         # planning for another machine (no GPU here): this one's RAM is most likely not that machine's
-        print(f"oomb: note: --host-gib not given, so the host budget comes from this machine's available RAM "
-              f"({host / GiB:.1f} GiB); pass --host-gib H for the machine you plan for", file=sys.stderr)
+        note = (f"oomb: note: --host-gib not given, so the host budget comes from this machine's available RAM "
+                f"({host / GiB:.1f} GiB); pass --host-gib H for the machine you plan for")
     return Machine(gpu, max(gpu, machine.gpu_total_bytes if args.gpu_gib is None else gpu), host,
-                   max(host, machine.host_total_bytes), "given" if args.gpu_gib is not None else machine.gpu_name)
+                   max(host, machine.host_total_bytes), "given" if args.gpu_gib is not None else machine.gpu_name,
+                   f"--host-gib {args.host_gib:g}" if args.host_gib is not None else machine.host_name), note
 
 
 def _plan(args: argparse.Namespace) -> int:
-    """``oomb plan``: print the predicted memory of a run; 0 if it fits, 1 if not, 2 on bad input. A --seq-len
-    beyond the model's max_position_embeddings is warned about on stderr (as ``oomb train`` does)."""
-    _check_offload_flags(args)
+    """``oomb plan``: print the predicted memory of a run on a GPU (``--device`` is cuda unless the file or the flag
+    says cpu, which is refused: a CPU run has no GPU memory or pinned tier to plan); 0 if it fits, 1 if not, 2 on
+    bad input (a setting that fits no machine included: one line, no table, no note or warning). A --seq-len beyond the model's
+    max_position_embeddings is warned about on stderr (as ``oomb train`` does)."""
     try:
+        from ..config import resolve_dtype
         from ..models.limits import context_length_warning, lora_rank_problem
         from ..models.presets import load_config
 
@@ -77,17 +90,26 @@ def _plan(args: argparse.Namespace) -> int:
             raise ValueError("; ".join(lora_problem))
         if args.lora_rank:
             _check_lora_targets(config, args)
-        machine = _machine(args)
+        if args.device != "cuda":
+            raise ValueError("oomb plan plans a run on a GPU (its GPU memory and pinned host tier), and this run's "
+                             "device is cpu; pass --device cuda, or set model.device: cuda in the --config file "
+                             "(a plan needs no GPU on this machine)")
+        machine, note = _machine(args)
+        shard_note = None
         if args.shard != "none" and args.nproc == 1:
-            print(f"oomb: note: --shard {args.shard} shards over ranks but --nproc is 1: planned as one process (as "
-                  "--shard none); pass --nproc N for one rank of N", file=sys.stderr)
+            shard_note = (f"oomb: note: --shard {args.shard} shards over ranks but --nproc is 1: planned as one "
+                          "process (as --shard none); pass --nproc N for one rank of N")
         warning = context_length_warning(config, args.seq_len, args.model)
-        if warning:
-            print(warning, file=sys.stderr)
-        dtype = "bfloat16" if args.dtype == "auto" else args.dtype  # 'auto' is bfloat16 on a GPU, what a plan is for
-        p = job_plan(args, dtype, optimizer=None if args.no_optimizer else "job", machine=machine)
+        p = job_plan(args, resolve_dtype(args.dtype, args.device), optimizer=None if args.no_optimizer else "job",
+                     machine=machine)
     except ValueError as exc:  # MemoryPlanError, UnknownModelError, UnsupportedModelError
         raise _usage_from(exc, "see 'oomb plan --help'") from exc
+    _refuse_bad_setting(p)
+    # every refusal is behind: a note or warning never comes with an error line
+    _check_offload_flags(args)
+    for line in (note, shard_note, warning):
+        if line:
+            print(line, file=sys.stderr)
     print(_flag_names(p.table()))  # the planner speaks in config fields; the command line in flags
     if p.fits:  # a refused plan has said what is wrong with the budget already
         offloads = bool(p.tiering.offload)

@@ -34,11 +34,11 @@ def _resume_command(argv: Sequence[str]) -> str:
 def _fingerprint(args: argparse.Namespace, sequences, dtype, world_size: int) -> dict:
     """What a checkpoint's run and the resuming run must share (see --resume in --help); ``sequences``: the
     training data (:func:`oomb.data.build_training_data`), whose ``digest()`` covers its tokens, labels and
-    bounds."""
+    bounds, or None: every fact but the data's ``data_sha256`` (what the flags alone say)."""
     fingerprint = {
         "model": args.model if args.model in _preset_names() or not os.path.isdir(args.model) else str(Path(args.model).resolve()),
         "seq_len": args.seq_len,
-        "data_sha256": sequences.digest(),
+        "data_sha256": sequences.digest() if sequences is not None else None,
         "tokenizer": args.tokenizer and str(Path(args.tokenizer).resolve()),
         "seed": args.seed,
         "lora_rank": args.lora_rank,
@@ -50,6 +50,8 @@ def _fingerprint(args: argparse.Namespace, sequences, dtype, world_size: int) ->
         "rope_scaling": args.rope_scaling_dict,
         "world_size": world_size,
     }
+    if sequences is None:
+        del fingerprint["data_sha256"]
     # What the adapter trains, where it is not the default (a checkpoint of a run before these options matches).
     from ..config import ModelConfig
 

@@ -10,7 +10,9 @@ from pathlib import Path
 
 from .checks import (
     _check_cpu_memory,
+    _check_cpu_offload_sizes,
     _check_lora_targets,
+    _check_offload_flags,
     _check_vocab,
     _usage_from,
     _warn_if_adamw_rounds_bf16_updates,
@@ -22,7 +24,7 @@ from .checks import (
 )
 from .inputs import _training_data, _vocab_size
 from .errors import UsageError, _one_line
-from .output import _broken_latest_pointer, _saved_model_of
+from .output import _broken_latest_pointer, _replaced_run_resume, _saved_model_of
 from .resume import (
     _check_resume_fingerprint,
     _check_resume_settings,
@@ -51,18 +53,39 @@ def _store_summary(store, seq_len: int, page_size: int, seconds: float) -> str:
             f"{'pinned ' if dev == 'cuda' else ''}host memory (allocated once, in {seconds:.1f} s)")
 
 
+def _resume_checkpoint(args: argparse.Namespace, out: Path, dtype, world_size: int) -> tuple[Path, list[str]]:
+    """The checkpoint --resume names, checked against every fingerprint fact but the data (read later) and the
+    settings that must match: (its folder, notes on harmless differences). Refuses a missing or foreign one."""
+    from ..checkpoint import find_latest, read_settings
+
+    ckpt_root = out / "checkpoints"
+    path = find_latest(ckpt_root) if args.resume == "latest" else Path(args.resume).expanduser()
+    if path is None:
+        replaced = _replaced_run_resume(out)
+        if replaced is not None:
+            raise UsageError(f"--resume latest: {ckpt_root} holds no complete checkpoint: {replaced[0]}", replaced[1])
+        raise UsageError(f"--resume latest: {ckpt_root} holds no complete checkpoint", "start without --resume (with --overwrite)")
+    if not path.is_dir():
+        latest = find_latest(ckpt_root) if ckpt_root.is_dir() else None
+        raise UsageError(f"--resume {args.resume}: {path} is not a checkpoint folder",
+                         "pass 'latest' or a checkpoint folder" + (f" such as {latest}" if latest is not None else
+                                                                   f" (step-NNNNNNNN under {ckpt_root})"))
+    saved = read_settings(path, "fingerprint")
+    if saved is not None:
+        saved = {k: v for k, v in saved.items() if k != "data_sha256"}
+    _check_resume_fingerprint(saved, _fingerprint(args, None, dtype, world_size), path)
+    notes = _check_resume_settings(args, read_settings(path), path)
+    if args.resume == "latest":
+        notes += _broken_latest_pointer(ckpt_root, path)
+    return path, notes
+
+
 def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
     """Every check, the model, engine and optimizer, and the checkpoint to resume from: nothing written yet."""
     import torch
 
     from .. import Engine, UnsupportedModelError
-    from ..checkpoint import (
-        CheckpointError,
-        find_latest,
-        load_checkpoint,
-        read_settings,
-        set_rng_state,
-    )
+    from ..checkpoint import CheckpointError, load_checkpoint, read_settings, set_rng_state
     from ..models.presets import (
         PRESETS,
         UnknownModelError,
@@ -71,14 +94,21 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         load_config,
     )
 
+    shard_note = None
     if args.shard != "none" and not ctx.enabled:
         # As accelerate, Lightning and DeepSpeed run a sharding config on one device: the same settings serve a
         # one-GPU trial. The checkpoints are then those of one process (resumed without --shard).
-        if ctx.is_main:
-            print(f"oomb: note: --shard {args.shard} shards over the ranks of torchrun; this is one process, so it "
-                  "trains unsharded (as --shard none)", file=sys.stderr)
+        shard_note = (f"oomb: note: --shard {args.shard} shards over the ranks of torchrun; this is one process, so it "
+                      "trains unsharded (as --shard none)")
         args.shard = "none"
+    if args.resume is not None:
+        # What the flags alone say of the checkpoint's run, before the data, model and store are checked: a
+        # --seq-len (or any fingerprint fact) other than the checkpoint's is the problem to name, not what it breaks.
+        path, notes = _resume_checkpoint(args, out, dtype, ctx.world_size)
     tokenizer, sequences = _training_data(args)
+    fingerprint = _fingerprint(args, sequences, dtype, ctx.world_size)
+    if args.resume is not None:
+        _check_resume_fingerprint(read_settings(path, "fingerprint"), fingerprint, path)  # the data's digest too
 
     # The model's config is checked before any weight is read or initialised.
     try:
@@ -108,24 +138,21 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         _check_lora_targets(model_config, args)
     if device.type != "cuda":
         _check_cpu_memory(args, model_config, dtype)
-    if device.type != "cuda" and args.offload == "auto":
-        for flag, value in (("--gpu-page-budget", args.gpu_page_budget), ("--offload-segment-pages", args.offload_segment_pages)):
-            if value is not None:
-                raise UsageError(f"{flag} sizes offload, which --offload auto never uses on the CPU",
-                                 f"pass --offload on to run the offloaded store on the CPU, or leave {flag} out")
+    _check_cpu_offload_sizes(args)
     from dataclasses import replace
 
     cfg = args.job.engine
     if device.type == "cuda":
         # Predict the GPU and host memory of the run before allocating anything (docs/design.md §4 sizes).
-        from .plan import job_plan
+        from .plan import _refuse_bad_setting, job_plan
 
         try:
             plan = job_plan(args, dtype, nproc=ctx.world_size)
+            _refuse_bad_setting(plan)  # in oomb plan's words
             plan.check()
         except ValueError as exc:
             raise _usage_from(exc, "see 'oomb plan' for what fits") from exc
-        _warn_if_offload_on_keeps_every_page(args, plan.tiering.offload, plan.shape.num_layers)
+        planned_offload = plan.tiering.offload
         settings = plan.engine_settings()
         if args.offload != "off" and args.gpu_page_budget is None:
             # The plan sizes the GPU page pool with the optimizer states counted; the engine alone would size
@@ -157,8 +184,6 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
     from ..models.limits import context_length_warning
 
     warning = context_length_warning(model.config, args.seq_len, args.model)  # after --rope-scaling, as oomb plan
-    if warning and ctx.is_main:
-        print(warning, file=sys.stderr)
 
     if args.lora_rank > 0:
         from ..models.lora import apply_lora
@@ -200,23 +225,9 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(args.optimizer, params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95),
                                 device=device)
-    fingerprint = _fingerprint(args, sequences, dtype, ctx.world_size)
 
     start_step, finished = 0, False
     if args.resume is not None:
-        ckpt_root = out / "checkpoints"
-        path = find_latest(ckpt_root) if args.resume == "latest" else Path(args.resume).expanduser()
-        if path is None:
-            raise UsageError(f"--resume latest: {ckpt_root} holds no complete checkpoint", "start without --resume (with --overwrite)")
-        if not path.is_dir():
-            latest = find_latest(ckpt_root) if ckpt_root.is_dir() else None
-            raise UsageError(f"--resume {args.resume}: {path} is not a checkpoint folder",
-                             "pass 'latest' or a checkpoint folder" + (f" such as {latest}" if latest is not None else
-                                                                       f" (step-NNNNNNNN under {ckpt_root})"))
-        _check_resume_fingerprint(read_settings(path, "fingerprint"), fingerprint, path)
-        notes = _check_resume_settings(args, read_settings(path), path)
-        if args.resume == "latest":
-            notes += _broken_latest_pointer(ckpt_root, path)
         try:
             start_step, extra = load_checkpoint(path, model, optimizer, None, fingerprint, sharded=sharding is not None)
         except CheckpointError as exc:
@@ -250,6 +261,13 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
             print(f"oomb: resuming from {path} (step {start_step})", file=sys.stderr)
         finished = start_step == args.steps and _saved_model_of(out, path, start_step)
     if ctx.is_main:  # after every refusal: a warning never comes with an error line
+        if shard_note:
+            print(shard_note, file=sys.stderr)
+        if warning:
+            print(warning, file=sys.stderr)
+        _check_offload_flags(args)
+        if device.type == "cuda":
+            _warn_if_offload_on_keeps_every_page(args, planned_offload, engine.num_layers)
         _warn_if_offload_moves_nothing(args, engine.num_layers)
         _warn_if_sparse_is_dense(args)
         _warn_if_gpu_saved_attention_on_cpu(args, device)

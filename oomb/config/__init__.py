@@ -13,9 +13,10 @@ A bad value raises :class:`ConfigError` (a ``ValueError``) naming the field and 
 from .engine import KernelConfig, OffloadConfig, OOMBConfig, SparseConfig
 from .errors import ConfigError
 from .job import (BenchConfig, DataConfig, DataMakeConfig, DataReportConfig, EvalConfig, GradErrorConfig, JobConfig, ModelConfig,
-                  OutputConfig, PlanConfig, TrainConfig)
+                  OutputConfig, PlanConfig, TrainConfig, resolve_dtype)
 
 __all__ = [
     "BenchConfig", "ConfigError", "DataConfig", "DataMakeConfig", "DataReportConfig", "EvalConfig", "GradErrorConfig", "JobConfig",
     "KernelConfig", "ModelConfig", "OOMBConfig", "OffloadConfig", "OutputConfig", "PlanConfig", "SparseConfig", "TrainConfig",
+    "resolve_dtype",
 ]

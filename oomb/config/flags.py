@@ -7,7 +7,8 @@ its choices come from its ``Literal`` type, a ``bool`` with default False is an 
 default True or None gets ``--x/--no-x``. Every flag's argparse ``dest`` is the flag without dashes
 (``--offload-segment-pages`` -> ``offload_segment_pages``), so the parsed namespace has one attribute per flag.
 
-Values are merged as: the fields' defaults, then the YAML file (``--config``), then the flags given.
+Values are merged as: the fields' defaults (a command's own where :data:`COMMAND_DEFAULTS` has one), then the YAML
+file (``--config``), then the flags given.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from .job import (BenchConfig, DataConfig, DataMakeConfig, DataReportConfig, Eva
                   ModelConfig, OutputConfig, PlanConfig, TrainConfig)
 from .meta import field_docs, has_no_flag
 
-__all__ = ["COMMANDS", "FlagField", "add_flags", "command_fields", "job_from_values", "namespace_of"]
+__all__ = ["COMMANDS", "COMMAND_DEFAULTS", "FlagField", "add_flags", "command_fields", "job_from_values", "namespace_of"]
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
@@ -56,7 +57,7 @@ COMMANDS: dict[str, list[tuple[str, tuple[str, ...] | None]]] = {
         ("engine.offload", _ALL), ("engine.kernels", _ALL), ("train", _ALL), ("output", _ALL),
     ],
     "plan": [
-        ("model", ("name", "dtype", "lora_rank", "lora_targets", "train_embeddings_norms")), ("data", ("seq_len",)),
+        ("model", ("name", "device", "dtype", "lora_rank", "lora_targets", "train_embeddings_norms")), ("data", ("seq_len",)),
         ("engine", _ENGINE_CORE), ("engine.sparse", _ALL), ("engine.offload", _ALL), ("train", ("optimizer", "shard")),
         ("plan", _ALL),
     ],
@@ -81,6 +82,10 @@ COMMANDS: dict[str, list[tuple[str, tuple[str, ...] | None]]] = {
 }
 COMMANDS["data"] = COMMANDS["train"] + [("data_report", _ALL), ("data_make", _ALL)]  # takes train's flags: it shows what train reads
 """The sections and fields (None: all of a section's fields that have a flag) each command reads."""
+
+COMMAND_DEFAULTS: dict[str, dict[str, Any]] = {"plan": {"model.device": "cuda"}}
+"""Where a command's default differs from the field's (section.field -> value), below the file and the flags like
+any default: ``oomb plan`` plans a GPU run unless the file or ``--device`` says otherwise."""
 
 _GROUPS = {"model": "model", "data": "data", "engine": "engine", "engine.sparse": "sparse attention",
            "engine.offload": "offload", "engine.kernels": "kernels", "train": "optimisation", "output": "output",
@@ -201,6 +206,8 @@ def add_flags(parser: argparse.ArgumentParser, command: str, suppress: bool = Fa
         if group is None:
             group = groups[ff.section] = parser.add_argument_group(_GROUPS[ff.section])
         kw = _argparse_kwargs(ff, suppress)
+        if not suppress and ff.key in COMMAND_DEFAULTS.get(command, {}):
+            kw["default"] = COMMAND_DEFAULTS[command][ff.key]
         if help_overrides and ff.flag in help_overrides:
             kw["help"] = help_overrides[ff.flag]
         group.add_argument(ff.flag, **kw)
@@ -227,7 +234,13 @@ def job_from_values(command: str, given: dict[str, Any], file_values: dict[str, 
     """
     file_values = file_values or {}
     by_dest = {ff.dest: ff for ff in command_fields(command)}
-    values: dict[str, dict[str, Any]] = {s: dict(v) for s, v in file_values.items() if isinstance(v, dict)}
+    values: dict[str, dict[str, Any]] = {}
+    for key, value in COMMAND_DEFAULTS.get(command, {}).items():
+        section, name = key.rsplit(".", 1)
+        values.setdefault(section, {})[name] = value
+    for s, v in file_values.items():
+        if isinstance(v, dict):
+            values.setdefault(s, {}).update(v)
     sparse_in_file = "engine.sparse" in file_values and file_values["engine.sparse"] is not None
     for dest, value in given.items():
         ff = by_dest[dest]

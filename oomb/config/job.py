@@ -18,7 +18,7 @@ from .meta import flag
 
 __all__ = [
     "BenchConfig", "DataConfig", "DataMakeConfig", "DataReportConfig", "EvalConfig", "GradErrorConfig", "JobConfig", "MergeConfig",
-    "ModelConfig", "OPTIMIZERS", "OutputConfig", "PlanConfig", "SHARDS", "TrainConfig", "SEED_LIMIT",
+    "ModelConfig", "OPTIMIZERS", "OutputConfig", "PlanConfig", "SHARDS", "TrainConfig", "SEED_LIMIT", "resolve_dtype",
 ]
 
 SEED_LIMIT = 2**32
@@ -32,6 +32,16 @@ Dtype = Literal["auto", "float32", "bfloat16"]
 Shard = Literal["none", "params", "grads-optim"]
 SHARDS = ("none", "params", "grads-optim")
 """What ``train.shard`` shards over the ranks of torchrun (:func:`oomb.engine.sharding.shard_model`)."""
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """The parameter dtype of a run whose ``model.dtype`` is ``dtype`` on ``device`` ('cpu' or 'cuda'), as
+    ``ModelConfig.dtype`` documents it: 'float32' or 'bfloat16' as given; 'auto' is 'bfloat16' on 'cuda' and
+    'float32' on 'cpu'. The one rule of every command (train, plan, eval, grad-error, bench, merge): a plan of a
+    run counts the bytes the run allocates. Needs no GPU (a plan for a CUDA run is made anywhere)."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if device == "cuda" else "float32"
 
 
 def _in(section: str):

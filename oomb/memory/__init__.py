@@ -24,8 +24,8 @@ from .step import (LORA_TARGETS, activation_bytes, base_gpu_bytes, page_bytes, s
                    sparse_headroom_bytes, sparse_state_bytes)
 from .tiering import (DEFAULT_SEGMENT_TOKENS, DeviceMemory, EngineTiering, MemoryPlanError, Tiering,
                       choose_engine_tiering, choose_staging_sets, default_segment_pages, fit_tiering,
-                      kv_stash_request_bytes, kv_stash_reserve_bytes, kv_stash_tiles, min_gpu_pages,
-                      resident_pages_for_budget, resolve_segment_pages, stage1_shadow_pages, staging_pages)
+                      gpu_page_budget_problem, kv_stash_request_bytes, kv_stash_reserve_bytes, kv_stash_tiles,
+                      min_gpu_pages, resident_pages_for_budget, resolve_segment_pages, stage1_shadow_pages, staging_pages)
 from .traffic import offload_traffic, segment_traffic
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "MemoryPlanError", "ModelShape", "OPTIMIZER_NAMES", "OptimizerBytes", "SHARD_MODES", "SegUse", "SegmentSchedule",
     "ShardBytes", "Tiering", "activation_bytes", "base_gpu_bytes", "collective_counts",
     "choose_engine_tiering", "choose_staging_sets", "default_segment_pages", "dtype_size", "fit_tiering",
+    "gpu_page_budget_problem",
     "host_memory", "kv_stash_request_bytes", "kv_stash_reserve_bytes", "kv_stash_tiles", "min_gpu_pages",
     "offload_traffic", "optimizer_bytes", "page_bytes", "parse_dtype", "resident_pages_for_budget", "resolve_segment_pages",
     "saved_attention_bytes", "segment_traffic", "shard_bytes", "shard_traffic", "sparse_headroom_bytes",

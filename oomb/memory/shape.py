@@ -133,13 +133,15 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class Machine:
-    """Memory of the machine, in bytes."""
+    """Memory of the machine, in bytes; ``gpu_name`` and ``host_name`` say where the GPU and host figures come
+    from, as a plan's table names them."""
 
     gpu_free_bytes: int
     gpu_total_bytes: int
     host_available_bytes: int
     host_total_bytes: int
     gpu_name: str = "GPU"
+    host_name: str = "available RAM"
 
     @classmethod
     def detect(cls, device: torch.device | str | None = None) -> "Machine":

@@ -27,6 +27,7 @@ __all__ = [
     "choose_staging_sets",
     "default_segment_pages",
     "fit_tiering",
+    "gpu_page_budget_problem",
     "kv_stash_request_bytes",
     "kv_stash_reserve_bytes",
     "kv_stash_tiles",
@@ -138,6 +139,31 @@ def min_gpu_pages(num_layers: int, pages_per_layer: int, segment_pages: int | No
     return min(K * staging_pages(pages_per_layer, 0, segment_pages), num_layers * pages_per_layer)
 
 
+def gpu_page_budget_problem(num_layers: int, pages_per_layer: int, gpu_pages: int, segment_pages: int | None = None,
+                            staging_sets: int | None = None) -> str | None:
+    """Why a GPU pool of ``gpu_pages`` pages (a given ``gpu_page_budget``) can never stage ``pages_per_layer`` pages
+    per layer, whatever the machine: it is below :func:`min_gpu_pages` (two staging buffers, or ``staging_sets``
+    whole layers); None when it is not. 'problem; fix' in the config's field names: the one text of the store
+    (:func:`resident_pages_for_budget`), :func:`fit_tiering` and the planner."""
+    L, n = num_layers, pages_per_layer
+    if gpu_pages >= L * n:
+        return None
+    K = choose_staging_sets(L, n, gpu_pages, segment_pages, staging_sets)
+    need = min_gpu_pages(L, n, segment_pages, K)
+    if gpu_pages >= need:
+        return None
+    if segment_pages is None:
+        what = f"{K} layers of staging"
+        fewer = f", lower staging_sets (2 needs {min_gpu_pages(L, n, segment_pages, 2):,})" if K > 2 else ""
+    else:  # smaller segments need smaller buffers
+        W = staging_pages(n, 0, segment_pages)
+        what = f"two staging buffers of {W:,} pages"
+        fewer = ", lower offload_segment_pages (the two buffers hold that many pages each)" if W > 1 else ""
+    return (f"gpu_page_budget {gpu_pages:,} pages is below the {need:,} pages offload needs for {n:,} pages per layer "
+            f"({what}); raise gpu_page_budget to {need:,} or more{fewer}, use a shorter seq_len, or leave "
+            "gpu_page_budget out to let oomb size the pool")
+
+
 def resident_pages_for_budget(
     num_layers: int, pages_per_layer: int, gpu_pages: int, segment_pages: int | None = None,
     staging_sets: int | None = None,
@@ -150,24 +176,15 @@ def resident_pages_for_budget(
     ``W = min(segment_pages, n - R)``. Returns the largest such R.
 
     Raises:
-        ValueError: if ``gpu_pages`` is below :func:`min_gpu_pages`.
+        ValueError: if ``gpu_pages`` is below :func:`min_gpu_pages` (:func:`gpu_page_budget_problem` says why).
     """
     L, n = num_layers, pages_per_layer
     if gpu_pages >= L * n:
         return n
+    problem = gpu_page_budget_problem(L, n, gpu_pages, segment_pages, staging_sets)
+    if problem:
+        raise ValueError(problem)
     K = choose_staging_sets(L, n, gpu_pages, segment_pages, staging_sets)
-    need = min_gpu_pages(L, n, segment_pages, K)
-    if gpu_pages < need:
-        what = (f"{K} layers' staging" if segment_pages is None
-                else f"two staging buffers of {staging_pages(n, 0, segment_pages)} pages")
-        if segment_pages is None:
-            fewer = f", lower staging_sets (2 needs {min_gpu_pages(L, n, segment_pages, 2):,})" if K > 2 else ""
-        else:  # smaller segments need smaller buffers
-            fewer = ", lower offload_segment_pages (the two buffers hold that many pages each)" if need > 2 else ""
-        raise ValueError(
-            f"a GPU page budget of {gpu_pages} pages cannot stage {n} pages per layer: offload needs at least "
-            f"{need} pages on the GPU ({what}); raise gpu_page_budget{fewer} or shorten the sequence"
-        )
     if segment_pages is None:
         if L <= K:  # staging K layers costs as much as keeping them all
             return n
@@ -288,9 +305,7 @@ def fit_tiering(L: int, n: int, pb: int, pool_budget: int, host_budget: int, off
         k = need // n  # the fewest staging sets (2, or as requested), each a whole layer
         what = f"{k} layers of staging" if segment_pages is None else "two staging segments"
         if gpu_page_budget is not None:  # the caller's budget is too small, not the GPU
-            return None, (f"gpu_page_budget {pages:,} pages is below the {need:,} pages offload needs for {n:,} pages "
-                          f"per layer ({what}); raise gpu_page_budget to {need:,} or more, or leave it out to use the "
-                          "largest pool that fits")
+            return None, gpu_page_budget_problem(L, n, pages, segment_pages, staging_sets)
         # The GPU is too small: what is left of it after the weights, states and activations cannot stage.
         shorter = ", or shorten the context" if segment_pages is None else ""
         return None, (f"offload needs at least {need:,} GPU pages ({need * pb / GiB:.2f} GiB: {what}) but only "

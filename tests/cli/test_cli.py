@@ -252,7 +252,7 @@ def _bad_inputs(tmp_path, text_file):
         ("not an integer", ["--data", text_file, "--seq-len", "ten"], "invalid int value"),
         ("unknown preset", ["--data", text_file, "--model", "gpt-17"], "unknown model 'gpt-17'"),
         ("missing tokenizer", ["--data", text_file, "--tokenizer", tmp_path / "no-tok"], "tokenizer folder"),
-        ("page budget too small", ["--data", text_file, "--offload", "on", "--gpu-page-budget", "3"], "page budget of 3 pages"),
+        ("page budget too small", ["--data", text_file, "--offload", "on", "--gpu-page-budget", "3"], "--gpu-page-budget 3 pages is below the 8 pages"),
         ("page budget without offload", ["--data", text_file, "--offload", "off", "--gpu-page-budget", "64"], "--offload is off"),
         ("zero page budget", ["--data", text_file, "--gpu-page-budget", "0"], "--gpu-page-budget is 0"),
         ("page budget on the cpu with auto offload", ["--data", text_file, "--gpu-page-budget", "64"],
@@ -275,6 +275,7 @@ def _check_refused(status, capsys, fragment):
     assert lines[0].startswith("oomb: error: ") and "; " in lines[0], lines[0]
     assert fragment in lines[0], lines[0]
     assert "Traceback" not in err
+    return lines[0]
 
 
 def test_every_bad_input_exits_2_with_one_line_and_touches_nothing(tmp_path, text_file, capsys):
@@ -660,6 +661,8 @@ def test_grad_error_attention_backend(tmp_path, text_file, capsys, monkeypatch):
     (["--offload", "off", "--gpu-page-budget", "5"], "--offload is off"),
     (["--gpu-page-budget", "0"], "--gpu-page-budget is 0"),
     (["--offload-segment-pages", "0"], "--offload-segment-pages is 0"),
+    # a plan is of a GPU run: a --device cpu run has no GPU memory or pinned tier to plan
+    (["--gpu-gib", "8", "--host-gib", "8", "--device", "cpu"], "oomb plan plans a run on a GPU"),
 ])
 def test_plan_refuses_bad_machines_and_offload_flags(capsys, extra, fragment):
     _check_refused(run_cli(["plan", "--model", "tiny", "--seq-len", "4096", "--chunk-size", "512", *extra]), capsys, fragment)
@@ -720,12 +723,40 @@ def test_plan_messages_speak_to_cli_users(capsys, monkeypatch):
     assert run_cli([*base, "--gpu-gib", "139", "--offload", "off"]) == 1
     out = capsys.readouterr().out
     assert "GiB of GPU memory is left for it; turn offload on (--offload auto, or on)" in out and "True" not in out
-    assert run_cli([*base, "--gpu-gib", "139", "--checkpoint-layers", "--offload", "on", "--gpu-page-budget", "100"]) == 1
-    out = capsys.readouterr().out
-    assert "--gpu-page-budget 100 pages is below the 512 pages offload needs" in out and "raise --gpu-page-budget to 512" in out
+    line = _check_refused(run_cli([*base, "--gpu-gib", "139", "--checkpoint-layers", "--offload", "on", "--gpu-page-budget",
+                                   "100"]), capsys, "--gpu-page-budget 100 pages is below the 512 pages offload needs")
+    assert "raise --gpu-page-budget to 512" in line
     assert run_cli([*base, "--gpu-gib", "8"]) == 1
     out = capsys.readouterr().out
     assert "of GPU memory is left for KV pages" in out and "use --lora-rank, --checkpoint-layers or a smaller --chunk-size" in out
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--gpu-page-budget", "3"], "--gpu-page-budget 3 pages is below the 8 pages offload needs for 4 pages per layer "
+     "(two staging buffers of 4 pages); raise --gpu-page-budget to 8 or more, lower --offload-segment-pages"),
+    (["--sparse", "--offload-staging-sets", "3", "--gpu-page-budget", "11"], "--gpu-page-budget 11 pages is below the "
+     "12 pages offload needs for 4 pages per layer (3 layers of staging); raise --gpu-page-budget to 12 or more, lower "
+     "--offload-staging-sets (2 needs 8)"),
+])
+def test_a_gpu_page_budget_below_the_smallest_pool_is_bad_input_in_plan_and_train(tmp_path, text_file, capsys,
+                                                                                   monkeypatch, extra, says):
+    """A --gpu-page-budget below the smallest pool the run stages through fits no machine: `oomb plan` and
+    `oomb train` (on the CPU, and on a GPU before the model is built) refuse it alike, exit status 2 and the same
+    one line naming the minimum, nothing written."""
+    import oomb.models.presets as presets
+    from oomb.planner import Machine
+
+    run = ["--seq-len", "128", "--chunk-size", "64", "--page-size", "32", "--offload", "on", *extra]
+    train = ["train", "--data", text_file, "--output-dir", tmp_path / "run", "--steps", "2", "--no-progress"]
+    lines = [_check_refused(run_cli(["plan", "--gpu-gib", "8", "--host-gib", "8", *run]), capsys, says),
+             _check_refused(run_cli([*train, *run]), capsys, says)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(Machine, "detect", classmethod(lambda cls, device=None: Machine(8 << 30, 8 << 30, 8 << 30,
+                                                                                        8 << 30, "fake GPU")))
+    monkeypatch.setattr(presets, "build_model", lambda *a, **k: pytest.fail("the model was built before the check"))
+    lines.append(_check_refused(run_cli([*train, "--device", "cuda", *run]), capsys, says))
+    assert len(set(lines)) == 1, lines
+    assert not (tmp_path / "run").exists()
 
 
 def test_plan_without_a_gpu_needs_the_machine_sizes(capsys, monkeypatch):
@@ -930,6 +961,23 @@ def test_oomb_warnings_are_one_line_and_sparse_ignores_segment_pages(tmp_path, t
     assert run_cli(["plan", "--model", "qwen2.5-7b", "--seq-len", "1048576", "--gpu-gib", "139", "--host-gib", "1000",
                     "--checkpoint-layers", "--sparse", "--save-attention", "host"]) == 0
     assert "\n--save-attention host (save_attention='host'): not kept (offload stages whole layers" in capsys.readouterr().out
+
+
+def test_a_refused_run_prints_its_error_line_and_no_warning_or_note(tmp_path, text_file, capsys, monkeypatch):
+    """Warnings and notes come once every refusal is behind: a train or plan refused as bad input prints its one
+    error line only, though its flags would be warned about (--offload-segment-pages with --sparse) or noted
+    (--host-gib not given on a machine without a GPU)."""
+    from oomb.planner import Machine
+
+    sizes = ["--seq-len", "128", "--chunk-size", "64", "--page-size", "32"]
+    warned = ["--sparse", "--offload", "on", "--offload-segment-pages", "2", "--gpu-page-budget", "3"]
+    _check_refused(run_cli(["train", "--data", text_file, "--output-dir", tmp_path / "run", "--steps", "1",
+                            "--no-progress", *sizes, *warned]), capsys, "--gpu-page-budget 3 pages is below")
+    monkeypatch.setattr(Machine, "detect", classmethod(lambda cls, device=None: Machine(0, 0, 8 << 30, 8 << 30, "no GPU")))
+    for extra in (warned, ["--offload", "on", "--gpu-page-budget", "3"]):
+        _check_refused(run_cli(["plan", "--gpu-gib", "8", *sizes, *extra]), capsys,
+                       "--gpu-page-budget 3 pages is below")
+    assert not (tmp_path / "run").exists()
 
 
 def test_save_attention_gpu_on_the_cpu_says_where_the_outputs_are_kept(tmp_path, text_file, capsys):
@@ -1141,6 +1189,23 @@ def test_plan_notes_whose_host_ram_it_uses_without_host_gib(capsys):
     assert "oomb: note: --host-gib not given, so the host budget comes from this machine's available RAM" in capsys.readouterr().err
     run_cli(["plan", "--model", "qwen2.5-7b", "--seq-len", "65536", "--gpu-gib", "139.8", "--host-gib", "120"])
     assert "--host-gib not given" not in capsys.readouterr().err
+
+
+def test_plan_host_budget_line_says_where_the_budget_comes_from(capsys, monkeypatch):
+    """The host budget row names its source: 75% of --host-gib H where it was given, else of this machine's
+    available RAM (the GPU row likewise says 'given' for --gpu-gib)."""
+    from oomb.planner import Machine
+
+    monkeypatch.setattr(Machine, "detect", classmethod(lambda cls, device=None: Machine(0, 0, 64 << 30, 64 << 30, "no GPU")))
+    base = ["plan", "--model", "tiny", "--seq-len", "4096", "--chunk-size", "512", "--gpu-gib", "8"]
+
+    def host_row(extra):
+        assert run_cli([*base, *extra]) == 0
+        return next(line.split() for line in capsys.readouterr().out.splitlines() if line.strip().startswith("budget (75%"))
+
+    assert host_row(["--host-gib", "120"]) == ["budget", "(75%", "of", "--host-gib", "120)", "90.00"]
+    assert host_row(["--host-gib", "0.5"]) == ["budget", "(75%", "of", "--host-gib", "0.5)", "0.38"]
+    assert host_row([]) == ["budget", "(75%", "of", "available", "RAM)", "48.00"]
 
 
 def test_plan_refusals_name_fixes_that_apply(capsys):

@@ -117,6 +117,20 @@ def test_resume_refuses_other_settings_and_corrupt_checkpoints(tmp_path, text_fi
     assert err.count("\n") == 1 and "meta.json" in err
 
 
+def test_resume_names_the_other_seq_len_before_what_it_breaks(tmp_path, text_file, capsys):
+    """--resume with a --seq-len other than the checkpoint's is refused for that mismatch first, not for what the
+    other length breaks (a --gpu-page-budget too small for it, data shorter than it): exit 2, one line."""
+    out = tmp_path / "run"
+    argv = ["train", "--data", text_file, *FAST, "--steps", "2", "--output-dir", out, "--offload", "on",
+            "--gpu-page-budget", "8"]  # 8 pages: two staging buffers of the 4 pages of a 64-token layer
+    assert run_cli(argv) == 0
+    capsys.readouterr()
+    for seq_len in ("128", "4096"):  # 128: the budget is too small for it; 4096: the data too
+        assert run_cli([*argv, "--resume", "latest", "--seq-len", seq_len]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"is a checkpoint of another run (--seq-len 64 there, {seq_len} here)" in err, err
+
+
 @pytest.mark.parametrize("meta", ["[1, 2]", "no-step"])
 def test_resume_from_a_damaged_meta_json_exits_2_with_one_line(tmp_path, text_file, capsys, meta):
     out = tmp_path / "run"
@@ -377,6 +391,40 @@ def test_resume_from_another_folder_never_touches_either_run(tmp_path, text_file
     assert f"oomb: note: --resume: {ckpt} is a checkpoint of another folder" in err and "starts at step 3" in err
     assert [s for s, _ in losses(new)] == [3] and (new / "model.safetensors").is_file()
     assert _files(a) == before
+
+
+@pytest.mark.parametrize("partial", [False, True])
+def test_resume_latest_after_an_unfinished_overwrite_names_the_replaced_run(tmp_path, text_file, capsys, monkeypatch,
+                                                                            partial):
+    """--overwrite moves the earlier run to DIR/.oomb-replaced; where the new run stops before its first checkpoint,
+    --resume latest says where the earlier run's checkpoint is and the command that continues it (exit 2, one
+    line, nothing touched), and that command continues it."""
+    from oomb.train import Trainer
+
+    out = tmp_path / "run"
+    argv = ["train", "--data", text_file, *FAST, "--output-dir", out]
+    assert run_cli([*argv, "--steps", "2"]) == 0
+
+    def killed(self, *args, **kwargs):
+        raise KeyboardInterrupt  # as a kill in the first step would: no checkpoint written
+
+    monkeypatch.setattr(Trainer, "step", killed)
+    assert run_cli([*argv, "--steps", "2", "--overwrite"]) == 130
+    monkeypatch.undo()
+    if partial:  # a checkpoint cut short (no meta.json): not a complete one
+        (out / "checkpoints" / "step-00000001").mkdir(parents=True)
+    capsys.readouterr()
+    ckpt = out / ".oomb-replaced" / "checkpoints" / "step-00000002"
+    before = _files(out)
+    assert run_cli([*argv, "--steps", "3", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("oomb: error: --resume latest: "), err
+    assert f"the run it replaced is in {out / '.oomb-replaced'} (its last checkpoint: step-00000002)" in err, err
+    assert f"continue that run with --resume {ckpt} --output-dir NEW_DIR" in err, err
+    assert _files(out) == before
+    new = tmp_path / "new"
+    assert run_cli([*argv[:-1], new, "--steps", "3", "--resume", ckpt]) == 0
+    assert [s for s, _ in losses(new)] == [3] and _files(out) == before
 
 
 def test_a_signal_during_grad_accum_stops_at_the_sequence_boundary(tmp_path, text_file, capsys, monkeypatch):

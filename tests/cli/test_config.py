@@ -96,6 +96,47 @@ def test_plan_and_train_read_the_same_file_and_share_defaults(tmp_path, capsys):
     assert defaults["train"]["data"]["seq_len"] == defaults["plan"]["data"]["seq_len"]
 
 
+def test_plan_is_of_a_gpu_run_with_dtype_auto_resolved_as_train_resolves_it(tmp_path, capsys, monkeypatch):
+    """`oomb plan` plans a GPU run: --device is cuda unless the flag or the file says otherwise, and a cpu run is
+    refused with one line naming the fix (it has no GPU memory to plan). --dtype auto is what train runs in on that
+    device (bfloat16 on cuda, float32 on cpu), and a plan of a CUDA run is made on a machine without a GPU."""
+    import torch
+
+    from oomb.cli.checks import _resolve_device_dtype
+    from oomb.cli.parser import _job_config, _namespace
+    from oomb.config import resolve_dtype
+    from oomb.planner import Machine
+
+    no_gpu = Machine(0, 0, 64 << 30, 64 << 30, "no GPU")
+    monkeypatch.setattr(Machine, "detect", classmethod(lambda cls, device=None: no_gpu))
+    machine = ["--gpu-gib", "8", "--host-gib", "8"]
+    code, text, _ = _run(["train", "--output-dir", tmp_path / "o", "--print-config"], capsys)
+    assert code == 0 and yaml.safe_load(text)["model"]["device"] == "cpu" and yaml.safe_load(text)["model"]["dtype"] == "auto"
+    cpu = tmp_path / "cpu.yaml"
+    cpu.write_text(text)
+    job, _ = _job_config("train", ["train", "--config", str(cpu)], str(cpu))
+    assert _resolve_device_dtype(_namespace("train", job))[1] == torch.float32  # what train runs in
+    cuda = tmp_path / "cuda.yaml"
+    cuda.write_text(text.replace("device: cpu", "device: cuda"))
+    job, _ = _job_config("train", ["train", "--config", str(cuda)], str(cuda))
+    assert resolve_dtype(job.model.dtype, job.model.device) == "bfloat16"  # what train runs in on the GPU
+    for argv, dtype, kib in (([], "bfloat16", 3), (["--config", cuda], "bfloat16", 3),
+                             (["--config", cpu, "--device", "cuda"], "bfloat16", 3), (["--dtype", "float32"], "float32", 4),
+                             (["--config", cuda, "--dtype", "float32"], "float32", 4)):
+        code, out, err = _run(["plan", *argv, *machine], capsys)
+        assert code == 0, (argv, err)
+        head = out.splitlines()
+        assert head[0].endswith(f", {dtype}") and f"KV {kib} KiB/token" in head[1], (argv, head[:2])
+    code, out, _ = _run(["plan", "--print-config"], capsys)
+    assert code == 0 and yaml.safe_load(out)["model"]["device"] == "cuda"
+    for argv in (["--config", cpu], ["--device", "cpu"]):
+        code, out, err = _run(["plan", *argv, *machine], capsys)
+        assert code == 2 and out == "" and err.count("\n") == 1, (argv, err)
+        assert "oomb plan plans a run on a GPU" in err and "--device cuda" in err
+    assert [resolve_dtype(d, dev) for d in ("auto", "float32", "bfloat16") for dev in ("cpu", "cuda")] == [
+        "float32", "bfloat16", "float32", "float32", "bfloat16", "bfloat16"]
+
+
 def test_a_bad_file_gets_one_line_naming_the_key(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("engine:\n  chunk_sise: 512\n")

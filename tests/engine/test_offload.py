@@ -272,7 +272,7 @@ def test_resident_pages_for_budget():
     assert resident_pages_for_budget(L, n, 2 * n + 26 * 7 + 25) == 7
     assert resident_pages_for_budget(L, n, L * n) == n
     assert resident_pages_for_budget(L, n, 10**9) == n
-    with pytest.raises(ValueError, match="at least 2000 pages"):
+    with pytest.raises(ValueError, match="below the 2,000 pages offload needs"):
         resident_pages_for_budget(L, n, 1999)
     assert resident_pages_for_budget(2, n, 2 * n) == n  # two layers: staging costs as much as residency
 
@@ -430,7 +430,7 @@ def test_pages_released_as_stage2_passes_their_chunk(segment_pages, monkeypatch)
 def test_bad_budget_and_config():
     model = tiny("qwen2", layers=3)
     engine = Engine(model, OOMBConfig(chunk_size=8, page_size=4, attention_backend="torch", offload=OffloadConfig(gpu_page_budget=5)))
-    with pytest.raises(ValueError, match="offload needs at least 16 pages"):
+    with pytest.raises(ValueError, match="gpu_page_budget 5 pages is below the 16 pages offload needs"):
         engine.step(torch.randint(0, VOCAB, (1, 30)))
     with pytest.raises(ValueError, match="mode is 'yes'; pass one of 'auto', 'on', 'off'"):
         OOMBConfig(offload=OffloadConfig(mode="yes"))
@@ -690,7 +690,7 @@ def test_segment_pages_knob_is_validated():
     assert resident_pages_for_budget(28, 1000, 512, 256) == 0
     assert resident_pages_for_budget(28, 1000, 512 + 28 * 7 + 27, 256) == 7
     assert resident_pages_for_budget(28, 300, 28 * 50 + 2 * 250, 256) == 50  # n - R < segment: smaller buffers
-    with pytest.raises(ValueError, match="at least 512 pages"):
+    with pytest.raises(ValueError, match="below the 512 pages offload needs"):
         resident_pages_for_budget(28, 1000, 511, 256)
 
 

@@ -509,8 +509,8 @@ def test_staging_sets_not_below_the_layers_are_refused(monkeypatch):
     assert choose_staging_sets(4, 16, 64, 4, 5) == 2  # segments: not concerned
     with pytest.raises(ValueError, match="staging_sets=6 whole-layer staging buffers for a model of 6 layers"):
         resident_pages_for_budget(6, 10, 59, None, 6)
-    with pytest.raises(ValueError, match=r"raise gpu_page_budget, lower staging_sets "
-                                         r"\(2 needs 20\) or shorten"):
+    with pytest.raises(ValueError, match=r"raise gpu_page_budget to 30 or more, lower staging_sets "
+                                         r"\(2 needs 20\), use a shorter seq_len"):
         resident_pages_for_budget(6, 10, 25, None, 3)
 
 
