@@ -571,9 +571,13 @@ def plan(
         if nproc > 1 and shard == "none" and optimizer not in (None, "adamw"):
             alts = []  # the shard modes need adamw; the optimizer was chosen
         for key, alt in alts:
-            q = plan(**dict(kwargs, **{key: alt}, suggest_optimizer=False))
+            change = {key: alt}
+            if key == "optimizer" and shard != "none":  # one process plans a shard mode as none; the optimizers
+                change["shard"] = "none"  # other than adamw are refused with a shard mode, so name both
+            q = plan(**dict(kwargs, **change, suggest_optimizer=False))
             if q.fits:
-                problems.append(f"with {key}={alt!r} it fits (GPU {q.gpu_peak / GiB:.2f} of "
+                named = " and ".join(f"{k}={v!r}" for k, v in change.items())
+                problems.append(f"with {named} it fits (GPU {q.gpu_peak / GiB:.2f} of "
                                 f"{q.gpu_budget / GiB:.2f} GiB, host {q.host_peak / GiB:.2f} of "
                                 f"{q.host_budget / GiB:.2f} GiB)")
                 break

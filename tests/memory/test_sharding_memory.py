@@ -113,6 +113,26 @@ def test_plan_with_shard_in_one_process_plans_unsharded_with_a_note(capsys):
     assert "note: --shard grads-optim shards over ranks but --nproc is 1" in got.err
 
 
+def test_a_one_process_shard_plan_that_does_not_fit_names_an_optimizer_with_shard_none(capsys):
+    # the other optimizers are refused with a shard mode: the suggestion names both flags, and they fit
+    tight = ["plan", "--model", "qwen2.5-7b", "--seq-len", "65536", "--gpu-gib", "60", "--host-gib", "120"]
+    assert main([*tight, "--shard", "params"]) == 1
+    got = capsys.readouterr()
+    assert "DOES NOT FIT" in got.out and "with --optimizer adamw-cpu and --shard none it fits" in got.out
+    assert "note: --shard params shards over ranks but --nproc is 1" in got.err
+    assert main([*tight, "--optimizer", "adamw-cpu", "--shard", "none"]) == 0
+    assert main([*tight]) == 1  # unsharded, the suggestion names the optimizer alone
+    assert "with --optimizer adamw-cpu it fits" in capsys.readouterr().out
+
+
+def test_a_refused_plan_with_shard_prints_its_error_line_only(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main([*PLAN, "--shard", "params", "--device", "cpu"])
+    assert exit_.value.code == 2
+    got = capsys.readouterr()
+    assert got.out == "" and got.err.count("\n") == 1 and "device is cpu" in got.err
+
+
 def test_a_plan_that_does_not_fit_names_the_shard_mode_that_does(capsys):
     assert main(["plan", "--model", "qwen2.5-7b", "--seq-len", "65536", "--gpu-gib", "60", "--host-gib", "120",
                  "--nproc", "4", "--shard", "grads-optim"]) == 1
