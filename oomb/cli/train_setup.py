@@ -151,7 +151,11 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
             _refuse_bad_setting(plan)  # in oomb plan's words
             plan.check()
         except ValueError as exc:
-            raise _usage_from(exc, "see 'oomb plan' for what fits") from exc
+            err = _usage_from(exc, "see 'oomb plan' for what fits")
+            if shard_note:  # the note comes after refusals only: the refusal says the plan was of one process
+                err = UsageError(f"{err.problem} (planned as one process: --shard {args.job.train.shard} shards only "
+                                 "over the ranks of torchrun)", err.fix)
+            raise err from exc
         planned_offload = plan.tiering.offload
         settings = plan.engine_settings()
         if args.offload != "off" and args.gpu_page_budget is None:

@@ -147,6 +147,29 @@ def test_shard_in_one_process_trains_unsharded_with_a_note(tmp_path, text_file, 
     assert (out / "checkpoints" / "step-00000001" / "trainable.safetensors").is_file()  # the one-process format
 
 
+def test_shard_in_one_process_refused_by_the_plan_says_it_planned_one_process(tmp_path, text_file, capsys,
+                                                                            monkeypatch):
+    """A (faked) GPU with 8 GiB free: a 7B --shard params run without torchrun is planned unsharded and refused in
+    one line that says so (the note that --shard does nothing here is printed only on a run that starts)."""
+    import oomb.models.presets as presets
+    from oomb.planner import Machine
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("the model was built before the plan check")
+
+    small_gpu = Machine(8 << 30, 8 << 30, 64 << 30, 64 << 30, "fake 8 GiB GPU")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(Machine, "detect", classmethod(lambda cls, device=None: small_gpu))
+    monkeypatch.setattr(presets, "build_model", no_build)
+    out = tmp_path / "run"
+    assert run_cli(["train", "--data", text_file, "--model", "qwen2.5-7b", "--device", "cuda", *FAST,
+                    "--shard", "params", "--output-dir", out]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("oomb: error: "), err
+    assert "(planned as one process: --shard params shards only over the ranks of torchrun)" in err
+    assert "note:" not in err and not out.exists()
+
+
 @pytest.mark.parametrize("optimizer", ["adamw8bit", "adamw-bf16", "adamw-cpu"])
 def test_shard_refuses_optimizers_that_keep_whole_tensor_states(tmp_path, capsys, optimizer):
     assert run_cli(["train", "--shard", "params", "--optimizer", optimizer, "--output-dir", tmp_path / "x"]) == 2
