@@ -11,7 +11,7 @@ import sys
 
 from .checks import (
     _check_lora_targets,
-    _check_offload_flags,
+    _warn_if_segment_pages_unused,
     _flag_names,
     _usage_from,
     _warn_if_offload_moves_nothing,
@@ -101,7 +101,7 @@ def _plan(args: argparse.Namespace) -> int:
         raise _usage_from(exc, "see 'oomb plan --help'") from exc
     _refuse_bad_setting(p)
     # every refusal is behind: a note or warning never comes with an error line
-    _check_offload_flags(args)
+    _warn_if_segment_pages_unused(args)
     for line in (note, warning):
         if line:
             print(line, file=sys.stderr)

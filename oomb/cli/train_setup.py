@@ -12,7 +12,7 @@ from .checks import (
     _check_cpu_memory,
     _check_cpu_offload_sizes,
     _check_lora_targets,
-    _check_offload_flags,
+    _warn_if_segment_pages_unused,
     _check_vocab,
     _usage_from,
     _warn_if_adamw_rounds_bf16_updates,
@@ -244,7 +244,7 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
     if ctx.is_main:  # after every refusal: a warning never comes with an error line
         if warning:
             print(warning, file=sys.stderr)
-        _check_offload_flags(args)
+        _warn_if_segment_pages_unused(args)
         if device.type == "cuda":
             _warn_if_offload_on_keeps_every_page(args, planned_offload, engine.num_layers)
         _warn_if_offload_moves_nothing(args, engine.num_layers)
