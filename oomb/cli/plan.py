@@ -11,12 +11,12 @@ import sys
 
 from .checks import (
     _check_lora_targets,
-    _warn_if_segment_pages_unused,
     _flag_names,
     _usage_from,
     _warn_if_offload_moves_nothing,
     _warn_if_offload_on_keeps_every_page,
     _warn_if_offload_segments_are_small,
+    _warn_if_segment_pages_unused,
     _warn_if_sparse_is_dense,
 )
 
