@@ -80,7 +80,7 @@ def _check_cpu_offload_sizes(args: argparse.Namespace) -> None:
                              f"pass --offload on to run the offloaded store on the CPU, --device cuda, or leave {flag} out")
 
 
-def _check_offload_flags(args: argparse.Namespace) -> None:
+def _warn_if_segment_pages_unused(args: argparse.Namespace) -> None:
     """--offload-segment-pages with --sparse is not used: a warning (train and plan, once every refusal is behind)."""
     if args.offload_segment_pages is not None and getattr(args, "sparse", False):
         warnings.warn("--offload-segment-pages is not used with --sparse: sparse attention reads the past through one "

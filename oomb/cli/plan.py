@@ -11,12 +11,12 @@ import sys
 
 from .checks import (
     _check_lora_targets,
-    _check_offload_flags,
     _flag_names,
     _usage_from,
     _warn_if_offload_moves_nothing,
     _warn_if_offload_on_keeps_every_page,
     _warn_if_offload_segments_are_small,
+    _warn_if_segment_pages_unused,
     _warn_if_sparse_is_dense,
 )
 
@@ -106,7 +106,7 @@ def _plan(args: argparse.Namespace) -> int:
         raise _usage_from(exc, "see 'oomb plan --help'") from exc
     _refuse_bad_setting(p)
     # every refusal is behind: a note or warning never comes with an error line
-    _check_offload_flags(args)
+    _warn_if_segment_pages_unused(args)
     for line in (note, shard_note, warning):
         if line:
             print(line, file=sys.stderr)

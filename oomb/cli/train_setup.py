@@ -12,7 +12,6 @@ from .checks import (
     _check_cpu_memory,
     _check_cpu_offload_sizes,
     _check_lora_targets,
-    _check_offload_flags,
     _check_vocab,
     _usage_from,
     _warn_if_adamw_rounds_bf16_updates,
@@ -20,6 +19,7 @@ from .checks import (
     _warn_if_offload_moves_nothing,
     _warn_if_offload_on_keeps_every_page,
     _warn_if_offload_segments_are_small,
+    _warn_if_segment_pages_unused,
     _warn_if_sparse_is_dense,
 )
 from .inputs import _training_data, _vocab_size
@@ -269,7 +269,7 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
             print(shard_note, file=sys.stderr)
         if warning:
             print(warning, file=sys.stderr)
-        _check_offload_flags(args)
+        _warn_if_segment_pages_unused(args)
         if device.type == "cuda":
             _warn_if_offload_on_keeps_every_page(args, planned_offload, engine.num_layers)
         _warn_if_offload_moves_nothing(args, engine.num_layers)
