@@ -324,7 +324,8 @@ class PlanConfig:
 
     nproc: int = 1
     """Ranks (GPUs) of the run, as torchrun's --nproc_per_node: with shard params or grads-optim the plan counts one
-    rank's shard of the weights, gradients and optimizer states and the gathered layers."""
+    rank's shard of the weights, gradients and optimizer states and the gathered layers; with shard none every
+    rank's whole model. Above 1 it also prints the bytes of one step's collectives."""
 
     @_in("plan")
     def __post_init__(self) -> None:

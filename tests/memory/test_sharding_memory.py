@@ -104,6 +104,16 @@ def test_plan_with_nproc_and_shard_prints_one_ranks_memory(capsys):
     assert "collectives per optimizer step" in out and "reduce-scatter" in out
 
 
+def test_plan_with_nproc_and_no_shard_is_every_ranks_whole_model_and_its_all_reduce(capsys):
+    assert main(PLAN) == 0
+    whole = capsys.readouterr().out
+    assert main([*PLAN, "--nproc", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "one rank of 2, --shard none (data parallel: every rank holds the whole model)" in out
+    assert _rows(out) == _rows(whole)
+    assert f"{2 * P / GiB:,.1f} GiB all-reduce" in out and "reduce-scatter" not in out
+
+
 def test_plan_with_shard_in_one_process_plans_unsharded_with_a_note(capsys):
     assert main(PLAN) == 0
     whole = capsys.readouterr().out
