@@ -181,10 +181,11 @@ def _warn_if_sparse_is_dense(args: argparse.Namespace) -> None:
     why = (f"--page-budget {args.page_budget} + --sink-pages {args.sink_pages} + --local-pages {args.local_pages} = "
            f"{kept} pages cover all {past} past pages of the last chunk" if past else
            f"the sequence is one chunk (--chunk-size {args.chunk_size}), which has no past page to choose from")
+    fix = ("use a longer --seq-len, a smaller --page-budget or --local-pages" if past else
+           "use a --chunk-size below --seq-len (sparse attention selects among the pages of earlier chunks)")
     warnings.warn(
         f"--sparse at --seq-len {args.seq_len}: {why}, so the sparse selection keeps every page and attention is "
-        "dense (correct, just not sparse); use a longer --seq-len, a smaller --page-budget or --local-pages, or "
-        "drop --sparse", stacklevel=2)
+        f"dense (correct, just not sparse); {fix}, or drop --sparse", stacklevel=2)
 
 
 def _check_sizes(args: argparse.Namespace) -> None:

@@ -71,6 +71,7 @@ def _grad_error(args: argparse.Namespace) -> int:
     except DataError as exc:
         raise UsageError(exc.problem, exc.fix) from exc
     model = _load_model(args, tokens, device, dtype, "grad-error")
+    model.requires_grad_(True)  # every weight's gradient is compared (a merged LoRA adapter comes back frozen)
     input_ids = sequences[int(sequences.order(0)[0])].to(device)
     try:
         report = sparse_grad_error(model, input_ids, cfg, budgets=args.budgets)

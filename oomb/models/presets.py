@@ -179,8 +179,8 @@ def load_config(name_or_path: str) -> PretrainedConfig:
         if os.path.isfile(os.path.join(path, "adapter_config.json")):
             raise UnknownModelError(
                 f"{path!r} holds a LoRA adapter (adapter_config.json), not a full model; merge it into its base "
-                "model first (peft: PeftModel.from_pretrained(base, path).merge_and_unload().save_pretrained(out)) "
-                "and pass that folder"
+                f"model first ('oomb merge {path} --output-dir MERGED', or peft's merge_and_unload) and pass that "
+                "folder"
             )
         raise UnknownModelError(
             f"{path!r} is a directory without config.json; pass a Hugging Face model directory "

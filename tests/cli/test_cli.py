@@ -1076,7 +1076,8 @@ def test_a_one_chunk_sparse_run_is_warned_about(tmp_path, text_file, capsys):
     assert run_cli(["train", "--data", text_file, "--output-dir", tmp_path / "run", *FAST, "--steps", "1", "--sparse",
                     "--chunk-size", "128"]) == 0
     assert ("oomb: warning: --sparse at --seq-len 128: the sequence is one chunk (--chunk-size 128), which has no past page "
-            "to choose from, so the sparse selection keeps every page") in capsys.readouterr().err
+            "to choose from, so the sparse selection keeps every page and attention is dense (correct, just not sparse); "
+            "use a --chunk-size below --seq-len") in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag,value,says", [

@@ -137,3 +137,18 @@ def test_a_lora_output_folder_is_merged_in_memory_and_scored(tmp_path, capsys):
     assert run_cli(["eval", *grid, "--json", tmp_path / "c.json"]) == 0
     c = json.loads((tmp_path / "c.json").read_text())["rows"][0]["results"]
     assert any(abs(x["logprob"] - y["logprob"]) > 1e-4 for x, y in zip(a, c))
+
+
+def test_grad_error_of_a_lora_output_folder_is_that_of_its_merged_model(tmp_path, capsys):
+    """grad-error merges a LoRA `oomb train` output in memory as eval does, and compares every weight's gradient:
+    the merged model came back frozen and was refused as having nothing to compute gradients for."""
+    out = tmp_path / "lora"
+    assert run_cli(["train", "--output-dir", out, "--lora-rank", "4", "--seq-len", "128", "--chunk-size", "64",
+                    "--page-size", "32", "--steps", "1", "--lr", "0.05", "--no-progress"]) == 0
+    assert run_cli(["merge", out, "--output-dir", tmp_path / "merged"]) == 0
+    capsys.readouterr()
+    grid = ["--seq-len", "128", "--chunk-size", "32", "--page-size", "16", "--budgets", "1", "--local-pages", "1"]
+    assert run_cli(["grad-error", "--model", out, *grid, "--json", tmp_path / "a.json"]) == 0
+    assert run_cli(["grad-error", "--model", tmp_path / "merged", *grid, "--json", tmp_path / "b.json"]) == 0
+    a, b = (json.loads((tmp_path / n).read_text())["rel_error_all"]["1"] for n in ("a.json", "b.json"))
+    assert a > 0 and a == pytest.approx(b, rel=1e-6)
