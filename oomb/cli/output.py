@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -122,6 +123,10 @@ def _check_output_dir(args: argparse.Namespace) -> Path:
                 "pass the --output-dir of the run to continue, or start without --resume",
             )
         ckpt = Path(args.resume).expanduser().resolve() if args.resume != "latest" else None
+        if ckpt is not None and (ckpt / "checkpoints").is_dir():
+            raise UsageError(f"--resume {args.resume!r} is the output folder of a run, not one of its checkpoints",
+                             f"pass --output-dir {shlex.quote(args.resume)} --resume latest to continue that run, or "
+                             f"--resume with a checkpoint folder under {str(ckpt / 'checkpoints')!r}")
         if ckpt is not None and ckpt.is_dir() and ckpt.parent != (out / "checkpoints").resolve() \
                 and out.is_dir() and any(out.iterdir()):
             # Continuing there would mix two runs: its log.jsonl rewritten, its checkpoints pruned, its model replaced.

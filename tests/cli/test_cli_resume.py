@@ -391,6 +391,12 @@ def test_resume_from_another_folder_never_touches_either_run(tmp_path, text_file
     assert f"oomb: note: --resume: {ckpt} is a checkpoint of another folder" in err and "starts at step 3" in err
     assert [s for s, _ in losses(new)] == [3] and (new / "model.safetensors").is_file()
     assert _files(a) == before
+    # the run's own folder given as --resume: named as such, with the command that continues it
+    assert run_cli([*argv, tmp_path / "newer", "--steps", "3", "--resume", a]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is the output folder of a run, not one of its checkpoints" in err
+    assert f"pass --output-dir {a} --resume latest" in err and not (tmp_path / "newer").exists()
+    assert _files(a) == before
 
 
 @pytest.mark.parametrize("partial", [False, True])
