@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from pathlib import Path
 
 from .checks import _check_vocab, _usage_from
@@ -135,6 +136,10 @@ def _load_model(args: argparse.Namespace, tokens, device, dtype, command: str):
         load_config,
     )
 
+    if not sys.stderr.isatty():  # transformers' weight-loading bar is for a terminal, not a log file
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     folder = Path(args.model)
     if folder.is_dir() and (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
         model = _merged_adapter(folder, device, dtype)

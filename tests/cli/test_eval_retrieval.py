@@ -129,8 +129,11 @@ def test_a_lora_output_folder_is_merged_in_memory_and_scored(tmp_path, capsys):
     capsys.readouterr()
     grid = ["--task", "passkey", "--lengths", "100", "--depths", "0", "100", *SMALL]
     assert run_cli(["eval", "--model", out, *grid, "--json", tmp_path / "a.json"]) == 0
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.enable_progress_bar()  # as in a fresh process (an earlier command of this one may have turned it off)
     assert run_cli(["eval", "--model", tmp_path / "merged", *grid, "--json", tmp_path / "b.json"]) == 0
-    capsys.readouterr()
+    assert "Loading weights" not in capsys.readouterr().err  # the bar is for a terminal; stderr is captured here
     a, b = (json.loads((tmp_path / n).read_text())["rows"][0]["results"] for n in ("a.json", "b.json"))
     assert [t["logprob"] for t in a] == pytest.approx([t["logprob"] for t in b], abs=1e-5)
     # and the base preset alone scores differently: the adapter is applied
