@@ -137,6 +137,20 @@ def _check_output_dir(args: argparse.Namespace) -> Path:
                 "pass the --output-dir the checkpoint belongs to, or a new or empty --output-dir to continue it there "
                 "(the checkpoint's own folder is left as it is)",
             )
+        if ckpt is not None and ckpt.is_dir() and ckpt.parent == (out / "checkpoints").resolve():
+            later = sorted(p.name for p in ckpt.parent.iterdir()
+                           if p.is_dir() and p.name.startswith("step-") and p.name > ckpt.name)
+            if later:
+                # Continuing here would train the later steps again: their checkpoints, log lines and saved model
+                # replaced (or pruned: two checkpoints are kept) without the user asking for it.
+                raise UsageError(
+                    f"--resume {args.resume!r} is not the newest checkpoint of --output-dir {args.output_dir!r} "
+                    f"({', '.join(later)} {'come' if len(later) > 1 else 'comes'} after it): continuing there would "
+                    "replace the later checkpoints, log lines and saved model",
+                    f"continue it in a new folder (--output-dir NEW_DIR; {args.output_dir!r} is left as it is), "
+                    "continue the newest with --resume latest, or delete the later checkpoints by hand to go back to "
+                    "it in this folder",
+                )
         return out
     if out.is_dir() and any(out.iterdir()):
         if not args.overwrite:
@@ -153,17 +167,6 @@ def _check_output_dir(args: argparse.Namespace) -> Path:
                 f"--output-dir {args.output_dir!r} exists and is not empty",
                 "pass a new directory, or --overwrite to replace its contents",
             )
-        # --overwrite deletes the directory's contents: refuse where that would delete inputs or the work tree.
-        protected = [(Path.cwd().resolve(), "the working directory"), (Path.home().resolve(), "your home directory")]
-        for flag, p in (("--data", args.data), ("--tokenizer", args.tokenizer), ("--model", args.model)):
-            if p is not None and os.path.exists(p):
-                protected.append((Path(p).resolve(), f"the {flag} input"))
-        for p, what in protected:
-            if _is_within(p, out):
-                raise UsageError(
-                    f"--output-dir {args.output_dir!r} contains {str(p)!r} ({what}), which --overwrite would delete",
-                    "pass an output directory of its own",
-                )
         # Only an earlier oomb run is replaced: never the contents of some other folder (a source tree, ...).
         if not _looks_like_oomb_output(out):
             raise UsageError(
@@ -171,6 +174,20 @@ def _check_output_dir(args: argparse.Namespace) -> Path:
                 "(no train_args.json written by oomb, no oomb checkpoint, no log.jsonl of oomb train step records in it)",
                 "remove its contents by hand if they are not needed, or pick another --output-dir",
             )
+        # --overwrite replaces the earlier run's outputs (all entries where its train_args.json lists none): refuse
+        # where an input is one of them or holds the output dir, and where the output dir holds the work tree.
+        ours = _oomb_outputs(out)
+        protected = [(Path.cwd().resolve(), "the working directory", True),
+                     (Path.home().resolve(), "your home directory", True)]
+        for flag, p in (("--data", args.data), ("--tokenizer", args.tokenizer), ("--model", args.model)):
+            if p is not None and os.path.exists(p):
+                protected.append((Path(p).resolve(), f"the {flag} input", False))
+        for p, what, any_depth in protected:
+            if _is_within(p, out) and (any_depth or p == out or ours is None or p.relative_to(out).parts[0] in ours):
+                raise UsageError(
+                    f"--output-dir {args.output_dir!r} contains {str(p)!r} ({what}), which --overwrite would delete",
+                    "pass an output directory of its own",
+                )
     return out
 
 

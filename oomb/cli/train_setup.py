@@ -249,12 +249,6 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
             notes.append(f"--resume: {path} is a checkpoint of another folder ({path.resolve().parent}); the run "
                          f"continues in {out}, whose log.jsonl starts at step {start_step + 1}, and that folder is "
                          "left as it is")
-        else:
-            later = sorted(p.name for p in path.parent.iterdir() if p.is_dir() and p.name.startswith("step-") and p.name > path.name)
-            if later:
-                notes.append(f"--resume: {path.name} is not the newest checkpoint here: the steps after {start_step} are "
-                             f"trained again, log.jsonl's lines after step {start_step} are dropped, and {', '.join(later)} "
-                             "stay until this run saves the same step (then replaced)")
         if "rng" in extra:
             set_rng_state(extra["rng"])
         if start_step > args.steps:

@@ -278,8 +278,8 @@ class OutputConfig:
 
     resume: Optional[str] = field(default=None, metadata=flag("--resume", metavar="latest|PATH", optional_const="latest"))
     """Continue the run in the output dir from its latest checkpoint ('latest') or from the checkpoint folder
-    PATH (a checkpoint of another folder only into a new or empty output dir; that folder is left as it is). The
-    model, seq_len, data, tokenizer, seed, LoRA settings, grad_accum, dtype, document_mask, RoPE settings,
+    PATH (a checkpoint of another folder only into a new or empty output dir, that folder left as it is; an
+    earlier checkpoint of the output dir only once the later ones are deleted). The model, seq_len, data, tokenizer, seed, LoRA settings, grad_accum, dtype, document_mask, RoPE settings,
     weight_decay, optimizer, sparse attention and its options (with it also chunk_size and page_size), the
     number of ranks and shard must be those of the run; steps, lr, the schedule and max_grad_norm may change."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import os
 import re
 import subprocess
@@ -345,7 +346,9 @@ def test_overwrite_refuses_to_delete_its_own_inputs(tmp_path, capsys):
     data = tmp_path / "corpus"
     data.mkdir()
     (data / "a.txt").write_text(TEXT)
-    _check_refused(run_cli(["train", "--data", data / "a.txt", "--output-dir", data, "--overwrite", *FAST]), capsys, "would delete")
+    # a folder of inputs is no oomb output: refused before anything else
+    _check_refused(run_cli(["train", "--data", data / "a.txt", "--output-dir", data, "--overwrite", *FAST]), capsys,
+                   "does not look like an oomb output")
     assert (data / "a.txt").read_text() == TEXT
 
 
@@ -540,6 +543,27 @@ def test_overwrite_refuses_a_folder_that_is_not_an_oomb_output(tmp_path, text_fi
     (src / "checkpoints" / "step-00000001" / "meta.json").write_text(OOMB_META_JSON)
     assert run_cli(["train", "--data", text_file, "--output-dir", src, "--overwrite", *FAST, "--steps", "1"]) == 0
     assert (src / "main.py").is_file() and (src / "log.jsonl").is_file()  # what oomb did not write stays
+
+
+def test_overwrite_keeps_inputs_it_does_not_replace_and_refuses_those_it_would(tmp_path, text_file, capsys,
+                                                                               monkeypatch):
+    out = _previous_run(tmp_path)
+    # A data file beside the earlier run's outputs is not one of them: --overwrite keeps it and trains on it.
+    data = out / "mydata.txt"
+    shutil.copy(text_file, data)
+    assert run_cli(["train", "--data", data, "--output-dir", out, "--overwrite", *FAST, "--steps", "1"]) == 0
+    assert data.read_bytes() == text_file.read_bytes()
+    capsys.readouterr()
+    # Inside an output it replaces (checkpoints/): refused, nothing touched.
+    (out / "checkpoints" / "data.txt").write_bytes(text_file.read_bytes())
+    before = snapshot(out)
+    _check_refused(run_cli(["train", "--data", out / "checkpoints" / "data.txt", "--output-dir", out, "--overwrite",
+                            *FAST]), capsys, "(the --data input), which --overwrite would delete")
+    # The working directory inside the output dir: refused at any depth.
+    monkeypatch.chdir(out)
+    _check_refused(run_cli(["train", "--data", text_file, "--output-dir", out, "--overwrite", *FAST]), capsys,
+                   "(the working directory), which --overwrite would delete")
+    assert snapshot(out) == before
 
 
 def test_overwrite_refuses_a_folder_whose_log_is_not_oomb_s(tmp_path, text_file, capsys):

@@ -71,14 +71,21 @@ def test_resume_reproduces_the_uninterrupted_losses_exactly(tmp_path, text_file,
         (b / name).unlink()
     with open(b / "log.jsonl", "a") as f:  # a record cut off by a crash is dropped too
         f.write('{"step": 7, "lo')
+    # Going back to step 3 where step 6 exists would replace it: refused, nothing touched.
+    before = {p.relative_to(b): p.read_bytes() for p in b.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert run_cli([*argv, "--output-dir", b, "--resume", b / "checkpoints" / "step-00000003"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not the newest checkpoint" in err and "step-00000006 comes after it" in err
+    assert "--output-dir NEW_DIR" in err and "--resume latest" in err
+    assert {p.relative_to(b): p.read_bytes() for p in b.rglob("*") if p.is_file()} == before
+    # Once the user removes the later checkpoint, the run goes back to step 3 there.
+    shutil.rmtree(b / "checkpoints" / "step-00000006")
     assert run_cli([*argv, "--output-dir", b, "--resume", b / "checkpoints" / "step-00000003"]) == 0
     assert losses(b) == straight  # the log keeps steps 1..3 and gets 4..6 again, equal to the last digit
     wa, wb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    err = capsys.readouterr().err
-    assert "resuming from" in err
-    # the later checkpoint is named as what this run replaces, and replaced (not pruned) when step 6 is saved again
-    assert "step-00000003 is not the newest checkpoint here" in err and "step-00000006 stay until" in err
+    assert "resuming from" in capsys.readouterr().err
     assert sorted(os.listdir(b / "checkpoints")) == ["latest", "step-00000003", "step-00000006"]
 
 

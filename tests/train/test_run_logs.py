@@ -4,6 +4,7 @@ records; --overwrite treats them as the earlier run's own, and someone else's te
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
@@ -50,7 +51,8 @@ def test_resumed_run_logs_every_step_once_and_plots_them_all(tmp_path):
     args = ["train", "--output-dir", out, *FAST, "--save-every", "1", "--report-to", "tensorboard"]
     assert run_cli([*args, "--steps", "3"]) == 0
     first = _log(out)
-    # Continue from step 2 (not the newest checkpoint): step 3 is trained again (its old events purged), then 4.
+    # Go back to step 2 (its later checkpoint removed): step 3 is trained again (its old events purged), then 4.
+    shutil.rmtree(out / "checkpoints" / "step-00000003")
     assert run_cli([*args, "--steps", "4", "--resume", out / "checkpoints" / "step-00000002"]) == 0
     records = _log(out)
     assert [r["step"] for r in records] == [1, 2, 3, 4]
