@@ -13,12 +13,16 @@ kernels sections inside ``engine``::
     output: {dir: runs/7b}
 
 A file may hold sections or fields a command does not use (the same file serves ``oomb train`` and ``oomb
-plan``); a key that is no field of its section is refused.
+plan``); a key that is no field of its section is refused, and so is a key given twice in one mapping.
+
+Numbers are read as YAML 1.2 reads them: ``1e-4``, ``3E5`` and ``1.0e4`` are floats (PyYAML's YAML 1.1 rules
+read an exponent without a dot, or without a sign, as a string).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +34,84 @@ __all__ = ["dump_yaml", "read_yaml"]
 
 _NESTED = {"engine": ("sparse", "offload", "kernels")}
 
+_FLOAT_12 = r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$"
+"""The floats with an exponent that YAML 1.2 reads as numbers and YAML 1.1 as strings (no dot, or no sign)."""
+
+
+@lru_cache(maxsize=None)
+def _with_floats_12(base: type) -> type:
+    """A subclass of PyYAML's ``base`` (SafeLoader or SafeDumper) that also resolves :data:`_FLOAT_12` as floats:
+    the loader reads ``1e-4`` as a number, and the dumper quotes a string such as ``'1e3'``, so that what
+    :func:`dump_yaml` writes reads back as it was."""
+    import re
+
+    cls = type(f"{base.__name__}12", (base,), {})
+    cls.yaml_implicit_resolvers = {k: list(v) for k, v in base.yaml_implicit_resolvers.items()}
+    cls.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(_FLOAT_12), list("-+0123456789."))
+    return cls
+
+
+def _load(text: str) -> Any:
+    """The document of ``text`` (None if empty), read with :func:`_loader`.
+
+    Raises:
+        yaml.YAMLError: not valid YAML.
+        _Duplicate: a mapping that has a key twice.
+    """
+    import yaml
+
+    loader = _with_floats_12(yaml.SafeLoader)(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _refuse_duplicates(node, "")
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+class _Duplicate(Exception):
+    def __init__(self, path: str, lines: tuple[int, int]) -> None:
+        super().__init__(path)
+        self.path = path
+        self.lines = lines
+
+
+def _refuse_duplicates(node: Any, path: str, seen: set[int] | None = None) -> None:
+    """Raise :class:`_Duplicate` for the first mapping under ``node`` that has a key twice (merge keys ``<<``,
+    whose values later keys may override, aside)."""
+    import yaml
+
+    seen = set() if seen is None else seen
+    if id(node) in seen:  # an alias of a node already walked
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        first: dict[str, int] = {}
+        for key, value in node.value:
+            if key.tag == "tag:yaml.org,2002:merge":
+                continue
+            name = str(key.value) if isinstance(key, yaml.ScalarNode) else None
+            where = f"{path}.{name}" if path and name is not None else (name or path)
+            if name is not None:
+                line = key.start_mark.line + 1
+                if name in first:
+                    raise _Duplicate(where, (first[name], line))
+                first[name] = line
+            _refuse_duplicates(value, where, seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _refuse_duplicates(item, path, seen)
+
 
 def read_yaml(path: str | Path) -> dict[str, dict[str, Any] | None]:
     """{section path: {field: value}} of the YAML file ``path`` (``engine.sparse`` may map to None: dense).
 
     Raises:
-        ConfigError: a file that cannot be read or parsed, a top level that is not a mapping, an unknown
-            section or key (naming it, and the keys it could be), or a section that is not a mapping.
+        ConfigError: a file that cannot be read or parsed, a key given twice in one mapping, a top level that
+            is not a mapping, an unknown section or key (naming it, and the keys it could be), or a section that
+            is not a mapping.
     """
     import yaml
 
@@ -47,7 +122,11 @@ def read_yaml(path: str | Path) -> dict[str, dict[str, Any] | None]:
         raise ConfigError("config", f"--config {str(p)!r} cannot be read ({exc.strerror or exc})",
                           "pass the path of a YAML file") from exc
     try:
-        data = yaml.safe_load(text)
+        data = _load(text)
+    except _Duplicate as exc:
+        first, again = exc.lines
+        raise ConfigError("config", f"--config {str(p)!r} sets {exc.path} twice (lines {first} and {again})",
+                          "keep one of them") from exc
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         at = f" at line {where.line + 1}" if where is not None else ""
@@ -119,4 +198,4 @@ def dump_yaml(job: JobConfig, command: str) -> str:
         for part in section.split("."):
             node = node.setdefault(part, {})
         node.update(values)
-    return yaml.safe_dump(tree, sort_keys=False, default_flow_style=False)
+    return yaml.dump(tree, Dumper=_with_floats_12(yaml.SafeDumper), sort_keys=False, default_flow_style=False)

@@ -170,3 +170,38 @@ def test_a_flag_overrides_a_bad_value_of_the_file_and_is_named_itself(tmp_path, 
 
 def test_train_without_an_output_dir_names_the_flag_and_the_key(capsys):
     _refused(["train"], capsys, "--output-dir", "output.dir")
+
+
+def test_a_file_reads_exponent_floats_as_numbers_and_leaves_ints_and_strings_alone(tmp_path, capsys):
+    """YAML 1.1 (PyYAML's rules) reads 1e-4 (no dot) and 1.0e4 (no exponent sign) as strings; a config file reads
+    them as YAML 1.2 does, as floats. Integers stay integers, a quoted '1e3' stays a string, and --print-config
+    writes what reads back the same."""
+    from oomb.cli.parser import _job_config
+
+    f = tmp_path / "run.yaml"
+    for text, lr in (("1e-4", 1e-4), ("3e-4", 3e-4), ("3E-4", 3e-4), ("1.0e-4", 1e-4), ("2.5e-4", 2.5e-4), ("1e0", 1.0)):
+        f.write_text(f"train:\n  lr: {text}\n  steps: 3\nmodel: {{name: '1e3'}}\noutput: {{dir: out}}\n")
+        job, _ = _job_config("train", ["train", "--config", str(f)], str(f))
+        assert job.train.lr == lr and isinstance(job.train.lr, float), (text, job.train.lr)
+        assert job.train.steps == 3 and type(job.train.steps) is int
+        assert job.model.name == "1e3"
+    code, out, err = _run(["train", "--config", f, "--print-config"], capsys)
+    assert code == 0, err
+    again = tmp_path / "again.yaml"
+    again.write_text(out)
+    assert _run(["train", "--config", again, "--print-config"], capsys)[1] == out
+    f.write_text("engine: {offload: {gpu_page_budget: 1e3}}\noutput: {dir: out}\n")  # a float is no page count
+    _refused(["train", "--config", f], capsys, "engine.offload.gpu_page_budget", "1000.0")
+
+
+def test_a_key_given_twice_in_a_file_is_refused(tmp_path, capsys):
+    """YAML keeps the last of two equal keys; a config file that has one twice is refused, naming it and the lines."""
+    f = tmp_path / "twice.yaml"
+    f.write_text("train:\n  lr: 1.0e-4\n  steps: 3\n  lr: 2.0e-4\n")
+    _refused(["train", "--config", f, "--output-dir", tmp_path / "o"], capsys, str(f), "train.lr twice",
+             "lines 2 and 4", "keep one")
+    f.write_text("train: {steps: 3}\nmodel: {name: tiny}\ntrain: {lr: 1.0e-4}\n")
+    _refused(["plan", "--config", f], capsys, "sets train twice (lines 1 and 3)")
+    f.write_text("train: &b {steps: 3}\nbench: {<<: *b, steps: 4}\n")  # a key over a merged one is no duplicate
+    code, out, err = _run(["bench", "--config", f, "--print-config"], capsys)
+    assert code == 0 and yaml.safe_load(out)["bench"]["steps"] == 4, err
