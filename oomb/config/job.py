@@ -45,9 +45,12 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 
 def _in(section: str):
+    """``__post_init__`` of the section at key path ``section``: the field types (:func:`check.types`), then ``fn``'s
+    checks; a :class:`ConfigError` is told in ``section``."""
     def wrap(fn):
         def post_init(self) -> None:
             try:
+                check.types(self)
                 fn(self)
             except ConfigError as exc:
                 exc.section = exc.section or section

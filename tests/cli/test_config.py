@@ -205,3 +205,34 @@ def test_a_key_given_twice_in_a_file_is_refused(tmp_path, capsys):
     f.write_text("train: &b {steps: 3}\nbench: {<<: *b, steps: 4}\n")  # a key over a merged one is no duplicate
     code, out, err = _run(["bench", "--config", f, "--print-config"], capsys)
     assert code == 0 and yaml.safe_load(out)["bench"]["steps"] == 4, err
+
+
+@pytest.mark.parametrize("command, text, told", [
+    ("train", 'data: {seq_len: "abc"}', "data.seq_len (in {f}) is 'abc'; it takes an integer (e.g. data.seq_len 2048)"),
+    ("train", "train: {steps: 2.0}", "train.steps (in {f}) is 2.0; it takes an integer (e.g. train.steps 30)"),
+    ("train", "train: {lr: fast}", "train.lr (in {f}) is 'fast'; it takes a number (e.g. train.lr 0.003)"),
+    ("train", "engine: {checkpoint_layers: 'yes'}", "engine.checkpoint_layers (in {f}) is 'yes'; it takes true or false"),
+    ("train", "engine: {offload: {gpu_page_budget: many}}",
+     "engine.offload.gpu_page_budget (in {f}) is 'many'; it takes an integer, or leave it out"),
+    ("train", "engine: {sparse: {page_budget: 1.5}}", "engine.sparse.page_budget (in {f}) is 1.5; it takes an integer"),
+    ("train", "model: {name: 7}", "model.name (in {f}) is 7; it takes a string (e.g. model.name tiny)"),
+    ("train", "data: {loss_on: 3}", "data.loss_on (in {f}) is 3; pass one of 'all', 'assistant'"),
+    ("eval", "eval: {depths: [deep]}", "eval.depths (in {f}) is ['deep']; it takes a list of numbers, or leave it out"),
+    ("bench", "bench: {lengths: 2048}", "bench.lengths (in {f}) is 2048; it takes a list of integers (e.g. bench.lengths 2048 4096)"),
+])
+def test_a_value_of_the_wrong_type_is_told_as_such(tmp_path, capsys, command, text, told):
+    """A value of the wrong kind for a typed field is named with the kind the field takes, before any range
+    check speaks of it (seq_len 'abc' is not 'a sequence needs at least 2 tokens')."""
+    f = tmp_path / "bad.yaml"
+    f.write_text(text + "\n")
+    _refused([command, "--config", f, "--print-config"], capsys, told.format(f=f))
+
+
+def test_python_configs_check_types_first():
+    from oomb.config import DataConfig
+
+    with pytest.raises(ConfigError, match=r"^seq_len is 'abc'; it takes an integer \(e.g. seq_len 2048\)$"):
+        DataConfig(seq_len="abc")
+    with pytest.raises(ConfigError, match=r"^chunk_size is True; it takes an integer"):
+        OOMBConfig(chunk_size=True)
+    assert OOMBConfig(sparse=True, offload=OffloadConfig(mode=False)).offload.mode == "off"  # the Python spellings
