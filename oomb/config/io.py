@@ -7,7 +7,7 @@ kernels sections inside ``engine``::
     data: {seq_len: 131072}
     engine:
       chunk_size: 4096
-      sparse: {page_budget: 64}     # null (or absent): dense attention
+      sparse: {page_budget: 64}     # {}: the defaults; null (or absent): dense attention
       offload: {mode: auto}
     train: {steps: 100, lr: 1.0e-5}
     output: {dir: runs/7b}
@@ -111,7 +111,7 @@ def read_yaml(path: str | Path) -> dict[str, dict[str, Any] | None]:
     Raises:
         ConfigError: a file that cannot be read or parsed, a key given twice in one mapping, a top level that
             is not a mapping, an unknown section or key (naming it, and the keys it could be), or a section that
-            is not a mapping.
+            is not a mapping (an ``engine.sparse`` of true or false is told how to turn sparse attention on).
     """
     import yaml
 
@@ -138,11 +138,11 @@ def read_yaml(path: str | Path) -> dict[str, dict[str, Any] | None]:
         raise ConfigError("config", f"--config {str(p)!r} holds a {type(data).__name__}, not sections",
                           "write sections such as 'engine:' with 'key: value' lines under them (see --print-config)")
     out: dict[str, dict[str, Any] | None] = {}
-    _read_section(data, "", out)
+    _read_section(data, "", out, str(p))
     return out
 
 
-def _read_section(data: dict, prefix: str, out: dict) -> None:
+def _read_section(data: dict, prefix: str, out: dict, file: str) -> None:
     tops = [s for s in SECTIONS if "." not in s] if not prefix else [f"{prefix}.{n}" for n in _NESTED.get(prefix, ())]
     for key, value in data.items():
         path = f"{prefix}.{key}" if prefix else str(key)
@@ -153,6 +153,11 @@ def _read_section(data: dict, prefix: str, out: dict) -> None:
         if value is None and path == "engine.sparse":
             out[path] = None
             continue
+        if path == "engine.sparse" and not isinstance(value, dict):
+            shown = str(value).lower() if isinstance(value, bool) else repr(value)
+            raise ConfigError(path, f"engine.sparse (in {file}) is {shown}, not a mapping of sparse attention settings",
+                              "write 'sparse: {}' under engine for sparse attention with the defaults (or its keys, "
+                              "e.g. 'sparse: {page_budget: 64}'), or 'sparse: null' for dense attention")
         if not isinstance(value, dict):
             raise ConfigError(path, f"section {path!r} is {value!r}, not a mapping of keys to values",
                               "write its settings as 'key: value' lines indented under it")
@@ -161,7 +166,7 @@ def _read_section(data: dict, prefix: str, out: dict) -> None:
         values = {}
         for k, v in value.items():
             if k in nested:
-                _read_section({k: v}, path, out)
+                _read_section({k: v}, path, out, file)
             elif k in names:
                 values[k] = v
             else:

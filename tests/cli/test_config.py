@@ -236,3 +236,16 @@ def test_python_configs_check_types_first():
     with pytest.raises(ConfigError, match=r"^chunk_size is True; it takes an integer"):
         OOMBConfig(chunk_size=True)
     assert OOMBConfig(sparse=True, offload=OffloadConfig(mode=False)).offload.mode == "off"  # the Python spellings
+
+
+def test_sparse_true_in_a_file_is_told_how_to_turn_sparse_attention_on(tmp_path, capsys):
+    """engine.sparse is a section (what --print-config writes): true is refused with the spelling that turns it on
+    with the defaults, and that spelling works."""
+    f = tmp_path / "run.yaml"
+    for value in ("true", "false", "64"):
+        f.write_text(f"engine:\n  sparse: {value}\n")
+        _refused(["train", "--config", f, "--output-dir", tmp_path / "o"], capsys, f"engine.sparse (in {f}) is {value}",
+                 "write 'sparse: {}' under engine for sparse attention with the defaults", "'sparse: null'")
+    f.write_text("engine:\n  sparse: {}\n")
+    code, out, err = _run(["train", "--config", f, "--output-dir", tmp_path / "o", "--print-config"], capsys)
+    assert code == 0 and yaml.safe_load(out)["engine"]["sparse"]["page_budget"] == 64, err
