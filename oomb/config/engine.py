@@ -258,7 +258,9 @@ class OOMBConfig:
     attention_block_size: int = field(default=4096, metadata=flag(None))
     """Past tokens per block in the memory-bounded PyTorch reference attention (rounded up to whole pages)."""
 
-    sparse: Optional[SparseConfig] = field(default=None, metadata=flag("--sparse"))
+    sparse: Optional[SparseConfig] = field(default=None, metadata=flag(
+        "--sparse", help="Page-level top-K sparse attention, set up by the sparse attention options (their defaults "
+                         "where not given); without it: dense attention."))
     """Page-level top-K sparse attention (a :class:`SparseConfig`), or None for dense attention."""
 
     offload: OffloadConfig = field(default_factory=OffloadConfig)

@@ -289,7 +289,9 @@ class OutputConfig:
     log_every: int = 1
     """Print a loss line every N steps (log.jsonl gets every step)."""
 
-    progress: Optional[bool] = None
+    progress: Optional[bool] = field(default=None, metadata=flag(
+        "--progress", help="Progress bars: --progress shows them, --no-progress hides them; default: shown when "
+                           "stderr is a terminal."))
     """Progress bars: shown (true), hidden (false), or None: shown when stderr is a terminal."""
 
     report_to: Literal["none", "tensorboard"] = "none"

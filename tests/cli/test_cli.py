@@ -705,6 +705,25 @@ def test_plan_advice_names_flags(capsys):
     assert "checkpoint_layers" not in out and "chunk_size" not in out
 
 
+def test_no_help_text_shows_docstring_markup_or_python_values():
+    """The flags' help is generated from the fields' docstrings, written for Python readers: no reST role
+    (:class:`SparseConfig`), no ``literal`` markup and no None (a flag user never writes it) reaches any
+    subcommand's help."""
+    import argparse
+
+    from oomb.cli.parser import _build_parser
+
+    parser = _build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    assert {"train", "plan", "eval", "grad-error", "bench", "data", "merge"} <= set(sub.choices)
+    markup = re.compile(r":[a-z]+:`|``|`|\bNone\b|\bTrue\b|\bFalse\b")
+    for command, p in sub.choices.items():
+        texts = {"description": p.description or ""}
+        texts.update({"/".join(a.option_strings) or a.dest: a.help or "" for a in p._actions})
+        for where, text in texts.items():
+            assert not markup.search(text), (command, where, text)
+
+
 @pytest.mark.parametrize("command", ["train", "plan", "grad-error", "eval"])
 def test_every_subcommand_help_shows_defaults_the_same_way(capsys, command):
     """`oomb plan --help` used argparse's plain defaults formatter: '(default: None)' and '(default: False)' on
