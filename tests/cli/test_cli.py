@@ -705,6 +705,20 @@ def test_plan_advice_names_flags(capsys):
     assert "checkpoint_layers" not in out and "chunk_size" not in out
 
 
+def test_unknown_flags_point_to_the_subcommand_s_help(capsys):
+    """argparse tells a subcommand's unknown flags from the top-level parser; the line names that subcommand's
+    help (whose flags they are not), and the command that takes the flag where one does."""
+    line = _check_refused(run_cli(["train", "--bogus-flag", "1"]), capsys, "unrecognized arguments: --bogus-flag 1")
+    assert line.endswith("; run 'oomb train --help' for the options"), line
+    line = _check_refused(run_cli(["plan", "--model", "qwen2.5-7b", "--seq-len", "1048576", "--steps", "5"]), capsys,
+                          "unrecognized arguments: --steps 5 (--steps is a flag of 'oomb train', not of 'oomb plan')")
+    assert line.endswith("; run 'oomb plan --help' for the options"), line
+    line = _check_refused(run_cli(["eval", "--lr=3"]), capsys, "--lr is a flag of 'oomb train', not of 'oomb eval'")
+    assert "'oomb eval --help'" in line
+    _check_refused(run_cli(["train", "--seq-len", "x"]), capsys, "run 'oomb train --help'")
+    _check_refused(run_cli(["bogus"]), capsys, "run 'oomb --help'")
+
+
 def test_no_help_text_shows_docstring_markup_or_python_values():
     """The flags' help is generated from the fields' docstrings, written for Python readers: no reST role
     (:class:`SparseConfig`), no ``literal`` markup and no None (a flag user never writes it) reaches any
