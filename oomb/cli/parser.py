@@ -78,7 +78,9 @@ _DESCRIPTIONS = {
         "Predict GPU and host memory of one training step before anything is allocated, choose the KV tiering (all "
         "pages on the GPU, or offload to pinned host memory) and report the largest context that fits this machine "
         "(or the one described by --gpu-gib/--host-gib; with --gpu-page-budget, through that GPU pool). It takes "
-        "the flags and --config file of 'oomb train' and plans the run they describe.",
+        "the flags of 'oomb train' that change memory (those below; docs/cli.md lists them) and reads the same "
+        "--config file, and plans the run they describe; the other flags of 'oomb train' (--steps, --lr, --data, "
+        "...) are refused.",
     ),
     "grad-error": (
         "measure the gradient error of sparse attention against dense on one sequence",

@@ -419,6 +419,31 @@ def test_cli_doc_lists_every_train_option_and_help_lists_them_too(capsys):
     assert options == documented, (options - documented, documented - options)
 
 
+def test_plan_help_and_doc_say_which_train_flags_plan_takes(capsys):
+    """`oomb plan` takes the flags of `oomb train` that change memory, not all of them: its help says so and names
+    the refused ones, which are refused; docs/cli.md names every train flag plan takes (the --offload-* family as
+    one) and none that it refuses."""
+    import re
+
+    from oomb.config.flags import command_fields
+
+    plan, train = ({ff.flag for ff in command_fields(c)} for c in ("plan", "train"))
+    assert run_cli(["plan", "--help"]) == 0
+    description = " ".join(capsys.readouterr().out.split("\n\n")[1].split())
+    assert "takes the flags of 'oomb train' that change memory" in description, description
+    refused = set(re.findall(rf"({_FLAG})", description.split("are refused")[0].rsplit("other flags", 1)[1]))
+    assert refused and refused <= train - plan, refused
+    for flag in refused:
+        assert run_cli(["plan", flag, "1"]) == 2 and f"{flag} is a flag of 'oomb train'" in capsys.readouterr().err
+    text = open(CLI_DOC, encoding="utf-8").read().split("## `oomb plan`", 1)[1].split("\n## ", 1)[0]
+    paragraph = text.split("\n\n", 2)[1]
+    named = set(re.findall(rf"`({_FLAG})[`* ]", paragraph))
+    shared = {f for f in plan & train if not f.startswith("--offload-")}
+    assert shared <= named, shared - named
+    said_refused = set(re.findall(rf"`({_FLAG})`", paragraph.split("The others", 1)[1].split(")")[0]))
+    assert said_refused and said_refused <= train - plan and named - said_refused <= plan | {"--config"}, named - plan
+
+
 def test_readme_names_only_flags_that_exist(capsys):
     """Every flag the README shows in backticks is a flag of some `oomb` command."""
     import re
