@@ -17,7 +17,7 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # noqa: D102 - argparse API
         _fail(f"{message}; run '{self.prog} --help' for the options")
 
-    def parse_args(self, args=None, namespace=None):  # noqa: D102 - argparse API
+    def parse_args(self, args=None, namespace=None):
         # argparse reports a subcommand's unknown arguments from the top-level parser, whose help lists only the
         # commands: they are told here with the subcommand's help, and where another command takes the flag, which.
         parsed, extras = self.parse_known_args(args, namespace)

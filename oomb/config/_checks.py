@@ -6,7 +6,7 @@ import dataclasses
 import math
 import types as types_
 import typing
-from functools import lru_cache
+from functools import cache
 from typing import Any, Literal, Sequence, get_args, get_origin
 
 from .errors import ConfigError
@@ -108,7 +108,7 @@ _TAKES = {int: "an integer", float: "a number", bool: "true or false", str: "a s
 _PLURAL = {int: "integers", float: "numbers", bool: "true or false values", str: "strings"}
 
 
-@lru_cache(maxsize=None)
+@cache
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 

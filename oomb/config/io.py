@@ -22,7 +22,7 @@ read an exponent without a dot, or without a sign, as a string).
 from __future__ import annotations
 
 import dataclasses
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -38,7 +38,7 @@ _FLOAT_12 = r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+
 """The floats with an exponent that YAML 1.2 reads as numbers and YAML 1.1 as strings (no dot, or no sign)."""
 
 
-@lru_cache(maxsize=None)
+@cache
 def _with_floats_12(base: type) -> type:
     """A subclass of PyYAML's ``base`` (SafeLoader or SafeDumper) that also resolves :data:`_FLOAT_12` as floats:
     the loader reads ``1e-4`` as a number, and the dumper quotes a string such as ``'1e3'``, so that what

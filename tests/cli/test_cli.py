@@ -435,7 +435,9 @@ def test_plan_help_and_doc_say_which_train_flags_plan_takes(capsys):
     assert refused and refused <= train - plan, refused
     for flag in refused:
         assert run_cli(["plan", flag, "1"]) == 2 and f"{flag} is a flag of 'oomb train'" in capsys.readouterr().err
-    text = open(CLI_DOC, encoding="utf-8").read().split("## `oomb plan`", 1)[1].split("\n## ", 1)[0]
+    from pathlib import Path
+
+    text = Path(CLI_DOC).read_text(encoding="utf-8").split("## `oomb plan`", 1)[1].split("\n## ", 1)[0]
     paragraph = text.split("\n\n", 2)[1]
     named = set(re.findall(rf"`({_FLAG})[`* ]", paragraph))
     shared = {f for f in plan & train if not f.startswith("--offload-")}
