@@ -11,10 +11,30 @@ from .errors import UsageError, _fail
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with one-line errors (``oomb: error: ...; see --help``) instead of usage + message."""
+    """argparse with one-line errors (``oomb: error: ...; run 'oomb train --help' for the options``) instead of
+    usage + message, each pointing to the help of the (sub)command that was given."""
 
     def error(self, message: str) -> NoReturn:  # noqa: D102 - argparse API
         _fail(f"{message}; run '{self.prog} --help' for the options")
+
+    def parse_args(self, args=None, namespace=None):
+        # argparse reports a subcommand's unknown arguments from the top-level parser, whose help lists only the
+        # commands: they are told here with the subcommand's help, and where another command takes the flag, which.
+        parsed, extras = self.parse_known_args(args, namespace)
+        if not extras:
+            return parsed
+        subs = {name: p for a in self._actions if isinstance(a, argparse._SubParsersAction) for name, p in a.choices.items()}
+        command = getattr(parsed, "command", None)
+        if command not in subs:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        hint = ""
+        for flag in (e.split("=", 1)[0] for e in extras if e.startswith("--")):
+            others = [c for c, p in subs.items() if c != command and flag in p._option_string_actions]
+            if others:
+                other = "train" if "train" in others else others[0]
+                hint = f" ({flag} is a flag of '{subs[other].prog}', not of '{subs[command].prog}')"
+                break
+        subs[command].error(f"unrecognized arguments: {' '.join(extras)}{hint}")
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -58,7 +78,9 @@ _DESCRIPTIONS = {
         "Predict GPU and host memory of one training step before anything is allocated, choose the KV tiering (all "
         "pages on the GPU, or offload to pinned host memory) and report the largest context that fits this machine "
         "(or the one described by --gpu-gib/--host-gib; with --gpu-page-budget, through that GPU pool). It takes "
-        "the flags and --config file of 'oomb train' and plans the run they describe.",
+        "the flags of 'oomb train' that change memory (those below; docs/cli.md lists them) and reads the same "
+        "--config file, and plans the run they describe; the other flags of 'oomb train' (--steps, --lr, --data, "
+        "...) are refused.",
     ),
     "grad-error": (
         "measure the gradient error of sparse attention against dense on one sequence",

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any, Sequence
+import types as types_
+import typing
+from functools import cache
+from typing import Any, Literal, Sequence, get_args, get_origin
 
 from .errors import ConfigError
 
@@ -58,3 +62,73 @@ def boolean(key: str, value: Any) -> None:
 def power_of_two(key: str, value: Any, lo: int, hi: int) -> None:
     if value is not None and not (is_int(value) and lo <= value <= hi and value & (value - 1) == 0):
         raise ConfigError(key, f"{{{key}}} is {value!r}", f"pass a power of two from {lo} to {hi}, or leave it out for the default")
+
+
+def types(obj: Any) -> None:
+    """Each field of dataclass ``obj`` holds a value of its declared type, checked before any range or relation
+    check, so that a value of the wrong kind is told as such. Types checked: ``int`` (not bool), ``float`` (an int
+    too), ``bool``, ``str``, a ``Literal`` (:func:`choice`), and ``Optional`` and ``List`` of those; fields of
+    other types (sections) are left to their own checks.
+
+    Raises:
+        ConfigError: ``"{key} is 'abc'"; "it takes an integer (e.g. {key} 2048)"``: what the field takes, with
+            its default as the example (none for a bool; "or leave it out" where the default is None).
+    """
+    for f in dataclasses.fields(obj):
+        tp = _hints(type(obj)).get(f.name)
+        value = getattr(obj, f.name)
+        optional = False
+        if get_origin(tp) in _UNIONS:
+            args = [a for a in get_args(tp) if a is not type(None)]
+            if len(args) != 1:
+                continue
+            tp, optional = args[0], True
+            if value is None:
+                continue
+        if get_origin(tp) is Literal:
+            choice(f.name, value, get_args(tp))
+            continue
+        item = get_args(tp)[0] if get_origin(tp) is list else None
+        what = _TAKES.get(item if item is not None else tp)
+        if what is None or _fits(value, tp):
+            continue
+        if item is not None:
+            what = f"a list of {_PLURAL[item]}"
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default  # type: ignore[misc]
+        if default is None or default is dataclasses.MISSING or default == [] or tp is bool:
+            example = ", or leave it out" if optional else ""
+        else:
+            shown = " ".join(map(_shown, default)) if isinstance(default, list) else _shown(default)
+            example = f" (e.g. {{{f.name}}} {shown})"
+        raise ConfigError(f.name, f"{{{f.name}}} is {value!r}", f"it takes {what}{example}")
+
+
+_UNIONS = (typing.Union, getattr(types_, "UnionType", typing.Union))
+_TAKES = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+_PLURAL = {int: "integers", float: "numbers", bool: "true or false values", str: "strings"}
+
+
+@cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _fits(value: Any, tp: Any) -> bool:
+    if get_origin(tp) is list:
+        (item,) = get_args(tp)
+        return isinstance(value, (list, tuple)) and all(_fits(v, item) for v in value)
+    if get_origin(tp) is Literal:
+        return True  # each item is checked by the section (choice)
+    if tp is bool:
+        return isinstance(value, bool)
+    if tp is int:
+        return is_int(value)
+    if tp is float:
+        return is_number(value)
+    if tp is str:
+        return isinstance(value, str)
+    return True
+
+
+def _shown(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)

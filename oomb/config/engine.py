@@ -70,6 +70,7 @@ class SparseConfig:
 
     def __post_init__(self) -> None:
         try:
+            check.types(self)
             for key in ("page_budget", "sink_pages", "local_pages"):
                 check.nonnegative_int(key, getattr(self, key), "pages")
             check.choice("score", self.score, ("mean", "quest"))
@@ -126,6 +127,7 @@ class OffloadConfig:
         try:
             if self.mode is True or self.mode is False:  # the Python spelling of on/off
                 self.mode = "on" if self.mode else "off"
+            check.types(self)
             check.choice("mode", self.mode, ("auto", "on", "off"))
             check.optional_positive_int("gpu_page_budget", self.gpu_page_budget, "pages")
             check.optional_positive_int("segment_pages", self.segment_pages, "pages")
@@ -184,6 +186,7 @@ class KernelConfig:
 
     def __post_init__(self) -> None:
         try:
+            check.types(self)
             check.choice("autotune", self.autotune, ("full", "first"))
             for key in ("fwd_tma", "bwd_tma", "dkdv_tma", "fused_wgrad"):
                 check.boolean(key, getattr(self, key))
@@ -255,7 +258,9 @@ class OOMBConfig:
     attention_block_size: int = field(default=4096, metadata=flag(None))
     """Past tokens per block in the memory-bounded PyTorch reference attention (rounded up to whole pages)."""
 
-    sparse: Optional[SparseConfig] = field(default=None, metadata=flag("--sparse"))
+    sparse: Optional[SparseConfig] = field(default=None, metadata=flag(
+        "--sparse", help="Page-level top-K sparse attention, set up by the sparse attention options (their defaults "
+                         "where not given); without it: dense attention."))
     """Page-level top-K sparse attention (a :class:`SparseConfig`), or None for dense attention."""
 
     offload: OffloadConfig = field(default_factory=OffloadConfig)
@@ -266,6 +271,7 @@ class OOMBConfig:
 
     def __post_init__(self) -> None:
         try:
+            check.types(self)
             for key in ("chunk_size", "page_size", "loss_chunk_size", "attention_block_size"):
                 check.positive_int(key, getattr(self, key), "tokens")
             if self.chunk_size % self.page_size != 0:

@@ -2,7 +2,8 @@
 :class:`~oomb.config.job.JobConfig`.
 
 Each command uses some sections (:data:`COMMANDS`). A field's flag is its metadata's ``flag``, else ``--`` +
-the field name with dashes, with ``--offload-`` before the offload fields; its help is the field's docstring;
+the field name with dashes, with ``--offload-`` before the offload fields; its help is the field's docstring
+read as plain text (:func:`plain_help`), or the metadata's ``help`` where the docstring speaks to Python callers;
 its choices come from its ``Literal`` type, a ``bool`` with default False is an on-flag (``--sparse``), one with
 default True or None gets ``--x/--no-x``. Every flag's argparse ``dest`` is the flag without dashes
 (``--offload-segment-pages`` -> ``offload_segment_pages``), so the parsed namespace has one attribute per flag.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import typing
 from dataclasses import dataclass, fields
 from typing import Any, Literal, get_args, get_origin
@@ -25,7 +27,8 @@ from .job import (BenchConfig, DataConfig, DataMakeConfig, DataReportConfig, Eva
                   ModelConfig, OutputConfig, PlanConfig, TrainConfig)
 from .meta import field_docs, has_no_flag
 
-__all__ = ["COMMANDS", "COMMAND_DEFAULTS", "FlagField", "add_flags", "command_fields", "job_from_values", "namespace_of"]
+__all__ = ["COMMANDS", "COMMAND_DEFAULTS", "FlagField", "add_flags", "command_fields", "job_from_values", "namespace_of",
+           "plain_help"]
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
@@ -158,10 +161,22 @@ def _unwrap_optional(tp: Any) -> Any:
     return tp
 
 
+_ROLE = re.compile(r":(?:[a-z]+:)?[a-z]+:`(~?)([^`]*)`")
+
+
+def plain_help(doc: str) -> str:
+    """``doc`` (a field's docstring) as flag help: reST roles as their target (``:class:`~a.B``` -> ``B``),
+    ``literal`` markup as its text, and a ``None:`` (what the unset field does) as ``default:``, since a flag user
+    never writes None."""
+    doc = _ROLE.sub(lambda m: m.group(2).rsplit(".", 1)[-1] if m.group(1) else m.group(2), doc)
+    doc = re.sub(r"``(.+?)``", r"\1", doc)
+    return re.sub(r"(^|\. )?\bNone:", lambda m: f"{m.group(1)}Default:" if m.group(1) is not None else "default:", doc)
+
+
 def _argparse_kwargs(ff: FlagField, suppress: bool) -> dict:
     tp = _unwrap_optional(ff.type)
     default = _default(ff.field)
-    doc = field_docs(SECTIONS[ff.section]).get(ff.name, "")
+    doc = ff.field.metadata.get("help") or plain_help(field_docs(SECTIONS[ff.section]).get(ff.name, ""))
     kw: dict[str, Any] = {"help": doc.replace("%", "%%")} if ff.positional else {"dest": ff.dest, "help": doc.replace("%", "%%")}
     if ff.section == "engine" and ff.name == "sparse":
         kw.update(action="store_true", default=False)

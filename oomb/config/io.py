@@ -7,18 +7,22 @@ kernels sections inside ``engine``::
     data: {seq_len: 131072}
     engine:
       chunk_size: 4096
-      sparse: {page_budget: 64}     # null (or absent): dense attention
+      sparse: {page_budget: 64}     # {}: the defaults; null (or absent): dense attention
       offload: {mode: auto}
     train: {steps: 100, lr: 1.0e-5}
     output: {dir: runs/7b}
 
 A file may hold sections or fields a command does not use (the same file serves ``oomb train`` and ``oomb
-plan``); a key that is no field of its section is refused.
+plan``); a key that is no field of its section is refused, and so is a key given twice in one mapping.
+
+Numbers are read as YAML 1.2 reads them: ``1e-4``, ``3E5`` and ``1.0e4`` are floats (PyYAML's YAML 1.1 rules
+read an exponent without a dot, or without a sign, as a string).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -30,13 +34,84 @@ __all__ = ["dump_yaml", "read_yaml"]
 
 _NESTED = {"engine": ("sparse", "offload", "kernels")}
 
+_FLOAT_12 = r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$"
+"""The floats with an exponent that YAML 1.2 reads as numbers and YAML 1.1 as strings (no dot, or no sign)."""
+
+
+@cache
+def _with_floats_12(base: type) -> type:
+    """A subclass of PyYAML's ``base`` (SafeLoader or SafeDumper) that also resolves :data:`_FLOAT_12` as floats:
+    the loader reads ``1e-4`` as a number, and the dumper quotes a string such as ``'1e3'``, so that what
+    :func:`dump_yaml` writes reads back as it was."""
+    import re
+
+    cls = type(f"{base.__name__}12", (base,), {})
+    cls.yaml_implicit_resolvers = {k: list(v) for k, v in base.yaml_implicit_resolvers.items()}
+    cls.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(_FLOAT_12), list("-+0123456789."))
+    return cls
+
+
+def _load(text: str) -> Any:
+    """The document of ``text`` (None if empty), read with :func:`_loader`.
+
+    Raises:
+        yaml.YAMLError: not valid YAML.
+        _Duplicate: a mapping that has a key twice.
+    """
+    import yaml
+
+    loader = _with_floats_12(yaml.SafeLoader)(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _refuse_duplicates(node, "")
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
+class _Duplicate(Exception):
+    def __init__(self, path: str, lines: tuple[int, int]) -> None:
+        super().__init__(path)
+        self.path = path
+        self.lines = lines
+
+
+def _refuse_duplicates(node: Any, path: str, seen: set[int] | None = None) -> None:
+    """Raise :class:`_Duplicate` for the first mapping under ``node`` that has a key twice (merge keys ``<<``,
+    whose values later keys may override, aside)."""
+    import yaml
+
+    seen = set() if seen is None else seen
+    if id(node) in seen:  # an alias of a node already walked
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        first: dict[str, int] = {}
+        for key, value in node.value:
+            if key.tag == "tag:yaml.org,2002:merge":
+                continue
+            name = str(key.value) if isinstance(key, yaml.ScalarNode) else None
+            where = f"{path}.{name}" if path and name is not None else (name or path)
+            if name is not None:
+                line = key.start_mark.line + 1
+                if name in first:
+                    raise _Duplicate(where, (first[name], line))
+                first[name] = line
+            _refuse_duplicates(value, where, seen)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _refuse_duplicates(item, path, seen)
+
 
 def read_yaml(path: str | Path) -> dict[str, dict[str, Any] | None]:
     """{section path: {field: value}} of the YAML file ``path`` (``engine.sparse`` may map to None: dense).
 
     Raises:
-        ConfigError: a file that cannot be read or parsed, a top level that is not a mapping, an unknown
-            section or key (naming it, and the keys it could be), or a section that is not a mapping.
+        ConfigError: a file that cannot be read or parsed, a key given twice in one mapping, a top level that
+            is not a mapping, an unknown section or key (naming it, and the keys it could be), or a section that
+            is not a mapping (an ``engine.sparse`` of true or false is told how to turn sparse attention on).
     """
     import yaml
 
@@ -47,7 +122,11 @@ def read_yaml(path: str | Path) -> dict[str, dict[str, Any] | None]:
         raise ConfigError("config", f"--config {str(p)!r} cannot be read ({exc.strerror or exc})",
                           "pass the path of a YAML file") from exc
     try:
-        data = yaml.safe_load(text)
+        data = _load(text)
+    except _Duplicate as exc:
+        first, again = exc.lines
+        raise ConfigError("config", f"--config {str(p)!r} sets {exc.path} twice (lines {first} and {again})",
+                          "keep one of them") from exc
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         at = f" at line {where.line + 1}" if where is not None else ""
@@ -59,11 +138,11 @@ def read_yaml(path: str | Path) -> dict[str, dict[str, Any] | None]:
         raise ConfigError("config", f"--config {str(p)!r} holds a {type(data).__name__}, not sections",
                           "write sections such as 'engine:' with 'key: value' lines under them (see --print-config)")
     out: dict[str, dict[str, Any] | None] = {}
-    _read_section(data, "", out)
+    _read_section(data, "", out, str(p))
     return out
 
 
-def _read_section(data: dict, prefix: str, out: dict) -> None:
+def _read_section(data: dict, prefix: str, out: dict, file: str) -> None:
     tops = [s for s in SECTIONS if "." not in s] if not prefix else [f"{prefix}.{n}" for n in _NESTED.get(prefix, ())]
     for key, value in data.items():
         path = f"{prefix}.{key}" if prefix else str(key)
@@ -74,6 +153,11 @@ def _read_section(data: dict, prefix: str, out: dict) -> None:
         if value is None and path == "engine.sparse":
             out[path] = None
             continue
+        if path == "engine.sparse" and not isinstance(value, dict):
+            shown = str(value).lower() if isinstance(value, bool) else repr(value)
+            raise ConfigError(path, f"engine.sparse (in {file}) is {shown}, not a mapping of sparse attention settings",
+                              "write 'sparse: {}' under engine for sparse attention with the defaults (or its keys, "
+                              "e.g. 'sparse: {page_budget: 64}'), or 'sparse: null' for dense attention")
         if not isinstance(value, dict):
             raise ConfigError(path, f"section {path!r} is {value!r}, not a mapping of keys to values",
                               "write its settings as 'key: value' lines indented under it")
@@ -82,7 +166,7 @@ def _read_section(data: dict, prefix: str, out: dict) -> None:
         values = {}
         for k, v in value.items():
             if k in nested:
-                _read_section({k: v}, path, out)
+                _read_section({k: v}, path, out, file)
             elif k in names:
                 values[k] = v
             else:
@@ -119,4 +203,4 @@ def dump_yaml(job: JobConfig, command: str) -> str:
         for part in section.split("."):
             node = node.setdefault(part, {})
         node.update(values)
-    return yaml.safe_dump(tree, sort_keys=False, default_flow_style=False)
+    return yaml.dump(tree, Dumper=_with_floats_12(yaml.SafeDumper), sort_keys=False, default_flow_style=False)

@@ -45,9 +45,12 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 
 def _in(section: str):
+    """``__post_init__`` of the section at key path ``section``: the field types (:func:`check.types`), then ``fn``'s
+    checks; a :class:`ConfigError` is told in ``section``."""
     def wrap(fn):
         def post_init(self) -> None:
             try:
+                check.types(self)
                 fn(self)
             except ConfigError as exc:
                 exc.section = exc.section or section
@@ -286,7 +289,9 @@ class OutputConfig:
     log_every: int = 1
     """Print a loss line every N steps (log.jsonl gets every step)."""
 
-    progress: Optional[bool] = None
+    progress: Optional[bool] = field(default=None, metadata=flag(
+        "--progress", help="Progress bars: --progress shows them, --no-progress hides them; default: shown when "
+                           "stderr is a terminal."))
     """Progress bars: shown (true), hidden (false), or None: shown when stderr is a terminal."""
 
     report_to: Literal["none", "tensorboard"] = "none"

@@ -1,9 +1,10 @@
 """What the flag generator and the YAML reader need to know about a configuration field.
 
 A field's metadata may name its flag (``flag("--offload")``), say it has none (``flag(None)``: settable from
-Python and YAML only), or give a metavar or a flag-only spelling of its values. Without metadata the flag is
-``--`` + the field name with dashes, prefixed by the section's flag prefix where the section has one. The help
-text of a flag is the field's docstring (the string literal under the field), read from the source.
+Python and YAML only), or give a metavar, a flag-only spelling of its values, or the flag's own help. Without
+metadata the flag is ``--`` + the field name with dashes, prefixed by the section's flag prefix where the section
+has one. The help text of a flag is the field's docstring (the string literal under the field), read from the
+source, unless the metadata gives its own.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ _NO_FLAG = object()
 
 def flag(name: str | None, metavar: str | None = None, **extra: Any) -> dict:
     """Field metadata: the flag ``name`` (None: no flag), an optional ``metavar``, and ``extra`` keys
-    (``nargs_optional_const``: the value a bare flag means, for ``--resume``)."""
+    (``optional_const``: the value a bare flag means, for ``--resume``; ``help``: the flag's help where the
+    field's docstring speaks of Python values, e.g. None, that a flag user never writes)."""
     meta = {"flag": name if name is not None else _NO_FLAG}
     if metavar:
         meta["metavar"] = metavar

@@ -422,6 +422,33 @@ def test_cli_doc_lists_every_train_option_and_help_lists_them_too(capsys):
     assert options == documented, (options - documented, documented - options)
 
 
+def test_plan_help_and_doc_say_which_train_flags_plan_takes(capsys):
+    """`oomb plan` takes the flags of `oomb train` that change memory, not all of them: its help says so and names
+    the refused ones, which are refused; docs/cli.md names every train flag plan takes (the --offload-* family as
+    one) and none that it refuses."""
+    import re
+
+    from oomb.config.flags import command_fields
+
+    plan, train = ({ff.flag for ff in command_fields(c)} for c in ("plan", "train"))
+    assert run_cli(["plan", "--help"]) == 0
+    description = " ".join(capsys.readouterr().out.split("\n\n")[1].split())
+    assert "takes the flags of 'oomb train' that change memory" in description, description
+    refused = set(re.findall(rf"({_FLAG})", description.split("are refused")[0].rsplit("other flags", 1)[1]))
+    assert refused and refused <= train - plan, refused
+    for flag in refused:
+        assert run_cli(["plan", flag, "1"]) == 2 and f"{flag} is a flag of 'oomb train'" in capsys.readouterr().err
+    from pathlib import Path
+
+    text = Path(CLI_DOC).read_text(encoding="utf-8").split("## `oomb plan`", 1)[1].split("\n## ", 1)[0]
+    paragraph = text.split("\n\n", 2)[1]
+    named = set(re.findall(rf"`({_FLAG})[`* ]", paragraph))
+    shared = {f for f in plan & train if not f.startswith("--offload-")}
+    assert shared <= named, shared - named
+    said_refused = set(re.findall(rf"`({_FLAG})`", paragraph.split("The others", 1)[1].split(")")[0]))
+    assert said_refused and said_refused <= train - plan and named - said_refused <= plan | {"--config"}, named - plan
+
+
 def test_readme_names_only_flags_that_exist(capsys):
     """Every flag the README shows in backticks is a flag of some `oomb` command."""
     import re
@@ -727,6 +754,39 @@ def test_plan_advice_names_flags(capsys):
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "--lora-rank, --checkpoint-layers or a smaller --chunk-size" in out
     assert "checkpoint_layers" not in out and "chunk_size" not in out
+
+
+def test_unknown_flags_point_to_the_subcommand_s_help(capsys):
+    """argparse tells a subcommand's unknown flags from the top-level parser; the line names that subcommand's
+    help (whose flags they are not), and the command that takes the flag where one does."""
+    line = _check_refused(run_cli(["train", "--bogus-flag", "1"]), capsys, "unrecognized arguments: --bogus-flag 1")
+    assert line.endswith("; run 'oomb train --help' for the options"), line
+    line = _check_refused(run_cli(["plan", "--model", "qwen2.5-7b", "--seq-len", "1048576", "--steps", "5"]), capsys,
+                          "unrecognized arguments: --steps 5 (--steps is a flag of 'oomb train', not of 'oomb plan')")
+    assert line.endswith("; run 'oomb plan --help' for the options"), line
+    line = _check_refused(run_cli(["eval", "--lr=3"]), capsys, "--lr is a flag of 'oomb train', not of 'oomb eval'")
+    assert "'oomb eval --help'" in line
+    _check_refused(run_cli(["train", "--seq-len", "x"]), capsys, "run 'oomb train --help'")
+    _check_refused(run_cli(["bogus"]), capsys, "run 'oomb --help'")
+
+
+def test_no_help_text_shows_docstring_markup_or_python_values():
+    """The flags' help is generated from the fields' docstrings, written for Python readers: no reST role
+    (:class:`SparseConfig`), no ``literal`` markup and no None (a flag user never writes it) reaches any
+    subcommand's help."""
+    import argparse
+
+    from oomb.cli.parser import _build_parser
+
+    parser = _build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    assert {"train", "plan", "eval", "grad-error", "bench", "data", "merge"} <= set(sub.choices)
+    markup = re.compile(r":[a-z]+:`|``|`|\bNone\b|\bTrue\b|\bFalse\b")
+    for command, p in sub.choices.items():
+        texts = {"description": p.description or ""}
+        texts.update({"/".join(a.option_strings) or a.dest: a.help or "" for a in p._actions})
+        for where, text in texts.items():
+            assert not markup.search(text), (command, where, text)
 
 
 @pytest.mark.parametrize("command", ["train", "plan", "grad-error", "eval"])

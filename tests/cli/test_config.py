@@ -170,3 +170,82 @@ def test_a_flag_overrides_a_bad_value_of_the_file_and_is_named_itself(tmp_path, 
 
 def test_train_without_an_output_dir_names_the_flag_and_the_key(capsys):
     _refused(["train"], capsys, "--output-dir", "output.dir")
+
+
+def test_a_file_reads_exponent_floats_as_numbers_and_leaves_ints_and_strings_alone(tmp_path, capsys):
+    """YAML 1.1 (PyYAML's rules) reads 1e-4 (no dot) and 1.0e4 (no exponent sign) as strings; a config file reads
+    them as YAML 1.2 does, as floats. Integers stay integers, a quoted '1e3' stays a string, and --print-config
+    writes what reads back the same."""
+    from oomb.cli.parser import _job_config
+
+    f = tmp_path / "run.yaml"
+    for text, lr in (("1e-4", 1e-4), ("3e-4", 3e-4), ("3E-4", 3e-4), ("1.0e-4", 1e-4), ("2.5e-4", 2.5e-4), ("1e0", 1.0)):
+        f.write_text(f"train:\n  lr: {text}\n  steps: 3\nmodel: {{name: '1e3'}}\noutput: {{dir: out}}\n")
+        job, _ = _job_config("train", ["train", "--config", str(f)], str(f))
+        assert job.train.lr == lr and isinstance(job.train.lr, float), (text, job.train.lr)
+        assert job.train.steps == 3 and type(job.train.steps) is int
+        assert job.model.name == "1e3"
+    code, out, err = _run(["train", "--config", f, "--print-config"], capsys)
+    assert code == 0, err
+    again = tmp_path / "again.yaml"
+    again.write_text(out)
+    assert _run(["train", "--config", again, "--print-config"], capsys)[1] == out
+    f.write_text("engine: {offload: {gpu_page_budget: 1e3}}\noutput: {dir: out}\n")  # a float is no page count
+    _refused(["train", "--config", f], capsys, "engine.offload.gpu_page_budget", "1000.0")
+
+
+def test_a_key_given_twice_in_a_file_is_refused(tmp_path, capsys):
+    """YAML keeps the last of two equal keys; a config file that has one twice is refused, naming it and the lines."""
+    f = tmp_path / "twice.yaml"
+    f.write_text("train:\n  lr: 1.0e-4\n  steps: 3\n  lr: 2.0e-4\n")
+    _refused(["train", "--config", f, "--output-dir", tmp_path / "o"], capsys, str(f), "train.lr twice",
+             "lines 2 and 4", "keep one")
+    f.write_text("train: {steps: 3}\nmodel: {name: tiny}\ntrain: {lr: 1.0e-4}\n")
+    _refused(["plan", "--config", f], capsys, "sets train twice (lines 1 and 3)")
+    f.write_text("train: &b {steps: 3}\nbench: {<<: *b, steps: 4}\n")  # a key over a merged one is no duplicate
+    code, out, err = _run(["bench", "--config", f, "--print-config"], capsys)
+    assert code == 0 and yaml.safe_load(out)["bench"]["steps"] == 4, err
+
+
+@pytest.mark.parametrize("command, text, told", [
+    ("train", 'data: {seq_len: "abc"}', "data.seq_len (in {f}) is 'abc'; it takes an integer (e.g. data.seq_len 2048)"),
+    ("train", "train: {steps: 2.0}", "train.steps (in {f}) is 2.0; it takes an integer (e.g. train.steps 30)"),
+    ("train", "train: {lr: fast}", "train.lr (in {f}) is 'fast'; it takes a number (e.g. train.lr 0.003)"),
+    ("train", "engine: {checkpoint_layers: 'yes'}", "engine.checkpoint_layers (in {f}) is 'yes'; it takes true or false"),
+    ("train", "engine: {offload: {gpu_page_budget: many}}",
+     "engine.offload.gpu_page_budget (in {f}) is 'many'; it takes an integer, or leave it out"),
+    ("train", "engine: {sparse: {page_budget: 1.5}}", "engine.sparse.page_budget (in {f}) is 1.5; it takes an integer"),
+    ("train", "model: {name: 7}", "model.name (in {f}) is 7; it takes a string (e.g. model.name tiny)"),
+    ("train", "data: {loss_on: 3}", "data.loss_on (in {f}) is 3; pass one of 'all', 'assistant'"),
+    ("eval", "eval: {depths: [deep]}", "eval.depths (in {f}) is ['deep']; it takes a list of numbers, or leave it out"),
+    ("bench", "bench: {lengths: 2048}", "bench.lengths (in {f}) is 2048; it takes a list of integers (e.g. bench.lengths 2048 4096)"),
+])
+def test_a_value_of_the_wrong_type_is_told_as_such(tmp_path, capsys, command, text, told):
+    """A value of the wrong kind for a typed field is named with the kind the field takes, before any range
+    check speaks of it (seq_len 'abc' is not 'a sequence needs at least 2 tokens')."""
+    f = tmp_path / "bad.yaml"
+    f.write_text(text + "\n")
+    _refused([command, "--config", f, "--print-config"], capsys, told.format(f=f))
+
+
+def test_python_configs_check_types_first():
+    from oomb.config import DataConfig
+
+    with pytest.raises(ConfigError, match=r"^seq_len is 'abc'; it takes an integer \(e.g. seq_len 2048\)$"):
+        DataConfig(seq_len="abc")
+    with pytest.raises(ConfigError, match=r"^chunk_size is True; it takes an integer"):
+        OOMBConfig(chunk_size=True)
+    assert OOMBConfig(sparse=True, offload=OffloadConfig(mode=False)).offload.mode == "off"  # the Python spellings
+
+
+def test_sparse_true_in_a_file_is_told_how_to_turn_sparse_attention_on(tmp_path, capsys):
+    """engine.sparse is a section (what --print-config writes): true is refused with the spelling that turns it on
+    with the defaults, and that spelling works."""
+    f = tmp_path / "run.yaml"
+    for value in ("true", "false", "64"):
+        f.write_text(f"engine:\n  sparse: {value}\n")
+        _refused(["train", "--config", f, "--output-dir", tmp_path / "o"], capsys, f"engine.sparse (in {f}) is {value}",
+                 "write 'sparse: {}' under engine for sparse attention with the defaults", "'sparse: null'")
+    f.write_text("engine:\n  sparse: {}\n")
+    code, out, err = _run(["train", "--config", f, "--output-dir", tmp_path / "o", "--print-config"], capsys)
+    assert code == 0 and yaml.safe_load(out)["engine"]["sparse"]["page_budget"] == 64, err
