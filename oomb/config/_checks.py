@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import types as types_
 import typing
 from functools import cache
@@ -126,7 +127,7 @@ def _fits(value: Any, tp: Any) -> bool:
     if tp is float:
         return is_number(value)
     if tp is str:
-        return isinstance(value, str)
+        return isinstance(value, (str, os.PathLike))  # a path field may be given a pathlib.Path from Python
     return True
 
 

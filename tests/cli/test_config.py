@@ -236,6 +236,9 @@ def test_python_configs_check_types_first():
     with pytest.raises(ConfigError, match=r"^chunk_size is True; it takes an integer"):
         OOMBConfig(chunk_size=True)
     assert OOMBConfig(sparse=True, offload=OffloadConfig(mode=False)).offload.mode == "off"  # the Python spellings
+    from pathlib import Path
+
+    assert DataConfig(path=Path("corpus.txt")).path == Path("corpus.txt")  # a path field takes a pathlib.Path
 
 
 def test_sparse_true_in_a_file_is_told_how_to_turn_sparse_attention_on(tmp_path, capsys):
