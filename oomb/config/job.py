@@ -155,7 +155,7 @@ class DataConfig:
 
     loss_on: Optional[Literal["all", "assistant"]] = None
     """Which tokens of a chat or prompt-completion example carry the loss: assistant (assistant messages' or the
-    completion's content and end-of-turn token; the default) or all; text trains on every token."""
+    completion's content and end of turn; the default) or all; text trains on every token."""
 
     long_examples: Optional[Literal["split", "drop"]] = None
     """An example longer than seq_len: split over several sequences, or dropped (counted); default: split for

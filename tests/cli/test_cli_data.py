@@ -155,6 +155,19 @@ def test_oomb_data_shows_the_mask_and_writes_the_histogram(tmp_path, capsys):
     assert "is not a PNG" in capsys.readouterr().err and notes.read_text() == "mine"
 
 
+def test_a_chatml_end_of_turn_that_is_plain_text_is_shown_trained_with_one_warning(tmp_path, capsys):
+    """The bundled tokenizer has no <|im_end|> special token; the marker is inside the trained [[...]] span and
+    one warning line says it is plain text."""
+    path = write_jsonl(tmp_path / "chat.jsonl", chat_rows(3))
+    chatml = str(TEMPLATES / "chatml.jinja")
+    assert run_cli(["data", "--data", path, "--chat-template", chatml, "--seq-len", "512", "--show-tokens", "200",
+                    "--output", tmp_path / "h.png"]) == 0
+    captured = capsys.readouterr()
+    assert "[[It is 0.<|im_end|>]]" in captured.out and "]]<|im_end|>" not in captured.out
+    warned = [line for line in captured.err.splitlines() if line.startswith("oomb: warning:")]
+    assert len(warned) == 1 and "'<|im_end|>'" in warned[0] and "plain text" in warned[0], captured.err
+
+
 def test_oomb_train_on_chat_rows_prints_the_data_line(tmp_path, capsys):
     path = write_jsonl(tmp_path / "chat.jsonl", chat_rows())
     assert run_cli(["train", "--data", path, "--chat-template", PLAIN, *FAST, "--steps", "2",
