@@ -244,6 +244,21 @@ def test_an_empty_or_missing_split_is_refused(tmp_path, capsys):
             "has no split 'validation' (it has: train, test)")
 
 
+@pytest.mark.parametrize("content, name, said", [("", "empty.jsonl", "the file is empty"),
+                                                 ("\n \n", "blank.jsonl", "the file holds only blank lines"),
+                                                 ("", "empty.csv", "the file is empty")])
+@pytest.mark.parametrize("command", ["data", "train"])
+def test_an_empty_data_file_is_refused_as_holding_no_rows(tmp_path, capsys, content, name, said, command):
+    path = tmp_path / name
+    path.write_text(content)
+    line = refused([command, "--data", path, *FAST], capsys, tmp_path, f"{str(path)!r} holds no rows ({said})")
+    assert "StopIteration" not in line and "write the rows into it" in line
+    folder = tmp_path / "rows"
+    folder.mkdir()
+    (folder / name).write_text(content)
+    refused([command, "--data", folder, *FAST], capsys, tmp_path, f"holds no rows (its data files are empty: {name})")
+
+
 def test_the_novels_chat_set_asks_for_a_sentence_of_its_passage(tmp_path):
     from oomb.data.novels import write_chat_novels
 
