@@ -259,6 +259,24 @@ def test_an_empty_data_file_is_refused_as_holding_no_rows(tmp_path, capsys, cont
     refused([command, "--data", folder, *FAST], capsys, tmp_path, f"holds no rows (its data files are empty: {name})")
 
 
+MESSAGES_ROW = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+
+
+@pytest.mark.parametrize("rows, flags, said", [
+    ([{"text": "hello there"}, MESSAGES_ROW], [], "row 0 is a text row, row 1 a messages row"),
+    ([MESSAGES_ROW, MESSAGES_ROW, {"text": "hello there"}], ["--chat-template", PLAIN],
+     "row 0 is a messages row, row 2 a text row"),
+    ([{"prompt": "a", "completion": "b"}, {"text": "hello there"}], [], "row 0 is a prompt-completion row, row 1 a text row"),
+    ([{"text": "hello there"}, MESSAGES_ROW], ["--data-format", "text"], "row 0 is a text row, row 1 a messages row"),
+    ([{"text": "hello there"}, MESSAGES_ROW], ["--streaming"], "row 0 is a text row, row 1 a messages row"),
+])
+@pytest.mark.parametrize("command", ["data", "train"])
+def test_rows_of_several_formats_are_refused_naming_the_first_of_each(tmp_path, capsys, rows, flags, said, command):
+    path = write_jsonl(tmp_path / "mixed.jsonl", rows)
+    line = refused([command, "--data", path, *flags, *FAST], capsys, tmp_path, f"mixes row formats: {said}")
+    assert "is empty" not in line and "files of their own" in line
+
+
 def test_the_novels_chat_set_asks_for_a_sentence_of_its_passage(tmp_path):
     from oomb.data.novels import write_chat_novels
 
