@@ -277,6 +277,30 @@ def test_rows_of_several_formats_are_refused_naming_the_first_of_each(tmp_path, 
     assert "is empty" not in line and "files of their own" in line
 
 
+@pytest.mark.parametrize("command", ["data", "train", "eval"])
+def test_a_missing_data_path_from_a_config_file_names_the_key_and_the_file(tmp_path, capsys, monkeypatch, command):
+    """data.path is read from the current folder; run from elsewhere, the error says where the path came from."""
+    write_jsonl(tmp_path / "rows.jsonl", [{"text": "some words here"}] * 4)
+    config = tmp_path / "c.yaml"
+    config.write_text("data:\n  path: rows.jsonl\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    said = f"data path 'rows.jsonl' (data.path in {config}) does not exist in the current folder {str(elsewhere)!r}"
+    if command == "eval":  # its flags differ; it reads the same data.path
+        capsys.readouterr()
+        assert run_cli(["eval", "--config", config]) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("oomb:")]
+        assert len(err) == 1 and said in err[0], err
+        return
+    line = refused([command, "--config", config, *FAST], capsys, tmp_path, said)
+    assert line.endswith("or pass --data")
+    # a --data flag overrides the file: its error names the flag alone
+    line = refused([command, "--config", config, "--data", "nothere.jsonl", *FAST], capsys, tmp_path,
+                   "data path 'nothere.jsonl' does not exist")
+    assert "data.path" not in line
+
+
 def test_the_novels_chat_set_asks_for_a_sentence_of_its_passage(tmp_path):
     from oomb.data.novels import write_chat_novels
 
