@@ -109,7 +109,23 @@ def _load_tokens(args: argparse.Namespace, tokenizer_path: str | None):
         tokenizer = load_tokenizer(tokenizer_path)
         return tokenize_documents(load_documents(args.data), tokenizer, cache=args.data is None or Path(args.data).resolve() == BUNDLED_CORPUS)
     except DataError as exc:
-        raise UsageError(exc.problem, exc.fix) from exc
+        raise _data_usage_error(args, exc) from exc
+
+
+def _data_usage_error(args: argparse.Namespace, exc) -> UsageError:
+    """The UsageError of a :class:`oomb.data.DataError`; where the data path does not exist and came from the
+    --config file's data.path, it names that key and file (a relative path is read from the current folder)."""
+    config, path = getattr(args, "_config_file", None), getattr(args, "data", None)
+    if config is None or path is None or "data.path" not in getattr(args, "_config_keys", ()) or \
+            Path(path).expanduser().exists():
+        return UsageError(exc.problem, exc.fix)
+    if Path(path).expanduser().is_absolute():
+        return UsageError(f"data path {path!r} (data.path in {config}) does not exist",
+                          f"correct data.path in {config}, or pass --data")
+    return UsageError(f"data path {path!r} (data.path in {config}) does not exist in the current folder "
+                      f"{os.getcwd()!r}, which a relative data.path is read from",
+                      f"run oomb from the folder the path is relative to, write an absolute path in {config}, or "
+                      "pass --data")
 
 
 def _merged_adapter(adapter: Path, device, dtype):
@@ -169,4 +185,4 @@ def _training_data(args: argparse.Namespace):
                              "use a tokenizer with an eos_token, or leave --document-mask out")
         return tokenizer, data_lib.build_training_data(args.job.data, tokenizer, seed=args.seed)
     except data_lib.DataError as exc:
-        raise UsageError(exc.problem, exc.fix) from exc
+        raise _data_usage_error(args, exc) from exc

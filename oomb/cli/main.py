@@ -54,6 +54,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         signals.restore()
 
 
+def _keys_from_file(command: str, argv: Sequence[str], file_keys: set[str]) -> set[str]:
+    """The ``section.key`` settings whose value comes from the --config file: its keys, less those a flag given
+    overrides."""
+    from ..config.flags import command_fields
+
+    given = vars(_build_parser(suppress=True).parse_args(argv))
+    overridden = {f"{ff.section}.{ff.name}" for ff in command_fields(command) if ff.dest in given}
+    return set(file_keys) - overridden
+
+
 def _main(argv: Sequence[str] | None, signals: _StartupSignals) -> int:
     argv = [str(a) for a in (argv if argv is not None else sys.argv[1:])]
     parser = _build_parser()
@@ -70,6 +80,8 @@ def _main(argv: Sequence[str] | None, signals: _StartupSignals) -> int:
             return 0
         args = _namespace(command, job)
         args._argv = argv
+        args._config_file = parsed.config
+        args._config_keys = _keys_from_file(command, argv, file_keys)
         if command == "train":
             args._signals = signals
             return _train(args)

@@ -158,7 +158,7 @@ class DataConfig:
 
     loss_on: Optional[Literal["all", "assistant"]] = None
     """Which tokens of a chat or prompt-completion example carry the loss: assistant (assistant messages' or the
-    completion's content and end-of-turn token; the default) or all; text trains on every token."""
+    completion's content and end of turn; the default) or all; text trains on every token."""
 
     long_examples: Optional[Literal["split", "drop"]] = None
     """An example longer than seq_len: split over several sequences, or dropped (counted); default: split for
@@ -521,8 +521,8 @@ class DataMakeConfig:
     """``oomb data --make``: a synthetic retrieval training set written as JSON Lines instead of the report."""
 
     kind: Optional[Literal["passkey", "needle"]] = field(default=None, metadata=flag("--make"))
-    """Write retrieval training rows ({"text": ...}, read by 'oomb train --data FILE') instead of reporting on the
-    data: passkey (a pass key in filler text, asked for at the end) or needle ("The secret <word> is <number>."
+    """Write retrieval training rows ({"prompt": ..., "completion": ...}, read by 'oomb train --data FILE')
+    instead of reporting on the data: passkey (a pass key in filler text, asked for at the end) or needle ("The secret <word> is <number>."
     sentences in the --data text, the bundled novels by default, one of them asked for); each at a length of
     lengths and a random depth, seeded by seed, as 'oomb eval --task' scores them."""
 
@@ -530,7 +530,8 @@ class DataMakeConfig:
     """Rows to write."""
 
     lengths: Optional[List[int]] = field(default=None, metadata=flag("--make-lengths", metavar="T"))
-    """Row lengths in tokens of the tokenizer (each row takes one at random); default: seq_len."""
+    """Row lengths in tokens of the tokenizer as training encodes a row, its EOS included, so a row fits a
+    seq_len of its length (each row takes one at random); default: seq_len."""
 
     needles: int = 4
     """Needle sentences per needle row (1 to 30; the first is asked for, the others are distractors)."""

@@ -16,6 +16,7 @@ than RAM is tokenised once and memory-mapped after.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -59,8 +60,31 @@ def detect_format(fmt: str, columns: list[str], text_field: str, name: str) -> s
                     "with messages or prompt/completion")
 
 
+def _fields(fmt: str, text_field: str) -> tuple[str, ...]:
+    return {"messages": ("messages",), "prompt-completion": ("prompt", "completion"), "text": (text_field,)}[fmt]
+
+
+def _refuse_mixed(rows: Rows, fmt: str, text_field: str, i: int, row: dict) -> None:
+    """Raise the DataError of rows that mix formats where row ``i`` (``row``) lacks the fields of ``fmt`` and has
+    those of another format (JSON Lines of several formats read as one table: each row holds its own fields, the
+    others None)."""
+    if all(row.get(f) is not None for f in _fields(fmt, text_field)):
+        return
+    other = next((k for k in _FORMATS if k != fmt and all(row.get(f) is not None for f in _fields(k, text_field))), None)
+    if other is None:
+        return
+    first = next((j for j, r in enumerate(rows) if all(r.get(f) is not None for f in _fields(fmt, text_field))), None)
+    if first is None:
+        return
+    (a, fa), (b, fb) = sorted([(first, fmt), (i, other)])
+    raise DataError(f"{rows.name!r} mixes row formats: row {a} is a {fa} row, row {b} a {fb} row",
+                    f"the rows of one --data are read in one format: put the {fa} rows and the {fb} rows in files of "
+                    "their own and train on one, or write all rows in one format")
+
+
 def _texts(rows: Rows, field: str):
     for i, row in enumerate(rows):
+        _refuse_mixed(rows, "text", field, i, row)
         text = row.get(field)
         if not isinstance(text, str):
             raise DataError(f"{rows.name} row {i}: {field!r} is {type(text).__name__}, not a string",
@@ -146,6 +170,7 @@ def _examples(cfg, fmt: str, rows: Rows, tokenizer, template: str | None, loss_o
     """(ids, labels) per row; ``seen['assistant']`` counts the rows with a trained turn."""
     for i, row in enumerate(rows):
         where = f"{rows.name} row {i}"
+        _refuse_mixed(rows, fmt, cfg.text_field, i, row)
         if fmt == "text":
             text = row.get(cfg.text_field)
             if not isinstance(text, str):
@@ -179,7 +204,8 @@ def build_training_data(cfg, tokenizer, seed: int = 0):
     served in the order of ``seed``: a :class:`TextSequences` or a :class:`PackedSequences`.
 
     Raises:
-        DataError: unreadable or empty data or split, rows without the expected fields, a bad message, no chat
+        DataError: unreadable or empty data or split, rows without the expected fields, rows of several formats
+            (naming the first row of each), a bad message, no chat
             template for messages, no example with an assistant turn, ``loss_on`` assistant for text, or less
             data than one sequence.
     """
@@ -195,6 +221,8 @@ def build_training_data(cfg, tokenizer, seed: int = 0):
     long = cfg.long_examples or ("split" if fmt == "text" else "drop")
     if fmt == "text" and long == "split":
         return _text_stream(cfg, rows, tokenizer, seed)
+    for i, row in enumerate(itertools.islice(rows, 1000)):  # before the template is asked for: mixing comes first
+        _refuse_mixed(rows, fmt, cfg.text_field, i, row)
     template = read_chat_template(cfg.chat_template)
     if template is None and getattr(tokenizer, "chat_template", None) is None and _needs_template(fmt, rows):
         raise DataError(f"the tokenizer has no chat template, which the {fmt} rows of {rows.name!r} need",

@@ -5,10 +5,13 @@ A ``messages`` row (a list of ``{"role", "content"}``) is rendered with the toke
 spans, so any template works, also one without generation markers: the conversation is rendered prefix by
 prefix (``messages[:1]``, ``messages[:2]``, ...), each render must begin with the one before it, and message
 ``i`` owns the characters the render grows by when it is added. Inside an assistant message's span the content
-(found verbatim, or stripped as templates that ``trim`` it render it) and the end-of-turn text after it up to
-and including the first special token (``<|im_end|>``, ``<|eot_id|>``, ``</s>``) are trained; its header
-(``<|im_start|>assistant\\n``) and everything of the other roles get label -100. A token is trained when its
-characters overlap a trained span.
+(found verbatim, or stripped as templates that ``trim`` it render it) and the end-of-turn text after it are
+trained: up to and including the first special token (``<|im_end|>``, ``<|eot_id|>``, ``</s>``), or, where the
+span holds no special token after the content, up to and including its last non-blank character (the same
+``<|im_end|>`` as plain text, for a tokenizer that lacks that special token; a warning says so, as it says when
+the template renders nothing after the content). Its header (``<|im_start|>assistant\\n``), the blank text
+after its end of turn and everything of the other roles get label -100. A token is trained when its characters
+overlap a trained span.
 
 A ``prompt``/``completion`` row of strings is ``prompt`` then ``completion`` then the EOS token, the completion
 and EOS trained; a row whose prompt and completion are message lists is the conversation ``prompt +
@@ -17,6 +20,7 @@ completion`` with the completion's assistant messages trained.
 
 from __future__ import annotations
 
+import warnings
 from typing import Sequence
 
 import numpy as np
@@ -141,13 +145,36 @@ def _trained_spans(tokenizer, messages: Sequence[dict], template: str | None, wh
                                 "pass --chat-template a template that writes each message's content verbatim")
         a = start + len(header)
         b = a + len(content)
-        rest = full[b:end]
-        hits = [(rest.find(s), s) for s in specials if rest.find(s) >= 0]
-        if hits:
-            pos, s = min(hits, key=lambda h: (h[0], -len(h[1])))
-            b += pos + len(s)
-        spans.append((a, b))
+        end_of_turn = _end_of_turn(full[b:end], specials)
+        _check_end_of_turn(tokenizer, end_of_turn, specials)
+        spans.append((a, b + len(end_of_turn)))
     return full, spans
+
+
+def _end_of_turn(rest: str, specials: Sequence[str]) -> str:
+    """The end-of-turn text of ``rest`` (what the template renders after an assistant message's content, up to
+    the next message): up to and including its first special token; where it holds none, up to and including its
+    last non-blank character (``<|im_end|>`` of ``<|im_end|>\\n`` for a tokenizer without that special token)."""
+    hits = [(rest.find(s), s) for s in specials if rest.find(s) >= 0]
+    if hits:
+        pos, s = min(hits, key=lambda h: (h[0], -len(h[1])))
+        return rest[: pos + len(s)]
+    return rest.rstrip()
+
+
+def _check_end_of_turn(tokenizer, end_of_turn: str, specials: Sequence[str]) -> None:
+    """Warn (once per text, as Python's warnings filter does) where the end of an assistant turn is no special
+    token: nothing at all, or plain text that a generator stops at only as a stop string."""
+    if not end_of_turn.strip():
+        warnings.warn("the chat template renders nothing after an assistant message's content, so no end-of-turn "
+                      "token is trained and the model does not learn to end its turn; pass --chat-template one that "
+                      "ends each turn with a marker (e.g. the model's)", stacklevel=4)
+    elif not any(s in end_of_turn for s in specials):
+        n = len(tokenizer(end_of_turn.strip(), add_special_tokens=False)["input_ids"])
+        warnings.warn(f"the chat template ends an assistant turn with {end_of_turn.strip()!r}, which this tokenizer "
+                      f"has as {n} token{'s' if n != 1 else ''} of plain text, not a special token: it is trained as "
+                      "text, and generation stops at it only as a stop string; pass --tokenizer one that has it as a "
+                      "special token (e.g. the model's) to train one end-of-turn token", stacklevel=4)
 
 
 def _labels_from_spans(tokenizer, text: str, spans: list[tuple[int, int]], where: str) -> tuple[np.ndarray, np.ndarray]:
@@ -172,14 +199,14 @@ def encode_messages(tokenizer, messages: Sequence[dict], template: str | None, l
     """Token ids and labels (int64 ``[n]`` each, -100 = no loss) of one conversation.
 
     ``loss_on``: "assistant" (the assistant messages from index ``trained_from`` on, content and end-of-turn
-    token) or "all" (every token).
+    text, see the module) or "all" (every token).
 
     Raises:
         DataError: a bad message, a template that cannot render it, or one whose renders are not prefixes of each
             other.
     """
     check_messages(messages, where)
-    trained = [m["role"] == "assistant" and i >= trained_from for i, m in enumerate(messages)]
+    trained = [loss_on != "all" and m["role"] == "assistant" and i >= trained_from for i, m in enumerate(messages)]
     text, spans = _trained_spans(tokenizer, messages, template, where, trained)
     ids, labels = _labels_from_spans(tokenizer, text, spans, where)
     if loss_on == "all":

@@ -79,10 +79,40 @@ def _split_of(obj, split: str, where: str):
     return obj[split]
 
 
+def _blank(file: Path) -> bool:
+    """Whether ``file`` holds nothing but whitespace (read only where it is under 1 MiB; a larger one is not)."""
+    try:
+        size = file.stat().st_size
+        return size == 0 or size < 1 << 20 and file.suffix in (".json", ".jsonl", ".csv") and not file.read_bytes().strip()
+    except OSError:
+        return False
+
+
+def _refuse_empty(path: Path) -> None:
+    """Raise the DataError of a data file, or a folder of data files, that holds no rows at all (datasets fails on
+    them with a bare StopIteration)."""
+    if path.is_file():
+        if _blank(path):
+            what = "is empty" if path.stat().st_size == 0 else "holds only blank lines"
+            how = {".csv": " (a header line, e.g. text, then one row per line)",
+                   ".jsonl": ' (one JSON object per line, e.g. {"text": "..."})',
+                   ".json": ' (one JSON object per line, e.g. {"text": "..."})'}.get(path.suffix, "")
+            raise DataError(f"{str(path)!r} holds no rows (the file {what})",
+                            f"write the rows into it{how}, or pass --data a file with rows")
+        return
+    files = [p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".") and p.suffix in _BUILDERS]
+    if files and all(_blank(p) for p in files):
+        names = ", ".join(sorted(p.name for p in files)[:3]) + (", ..." if len(files) > 3 else "")
+        raise DataError(f"folder {str(path)!r} holds no rows (its data files are empty: {names})",
+                        "write the rows into them, or pass --data a folder or file with rows")
+
+
 def _load(path: Path, split: str, streaming: bool):
     ds = _datasets()
     cache = str(cache_dir() / "datasets")
     where = repr(str(path))
+    if not (path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file())):
+        _refuse_empty(path)
     try:
         if path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file()):
             loaded = ds.load_from_disk(str(path))
@@ -141,8 +171,8 @@ def open_rows(path: str | None, split: str = "train", streaming: bool = False) -
     """The rows of ``split`` of the data at ``path`` (see the module).
 
     Raises:
-        DataError: the path does not exist, cannot be read, has no such split (naming those it has), or the split
-            has no rows.
+        DataError: the path does not exist, cannot be read, is an empty file or a folder of empty files, has no
+            such split (naming those it has), or the split has no rows.
     """
     if path is None:
         if split != "train":

@@ -144,9 +144,19 @@ def _place(target: float, starts: Sequence[int], room: int) -> int:
     return min(ok, key=lambda s: (abs(s - target), s)) if ok else int(round(target))
 
 
-def _too_short(length: int, fixed: int, what: str) -> ValueError:
-    return ValueError(f"length {length} is too short for a {what}, question and answer take "
-                      f"{fixed} tokens before any haystack; pass lengths of {fixed + 1} or more")
+class PromptTooShort(ValueError):
+    """A prompt length too short for its fixed parts: ``fixed`` tokens (BOS, intro, needles, question, answer)
+    take the ``length`` asked for, which leaves no haystack token; ``what`` names the fixed parts before
+    "question and answer"."""
+
+    def __init__(self, length: int, fixed: int, what: str) -> None:
+        super().__init__(f"length {length} is too short for a {what}, question and answer take "
+                         f"{fixed} tokens before any haystack; pass lengths of {fixed + 1} or more")
+        self.length, self.fixed, self.what = length, fixed, what
+
+
+def _too_short(length: int, fixed: int, what: str) -> PromptTooShort:
+    return PromptTooShort(length, fixed, what)
 
 
 def passkey_prompt(tokenizer, length: int, depth: float, trial: int = 0, seed: int = 0) -> RetrievalPrompt:

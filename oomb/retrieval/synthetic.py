@@ -6,10 +6,15 @@ from [0, 100]. ``oomb train --data rows.jsonl`` reads them as prompt/completion 
 token after it are trained, the prompt is not (``--loss-on all`` trains every token). Training the answer only
 is what makes a model learn retrieval from random weights: with every token trained, the loss is dominated by
 the predictable filler and the answer's log-probability stays at chance (``benchmarks/passkey_loss_recipe_cpu.py``
-measures both). The rows also carry ``task``, ``length``, ``depth`` and ``answer``. Lengths are in tokens of
-the tokenizer the rows are made with. The prompt and the completion, each encoded without special tokens,
-re-encode to the scored prompt's tokens (BOS dropped where it had one; a needle haystack that begins inside a
-word of the text may re-encode differently there), so what is trained is what ``oomb eval --task`` scores.
+measures both). The rows also carry ``task``, ``length``, ``depth`` and ``answer``.
+
+A row of length ``L`` is ``L`` tokens of the tokenizer the rows are made with as ``oomb train`` encodes it
+(:func:`oomb.data.chat.encode_prompt_completion`: prompt and completion with no special token added, then the
+EOS token), so it fits ``--seq-len L``. Its prompt and completion are a scored prompt of ``L - 1`` tokens (``L`` where
+the tokenizer adds a BOS token, which the row leaves out) decoded with its special tokens as text (the EOS between the needle text's
+documents is ``</s>`` or the like), and re-encode to its tokens, so what is trained is what ``oomb eval --task``
+scores. A needle haystack that begins inside a word of the text can re-encode to another token count; such a
+row takes the next prompt drawn (another haystack) that re-encodes to ``L`` tokens.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .prompts import needle_prompt, passkey_prompt
+from .prompts import PromptTooShort, _bos, needle_prompt, passkey_prompt
 
 __all__ = ["ROW_KEYS", "is_retrieval_jsonl", "retrieval_rows", "write_retrieval_jsonl"]
 
@@ -41,13 +46,14 @@ def retrieval_rows(task: str, tokenizer, lengths: Sequence[int], examples: int, 
     """``examples`` rows of ``task`` ("passkey" or "needle"), seeded by ``seed`` (see the module).
 
     Args:
-        lengths: token lengths; each row takes one, drawn uniformly.
+        lengths: token lengths, as training encodes a row (its EOS included); each row takes one, drawn uniformly.
         tokens: the needle task's text token stream (:func:`oomb.data.tokenize_documents`).
         needles: needle sentences per needle row (the first is asked).
 
     Raises:
         ValueError: ``examples`` < 1, no lengths, an unknown task, no tokens for the needle task, and what the
-            prompt builders raise (a length too short, a tokenizer without digits).
+            prompt builders raise (a length too short for the prompt and its EOS, a tokenizer without digits), and
+            a row that re-encodes to no prompt length's worth of tokens (see :func:`_row`).
     """
     if examples < 1:
         raise ValueError(f"examples is {examples}; pass 1 or more")
@@ -62,16 +68,50 @@ def retrieval_rows(task: str, tokenizer, lengths: Sequence[int], examples: int, 
     for i in range(examples):
         length = int(lengths[int(rng.integers(len(lengths)))])
         depth = round(float(rng.uniform(0.0, 100.0)), 3)
-        if task == "passkey":
-            prompt = passkey_prompt(tokenizer, length, depth, _TRIAL_BASE + i, seed)
-        else:
-            prompt = needle_prompt(tokenizer, tokens, length, depth, _TRIAL_BASE + i, seed, needles)
-        ids = prompt.input_ids.tolist()
-        question = tokenizer.decode(ids[:prompt.answer_start], skip_special_tokens=True)
-        answer = tokenizer.decode(ids[prompt.answer_start:], skip_special_tokens=True)
-        rows.append({"prompt": question, "completion": answer, "task": task, "length": length, "depth": depth,
-                     "answer": prompt.answer})
+        rows.append(_row(task, tokenizer, length, depth, _TRIAL_BASE + i, seed, tokens, needles))
     return rows
+
+
+_TRIES = 32
+"""Prompts drawn for one row before giving up on one that re-encodes to its length."""
+
+_RETRY_STRIDE = 1 << 40
+"""Draw ``k`` of a row of trial ``t`` is the prompt of trial ``t + k * _RETRY_STRIDE``."""
+
+
+def _row(task: str, tokenizer, length: int, depth: float, trial: int, seed: int, tokens, needles: int) -> dict:
+    """The row of ``length`` tokens as training encodes it (see the module).
+
+    Raises:
+        ValueError: ``length`` too short for the prompt and the EOS, or none of :data:`_TRIES` prompts drawn
+            re-encodes to ``length`` tokens.
+    """
+    from ..data.chat import encode_prompt_completion
+
+    bos = len(_bos(tokenizer))
+    # The tokens a row has beyond its prompt's: the EOS training appends, less the BOS the row leaves out.
+    extra = (tokenizer.eos_token_id is not None) - bos
+    for k in range(_TRIES):
+        try:
+            if task == "passkey":
+                prompt = passkey_prompt(tokenizer, length - extra, depth, trial + k * _RETRY_STRIDE, seed)
+            else:
+                prompt = needle_prompt(tokenizer, tokens, length - extra, depth, trial + k * _RETRY_STRIDE, seed,
+                                       needles)
+        except PromptTooShort as exc:
+            need = exc.fixed + extra
+            raise ValueError(f"length {length} is too short for a {exc.what}, question, answer and EOS take {need} "
+                             f"tokens before any haystack; pass lengths of {need + 1} or more") from exc
+        ids = prompt.input_ids.tolist()
+        # Special tokens inside (the EOS between the text's documents) stay as their text, which encodes back to them.
+        question = tokenizer.decode(ids[bos:prompt.answer_start])
+        answer = tokenizer.decode(ids[prompt.answer_start:])
+        got = len(encode_prompt_completion(tokenizer, question, answer, None, "assistant", "")[0])
+        if got == length:
+            return {"prompt": question, "completion": answer, "task": task, "length": length, "depth": depth,
+                    "answer": prompt.answer}
+    raise ValueError(f"none of {_TRIES} {task} prompts of {length} tokens re-encodes to {length} tokens with this "
+                     "tokenizer (their decoded text tokenises differently); pass other lengths, or another tokenizer")
 
 
 def is_retrieval_jsonl(path: str | os.PathLike) -> bool:

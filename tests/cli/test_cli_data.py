@@ -155,6 +155,19 @@ def test_oomb_data_shows_the_mask_and_writes_the_histogram(tmp_path, capsys):
     assert "is not a PNG" in capsys.readouterr().err and notes.read_text() == "mine"
 
 
+def test_a_chatml_end_of_turn_that_is_plain_text_is_shown_trained_with_one_warning(tmp_path, capsys):
+    """The bundled tokenizer has no <|im_end|> special token; the marker is inside the trained [[...]] span and
+    one warning line says it is plain text."""
+    path = write_jsonl(tmp_path / "chat.jsonl", chat_rows(3))
+    chatml = str(TEMPLATES / "chatml.jinja")
+    assert run_cli(["data", "--data", path, "--chat-template", chatml, "--seq-len", "512", "--show-tokens", "200",
+                    "--output", tmp_path / "h.png"]) == 0
+    captured = capsys.readouterr()
+    assert "[[It is 0.<|im_end|>]]" in captured.out and "]]<|im_end|>" not in captured.out
+    warned = [line for line in captured.err.splitlines() if line.startswith("oomb: warning:")]
+    assert len(warned) == 1 and "'<|im_end|>'" in warned[0] and "plain text" in warned[0], captured.err
+
+
 def test_oomb_train_on_chat_rows_prints_the_data_line(tmp_path, capsys):
     path = write_jsonl(tmp_path / "chat.jsonl", chat_rows())
     assert run_cli(["train", "--data", path, "--chat-template", PLAIN, *FAST, "--steps", "2",
@@ -229,6 +242,63 @@ def test_an_empty_or_missing_split_is_refused(tmp_path, capsys):
     datasets.DatasetDict({"train": ds, "test": ds.select([0])}).save_to_disk(str(tmp_path / "saved"))
     refused(["train", "--data", tmp_path / "saved", "--data-split", "validation", *FAST], capsys, tmp_path,
             "has no split 'validation' (it has: train, test)")
+
+
+@pytest.mark.parametrize("content, name, said", [("", "empty.jsonl", "the file is empty"),
+                                                 ("\n \n", "blank.jsonl", "the file holds only blank lines"),
+                                                 ("", "empty.csv", "the file is empty")])
+@pytest.mark.parametrize("command", ["data", "train"])
+def test_an_empty_data_file_is_refused_as_holding_no_rows(tmp_path, capsys, content, name, said, command):
+    path = tmp_path / name
+    path.write_text(content)
+    line = refused([command, "--data", path, *FAST], capsys, tmp_path, f"{str(path)!r} holds no rows ({said})")
+    assert "StopIteration" not in line and "write the rows into it" in line
+    folder = tmp_path / "rows"
+    folder.mkdir()
+    (folder / name).write_text(content)
+    refused([command, "--data", folder, *FAST], capsys, tmp_path, f"holds no rows (its data files are empty: {name})")
+
+
+MESSAGES_ROW = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
+
+
+@pytest.mark.parametrize("rows, flags, said", [
+    ([{"text": "hello there"}, MESSAGES_ROW], [], "row 0 is a text row, row 1 a messages row"),
+    ([MESSAGES_ROW, MESSAGES_ROW, {"text": "hello there"}], ["--chat-template", PLAIN],
+     "row 0 is a messages row, row 2 a text row"),
+    ([{"prompt": "a", "completion": "b"}, {"text": "hello there"}], [], "row 0 is a prompt-completion row, row 1 a text row"),
+    ([{"text": "hello there"}, MESSAGES_ROW], ["--data-format", "text"], "row 0 is a text row, row 1 a messages row"),
+    ([{"text": "hello there"}, MESSAGES_ROW], ["--streaming"], "row 0 is a text row, row 1 a messages row"),
+])
+@pytest.mark.parametrize("command", ["data", "train"])
+def test_rows_of_several_formats_are_refused_naming_the_first_of_each(tmp_path, capsys, rows, flags, said, command):
+    path = write_jsonl(tmp_path / "mixed.jsonl", rows)
+    line = refused([command, "--data", path, *flags, *FAST], capsys, tmp_path, f"mixes row formats: {said}")
+    assert "is empty" not in line and "files of their own" in line
+
+
+@pytest.mark.parametrize("command", ["data", "train", "eval"])
+def test_a_missing_data_path_from_a_config_file_names_the_key_and_the_file(tmp_path, capsys, monkeypatch, command):
+    """data.path is read from the current folder; run from elsewhere, the error says where the path came from."""
+    write_jsonl(tmp_path / "rows.jsonl", [{"text": "some words here"}] * 4)
+    config = tmp_path / "c.yaml"
+    config.write_text("data:\n  path: rows.jsonl\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    said = f"data path 'rows.jsonl' (data.path in {config}) does not exist in the current folder {str(elsewhere)!r}"
+    if command == "eval":  # its flags differ; it reads the same data.path
+        capsys.readouterr()
+        assert run_cli(["eval", "--config", config]) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("oomb:")]
+        assert len(err) == 1 and said in err[0], err
+        return
+    line = refused([command, "--config", config, *FAST], capsys, tmp_path, said)
+    assert line.endswith("or pass --data")
+    # a --data flag overrides the file: its error names the flag alone
+    line = refused([command, "--config", config, "--data", "nothere.jsonl", *FAST], capsys, tmp_path,
+                   "data path 'nothere.jsonl' does not exist")
+    assert "data.path" not in line
 
 
 def test_the_novels_chat_set_asks_for_a_sentence_of_its_passage(tmp_path):

@@ -135,3 +135,40 @@ def test_bad_messages_are_refused_naming_the_row(messages, match):
     with pytest.raises(DataError, match=match) as info:
         check_messages(messages, "d.jsonl row 3")
     assert info.value.problem.startswith("d.jsonl row 3") and info.value.fix
+
+
+CHATML_PLAIN = [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Yes."},
+                {"role": "user", "content": "Why?"}, {"role": "assistant", "content": "No."}]
+
+
+def test_a_plain_text_end_of_turn_marker_is_trained_and_warned_about():
+    """The bundled tokenizer has no <|im_end|> special token: the ChatML end of turn is 7 tokens of text, trained
+    with the content (the newline after it is not), and one warning says it is no special token."""
+    tok = load_tokenizer()
+    template = read_chat_template(str(TEMPLATES / "chatml.jinja"))
+    with pytest.warns(UserWarning, match=r"ends an assistant turn with '<\|im_end\|>', which this tokenizer has as 7 "
+                                         r"tokens of plain text, not a special token.*pass --tokenizer"):
+        ids, labels = encode_messages(tok, CHATML_PLAIN, template, "assistant", "row 0")
+    trained = "".join(t.strip("[]") for t in marked(tok, ids, labels) if t.startswith("["))
+    assert trained == "Yes.<|im_end|>No.<|im_end|>"
+    assert tok.decode(ids[labels != -100].tolist()).replace(" ", "") == "Yes.<|im_end|>No.<|im_end|>"
+    assert marked(tok, ids, labels)[-1] == NL  # the separator after the end of turn is not trained
+
+
+def test_a_template_with_nothing_after_the_content_is_warned_about():
+    tok = load_tokenizer()
+    template = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
+    with pytest.warns(UserWarning, match="renders nothing after an assistant message's content"):
+        ids, labels = encode_messages(tok, CHATML_PLAIN, template, "assistant", "row 0")
+    assert [t for t in marked(tok, ids, labels) if t.startswith("[")] == ["[▁Yes]", "[.]", "[▁No]", "[.]"]
+
+
+@pytest.mark.parametrize("name, loss_on", [("chatml", "assistant"), ("llama3", "assistant"), ("chatml", "all")])
+def test_no_warning_where_the_end_of_turn_is_a_special_token_or_every_token_is_trained(name, loss_on):
+    import warnings
+
+    tok = chat_tokenizer(name) if loss_on == "assistant" else load_tokenizer()
+    template = read_chat_template(str(TEMPLATES / f"{name}.jinja"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        encode_messages(tok, CONVERSATION, template, loss_on, "row 0")

@@ -141,14 +141,12 @@ def test_bad_input_is_refused(tok, novels, tmp_path):
         build_prompts("needle", tok, [100], [0])
 
 
-def test_training_rows_reencode_to_about_their_length_and_repeat_with_the_seed(tok, novels):
+def test_training_rows_repeat_with_the_seed(tok, novels):
     rows = retrieval_rows("passkey", tok, [300, 500], 6, seed=3)
     assert rows == retrieval_rows("passkey", tok, [300, 500], 6, seed=3)
     assert rows != retrieval_rows("passkey", tok, [300, 500], 6, seed=4)
     assert {r["length"] for r in rows} <= {300, 500} and len({r["depth"] for r in rows}) == 6
     for r in rows:
-        n = len(tok(r["prompt"] + " " + r["completion"], add_special_tokens=False)["input_ids"])
-        assert abs(n - r["length"]) <= 3, (n, r["length"])
         assert r["prompt"].endswith("The pass key is") and r["prompt"].count(r["answer"]) == 2
         assert r["completion"] == r["answer"]
     needle = retrieval_rows("needle", tok, [400], 2, seed=0, tokens=novels, needles=3)
@@ -156,24 +154,77 @@ def test_training_rows_reencode_to_about_their_length_and_repeat_with_the_seed(t
 
 
 @pytest.mark.parametrize("task", ["passkey", "needle"])
+def test_a_row_of_length_L_is_L_tokens_as_training_encodes_it_and_fits_seq_len_L(tok, novels, task, tmp_path,
+                                                                                   monkeypatch):
+    """The EOS training appends is one of the row's L tokens, so --seq-len L --long-examples drop keeps every row
+    (as docs/cli.md's --make-lengths 8192 32768 with --seq-len 32768 needs)."""
+    from oomb.config import DataConfig
+    from oomb.data import build_training_data
+    from oomb.data.chat import encode_prompt_completion
+    from oomb.retrieval import write_retrieval_jsonl
+
+    monkeypatch.setenv("OOMB_CACHE_DIR", str(tmp_path / "cache"))
+    rows = retrieval_rows(task, tok, [128, 256, 4000], 24, seed=5, tokens=novels, needles=3)
+    for r in rows:
+        ids, _ = encode_prompt_completion(tok, r["prompt"], r["completion"], None, "assistant", "row")
+        assert len(ids) == r["length"] and ids[-1] == tok.eos_token_id
+    path = write_retrieval_jsonl(tmp_path / "rows.jsonl", rows)
+    for seq_len in (256, 4000):
+        data = build_training_data(DataConfig(path=str(path), seq_len=seq_len, document_mask=True,
+                                              long_examples="drop"), tok)
+        fit = sum(r["length"] <= seq_len for r in rows)
+        assert data.stats.examples - data.stats.dropped_examples == fit
+    assert {r["length"] for r in rows} == {128, 256, 4000}
+
+
+def test_a_needle_row_keeps_the_eos_between_the_texts_documents(tok):
+    """A haystack that crosses a document boundary of the text holds its EOS as text, which encodes back to it."""
+    from oomb.data.chat import encode_prompt_completion
+
+    stream = np.asarray(tok("One day. Then it rained. Then it did not.", add_special_tokens=False)["input_ids"]
+                        + [tok.eos_token_id], dtype=np.int64)
+    rows = retrieval_rows("needle", tok, [300], 3, seed=0, tokens=stream)  # the stream repeated: EOS in every row
+    for r in rows:
+        ids, _ = encode_prompt_completion(tok, r["prompt"], r["completion"], None, "assistant", "row")
+        assert len(ids) == 300 and (ids[:-1] == tok.eos_token_id).sum() == r["prompt"].count(tok.eos_token) > 0
+
+
+def test_a_length_too_short_for_the_prompt_and_its_eos_is_refused_naming_the_shortest(tok):
+    with pytest.raises(ValueError, match=r"question, answer and EOS take (\d+) tokens") as info:
+        retrieval_rows("passkey", tok, [20], 1)
+    need = int(info.value.args[0].split("EOS take ")[1].split()[0])
+    assert f"pass lengths of {need + 1} or more" in str(info.value)
+    assert len(retrieval_rows("passkey", tok, [need + 1], 1)) == 1
+
+
+@pytest.mark.parametrize("task", ["passkey", "needle"])
 def test_training_rows_encode_to_the_scored_prompt_with_only_the_answer_trained(tok, novels, task):
     """What oomb train trains on a row is the prompt oomb eval scores (BOS aside), with the answer and EOS trained
     and nothing else."""
     from oomb.data.chat import IGNORE_INDEX, encode_prompt_completion
-    from oomb.retrieval.synthetic import _TRIAL_BASE
+    from oomb.retrieval.prompts import _bos
+    from oomb.retrieval.synthetic import _RETRY_STRIDE, _TRIAL_BASE, _TRIES
 
     rows = retrieval_rows(task, tok, [160, 300, 700], 5, seed=2, tokens=novels, needles=2)
     for i, row in enumerate(rows):
-        scored = (passkey_prompt(tok, row["length"], row["depth"], _TRIAL_BASE + i, 2) if task == "passkey" else
-                  needle_prompt(tok, novels, row["length"], row["depth"], _TRIAL_BASE + i, 2, 2))
-        bos = 1 if scored.input_ids[0].item() == tok.bos_token_id else 0
         ids, labels = encode_prompt_completion(tok, row["prompt"], row["completion"], None, "assistant", "row")
-        want = scored.input_ids[bos:].tolist() + [tok.eos_token_id]
-        if task == "passkey":
-            assert ids.tolist() == want
-        else:  # the novel's text may re-encode differently where the haystack cuts into a word; the rest is exact
-            tail = len(want) - (scored.needle_start - bos)
-            assert ids[-tail:].tolist() == want[-tail:] and abs(len(ids) - len(want)) <= 3
+        # the scored prompt of the row's length less its EOS (plus a BOS the row leaves out), of the first draw
+        # whose haystack re-encodes to it
+        for k in range(_TRIES):
+            size = row["length"] - 1 + len(_bos(tok))
+            trial = _TRIAL_BASE + i + k * _RETRY_STRIDE
+            scored = (passkey_prompt(tok, size, row["depth"], trial, 2) if task == "passkey" else
+                      needle_prompt(tok, novels, size, row["depth"], trial, 2, 2))
+            bos = len(_bos(tok))
+            want = scored.input_ids[bos:].tolist() + [tok.eos_token_id]
+            # the novel's text may re-encode differently where the haystack cuts into a word; the rest is exact
+            tail = len(want) if task == "passkey" else len(want) - (scored.needle_start - bos)
+            if ids[-tail:].tolist() == want[-tail:]:
+                break
+        else:
+            raise AssertionError(f"row {i} is no scored prompt")
+        assert len(ids) == len(want) == row["length"]
+        assert task == "needle" or k == 0  # the passkey filler always re-encodes as it is
         start = len(ids) - (len(want) - (scored.answer_start - bos))
         assert (labels[:start] == IGNORE_INDEX).all() and labels[start:].tolist() == ids[start:].tolist()
         assert tok.decode(ids[start:-1].tolist()).strip() == row["answer"]
