@@ -234,6 +234,7 @@ def test_oomb_train_resumes_each_optimizer_exactly(tmp_path, capsys, name):
             "--weight-decay", "0.1", "--optimizer", name]
     assert _run_cli([*argv, "--output-dir", a]) == 0
     shutil.copytree(a, b)
+    shutil.rmtree(b / "checkpoints" / "step-00000002")  # going back to step 1 in place: the later one removed
     assert _run_cli([*argv, "--output-dir", b, "--resume", b / "checkpoints" / "step-00000001"]) == 0
     log = [json.loads(line)["loss"] for line in (a / "log.jsonl").read_text().splitlines()]
     assert [json.loads(line)["loss"] for line in (b / "log.jsonl").read_text().splitlines()] == log
