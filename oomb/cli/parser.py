@@ -23,7 +23,8 @@ class _Parser(argparse.ArgumentParser):
         parsed, extras = self.parse_known_args(args, namespace)
         if not extras:
             return parsed
-        subs = {name: p for a in self._actions if isinstance(a, argparse._SubParsersAction) for name, p in a.choices.items()}
+        subs = {name: p for a in self._actions if isinstance(a, argparse._SubParsersAction)
+                for name, p in a.choices.items()}
         command = getattr(parsed, "command", None)
         if command not in subs:
             self.error(f"unrecognized arguments: {' '.join(extras)}")

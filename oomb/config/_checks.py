@@ -95,7 +95,8 @@ def types(obj: Any) -> None:
             continue
         if item is not None:
             what = f"a list of {_PLURAL[item]}"
-        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default  # type: ignore[misc]
+        factory = f.default_factory
+        default = factory() if factory is not dataclasses.MISSING else f.default  # type: ignore[misc]
         if default is None or default is dataclasses.MISSING or default == [] or tp is bool:
             example = ", or leave it out" if optional else ""
         else:

@@ -27,8 +27,8 @@ from .job import (BenchConfig, DataConfig, DataMakeConfig, DataReportConfig, Eva
                   ModelConfig, OutputConfig, PlanConfig, TrainConfig)
 from .meta import field_docs, has_no_flag
 
-__all__ = ["COMMANDS", "COMMAND_DEFAULTS", "FlagField", "add_flags", "command_fields", "job_from_values", "namespace_of",
-           "plain_help"]
+__all__ = ["COMMANDS", "COMMAND_DEFAULTS", "FlagField", "add_flags", "command_fields", "job_from_values",
+           "namespace_of", "plain_help"]
 
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,

@@ -52,7 +52,7 @@ def _with_floats_12(base: type) -> type:
 
 
 def _load(text: str) -> Any:
-    """The document of ``text`` (None if empty), read with :func:`_loader`.
+    """The document of ``text`` (None if empty), read with :func:`_with_floats_12` of SafeLoader.
 
     Raises:
         yaml.YAMLError: not valid YAML.

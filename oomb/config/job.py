@@ -282,9 +282,10 @@ class OutputConfig:
     resume: Optional[str] = field(default=None, metadata=flag("--resume", metavar="latest|PATH", optional_const="latest"))
     """Continue the run in the output dir from its latest checkpoint ('latest') or from the checkpoint folder
     PATH (a checkpoint of another folder only into a new or empty output dir, that folder left as it is; an
-    earlier checkpoint of the output dir only once the later ones are deleted). The model, seq_len, data, tokenizer, seed, LoRA settings, grad_accum, dtype, document_mask, RoPE settings,
-    weight_decay, optimizer, sparse attention and its options (with it also chunk_size and page_size), the
-    number of ranks and shard must be those of the run; steps, lr, the schedule and max_grad_norm may change."""
+    earlier checkpoint of the output dir only once the later ones are deleted). The model, seq_len, data,
+    tokenizer, seed, LoRA settings, grad_accum, dtype, document_mask, RoPE settings, weight_decay, optimizer,
+    sparse attention and its options (with it also chunk_size and page_size), the number of ranks and shard must
+    be those of the run; steps, lr, the schedule and max_grad_norm may change."""
 
     log_every: int = 1
     """Print a loss line every N steps (log.jsonl gets every step)."""
@@ -522,9 +523,10 @@ class DataMakeConfig:
 
     kind: Optional[Literal["passkey", "needle"]] = field(default=None, metadata=flag("--make"))
     """Write retrieval training rows ({"prompt": ..., "completion": ...}, read by 'oomb train --data FILE')
-    instead of reporting on the data: passkey (a pass key in filler text, asked for at the end) or needle ("The secret <word> is <number>."
-    sentences in the --data text, the bundled novels by default, one of them asked for); each at a length of
-    lengths and a random depth, seeded by seed, as 'oomb eval --task' scores them."""
+    instead of reporting on the data: passkey (a pass key in filler text, asked for at the end) or needle
+    ("The secret <word> is <number>." sentences in the --data text, the bundled novels by default, one of them
+    asked for); each at a length of lengths and a random depth, seeded by seed, as 'oomb eval --task' scores
+    them."""
 
     examples: int = 1000
     """Rows to write."""

@@ -70,7 +70,8 @@ def _refuse_mixed(rows: Rows, fmt: str, text_field: str, i: int, row: dict) -> N
     others None)."""
     if all(row.get(f) is not None for f in _fields(fmt, text_field)):
         return
-    other = next((k for k in _FORMATS if k != fmt and all(row.get(f) is not None for f in _fields(k, text_field))), None)
+    other = next((k for k in _FORMATS if k != fmt and all(row.get(f) is not None for f in _fields(k, text_field))),
+                 None)
     if other is None:
         return
     first = next((j for j, r in enumerate(rows) if all(r.get(f) is not None for f in _fields(fmt, text_field))), None)
@@ -205,9 +206,8 @@ def build_training_data(cfg, tokenizer, seed: int = 0):
 
     Raises:
         DataError: unreadable or empty data or split, rows without the expected fields, rows of several formats
-            (naming the first row of each), a bad message, no chat
-            template for messages, no example with an assistant turn, ``loss_on`` assistant for text, or less
-            data than one sequence.
+            (naming the first row of each), a bad message, no chat template for messages, no example with an
+            assistant turn, ``loss_on`` assistant for text, or less data than one sequence.
     """
     rows = open_rows(cfg.path, cfg.split, cfg.streaming)
     if rows.plain:  # text files: their text, whatever text_field names

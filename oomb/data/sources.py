@@ -83,7 +83,8 @@ def _blank(file: Path) -> bool:
     """Whether ``file`` holds nothing but whitespace (read only where it is under 1 MiB; a larger one is not)."""
     try:
         size = file.stat().st_size
-        return size == 0 or size < 1 << 20 and file.suffix in (".json", ".jsonl", ".csv") and not file.read_bytes().strip()
+        small_text = size < 1 << 20 and file.suffix in (".json", ".jsonl", ".csv")
+        return size == 0 or (small_text and not file.read_bytes().strip())
     except OSError:
         return False
 

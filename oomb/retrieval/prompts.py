@@ -155,10 +155,6 @@ class PromptTooShort(ValueError):
         self.length, self.fixed, self.what = length, fixed, what
 
 
-def _too_short(length: int, fixed: int, what: str) -> PromptTooShort:
-    return PromptTooShort(length, fixed, what)
-
-
 def passkey_prompt(tokenizer, length: int, depth: float, trial: int = 0, seed: int = 0) -> RetrievalPrompt:
     """The passkey prompt of ``length`` tokens with the pass key at ``depth`` percent (see the module).
 
@@ -176,7 +172,7 @@ def passkey_prompt(tokenizer, length: int, depth: float, trial: int = 0, seed: i
     fixed = len(head) + len(needle) + len(question) + len(answer)
     room = length - fixed  # filler tokens
     if room < 1:
-        raise _too_short(length, fixed, "passkey prompt: its intro, pass key sentence")
+        raise PromptTooShort(length, fixed, "passkey prompt: its intro, pass key sentence")
     sentences = [_encode(tokenizer, " " + s) for s in FILLER]
     filler, starts = [], []
     while len(filler) < room:
@@ -227,7 +223,7 @@ def needle_prompt(tokenizer, tokens: np.ndarray, length: int, depth: float, tria
     fixed = len(head) + sum(map(len, sentences)) + len(question) + len(answer)
     room = length - fixed  # text tokens
     if room < 1:
-        raise _too_short(length, fixed, f"needle prompt: its {needles} needle sentence{'s' if needles > 1 else ''}")
+        raise PromptTooShort(length, fixed, f"needle prompt: its {needles} needle sentence{'s' if needles > 1 else ''}")
     n = int(tokens.shape[0])
     if n < 1:
         raise ValueError("the text has no tokens; give some text to hide the needles in")

@@ -10,11 +10,12 @@ measures both). The rows also carry ``task``, ``length``, ``depth`` and ``answer
 
 A row of length ``L`` is ``L`` tokens of the tokenizer the rows are made with as ``oomb train`` encodes it
 (:func:`oomb.data.chat.encode_prompt_completion`: prompt and completion with no special token added, then the
-EOS token), so it fits ``--seq-len L``. Its prompt and completion are a scored prompt of ``L - 1`` tokens (``L`` where
-the tokenizer adds a BOS token, which the row leaves out) decoded with its special tokens as text (the EOS between the needle text's
-documents is ``</s>`` or the like), and re-encode to its tokens, so what is trained is what ``oomb eval --task``
-scores. A needle haystack that begins inside a word of the text can re-encode to another token count; such a
-row takes the next prompt drawn (another haystack) that re-encodes to ``L`` tokens.
+EOS token), so it fits ``--seq-len L``. Its prompt and completion are a scored prompt of ``L - 1`` tokens
+(``L`` where the tokenizer adds a BOS token, which the row leaves out) decoded with its special tokens as text
+(the EOS between the needle text's documents is ``</s>`` or the like), and re-encode to its tokens, so what is
+trained is what ``oomb eval --task`` scores. A needle haystack that begins inside a word of the text can
+re-encode to another token count; such a row takes the next prompt drawn (another haystack) that re-encodes to
+``L`` tokens.
 """
 
 from __future__ import annotations
