@@ -253,6 +253,11 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
     if main_rank:
         train_args = {k: v for k, v in vars(args).items() if k not in ("command", "job") and not k.startswith("_")}
         train_args.update(oomb_version=_version(), num_tokens=int(sequences.stats.tokens), num_sequences=len(sequences), world_size=W)
+        from ..data.chat import read_chat_template
+
+        template = read_chat_template(args.job.data.chat_template)
+        if template is not None:  # saved with the model: what it was trained on is what it is prompted with
+            tokenizer.chat_template = template
         saved = _save(model, tokenizer, out, lora=args.lora_rank > 0, train_args=train_args, state_dict=state_dict)
         shutil.rmtree(out / _REPLACED, ignore_errors=True)  # the run --overwrite replaced: this one is saved now
         elapsed = time.perf_counter() - t_start

@@ -175,6 +175,10 @@ def test_oomb_train_on_chat_rows_prints_the_data_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "oomb: data: 12 examples (messages)" in err and "trained tokens" in err
     assert len((tmp_path / "run" / "log.jsonl").read_text().splitlines()) == 2
+    from transformers import AutoTokenizer
+
+    saved = AutoTokenizer.from_pretrained(str(tmp_path / "run"))  # the template it was trained with goes with it
+    assert saved.chat_template == Path(PLAIN).read_text()
 
 
 # ------------------------------------------------------------------ bad input
