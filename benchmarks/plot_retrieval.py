@@ -2,10 +2,11 @@
 
     python3 benchmarks/plot_retrieval.py DIR [--prefix NAME]
 
-Reads the two training stages' log.jsonl, DIR/retrieval_train_a.jsonl (stage A, shared by every mode; or one
-DIR/retrieval_train_a_MODE.jsonl per mode) and DIR/retrieval_train_b_MODE.jsonl, and DIR/retrieval_eval_MODE.json
-(``oomb eval --task passkey --json``); writes DIR/NAME_loss.png (stage A then stage B, steps one after the other,
-log-scale loss, one line per mode) and DIR/NAME_heatmap_MODE.png (one panel per evaluation mode).
+Reads the training stages' log.jsonl, DIR/retrieval_train_a.jsonl (stage A, shared by every mode; or one
+DIR/retrieval_train_a_MODE.jsonl per mode), DIR/retrieval_train_a2.jsonl (stage A2, shared, where it ran) and
+DIR/retrieval_train_b_MODE.jsonl, and DIR/retrieval_eval_MODE.json (``oomb eval --task passkey --json``); writes
+DIR/NAME_loss.png (the stages' steps one after the other, log-scale loss, one line per mode) and
+DIR/NAME_heatmap_MODE.png (one panel per evaluation mode).
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ def main(argv=None) -> int:
     for mode in modes:
         a_path = shared if shared.exists() else a.dir / f"retrieval_train_a_{mode}.jsonl"
         a_log = read_log(a_path) if a_path.exists() else []
+        a2_path = a.dir / "retrieval_train_a2.jsonl"
+        a_log += read_log(a2_path) if a2_path.exists() else []
         b_path = a.dir / f"retrieval_train_b_{mode}.jsonl"
         b_log = read_log(b_path) if b_path.exists() else []
         split = len(a_log)
@@ -59,7 +62,7 @@ def main(argv=None) -> int:
         ax.axvline(split + 0.5, color="grey", linestyle=":", linewidth=1)
         ax.text(split + 2, 5, "stage B", fontsize=8, color="grey")
     ax.set_yscale("log")
-    ax.set_xlabel("optimizer step (stage A, then stage B)")
+    ax.set_xlabel("optimizer step (stage A, stage A2 where it ran, then stage B)")
     ax.set_ylabel("training loss (nats/token)")
     ax.set_title("passkey training from random weights, 100M Qwen2 shape", fontsize=10)
     ax.legend()

@@ -92,31 +92,48 @@ retrieval() {  # a 100M model trained from random weights on passkey rows, per m
   # what makes retrieval learnable from random weights (benchmarks/passkey_loss_recipe_cpu.py). Stage A, once for
   # every mode: RA_STEPS steps of RA_SEQ tokens (chunk RA_CHUNK) packed from rows of 128-512 tokens with the
   # document mask. A block of 128 queries reaches at most 6 pages of its rows, fewer than any mode keeps (sink 1 +
-  # local 8 + budget), so
-  # sparse attention trains them exactly as dense (tests/engine/test_sparse_engine.py,
-  # test_packed_documents_that_fit_the_kept_pages_train_as_dense): one dense run serves all modes. Stage B, per
-  # mode from stage A's model: RB_STEPS steps of RB_SEQ tokens (chunk RCHUNK) packed from rows of 2K-32K (several
+  # local 8 + budget), so sparse attention trains them exactly as dense (tests/engine/test_sparse_engine.py,
+  # test_packed_documents_that_fit_the_kept_pages_train_as_dense): one dense run serves all modes. Rows of up to
+  # 2K from random weights teach nothing (docs/performance.md), so stage A2, also once, lengthens what stage A
+  # learnt: RA2_STEPS steps (0: none) of RA_SEQ tokens from rows of RA2_LENS, from stage A's model. Stage B, per
+  # mode from the last of these: RB_STEPS steps of RB_SEQ tokens (chunk RCHUNK) packed from rows of 2K-32K (several
   # answers per sequence) in the mode's attention. Then the passkey grid, dense and sparse, to 2x RB_SEQ.
   # RPARALLEL=1 runs the modes' stage B side by side on the one GPU (a 100M model leaves it mostly idle; the times
   # and tokens/s of each run are then those of a shared GPU). Sizes come from the environment so that the same
-  # script runs small on a CPU (RDEV=cpu RHIDDEN=64 ...). ROPT: the --optimizer of both stages.
+  # script runs small on a CPU (RDEV=cpu RHIDDEN=64 ...). ROPT: the --optimizer of every stage. The rows and each
+  # stage's model are kept under RWORK in folders named by a hash of their settings: a second run on the same
+  # machine reuses what it can and redoes what a changed setting changes.
   local W=${RWORK:-/tmp/oomb-retrieval} dev=${RDEV:-cuda} aseq=${RA_SEQ:-16384} asteps=${RA_STEPS:-1200}
   local achunk=${RA_CHUNK:-8192} bseq=${RB_SEQ:-32768} bsteps=${RB_STEPS:-150} chunk=${RCHUNK:-4096}
   local alens=${RA_LENS:-"128 192 256 320 384 512"} blens=${RB_LENS:-"2048 4096 8192 16384 32000"}
+  local a2lens=${RA2_LENS:-"512 768 1024 1536 2048"} a2steps=${RA2_STEPS:-600}
   local elens=${RE_LENS:-"4096 8192 16384 32768 65536"}
   local common="--device $dev --document-mask --long-examples drop --no-progress --seed 0 --log-every 50 ${ROPT:+--optimizer $ROPT}"
-  mkdir -p $W/short; [ $# -gt 0 ] || set -- dense sparse64 sparse16
+  [ $# -gt 0 ] || set -- dense sparse64 sparse16
   for mode in "$@"; do
     case $mode in dense|sparse[0-9]*) ;; *) echo "retrieval: unknown mode $mode (dense, sparseB)" >&2; return 2;; esac
   done
-  local rows=${RA_ROWS:-12000} seed
+  key() { echo "$*" | md5sum | cut -c1-8; }
+  local rows=${RA_ROWS:-12000} rows2=${RA2_ROWS:-6000} seed
+  local model="RHIDDEN=${RHIDDEN:-768} RINTER=${RINTER:-2048} RLAYERS=${RLAYERS:-12} RHEADS=${RHEADS:-12}"
+  local init=$W/init_$(key $model) short=$W/short_$(key $alens $rows) mid=$W/mid_$(key $a2lens $rows2)
+  local long=$W/long_$(key $blens ${RB_ROWS:-450}).jsonl
+  local a=$W/a_$(key $model $alens $rows $aseq $achunk $asteps ${RA_LR:-1e-3} $ROPT)
+  local a2=${a}_a2_$(key $a2lens $rows2 $a2steps ${RA2_LR:-5e-4})
+  mkdir -p $short $mid
   for seed in 10 11 12; do  # three files made side by side: the short rows are a folder of them
-    [ -f $W/short/s$seed.jsonl ] || python3 -m oomb data --make passkey --examples $rows --make-lengths $alens \
-      --make-output $W/short/s$seed.jsonl --seed $seed &
+    [ -f $short/s$seed.jsonl ] || python3 -m oomb data --make passkey --examples $rows --make-lengths $alens \
+      --make-output $short/s$seed.jsonl --seed $seed &
   done
-  [ -f $W/long.jsonl ] || python3 -m oomb data --make passkey --examples ${RB_ROWS:-450} --make-lengths $blens \
-    --make-output $W/long.jsonl --seed 1 &
-  [ -d $W/init ] || RHIDDEN=${RHIDDEN:-768} RINTER=${RINTER:-2048} RLAYERS=${RLAYERS:-12} RHEADS=${RHEADS:-12} python3 - <<'PY'
+  if [ "$a2steps" -gt 0 ]; then
+    for seed in 20 21; do
+      [ -f $mid/s$seed.jsonl ] || python3 -m oomb data --make passkey --examples $rows2 --make-lengths $a2lens \
+        --make-output $mid/s$seed.jsonl --seed $seed &
+    done
+  fi
+  [ -f $long ] || python3 -m oomb data --make passkey --examples ${RB_ROWS:-450} --make-lengths $blens \
+    --make-output $long --seed 1 &
+  [ -d $init ] || env $model RINIT=$init python3 - <<'PY'
 import os, torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 torch.manual_seed(0)
@@ -127,19 +144,29 @@ cfg = Qwen2Config(vocab_size=32000, hidden_size=e("RHIDDEN"), intermediate_size=
                   eos_token_id=2)
 model = AutoModelForCausalLM.from_config(cfg)
 print(f"init: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
-model.save_pretrained(os.environ.get("RWORK", "/tmp/oomb-retrieval") + "/init")
+model.save_pretrained(os.environ["RINIT"])
 PY
   wait
   local ta0=$(date +%s)
-  [ -f $W/a/model.safetensors ] || { python3 -m oomb train --model $W/init --data $W/short $common --seq-len $aseq \
-      --chunk-size $achunk --steps $asteps --lr ${RA_LR:-1e-3} --warmup-steps 30 --output-dir $W/a --overwrite \
-      2>&1 | tee "$OUT/retrieval_a.txt"; cp $W/a/log.jsonl "$OUT/retrieval_train_a.jsonl"; }
-  [ -f $W/a/model.safetensors ] || { echo "retrieval: stage A failed (see $OUT/retrieval_a.txt)" >&2; return 1; }
+  [ -f $a/model.safetensors ] || { python3 -m oomb train --model $init --data $short $common --seq-len $aseq \
+      --chunk-size $achunk --steps $asteps --lr ${RA_LR:-1e-3} --warmup-steps 30 --output-dir $a --overwrite \
+      2>&1 | tee "$OUT/retrieval_a.txt"; cp $a/log.jsonl "$OUT/retrieval_train_a.jsonl"; }
+  [ -f $a/model.safetensors ] || { echo "retrieval: stage A failed (see $OUT/retrieval_a.txt)" >&2; return 1; }
   echo "{\"stage\": \"a\", \"stage_a_s\": $(( $(date +%s) - ta0 ))}" | tee -a "$OUT/retrieval_times.jsonl"
+  local start=$a
+  if [ "$a2steps" -gt 0 ]; then
+    ta0=$(date +%s)
+    [ -f $a2/model.safetensors ] || { python3 -m oomb train --model $a --data $mid $common --seq-len $aseq \
+        --chunk-size $achunk --steps $a2steps --lr ${RA2_LR:-5e-4} --warmup-steps 10 --output-dir $a2 --overwrite \
+        2>&1 | tee "$OUT/retrieval_a2.txt"; cp $a2/log.jsonl "$OUT/retrieval_train_a2.jsonl"; }
+    [ -f $a2/model.safetensors ] || { echo "retrieval: stage A2 failed (see $OUT/retrieval_a2.txt)" >&2; return 1; }
+    echo "{\"stage\": \"a2\", \"stage_a2_s\": $(( $(date +%s) - ta0 ))}" | tee -a "$OUT/retrieval_times.jsonl"
+    start=$a2
+  fi
   one() {
     local mode=$1 extra=""; case $mode in sparse*) extra="--sparse --page-budget ${mode#sparse}";; esac
     local t1=$(date +%s)
-    python3 -m oomb train --model $W/a --data $W/long.jsonl $common $extra --seq-len $bseq --chunk-size $chunk \
+    python3 -m oomb train --model $start --data $long $common $extra --seq-len $bseq --chunk-size $chunk \
       --steps $bsteps --lr ${RB_LR:-5e-4} --warmup-steps 10 --output-dir $W/b_$mode --overwrite
     cp $W/b_$mode/log.jsonl "$OUT/retrieval_train_b_$mode.jsonl"; local t2=$(date +%s)
     python3 -m oomb eval --task passkey --model $W/b_$mode --device $dev --chunk-size $chunk --lengths $elens \
