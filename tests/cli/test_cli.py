@@ -593,6 +593,42 @@ def test_overwrite_keeps_inputs_it_does_not_replace_and_refuses_those_it_would(t
     assert snapshot(out) == before
 
 
+def test_overwrite_refuses_to_delete_what_oomb_did_not_write_inside_its_folders(tmp_path, text_file, capsys):
+    """--overwrite moves checkpoints/ and tensorboard/ aside and deletes them once the new run saves: a user's file
+    inside them went with them, unnamed. It is refused, naming the entries, and nothing is moved."""
+    out = tmp_path / "run"
+    assert run_cli(["train", "--data", text_file, "--output-dir", out, *FAST]) == 0
+    capsys.readouterr()
+    (out / "checkpoints" / "NOTES.txt").write_text("my notes")
+    before = snapshot(out)
+    argv = ["train", "--data", text_file, "--output-dir", out, "--overwrite", *FAST]
+    line = _check_refused(run_cli(argv), capsys, f"--overwrite: --output-dir {str(out)!r} holds checkpoints/NOTES.txt, "
+                                                 "which oomb did not write")
+    assert f"move it out of {str(out)!r} and run again, or pass a new --output-dir" in line
+    assert snapshot(out) == before and not (out / ".oomb-replaced").exists()
+    # a folder of the user's, a file beside a checkpoint's own and in tensorboard/: up to three named, then a count
+    (out / "checkpoints" / "my-best").mkdir()
+    (out / "checkpoints" / "my-best" / "model.bin").write_bytes(b"best")
+    (out / "checkpoints" / "step-00000002" / "eval.json").write_text("{}")
+    (out / "tensorboard").mkdir()
+    (out / "tensorboard" / "events.out.tfevents.1.host.2.0").write_bytes(b"")
+    (out / "tensorboard" / "plot.png").write_bytes(b"png")
+    before = snapshot(out)
+    _check_refused(run_cli(argv), capsys, "holds checkpoints/NOTES.txt, checkpoints/my-best/, "
+                                          "checkpoints/step-00000002/eval.json and 1 more, which oomb did not write")
+    assert snapshot(out) == before
+    # moved out: the earlier run (its checkpoints, the pointer, its event files) is replaced as before
+    for p in ("checkpoints/NOTES.txt", "checkpoints/my-best/model.bin", "checkpoints/step-00000002/eval.json",
+              "tensorboard/plot.png"):
+        (out / p).unlink()
+    (out / "checkpoints" / "my-best").rmdir()
+    assert run_cli(argv) == 0
+    assert "moved the earlier run's outputs" in capsys.readouterr().err
+    assert (out / "model.safetensors").is_file() and not (out / ".oomb-replaced").exists()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step-00000002"]
+    assert not (out / "tensorboard").exists()
+
+
 def test_overwrite_refuses_a_folder_whose_log_is_not_oomb_s(tmp_path, text_file, capsys):
     """A log.jsonl with step and loss lines is what many tools write; only oomb's own records (with its stage
     timings) let --overwrite delete the folder."""
