@@ -261,16 +261,25 @@ def _check_output_dir(args: argparse.Namespace) -> Path:
         if not args.overwrite:
             from ..checkpoint import find_latest
 
+            if not _looks_like_oomb_output(out):
+                # --overwrite replaces only an earlier oomb run: offering it here would only lead to its refusal.
+                raise UsageError(
+                    f"--output-dir {args.output_dir!r} exists, is not empty and holds no oomb run",
+                    "pass a new or empty --output-dir",
+                )
+            foreign = _foreign_entries(out)
+            overwrite = (f"move {_listing(foreign)} (not written by oomb) out of it and pass --overwrite" if foreign
+                         else "--overwrite")
             latest = find_latest(out / "checkpoints") if (out / "checkpoints").is_dir() else None
             if latest is not None and not (out / "train_args.json").exists():
                 raise UsageError(
                     f"--output-dir {args.output_dir!r} holds an oomb run that stopped before its end "
                     f"(last checkpoint {latest.name})",
-                    "pass --resume to continue it, --overwrite to discard it, or a new directory",
+                    f"pass --resume to continue it, {overwrite} to discard it, or a new directory",
                 )
             raise UsageError(
                 f"--output-dir {args.output_dir!r} exists and is not empty",
-                "pass a new directory, or --overwrite to replace its contents",
+                f"pass a new directory, or {overwrite} to replace the oomb run in it",
             )
         # Only an earlier oomb run is replaced: never the contents of some other folder (a source tree, ...).
         if not _looks_like_oomb_output(out):

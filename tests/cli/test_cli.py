@@ -334,8 +334,16 @@ def test_non_empty_output_dir_needs_overwrite(tmp_path, text_file, capsys):
     out = tmp_path / "run"
     out.mkdir()
     (out / "keep.txt").write_text("keep")
-    _check_refused(run_cli(["train", "--data", text_file, "--output-dir", out, *FAST]), capsys, "--overwrite")
+    # not an oomb run: --overwrite would refuse it too, so it is not offered
+    line = _check_refused(run_cli(["train", "--data", text_file, "--output-dir", out, *FAST]), capsys,
+                          "exists, is not empty and holds no oomb run; pass a new or empty --output-dir")
+    assert "--overwrite" not in line
     assert snapshot(out) == {"keep.txt": b"keep"}
+    # an earlier oomb run: --overwrite is offered
+    (out / "log.jsonl").write_text(OOMB_LOG_LINE)
+    _check_refused(run_cli(["train", "--data", text_file, "--output-dir", out, *FAST]), capsys,
+                   "pass a new directory, or --overwrite to replace the oomb run in it")
+    assert snapshot(out) == {"keep.txt": b"keep", "log.jsonl": OOMB_LOG_LINE.encode()}
     f = tmp_path / "a-file"
     f.write_text("x")
     _check_refused(run_cli(["train", "--data", text_file, "--output-dir", f, *FAST]), capsys, "is a file")
@@ -606,6 +614,9 @@ def test_overwrite_refuses_to_delete_what_oomb_did_not_write_inside_its_folders(
                                                  "which oomb did not write")
     assert f"move it out of {str(out)!r} and run again, or pass a new --output-dir" in line
     assert snapshot(out) == before and not (out / ".oomb-replaced").exists()
+    # without --overwrite, the refusal says they must be moved out before --overwrite
+    _check_refused(run_cli(argv[:-len(FAST) - 1] + FAST), capsys,
+                   "move checkpoints/NOTES.txt (not written by oomb) out of it and pass --overwrite")
     # a folder of the user's, a file beside a checkpoint's own and in tensorboard/: up to three named, then a count
     (out / "checkpoints" / "my-best").mkdir()
     (out / "checkpoints" / "my-best" / "model.bin").write_bytes(b"best")
