@@ -232,6 +232,27 @@ def _check_output_dir(args: argparse.Namespace) -> Path:
             raise UsageError(f"--resume {args.resume!r} is the output folder of a run, not one of its checkpoints",
                              f"pass --output-dir {shlex.quote(args.resume)} --resume latest to continue that run, or "
                              f"--resume with a checkpoint folder under {str(ckpt / 'checkpoints')!r}")
+        if ckpt is not None and ckpt.is_dir() and not (ckpt / "meta.json").exists():
+            from ..checkpoint import find_latest, is_checkpoint_meta
+
+            newest = find_latest(ckpt)
+            newest = newest if newest is not None and is_checkpoint_meta(newest / "meta.json") else None
+            if newest is not None or (ckpt.name == _CHECKPOINTS and _looks_like_oomb_output(ckpt.parent)):
+                run = ckpt.parent
+                problem = (f"--resume {args.resume!r} is the checkpoints folder of a run, not one of its checkpoints "
+                           "(a step-NNNNNNNN folder in it)")
+                if newest is None:
+                    raise UsageError(f"{problem}, and it holds none",
+                                     "start without --resume" + (" (with --overwrite)" if run == out else ""))
+                step = shlex.quote(str(Path(args.resume) / newest.name))
+                if run == out:
+                    fix = f"pass --resume latest to continue from its newest checkpoint, or --resume {step}"
+                elif run.name == _REPLACED:  # the run an unfinished --overwrite kept: continued only elsewhere
+                    fix = f"pass --resume {step} (its newest checkpoint) with a new or empty --output-dir"
+                else:
+                    fix = (f"pass --output-dir {shlex.quote(str(run))} --resume latest to continue that run in its "
+                           f"folder, or --resume {step} (its newest checkpoint) with a new or empty --output-dir")
+                raise UsageError(problem, fix)
         if ckpt is not None and ckpt.is_dir() and ckpt.parent != (out / "checkpoints").resolve() \
                 and out.is_dir() and any(out.iterdir()):
             # Continuing there would mix two runs: its log.jsonl rewritten, its checkpoints pruned, its model replaced.
