@@ -101,8 +101,9 @@ def _foreign_in_checkpoint(step_dir: Path, rel: str) -> list[str]:
     list, each as ``rel/...`` (a folder with a trailing "/"); ``[rel + "/"]`` where its meta.json is not oomb's."""
     from ..checkpoint import is_checkpoint_meta
 
+    meta = step_dir / "meta.json"
     try:
-        files = json.loads((step_dir / "meta.json").read_text())["files"] if is_checkpoint_meta(step_dir / "meta.json") else None
+        files = json.loads(meta.read_text())["files"] if is_checkpoint_meta(meta) else None
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
         files = None
     if not isinstance(files, dict):
@@ -165,7 +166,7 @@ def _foreign_entries(out: Path) -> list[str]:
 
 
 def _listing(names: list[str], shown: int = 3) -> str:
-    """``names`` joined for one line: the first ``shown``, then "and N more"."""
+    """``names`` (at least one) joined for one line: the first ``shown``, then "and N more"."""
     if len(names) <= shown:
         return ", ".join(names[:-1]) + (" and " if len(names) > 1 else "") + names[-1]
     return f"{', '.join(names[:shown])} and {len(names) - shown} more"
