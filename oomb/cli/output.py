@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -78,6 +79,111 @@ def _looks_like_oomb_output(out: Path) -> bool:
     return isinstance(first, dict) and _OOMB_LOG_KEYS <= first.keys()
 
 
+_CHECKPOINTS = "checkpoints"
+"""The folder of the run's checkpoints (:mod:`oomb.checkpoint`)."""
+_STEP_DIR = re.compile(r"step-[0-9]{8,}")
+"""A checkpoint folder, ``step-NNNNNNNN`` (:func:`oomb.checkpoint.save_checkpoint`)."""
+_TMP_STEP_DIR = re.compile(r"\.tmp-step-[0-9]{8,}-.+")
+"""The hidden folder a checkpoint is written into before it is renamed (left by a process killed mid-write)."""
+_POINTER_FILES = ("latest", ".latest.tmp")
+"""The pointer to the newest checkpoint, and the file it is written to before it is renamed."""
+_EVENTS_PREFIX = "events.out.tfevents."
+"""The name of every TensorBoard event file (the only files --report-to tensorboard writes)."""
+
+
+def _plain(p: Path, folder: bool) -> bool:
+    """``p`` is a folder (``folder``) or a regular file, and not a symbolic link."""
+    return not p.is_symlink() and (p.is_dir() if folder else p.is_file())
+
+
+def _foreign_in_checkpoint(step_dir: Path, rel: str) -> list[str]:
+    """The entries of the checkpoint folder ``step_dir`` (``rel``: its path to show) that its meta.json does not
+    list, each as ``rel/...`` (a folder with a trailing "/"); ``[rel + "/"]`` where its meta.json is not oomb's."""
+    from ..checkpoint import is_checkpoint_meta
+
+    meta = step_dir / "meta.json"
+    try:
+        files = json.loads(meta.read_text())["files"] if is_checkpoint_meta(meta) else None
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        files = None
+    if not isinstance(files, dict):
+        return [f"{rel}/"]
+    allowed = {str(n) for n in files} | {"meta.json"}
+    folders = {str(parent) for n in allowed for parent in Path(n).parents if str(parent) != "."}
+    found: list[str] = []
+
+    def walk(d: Path, prefix: str) -> None:
+        try:
+            entries = sorted(d.iterdir())
+        except OSError:
+            found.append(f"{rel}/{prefix}")
+            return
+        for p in entries:
+            name = f"{prefix}{p.name}"
+            if name in folders and _plain(p, folder=True):
+                walk(p, f"{name}/")
+            elif not (name in allowed and _plain(p, folder=False)):
+                found.append(f"{rel}/{name}{'/' if p.is_dir() and not p.is_symlink() else ''}")
+
+    walk(step_dir, "")
+    return found
+
+
+def _foreign_entries(out: Path) -> list[str]:
+    """What --overwrite would delete that oomb did not write: the entries inside the folders it owns (checkpoints/
+    and tensorboard/ of ``out`` and of the run an unfinished --overwrite kept in .oomb-replaced) other than those
+    oomb writes there, as paths relative to ``out`` (a folder with a trailing "/"; one that cannot be read is
+    named too). In checkpoints/ oomb writes ``step-NNNNNNNN/`` checkpoints (holding the files their meta.json
+    lists, and meta.json), ``.tmp-step-*/`` folders being written, and the ``latest`` pointer (and
+    ``.latest.tmp``); in tensorboard/, TensorBoard event files (``events.out.tfevents.*``). A folder of those
+    names that is a symbolic link is not looked into: deleting the link leaves what it points to."""
+    found: list[str] = []
+
+    def shown(p: Path, rel: str) -> str:
+        return f"{rel}/" if p.is_dir() and not p.is_symlink() else rel
+
+    for base, prefix in ((out, ""), (out / _REPLACED, f"{_REPLACED}/")):
+        for folder in (_CHECKPOINTS, _TENSORBOARD):
+            root = base / folder
+            if not _plain(root, folder=True):
+                continue
+            try:
+                entries = sorted(root.iterdir())
+            except OSError:
+                found.append(f"{prefix}{folder}/")
+                continue
+            for p in entries:
+                rel = f"{prefix}{folder}/{p.name}"
+                if folder == _TENSORBOARD:
+                    if not (p.name.startswith(_EVENTS_PREFIX) and _plain(p, folder=False)):
+                        found.append(shown(p, rel))
+                elif _STEP_DIR.fullmatch(p.name) and _plain(p, folder=True):
+                    found += _foreign_in_checkpoint(p, rel)
+                elif not ((_TMP_STEP_DIR.fullmatch(p.name) and _plain(p, folder=True))
+                          or (p.name in _POINTER_FILES and _plain(p, folder=False))):
+                    found.append(shown(p, rel))
+    return found
+
+
+def _listing(names: list[str], shown: int = 3) -> str:
+    """``names`` (at least one) joined for one line: the first ``shown``, then "and N more"."""
+    if len(names) <= shown:
+        return ", ".join(names[:-1]) + (" and " if len(names) > 1 else "") + names[-1]
+    return f"{', '.join(names[:shown])} and {len(names) - shown} more"
+
+
+def _refuse_foreign_entries(out: Path, given: str) -> None:
+    """Refuse an --overwrite that would delete entries oomb did not write inside the folders it owns
+    (:func:`_foreign_entries`), naming them; nothing is moved or deleted."""
+    foreign = _foreign_entries(out)
+    if foreign:
+        raise UsageError(
+            f"--overwrite: --output-dir {given!r} holds {_listing(foreign)}, which oomb did not write, inside folders "
+            "that --overwrite deletes",
+            f"move {'them' if len(foreign) > 1 else 'it'} out of {given!r} and run again, or pass a new --output-dir",
+        )
+
+
 def _check_writable_dir_path(flag: str, given: str, path: Path) -> None:
     """``path`` (a directory to create or use) can be made: its nearest existing ancestor is a writable directory.
 
@@ -127,6 +233,27 @@ def _check_output_dir(args: argparse.Namespace) -> Path:
             raise UsageError(f"--resume {args.resume!r} is the output folder of a run, not one of its checkpoints",
                              f"pass --output-dir {shlex.quote(args.resume)} --resume latest to continue that run, or "
                              f"--resume with a checkpoint folder under {str(ckpt / 'checkpoints')!r}")
+        if ckpt is not None and ckpt.is_dir() and not (ckpt / "meta.json").exists():
+            from ..checkpoint import find_latest, is_checkpoint_meta
+
+            newest = find_latest(ckpt)
+            newest = newest if newest is not None and is_checkpoint_meta(newest / "meta.json") else None
+            if newest is not None or (ckpt.name == _CHECKPOINTS and _looks_like_oomb_output(ckpt.parent)):
+                run = ckpt.parent
+                problem = (f"--resume {args.resume!r} is the checkpoints folder of a run, not one of its checkpoints "
+                           "(a step-NNNNNNNN folder in it)")
+                if newest is None:
+                    raise UsageError(f"{problem}, and it holds none",
+                                     "start without --resume" + (" (with --overwrite)" if run == out else ""))
+                step = shlex.quote(str(Path(args.resume) / newest.name))
+                if run == out:
+                    fix = f"pass --resume latest to continue from its newest checkpoint, or --resume {step}"
+                elif run.name == _REPLACED:  # the run an unfinished --overwrite kept: continued only elsewhere
+                    fix = f"pass --resume {step} (its newest checkpoint) with a new or empty --output-dir"
+                else:
+                    fix = (f"pass --output-dir {shlex.quote(str(run))} --resume latest to continue that run in its "
+                           f"folder, or --resume {step} (its newest checkpoint) with a new or empty --output-dir")
+                raise UsageError(problem, fix)
         if ckpt is not None and ckpt.is_dir() and ckpt.parent != (out / "checkpoints").resolve() \
                 and out.is_dir() and any(out.iterdir()):
             # Continuing there would mix two runs: its log.jsonl rewritten, its checkpoints pruned, its model replaced.
@@ -156,16 +283,25 @@ def _check_output_dir(args: argparse.Namespace) -> Path:
         if not args.overwrite:
             from ..checkpoint import find_latest
 
+            if not _looks_like_oomb_output(out):
+                # --overwrite replaces only an earlier oomb run: offering it here would only lead to its refusal.
+                raise UsageError(
+                    f"--output-dir {args.output_dir!r} exists, is not empty and holds no oomb run",
+                    "pass a new or empty --output-dir",
+                )
+            foreign = _foreign_entries(out)
+            overwrite = (f"move {_listing(foreign)} (not written by oomb) out of it and pass --overwrite" if foreign
+                         else "--overwrite")
             latest = find_latest(out / "checkpoints") if (out / "checkpoints").is_dir() else None
             if latest is not None and not (out / "train_args.json").exists():
                 raise UsageError(
                     f"--output-dir {args.output_dir!r} holds an oomb run that stopped before its end "
                     f"(last checkpoint {latest.name})",
-                    "pass --resume to continue it, --overwrite to discard it, or a new directory",
+                    f"pass --resume to continue it, {overwrite} to discard it, or a new directory",
                 )
             raise UsageError(
                 f"--output-dir {args.output_dir!r} exists and is not empty",
-                "pass a new directory, or --overwrite to replace its contents",
+                f"pass a new directory, or {overwrite} to replace the oomb run in it",
             )
         # Only an earlier oomb run is replaced: never the contents of some other folder (a source tree, ...).
         if not _looks_like_oomb_output(out):
@@ -188,6 +324,7 @@ def _check_output_dir(args: argparse.Namespace) -> Path:
                     f"--output-dir {args.output_dir!r} contains {str(p)!r} ({what}), which --overwrite would delete",
                     "pass an output directory of its own",
                 )
+        _refuse_foreign_entries(out, args.output_dir)
     return out
 
 
@@ -234,7 +371,12 @@ def _replaced_run_resume(out: Path) -> tuple[str, str] | None:
 
 
 def _prepare_output(out: Path, overwrite: bool) -> None:
+    """Create ``out``; with ``overwrite``, first move the earlier run's outputs (:func:`_oomb_outputs`) to
+    ``out/.oomb-replaced`` (where an unfinished --overwrite left one there, delete them instead and keep that),
+    keeping every other entry. Raises :class:`UsageError`, having moved nothing, where a folder it would move
+    holds an entry oomb did not write (:func:`_foreign_entries`)."""
     if out.is_dir() and overwrite:
+        _refuse_foreign_entries(out, str(out))  # checked again: one may have come since _check_output_dir
         ours = _oomb_outputs(out)
         backup = out / _REPLACED
         keep_old = backup.is_dir()  # an earlier --overwrite did not finish: what it replaced stays, its own outputs go

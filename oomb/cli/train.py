@@ -34,7 +34,8 @@ def _step_error(exc) -> _RunError:
 
 
 def _draw_loss_png(log_path: Path, png: Path) -> None:
-    """loss.png from the whole log.jsonl (a resumed run's plot covers every step); a failure is a note, never the
+    """loss.png from the records of ``log_path`` (after a resume in the same folder every step from the first; in a
+    new folder only the steps trained there, its log starting after the checkpoint); a failure is a note, never the
     run's failure (the model and log are what matter)."""
     from ..train import plot_log
 

@@ -272,7 +272,8 @@ class OutputConfig:
     overwrite: bool = False
     """Replace an earlier oomb run in a non-empty output dir: what it wrote (log.jsonl, checkpoints/, the files
     its train_args.json lists) is moved to DIR/.oomb-replaced and deleted once this run saves its model (a
-    failed or killed run leaves it there); anything else is kept."""
+    failed or killed run leaves it there); anything else is kept, and files oomb did not write inside its
+    checkpoints/ or tensorboard/ folder are refused, named."""
 
     save_every: int = 0
     """Write a checkpoint to <output-dir>/checkpoints every N steps (the last 2 are kept); 0: only at the end. A

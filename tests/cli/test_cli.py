@@ -334,8 +334,16 @@ def test_non_empty_output_dir_needs_overwrite(tmp_path, text_file, capsys):
     out = tmp_path / "run"
     out.mkdir()
     (out / "keep.txt").write_text("keep")
-    _check_refused(run_cli(["train", "--data", text_file, "--output-dir", out, *FAST]), capsys, "--overwrite")
+    # not an oomb run: --overwrite would refuse it too, so it is not offered
+    line = _check_refused(run_cli(["train", "--data", text_file, "--output-dir", out, *FAST]), capsys,
+                          "exists, is not empty and holds no oomb run; pass a new or empty --output-dir")
+    assert "--overwrite" not in line
     assert snapshot(out) == {"keep.txt": b"keep"}
+    # an earlier oomb run: --overwrite is offered
+    (out / "log.jsonl").write_text(OOMB_LOG_LINE)
+    _check_refused(run_cli(["train", "--data", text_file, "--output-dir", out, *FAST]), capsys,
+                   "pass a new directory, or --overwrite to replace the oomb run in it")
+    assert snapshot(out) == {"keep.txt": b"keep", "log.jsonl": OOMB_LOG_LINE.encode()}
     f = tmp_path / "a-file"
     f.write_text("x")
     _check_refused(run_cli(["train", "--data", text_file, "--output-dir", f, *FAST]), capsys, "is a file")
@@ -591,6 +599,45 @@ def test_overwrite_keeps_inputs_it_does_not_replace_and_refuses_those_it_would(t
     _check_refused(run_cli(["train", "--data", text_file, "--output-dir", out, "--overwrite", *FAST]), capsys,
                    "(the working directory), which --overwrite would delete")
     assert snapshot(out) == before
+
+
+def test_overwrite_refuses_to_delete_what_oomb_did_not_write_inside_its_folders(tmp_path, text_file, capsys):
+    """--overwrite moves checkpoints/ and tensorboard/ aside and deletes them once the new run saves: a user's file
+    inside them went with them, unnamed. It is refused, naming the entries, and nothing is moved."""
+    out = tmp_path / "run"
+    assert run_cli(["train", "--data", text_file, "--output-dir", out, *FAST]) == 0
+    capsys.readouterr()
+    (out / "checkpoints" / "NOTES.txt").write_text("my notes")
+    before = snapshot(out)
+    argv = ["train", "--data", text_file, "--output-dir", out, "--overwrite", *FAST]
+    line = _check_refused(run_cli(argv), capsys, f"--overwrite: --output-dir {str(out)!r} holds checkpoints/NOTES.txt, "
+                                                 "which oomb did not write")
+    assert f"move it out of {str(out)!r} and run again, or pass a new --output-dir" in line
+    assert snapshot(out) == before and not (out / ".oomb-replaced").exists()
+    # without --overwrite, the refusal says they must be moved out before --overwrite
+    _check_refused(run_cli(argv[:-len(FAST) - 1] + FAST), capsys,
+                   "move checkpoints/NOTES.txt (not written by oomb) out of it and pass --overwrite")
+    # a folder of the user's, a file beside a checkpoint's own and in tensorboard/: up to three named, then a count
+    (out / "checkpoints" / "my-best").mkdir()
+    (out / "checkpoints" / "my-best" / "model.bin").write_bytes(b"best")
+    (out / "checkpoints" / "step-00000002" / "eval.json").write_text("{}")
+    (out / "tensorboard").mkdir()
+    (out / "tensorboard" / "events.out.tfevents.1.host.2.0").write_bytes(b"")
+    (out / "tensorboard" / "plot.png").write_bytes(b"png")
+    before = snapshot(out)
+    _check_refused(run_cli(argv), capsys, "holds checkpoints/NOTES.txt, checkpoints/my-best/, "
+                                          "checkpoints/step-00000002/eval.json and 1 more, which oomb did not write")
+    assert snapshot(out) == before
+    # moved out: the earlier run (its checkpoints, the pointer, its event files) is replaced as before
+    for p in ("checkpoints/NOTES.txt", "checkpoints/my-best/model.bin", "checkpoints/step-00000002/eval.json",
+              "tensorboard/plot.png"):
+        (out / p).unlink()
+    (out / "checkpoints" / "my-best").rmdir()
+    assert run_cli(argv) == 0
+    assert "moved the earlier run's outputs" in capsys.readouterr().err
+    assert (out / "model.safetensors").is_file() and not (out / ".oomb-replaced").exists()
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["latest", "step-00000002"]
+    assert not (out / "tensorboard").exists()
 
 
 def test_overwrite_refuses_a_folder_whose_log_is_not_oomb_s(tmp_path, text_file, capsys):

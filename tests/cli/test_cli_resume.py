@@ -406,6 +406,33 @@ def test_resume_from_another_folder_never_touches_either_run(tmp_path, text_file
     assert _files(a) == before
 
 
+def test_resume_of_the_checkpoints_folder_names_what_to_pass(tmp_path, text_file, capsys):
+    """--resume DIR/checkpoints (the folder, not a checkpoint in it) was refused as a checkpoint of another folder, or
+    read as a checkpoint: it is named as the checkpoints folder, with what --resume takes instead."""
+    a = tmp_path / "a"
+    argv = ["train", "--data", text_file, *FAST, "--output-dir"]
+    assert run_cli([*argv, a, "--steps", "2"]) == 0
+    capsys.readouterr()
+    before = _files(a)
+    ckpts = a / "checkpoints"
+    assert run_cli([*argv, a, "--steps", "3", "--resume", ckpts]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--resume {str(ckpts)!r} is the checkpoints folder of a run, not one of its " \
+        "checkpoints (a step-NNNNNNNN folder in it)" in err
+    assert f"pass --resume latest to continue from its newest checkpoint, or --resume {ckpts / 'step-00000002'}" in err
+    assert _files(a) == before
+    new = tmp_path / "new"
+    assert run_cli([*argv, new, "--steps", "3", "--resume", ckpts]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is the checkpoints folder of a run" in err
+    assert f"pass --output-dir {a} --resume latest to continue that run in its folder, or --resume " \
+        f"{ckpts / 'step-00000002'} (its newest checkpoint) with a new or empty --output-dir" in err
+    assert not new.exists() and _files(a) == before
+    # what it names is taken
+    assert run_cli([*argv, a, "--steps", "3", "--resume", "latest"]) == 0
+    assert [s for s, _ in losses(a)] == [1, 2, 3]
+
+
 @pytest.mark.parametrize("partial", [False, True])
 def test_resume_latest_after_an_unfinished_overwrite_names_the_replaced_run(tmp_path, text_file, capsys, monkeypatch,
                                                                             partial):
