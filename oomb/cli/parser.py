@@ -38,6 +38,19 @@ class _Parser(argparse.ArgumentParser):
         subs[command].error(f"unrecognized arguments: {' '.join(extras)}{hint}")
 
 
+class _OneConfig(argparse.Action):
+    """``--config FILE``, refused when given a second time: argparse would keep the last one and drop the first
+    file's settings without a word."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: D102 - argparse API
+        first = getattr(namespace, self.dest, None)
+        if first is not None and first is not argparse.SUPPRESS:
+            _fail(f"--config is given twice ({first!r} and {values!r}) but only one --config file is read; put the "
+                  "settings of both in one file, or keep one file and override single settings with flags "
+                  f"(see '{parser.prog} --help')")
+        setattr(namespace, self.dest, values)
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Show '(default: X)' only where there is a meaningful default: not for None, nor for flags (store_true,
     whose default False only means 'off'). A numeric 0 is shown (``0 in (None, False)`` is true in Python, which
@@ -157,7 +170,7 @@ def _build_parser(suppress: bool = False) -> argparse.ArgumentParser:
     sub.required = True
     for command, (short, description) in _DESCRIPTIONS.items():
         p = sub.add_parser(command, help=short, description=description, formatter_class=_HelpFormatter)
-        p.add_argument("--config", default=None if not suppress else argparse.SUPPRESS, metavar="FILE",
+        p.add_argument("--config", action=_OneConfig, default=None if not suppress else argparse.SUPPRESS, metavar="FILE",
                        help="read the settings from this YAML file (sections model, data, engine, train, output, ...; "
                             "see --print-config); flags given override it")
         p.add_argument("--print-config", action="store_true", default=False if not suppress else argparse.SUPPRESS,

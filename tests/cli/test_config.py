@@ -252,3 +252,16 @@ def test_sparse_true_in_a_file_is_told_how_to_turn_sparse_attention_on(tmp_path,
     f.write_text("engine:\n  sparse: {}\n")
     code, out, err = _run(["train", "--config", f, "--output-dir", tmp_path / "o", "--print-config"], capsys)
     assert code == 0 and yaml.safe_load(out)["engine"]["sparse"]["page_budget"] == 64, err
+
+
+def test_a_second_config_is_refused_not_read_over_the_first(tmp_path, capsys):
+    """argparse keeps the last of two --config flags, which dropped the first file's settings without a word: a
+    second --config is refused, saying that one file is read and how to combine them."""
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text("engine: {chunk_size: 1024}\n")
+    b.write_text("train: {steps: 3}\n")
+    for argv in (["--config", a, "--config", b], [f"--config={a}", "--chunk-size", "2048", f"--config={b}"]):
+        _refused(["train", *argv, "--print-config"], capsys, "--config is given twice", repr(str(a)), repr(str(b)),
+                 "only one --config file is read", "put the settings of both in one file", "override single settings with flags")
+    code, out, err = _run(["train", "--config", a, "--steps", "3", "--print-config"], capsys)  # the way to combine
+    assert code == 0 and yaml.safe_load(out)["engine"]["chunk_size"] == 1024 and yaml.safe_load(out)["train"]["steps"] == 3, err
