@@ -265,3 +265,17 @@ def test_a_second_config_is_refused_not_read_over_the_first(tmp_path, capsys):
                  "only one --config file is read", "put the settings of both in one file", "override single settings with flags")
     code, out, err = _run(["train", "--config", a, "--steps", "3", "--print-config"], capsys)  # the way to combine
     assert code == 0 and yaml.safe_load(out)["engine"]["chunk_size"] == 1024 and yaml.safe_load(out)["train"]["steps"] == 3, err
+
+
+@pytest.mark.parametrize("argv, told", [
+    (["merge", "--steps", "2", "r0"], "unrecognized arguments: --steps 2 (--steps is a flag of 'oomb train', not of 'oomb merge')"),
+    (["merge", "r0", "--steps", "2"], "unrecognized arguments: --steps 2 (--steps is a flag of 'oomb train'"),
+    (["merge", "--lengths", "1", "2", "r0", "--bogus"], "unrecognized arguments: --lengths 1 2 --bogus (--lengths is a flag of"),
+    (["merge", "--bogus", "2", "r0"], "unrecognized arguments: --bogus 2; run 'oomb merge --help'"),
+    (["merge", "--dry-run", "r0"], "unrecognized arguments: --dry-run; run 'oomb merge --help'"),
+    (["train", "--make-output=x", "y"], "unrecognized arguments: --make-output=x y (--make-output is a flag of 'oomb data'"),
+])
+def test_an_unknown_argument_is_named_with_its_own_value(argv, told, capsys):
+    """argparse gives an unknown flag's value to a positional (merge --steps 2 r0: 2 became the adapter folder) and
+    named the wrong token ('--steps r0'); the message names the unknown flag with the values it was given."""
+    _refused(argv, capsys, told)
