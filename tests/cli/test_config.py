@@ -279,3 +279,20 @@ def test_an_unknown_argument_is_named_with_its_own_value(argv, told, capsys):
     """argparse gives an unknown flag's value to a positional (merge --steps 2 r0: 2 became the adapter folder) and
     named the wrong token ('--steps r0'); the message names the unknown flag with the values it was given."""
     _refused(argv, capsys, told)
+
+
+def test_a_reader_that_closes_stdout_early_ends_the_command_quietly(tmp_path):
+    """`oomb ... | head -1`: once the reader has gone, writing to stdout raises BrokenPipeError, which ended in a
+    traceback; the command ends quietly instead, with status 1 (the Python docs' note on SIGPIPE)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-m", "oomb", "train", "--output-dir", str(tmp_path / "o"), "--print-config"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path)
+    proc.stdout.close()  # the reader goes before oomb writes a byte (it is still importing)
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1, err
+    assert err == "", err
