@@ -15,8 +15,9 @@ kernels sections inside ``engine``::
 A file may hold sections or fields a command does not use (the same file serves ``oomb train`` and ``oomb
 plan``); a key that is no field of its section is refused, and so is a key given twice in one mapping.
 
-Numbers are read as YAML 1.2 reads them: ``1e-4``, ``3E5`` and ``1.0e4`` are floats (PyYAML's YAML 1.1 rules
-read an exponent without a dot, or without a sign, as a string).
+Numbers and booleans are read as YAML 1.2 reads them: ``1e-4``, ``3E5`` and ``1.0e4`` are floats (PyYAML's YAML 1.1
+rules read an exponent without a dot, or without a sign, as a string), and only true and false (True, TRUE, False,
+FALSE) are booleans: ``off``, ``on``, ``yes``, ``no``, ``y`` and ``n`` are strings (``save_attention: off``).
 """
 
 from __future__ import annotations
@@ -37,17 +38,33 @@ _NESTED = {"engine": ("sparse", "offload", "kernels")}
 _FLOAT_12 = r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$"
 """The floats with an exponent that YAML 1.2 reads as numbers and YAML 1.1 as strings (no dot, or no sign)."""
 
+_BOOL_12 = r"^(?:true|True|TRUE|false|False|FALSE)$"
+"""The booleans of YAML 1.2; YAML 1.1 also reads yes/no/on/off/y/n (any case) as booleans, so that
+``save_attention: off`` was False, not the string 'off'."""
+
+_BOOL = "tag:yaml.org,2002:bool"
+
 
 @cache
 def _with_floats_12(base: type) -> type:
-    """A subclass of PyYAML's ``base`` (SafeLoader or SafeDumper) that also resolves :data:`_FLOAT_12` as floats:
-    the loader reads ``1e-4`` as a number, and the dumper quotes a string such as ``'1e3'``, so that what
-    :func:`dump_yaml` writes reads back as it was."""
+    """A subclass of PyYAML's ``base`` (SafeLoader or SafeDumper) that resolves plain scalars as YAML 1.2 does
+    where YAML 1.1 differs: :data:`_FLOAT_12` as floats, and only :data:`_BOOL_12` as booleans. The loader reads
+    ``1e-4`` as a number and ``off`` as a string; the dumper quotes a string such as ``'1e3'``, and keeps quoting
+    ``'off'`` or ``'yes'`` (YAML 1.1 booleans), so that what :func:`dump_yaml` writes reads back as it was under
+    any YAML reader."""
     import re
 
+    import yaml
+
     cls = type(f"{base.__name__}12", (base,), {})
-    cls.yaml_implicit_resolvers = {k: list(v) for k, v in base.yaml_implicit_resolvers.items()}
+    loader = issubclass(base, yaml.constructor.BaseConstructor)
+    cls.yaml_implicit_resolvers = {k: [(tag, rx) for tag, rx in v if not (loader and tag == _BOOL)]
+                                   for k, v in base.yaml_implicit_resolvers.items()}
     cls.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(_FLOAT_12), list("-+0123456789."))
+    if loader:
+        cls.add_implicit_resolver(_BOOL, re.compile(_BOOL_12), list("tTfF"))
+    else:  # also y and n, which the YAML 1.1 spec reads as booleans (PyYAML does not)
+        cls.add_implicit_resolver(_BOOL, re.compile(r"^(?:y|Y|n|N)$"), list("yYnN"))
     return cls
 
 
