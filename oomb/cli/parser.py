@@ -261,7 +261,7 @@ def _job_config(command: str, argv: Sequence[str], config_file: str | None):
     try:
         file_values = read_yaml(config_file) if config_file is not None else {}
     except ConfigError as exc:
-        raise UsageError(exc.problem, exc.fix) from exc
+        raise UsageError(*exc.parts(str)) from exc
     for section, values in file_values.items():
         file_keys |= {f"{section}.{k}" for k in (values or {})}
     try:

@@ -27,7 +27,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, literal
 from .flags import COMMANDS, SECTIONS, command_fields, _section
 from .job import JobConfig
 
@@ -136,23 +136,23 @@ def read_yaml(path: str | Path) -> dict[str, dict[str, Any] | None]:
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
-        raise ConfigError("config", f"--config {str(p)!r} cannot be read ({exc.strerror or exc})",
+        raise ConfigError("config", f"--config {literal(str(p))} cannot be read ({exc.strerror or exc})",
                           "pass the path of a YAML file") from exc
     try:
         data = _load(text)
     except _Duplicate as exc:
         first, again = exc.lines
-        raise ConfigError("config", f"--config {str(p)!r} sets {exc.path} twice (lines {first} and {again})",
+        raise ConfigError("config", f"--config {literal(str(p))} sets {exc.path} twice (lines {first} and {again})",
                           "keep one of them") from exc
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         at = f" at line {where.line + 1}" if where is not None else ""
-        raise ConfigError("config", f"--config {str(p)!r} is not valid YAML{at}",
+        raise ConfigError("config", f"--config {literal(str(p))} is not valid YAML{at}",
                           "fix the file (sections of 'key: value' lines, as --print-config writes)") from exc
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError("config", f"--config {str(p)!r} holds a {type(data).__name__}, not sections",
+        raise ConfigError("config", f"--config {literal(str(p))} holds a {type(data).__name__}, not sections",
                           "write sections such as 'engine:' with 'key: value' lines under them (see --print-config)")
     out: dict[str, dict[str, Any] | None] = {}
     _read_section(data, "", out, str(p))
@@ -165,7 +165,7 @@ def _read_section(data: dict, prefix: str, out: dict, file: str) -> None:
         path = f"{prefix}.{key}" if prefix else str(key)
         if path not in SECTIONS or path not in tops and prefix == "":
             known = ", ".join(s.rsplit(".", 1)[-1] for s in tops)
-            raise ConfigError(path, f"unknown section {path!r} in the configuration file",
+            raise ConfigError(path, f"unknown section {literal(path)} in the configuration file",
                               f"use the sections {known}")
         if value is None and path == "engine.sparse":
             out[path] = None
@@ -176,7 +176,7 @@ def _read_section(data: dict, prefix: str, out: dict, file: str) -> None:
                               "write 'sparse: {}' under engine for sparse attention with the defaults (or its keys, "
                               "e.g. 'sparse: {page_budget: 64}'), or 'sparse: null' for dense attention")
         if not isinstance(value, dict):
-            raise ConfigError(path, f"section {path!r} is {value!r}, not a mapping of keys to values",
+            raise ConfigError(path, f"section {literal(path)} is {literal(value)}, not a mapping of keys to values",
                               "write its settings as 'key: value' lines indented under it")
         names = {f.name for f in dataclasses.fields(SECTIONS[path])}
         nested = set(_NESTED.get(path, ()))

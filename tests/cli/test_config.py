@@ -296,3 +296,16 @@ def test_a_reader_that_closes_stdout_early_ends_the_command_quietly(tmp_path):
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 1, err
     assert err == "", err
+
+
+def test_a_rope_scaling_mapping_in_a_file_is_shown_as_given_with_the_form_it_takes(tmp_path, capsys):
+    """The braces of the mapping were read as placeholders of the message ("is model.'type': 'linear', ..."); the
+    mapping is shown as written, with the one string of key=value pairs that --rope-scaling and the file take."""
+    f = tmp_path / "run.yaml"
+    f.write_text("model:\n  rope_scaling: {type: linear, factor: 2}\n")
+    _refused(["train", "--config", f, "--print-config"], capsys,
+             f"model.rope_scaling (in {f}) is the mapping {{'type': 'linear', 'factor': 2}}; write it as one string of "
+             "key=value pairs: type=linear,factor=2")
+    f.write_text("model:\n  rope_scaling: type=linear,factor=2\n")
+    code, out, err = _run(["train", "--config", f, "--print-config"], capsys)
+    assert code == 0 and yaml.safe_load(out)["model"]["rope_scaling"] == "type=linear,factor=2", err

@@ -46,3 +46,30 @@ def test_strings_that_yaml_1_1_reads_as_booleans_are_written_quoted_and_read_bac
     f.write_text(text)
     values = read_yaml(f)
     assert values["engine"]["save_attention"] == "off" and values["data"]["split"] == "yes"
+
+
+def test_braces_of_a_value_are_shown_as_they_are():
+    """A message names settings as {field} placeholders; the braces of a value shown in it (a mapping, a set, a
+    string such as '{split}.jsonl') were read as placeholders too, which garbled the message."""
+    from oomb.config import DataConfig, ModelConfig, OffloadConfig, TrainConfig
+    from oomb.config.errors import literal
+
+    error = ConfigError("seq_len", f"{{seq_len}} is {literal({'a': {'b': 1}})}", "pass {seq_len} 2 or more, e.g. {{x}}")
+    assert str(error) == "seq_len is {'a': {'b': 1}}; pass seq_len 2 or more, e.g. {x}"
+    assert error.render(lambda name: f"--{name}") == "--seq_len is {'a': {'b': 1}}; pass --seq_len 2 or more, e.g. {x}"
+    with pytest.raises(ConfigError) as info:
+        DataConfig(seq_len="{split}")
+    assert str(info.value).startswith("seq_len is '{split}'; it takes an integer"), str(info.value)
+    with pytest.raises(ConfigError) as info:
+        TrainConfig(steps={1, 2})
+    assert str(info.value).startswith("steps is {1, 2}; "), str(info.value)
+    with pytest.raises(ConfigError) as info:
+        OOMBConfig(offload={"mode": "on"})
+    assert "{'mode': 'on'}" in str(info.value), str(info.value)
+    told = r"^rope_scaling is the mapping \{'type': 'linear', 'factor': 2\}; write it as one string of key=value pairs: "
+    with pytest.raises(ConfigError, match=told + "type=linear,factor=2$"):
+        ModelConfig(rope_scaling={"type": "linear", "factor": 2})
+    with pytest.raises(ConfigError, match=r"^rope_scaling is 4; write it as one string of key=value pairs, e\.g\. "
+                                          r"type=linear,factor=2"):
+        ModelConfig(rope_scaling=4)
+    assert ModelConfig(rope_scaling="type=linear,factor=2").rope_scaling == "type=linear,factor=2"
