@@ -70,6 +70,8 @@ def _keys_from_file(command: str, argv: Sequence[str], file_keys: set[str]) -> s
 
     given = vars(_build_parser(suppress=True).parse_args(argv))
     overridden = {f"{ff.section}.{ff.name}" for ff in command_fields(command) if ff.dest in given}
+    if given.get("sparse") is False:  # --no-sparse: the file's engine.sparse section is not read
+        overridden |= {k for k in file_keys if k.startswith("engine.sparse.")}
     return set(file_keys) - overridden
 
 

@@ -260,7 +260,8 @@ class OOMBConfig:
 
     sparse: Optional[SparseConfig] = field(default=None, metadata=flag(
         "--sparse", help="Page-level top-K sparse attention, set up by the sparse attention options (their defaults "
-                         "where not given); without it: dense attention."))
+                         "where not given); without it: dense attention. --no-sparse: dense attention whatever the "
+                         "--config file's engine.sparse section says."))
     """Page-level top-K sparse attention (a :class:`SparseConfig`), or None for dense attention."""
 
     offload: OffloadConfig = field(default_factory=OffloadConfig)

@@ -189,11 +189,32 @@ def _read_section(data: dict, prefix: str, out: dict, file: str) -> None:
             else:
                 import difflib
 
-                near = difflib.get_close_matches(str(k), sorted(names - nested), n=1)
-                hint = f"did you mean {path}.{near[0]}? " if near else ""
+                near = _did_you_mean(str(k), path)
+                hint = f"did you mean {near}? " if near else ""
+                inside = f", and its sections {', '.join(_NESTED[path])}" if nested else ""
                 raise ConfigError(str(k), f"unknown key {path}.{k} in the configuration file",
-                                  f"{hint}the keys of {path} are {', '.join(sorted(names - nested))}", section=path)
+                                  f"{hint}the keys of {path} are {', '.join(sorted(names - nested))}{inside}",
+                                  section=path)
         out[path] = values
+
+
+def _did_you_mean(key: str, path: str) -> str | None:
+    """The key path nearest to the unknown ``key`` of section ``path``, among the keys of that section and those of
+    the other sections of its family (engine, engine.sparse, engine.offload, engine.kernels): ``engine.page_budget``
+    is ``engine.sparse.page_budget``. A key of ``path`` itself wins a tie."""
+    import difflib
+
+    top = path.split(".", 1)[0]
+    family = [path] + [s for s in (top, *(f"{top}.{n}" for n in _NESTED.get(top, ()))) if s != path]
+    where: dict[str, str] = {}
+    for section in family:
+        nested = set(_NESTED.get(section, ()))
+        for f in dataclasses.fields(SECTIONS[section]):
+            if f.name not in nested:
+                where.setdefault(f.name, f"{section}.{f.name}")
+    scored = [(difflib.SequenceMatcher(None, key, name).ratio(), -i, name) for i, name in enumerate(where)]
+    score, _, name = max(scored)
+    return where[name] if score >= 0.6 else None  # difflib.get_close_matches's cutoff
 
 
 def dump_yaml(job: JobConfig, command: str) -> str:

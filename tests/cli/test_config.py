@@ -309,3 +309,34 @@ def test_a_rope_scaling_mapping_in_a_file_is_shown_as_given_with_the_form_it_tak
     f.write_text("model:\n  rope_scaling: type=linear,factor=2\n")
     code, out, err = _run(["train", "--config", f, "--print-config"], capsys)
     assert code == 0 and yaml.safe_load(out)["model"]["rope_scaling"] == "type=linear,factor=2", err
+
+
+def test_an_unknown_key_is_matched_against_the_keys_of_the_nested_sections_too(tmp_path, capsys):
+    """engine.page_budget was told 'did you mean engine.page_size'; the key is engine.sparse.page_budget."""
+    f = tmp_path / "run.yaml"
+    for text, meant in (("engine:\n  page_budget: 8\n", "engine.sparse.page_budget"),
+                        ("engine:\n  copy_stream: 2\n", "engine.offload.copy_streams"),
+                        ("engine:\n  sparse:\n    chunk_size: 1024\n", "engine.chunk_size"),
+                        ("engine:\n  page_sise: 64\n", "engine.page_size")):
+        f.write_text(text)
+        _refused(["train", "--config", f, "--print-config"], capsys, f"did you mean {meant}?")
+
+
+def test_no_sparse_turns_off_the_sparse_section_of_a_file(tmp_path, capsys):
+    """A file's engine.sparse section could not be turned off on the command line; --no-sparse trains dense, and
+    a sparse flag given with it is refused (it would be ignored)."""
+    f = tmp_path / "run.yaml"
+    f.write_text("engine:\n  sparse: {page_budget: 8}\n")
+    code, out, err = _run(["train", "--config", f, "--print-config"], capsys)
+    assert code == 0 and yaml.safe_load(out)["engine"]["sparse"]["page_budget"] == 8, err
+    for command in ("train", "plan", "data"):
+        code, out, err = _run([command, "--config", f, "--no-sparse", "--print-config"], capsys)
+        assert code == 0 and yaml.safe_load(out)["engine"]["sparse"] is None, (command, err)
+    from oomb.cli.parser import _job_config
+
+    job, _ = _job_config("train", ["train", "--config", str(f), "--no-sparse"], str(f))
+    assert job.engine.sparse is None
+    _refused(["train", "--config", f, "--no-sparse", "--page-budget", "4", "--print-config"], capsys,
+             "--page-budget sets sparse attention but --no-sparse is given", "leave out --no-sparse")
+    code, out, err = _run(["train", "--no-sparse", "--sparse", "--print-config"], capsys)  # the last one given counts
+    assert code == 0 and yaml.safe_load(out)["engine"]["sparse"] is not None, err
