@@ -340,3 +340,28 @@ def test_no_sparse_turns_off_the_sparse_section_of_a_file(tmp_path, capsys):
              "--page-budget sets sparse attention but --no-sparse is given", "leave out --no-sparse")
     code, out, err = _run(["train", "--no-sparse", "--sparse", "--print-config"], capsys)  # the last one given counts
     assert code == 0 and yaml.safe_load(out)["engine"]["sparse"] is not None, err
+
+
+def test_tokenizer_and_chat_template_from_a_file_are_named_as_its_keys(tmp_path, capsys):
+    """data.tokenizer and data.chat_template given in a --config file were told as the flags --tokenizer and
+    --chat-template, which the user never wrote; they are named as the file's keys (as data.path is), and as the
+    flags where the flags gave them."""
+    import json
+
+    rows = tmp_path / "chat.jsonl"
+    rows.write_text(json.dumps({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}) + "\n")
+    f = tmp_path / "run.yaml"
+    f.write_text(f"data:\n  tokenizer: {tmp_path / 'no-tokenizer'}\n")
+    err = _refused(["data", "--config", f], capsys, f"set data.tokenizer (in {f}) to a local folder with tokenizer.json")
+    assert "--tokenizer" not in err, err
+    _refused(["data", "--tokenizer", tmp_path / "no-tokenizer"], capsys, "set --tokenizer to a local folder")
+    _refused(["data", "--config", f, "--tokenizer", tmp_path / "other"], capsys, "'" + str(tmp_path / "other") + "'",
+             "set --tokenizer to")  # the flag over the file: the flag is named
+    f.write_text(f"data:\n  path: {rows}\n  chat_template: {tmp_path / 'no-template.jinja'}\n")
+    err = _refused(["data", "--config", f, "--output", tmp_path / "h.png"], capsys,
+                   f"cannot read data.chat_template (in {f}) '{tmp_path / 'no-template.jinja'}'",
+                   "set data.chat_template to a Jinja chat template file")
+    assert "--chat-template" not in err and err.count(str(f)) == 1, err
+    _refused(["data", "--data", rows, "--chat-template", tmp_path / "no-template.jinja", "--output", tmp_path / "h.png"],
+             capsys, f"cannot read --chat-template '{tmp_path / 'no-template.jinja'}'", "set --chat-template to")
+    assert not (tmp_path / "h.png").exists()

@@ -73,3 +73,18 @@ def test_braces_of_a_value_are_shown_as_they_are():
                                           r"type=linear,factor=2"):
         ModelConfig(rope_scaling=4)
     assert ModelConfig(rope_scaling="type=linear,factor=2").rope_scaling == "type=linear,factor=2"
+
+
+def test_a_data_error_names_its_setting_as_the_caller_names_it(tmp_path):
+    """The data library names the setting at fault by its field (the CLI renders it as its flag or file key)."""
+    from oomb.data import DataError, load_tokenizer
+    from oomb.data.chat import read_chat_template
+
+    with pytest.raises(DataError) as info:
+        load_tokenizer(str(tmp_path / "none"))
+    assert info.value.setting == "tokenizer" and "set tokenizer to a local folder" in str(info.value)
+    assert "set --tokenizer to" in info.value.parts(lambda name: "--" + name)[1]
+    (tmp_path / "empty.jinja").write_text(" \n")
+    with pytest.raises(DataError) as info:
+        read_chat_template(str(tmp_path / "empty.jinja"))
+    assert str(info.value).startswith("chat_template '") and info.value.setting == "chat_template"
