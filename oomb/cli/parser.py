@@ -75,7 +75,7 @@ def _unknown_tokens(argv: list[str], extras: list[str], subs: dict, command: str
         i = start
         while i < end:
             flag = argv[i].split("=", 1)[0]
-            if not argv[i].startswith("-") or flag in own._option_string_actions:
+            if not argv[i].startswith("-") or argv[i] not in extras:  # a flag of the command (or its abbreviation)
                 i += 1
                 continue
             action = next((p._option_string_actions[flag] for c, p in subs.items()
@@ -237,7 +237,8 @@ def _build_parser(suppress: bool = False) -> argparse.ArgumentParser:
     sub.required = True
     for command, (short, description) in _DESCRIPTIONS.items():
         p = sub.add_parser(command, help=short, description=description, formatter_class=_HelpFormatter)
-        p.add_argument("--config", action=_OneConfig, default=None if not suppress else argparse.SUPPRESS, metavar="FILE",
+        p.add_argument("--config", action=_OneConfig, default=None if not suppress else argparse.SUPPRESS,
+                       metavar="FILE",
                        help="read the settings from this YAML file (sections model, data, engine, train, output, ...; "
                             "see --print-config); flags given override it")
         p.add_argument("--print-config", action="store_true", default=False if not suppress else argparse.SUPPRESS,
