@@ -106,7 +106,7 @@ def _make(args: argparse.Namespace) -> int:
     if args.make == "passkey" and args.data is not None:
         raise UsageError("--data is not read by --make passkey (its haystack is fixed filler text)",
                          "leave --data out, or pass --make needle to hide needles in that text")
-    tokenizer = _load_tokenizer(args.tokenizer)
+    tokenizer = _load_tokenizer(args, args.tokenizer)
     _check_digits(tokenizer)
     tokens = _load_tokens(args, args.tokenizer) if args.make == "needle" else None
     lengths = args.make_lengths or [args.seq_len]

@@ -113,12 +113,21 @@ def _load_tokens(args: argparse.Namespace, tokenizer_path: str | None):
 
 
 def _data_usage_error(args: argparse.Namespace, exc) -> UsageError:
-    """The UsageError of a :class:`oomb.data.DataError`; where the data path does not exist and came from the
-    --config file's data.path, it names that key and file (a relative path is read from the current folder)."""
+    """The UsageError of a :class:`oomb.data.DataError`. Where the data path does not exist and came from the
+    --config file's data.path, it names that key and file (a relative path is read from the current folder); the
+    data setting an error is about (its ``setting``: tokenizer, chat_template) is named as the file's key where
+    its value came from the file, else as its flag."""
     config, path = getattr(args, "_config_file", None), getattr(args, "data", None)
     if config is None or path is None or "data.path" not in getattr(args, "_config_keys", ()) or \
             Path(path).expanduser().exists():
-        return UsageError(exc.problem, exc.fix)
+        told: set[str] = set()
+
+        def name(setting: str) -> str:  # the file named once, where the setting is first named
+            shown = _data_setting(args, setting, file=setting not in told)
+            told.add(setting)
+            return shown
+
+        return UsageError(*exc.parts(name))
     if Path(path).expanduser().is_absolute():
         return UsageError(f"data path {path!r} (data.path in {config}) does not exist",
                           f"correct data.path in {config}, or pass --data")
@@ -126,6 +135,18 @@ def _data_usage_error(args: argparse.Namespace, exc) -> UsageError:
                       f"{os.getcwd()!r}, which a relative data.path is read from",
                       f"run oomb from the folder the path is relative to, write an absolute path in {config}, or "
                       "pass --data")
+
+
+def _data_setting(args: argparse.Namespace, name: str, file: bool = True) -> str:
+    """The data setting ``name`` (a DataConfig field) as the user gave it: ``data.NAME (in FILE)`` where its value
+    came from the --config file (without the file where ``file`` is false), else its flag."""
+    from ..config.flags import flag_name
+
+    config = getattr(args, "_config_file", None)
+    if config is not None and f"data.{name}" in getattr(args, "_config_keys", ()):
+        return f"data.{name} (in {config})" if file else f"data.{name}"
+    command = getattr(args, "command", None)
+    return (flag_name(command, "data", name) if command else None) or f"--{name.replace('_', '-')}"
 
 
 def _merged_adapter(adapter: Path, device, dtype):

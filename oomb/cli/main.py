@@ -37,7 +37,8 @@ oomb uses, need none), and torch notes a deprecated registration of torchao's.""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``oomb`` command. Returns 0; exits with status 2 on bad input, 130 on an interrupt."""
+    """Entry point of the ``oomb`` command. Returns 0; exits with status 2 on bad input, 130 on an interrupt, 1 where
+    the reader of stdout has gone (``oomb data | head -1``) -- quietly, as Python's note on SIGPIPE does."""
     import logging
 
     for name in _QUIET_LOGGERS:
@@ -46,7 +47,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _show_warning
-            return _main(argv, signals)
+            code = _main(argv, signals)
+        sys.stdout.flush()  # here, where a closed reader is caught, not at exit
+        return code
+    except BrokenPipeError:
+        # The reader of stdout is gone (oomb data | head -1): quietly, as the Python docs' note on SIGPIPE does.
+        # stdout goes to devnull, so that the flush at exit meets no closed pipe either.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
     except KeyboardInterrupt:  # at any moment, the imports of torch and transformers included
         print("oomb: interrupted", file=sys.stderr)
         return 130
@@ -61,6 +70,8 @@ def _keys_from_file(command: str, argv: Sequence[str], file_keys: set[str]) -> s
 
     given = vars(_build_parser(suppress=True).parse_args(argv))
     overridden = {f"{ff.section}.{ff.name}" for ff in command_fields(command) if ff.dest in given}
+    if given.get("sparse") is False:  # --no-sparse: the file's engine.sparse section is not read
+        overridden |= {k for k in file_keys if k.startswith("engine.sparse.")}
     return set(file_keys) - overridden
 
 

@@ -108,8 +108,9 @@ def _tokenizer(adapter: Path, recipe: dict):
         if (folder / "tokenizer_config.json").is_file() or (folder / "tokenizer.json").is_file():
             try:
                 return load_tokenizer(folder)
-            except DataError as exc:
-                raise UsageError(exc.problem, exc.fix) from exc
+            except DataError as exc:  # no setting of the user's: the tokenizer files of the folder
+                raise UsageError(exc.problem, f"replace the tokenizer files in {str(folder)!r} with the model's own "
+                                 "(what a Hugging Face tokenizer's save_pretrained writes)") from exc
     return None
 
 

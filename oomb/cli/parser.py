@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import NoReturn, Sequence
 
 from ..config import ConfigError
@@ -15,6 +16,8 @@ class _Parser(argparse.ArgumentParser):
     usage + message, each pointing to the help of the (sub)command that was given."""
 
     def error(self, message: str) -> NoReturn:  # noqa: D102 - argparse API
+        if getattr(self, "_quiet", False):
+            raise _Refused(message)
         _fail(f"{message}; run '{self.prog} --help' for the options")
 
     def parse_args(self, args=None, namespace=None):
@@ -28,6 +31,7 @@ class _Parser(argparse.ArgumentParser):
         command = getattr(parsed, "command", None)
         if command not in subs:
             self.error(f"unrecognized arguments: {' '.join(extras)}")
+        extras = _unknown_tokens(list(args if args is not None else sys.argv[1:]), extras, subs, command)
         hint = ""
         for flag in (e.split("=", 1)[0] for e in extras if e.startswith("--")):
             others = [c for c, p in subs.items() if c != command and flag in p._option_string_actions]
@@ -36,6 +40,82 @@ class _Parser(argparse.ArgumentParser):
                 hint = f" ({flag} is a flag of '{subs[other].prog}', not of '{subs[command].prog}')"
                 break
         subs[command].error(f"unrecognized arguments: {' '.join(extras)}{hint}")
+
+
+def _unknown_tokens(argv: list[str], extras: list[str], subs: dict, command: str) -> list[str]:
+    """The tokens of ``argv`` that ``command`` does not take. argparse's leftovers (``extras``) are wrong where an
+    unknown flag has a value: in ``merge --steps 2 r0`` the 2 fills the adapter folder and r0 is left over. A flag
+    that another command takes is given the values it takes there; a flag no command takes, the next token where
+    that leaves nothing else over; the rest of ``argv`` is parsed again, and the unknown tokens are those flags
+    with their values and whatever is still left over."""
+    own = subs[command]
+    start = argv.index(command) + 1 if command in argv else 0
+    end = argv.index("--") if "--" in argv[start:] else len(argv)
+
+    def values_of(action: argparse.Action | None, i: int, guess: bool) -> int:
+        """How many tokens after the flag at ``i`` are its values."""
+        if action is None:  # no command takes it
+            return int(guess and i + 1 < end and not argv[i + 1].startswith("-"))
+        nargs = action.nargs
+        most = 1 if nargs in (None, "?") else 0 if nargs == 0 else nargs if isinstance(nargs, int) else end
+        n = 0
+        while i + 1 + n < end and n < most and not argv[i + 1 + n].startswith("-"):
+            try:
+                value = action.type(argv[i + 1 + n]) if callable(action.type) else argv[i + 1 + n]
+            except (TypeError, ValueError, argparse.ArgumentTypeError):
+                break
+            if action.choices is not None and value not in action.choices:
+                break
+            n += 1
+        return n
+
+    def attempt(guess: bool) -> tuple[list[str], list[str]]:
+        """(the unknown flags with their values, what parsing the rest of argv leaves over)."""
+        unknown: list[int] = []
+        i = start
+        while i < end:
+            flag = argv[i].split("=", 1)[0]
+            if not argv[i].startswith("-") or argv[i] not in extras:  # a flag of the command (or its abbreviation)
+                i += 1
+                continue
+            action = next((p._option_string_actions[flag] for c, p in subs.items()
+                           if c != command and flag in p._option_string_actions), None)
+            n = 0 if "=" in argv[i] else values_of(action, i, guess)
+            unknown.extend(range(i, i + n + 1))
+            i += n + 1
+        rest = [t for k, t in enumerate(argv[start:], start) if k not in unknown]
+        own._quiet = True
+        try:
+            _, left = own.parse_known_args(rest)
+        finally:
+            own._quiet = False
+        return [argv[k] for k in unknown], left
+
+    try:
+        flags, left = attempt(False)
+        if left:
+            guessed = attempt(True)
+            flags, left = guessed if not guessed[1] else (flags, left)
+    except _Refused:  # the rest of argv is refused on its own: argparse's account stands
+        return extras
+    return flags + left if flags else extras
+
+
+class _Refused(Exception):
+    """Raised by :meth:`_Parser.error` instead of printing, while :func:`_unknown_tokens` parses trial argvs."""
+
+
+class _OneConfig(argparse.Action):
+    """``--config FILE``, refused when given a second time: argparse would keep the last one and drop the first
+    file's settings without a word."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: D102 - argparse API
+        first = getattr(namespace, self.dest, None)
+        if first is not None and first is not argparse.SUPPRESS:
+            _fail(f"--config is given twice ({first!r} and {values!r}) but only one --config file is read; put the "
+                  "settings of both in one file, or keep one file and override single settings with flags "
+                  f"(see '{parser.prog} --help')")
+        setattr(namespace, self.dest, values)
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -157,7 +237,8 @@ def _build_parser(suppress: bool = False) -> argparse.ArgumentParser:
     sub.required = True
     for command, (short, description) in _DESCRIPTIONS.items():
         p = sub.add_parser(command, help=short, description=description, formatter_class=_HelpFormatter)
-        p.add_argument("--config", default=None if not suppress else argparse.SUPPRESS, metavar="FILE",
+        p.add_argument("--config", action=_OneConfig, default=None if not suppress else argparse.SUPPRESS,
+                       metavar="FILE",
                        help="read the settings from this YAML file (sections model, data, engine, train, output, ...; "
                             "see --print-config); flags given override it")
         p.add_argument("--print-config", action="store_true", default=False if not suppress else argparse.SUPPRESS,
@@ -181,7 +262,7 @@ def _job_config(command: str, argv: Sequence[str], config_file: str | None):
     try:
         file_values = read_yaml(config_file) if config_file is not None else {}
     except ConfigError as exc:
-        raise UsageError(exc.problem, exc.fix) from exc
+        raise UsageError(*exc.parts(str)) from exc
     for section, values in file_values.items():
         file_keys |= {f"{section}.{k}" for k in (values or {})}
     try:

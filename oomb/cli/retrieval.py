@@ -15,6 +15,7 @@ from .errors import UsageError, _RunError
 from .inputs import (
     _check_json_arg,
     _check_png_arg,
+    _data_usage_error,
     _load_model,
     _load_tokens,
     _measure_tokenizer_path,
@@ -29,13 +30,13 @@ DEFAULT_DEPTHS = [0.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0, 100
 RETRIEVAL_REPORT_KEYS = frozenset({"task", "lengths", "depths", "trials", "needles", "seed", "rows"})
 
 
-def _load_tokenizer(path: str | None):
+def _load_tokenizer(args: argparse.Namespace, path: str | None):
     from ..data import DataError, load_tokenizer
 
     try:
         return load_tokenizer(path)
     except DataError as exc:
-        raise UsageError(exc.problem, exc.fix) from exc
+        raise _data_usage_error(args, exc) from exc
 
 
 def _check_digits(tokenizer) -> None:
@@ -64,7 +65,7 @@ def _eval_retrieval(args: argparse.Namespace, budgets: list[int]) -> int:
     from ..retrieval import build_prompts, evaluate_retrieval
 
     tokenizer_path = _measure_tokenizer_path(args)
-    tokenizer = _load_tokenizer(tokenizer_path)
+    tokenizer = _load_tokenizer(args, tokenizer_path)
     _check_digits(tokenizer)
     tokens = _load_tokens(args, tokenizer_path) if args.task == "needle" else None
     try:

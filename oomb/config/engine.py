@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Literal, Optional
 
 from . import _checks as check
-from .errors import ConfigError
+from .errors import ConfigError, literal
 from .meta import flag
 
 __all__ = ["KernelConfig", "OOMBConfig", "OffloadConfig", "SparseConfig"]
@@ -132,7 +132,7 @@ class OffloadConfig:
             check.optional_positive_int("gpu_page_budget", self.gpu_page_budget, "pages")
             check.optional_positive_int("segment_pages", self.segment_pages, "pages")
             if self.staging_sets is not None and (not check.is_int(self.staging_sets) or self.staging_sets < 2):
-                raise ConfigError("staging_sets", f"{{staging_sets}} is {self.staging_sets!r}",
+                raise ConfigError("staging_sets", f"{{staging_sets}} is {literal(self.staging_sets)}",
                                   "pass an integer of 2 or more, or leave it out to let oomb pick")
             check.choice("stage_grain", self.stage_grain, ("head", "page"))
             check.boolean("stage1_shadow", self.stage1_shadow)
@@ -260,7 +260,8 @@ class OOMBConfig:
 
     sparse: Optional[SparseConfig] = field(default=None, metadata=flag(
         "--sparse", help="Page-level top-K sparse attention, set up by the sparse attention options (their defaults "
-                         "where not given); without it: dense attention."))
+                         "where not given); without it: dense attention. --no-sparse: dense attention whatever the "
+                         "--config file's engine.sparse section says."))
     """Page-level top-K sparse attention (a :class:`SparseConfig`), or None for dense attention."""
 
     offload: OffloadConfig = field(default_factory=OffloadConfig)
@@ -292,11 +293,11 @@ class OOMBConfig:
             elif self.sparse is False:
                 self.sparse = None
             if self.sparse is not None and not isinstance(self.sparse, SparseConfig):
-                raise ConfigError("sparse", f"{{sparse}} is {self.sparse!r}", "pass a SparseConfig, or None for dense attention")
+                raise ConfigError("sparse", f"{{sparse}} is {literal(self.sparse)}", "pass a SparseConfig, or None for dense attention")
             if not isinstance(self.offload, OffloadConfig):
-                raise ConfigError("offload", f"{{offload}} is {self.offload!r}", "pass an OffloadConfig")
+                raise ConfigError("offload", f"{{offload}} is {literal(self.offload)}", "pass an OffloadConfig")
             if not isinstance(self.kernels, KernelConfig):
-                raise ConfigError("kernels", f"{{kernels}} is {self.kernels!r}", "pass a KernelConfig")
+                raise ConfigError("kernels", f"{{kernels}} is {literal(self.kernels)}", "pass a KernelConfig")
         except ConfigError as exc:
             _raise_in("engine", exc)
         if self.offload.staging_sets is not None and self.sparse is None:

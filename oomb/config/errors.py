@@ -2,14 +2,18 @@
 
 A message names other settings as ``{field}`` placeholders, so one check reads right to each audience:
 Python users see field names (``chunk_size``), YAML users the key path (``engine.chunk_size``), and the CLI
-its flags (``--chunk-size``). :meth:`ConfigError.render` fills them in.
+its flags (``--chunk-size``). :meth:`ConfigError.render` fills them in. A placeholder is a field name in braces;
+``{{`` and ``}}`` are a literal brace (as in :meth:`str.format`), and a value shown in a message goes in as
+:func:`literal` (its repr with its braces doubled), so that the braces of a mapping, a set or a string such as
+``'{split}.jsonl'`` are printed as they are.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+import re
+from typing import Any, Callable
 
-__all__ = ["ConfigError"]
+__all__ = ["ConfigError", "literal"]
 
 
 class ConfigError(ValueError):
@@ -41,17 +45,16 @@ class ConfigError(ValueError):
         return _fill(self.problem, name), _fill(self.fix, name)
 
 
+def literal(value: Any) -> str:
+    """``repr(value)`` as literal text of a :class:`ConfigError` message: its braces doubled, so that a mapping
+    (``{'type': 'linear'}``) is shown as it is, not read as placeholders."""
+    return repr(value).replace("{", "{{").replace("}", "}}")
+
+
+_PLACEHOLDER = re.compile(r"\{\{|\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
 def _fill(text: str, name: Callable[[str], str]) -> str:
-    out, i = [], 0
-    while True:
-        j = text.find("{", i)
-        if j < 0:
-            out.append(text[i:])
-            return "".join(out)
-        k = text.find("}", j)
-        out.append(text[i:j])
-        if k < 0:
-            out.append(text[j:])
-            return "".join(out)
-        out.append(name(text[j + 1:k]))
-        i = k + 1
+    """``text`` with each ``{field}`` replaced by ``name(field)``, and ``{{`` and ``}}`` by one brace; any other
+    brace stays as it is."""
+    return _PLACEHOLDER.sub(lambda m: name(m.group(1)) if m.group(1) is not None else m.group(0)[0], text)

@@ -178,8 +178,8 @@ def _argparse_kwargs(ff: FlagField, suppress: bool) -> dict:
     default = _default(ff.field)
     doc = ff.field.metadata.get("help") or plain_help(field_docs(SECTIONS[ff.section]).get(ff.name, ""))
     kw: dict[str, Any] = {"help": doc.replace("%", "%%")} if ff.positional else {"dest": ff.dest, "help": doc.replace("%", "%%")}
-    if ff.section == "engine" and ff.name == "sparse":
-        kw.update(action="store_true", default=False)
+    if ff.section == "engine" and ff.name == "sparse":  # --sparse, and --no-sparse for a --config file's section
+        kw.update(action=argparse.BooleanOptionalAction, default=False)
     elif tp is bool:
         if default is False:
             kw.update(action="store_true", default=False)
@@ -239,8 +239,9 @@ def job_from_values(command: str, given: dict[str, Any], file_values: dict[str, 
     """The :class:`JobConfig` of ``command`` from the flags ``given`` (dest -> value, only flags on the command
     line) over ``file_values`` (section path -> {field: value}, from a YAML file) over the fields' defaults.
 
-    Sparse attention (train, plan) is on when ``--sparse`` is given or the file has an ``engine.sparse`` section
-    that is not null; a sparse field set while it is off is refused (it would be ignored). For the commands
+    Sparse attention (train, plan, data) is on when ``--sparse`` is given, or the file has an ``engine.sparse``
+    section that is not null and ``--no-sparse`` is not given (it leaves that section out); a sparse field set while
+    it is off is refused (it would be ignored). For the commands
     without ``--sparse`` (eval, grad-error: their ``--budgets`` say which sparse runs to make) ``engine.sparse``
     is always set: the sink, local and score settings of those runs.
 
@@ -257,21 +258,26 @@ def job_from_values(command: str, given: dict[str, Any], file_values: dict[str, 
         if isinstance(v, dict):
             values.setdefault(s, {}).update(v)
     sparse_in_file = "engine.sparse" in file_values and file_values["engine.sparse"] is not None
+    has_toggle = any(ff.section == "engine" and ff.name == "sparse" for ff in by_dest.values())
+    if has_toggle and given.get("sparse") is False:  # --no-sparse: the file's sparse section is left out
+        values.pop("engine.sparse", None)
     for dest, value in given.items():
         ff = by_dest[dest]
         if ff.section == "engine" and ff.name == "sparse":
             continue
         values.setdefault(ff.section, {})[ff.name] = value
-    has_toggle = any(ff.section == "engine" and ff.name == "sparse" for ff in by_dest.values())
-    sparse_on = bool(given.get("sparse")) or sparse_in_file or not has_toggle
+    sparse_on = given["sparse"] if has_toggle and "sparse" in given else sparse_in_file or not has_toggle
     sparse_values = values.pop("engine.sparse", None) or {}
     if not sparse_on:
         set_ = [k for k, v in sparse_values.items() if v != _default(_field(SparseConfig, k))]
         if set_:
             names = " and ".join("{" + k + "}" for k in set_)
             one = len(set_) == 1
-            raise ConfigError(set_[0], f"{names} {'sets' if one else 'set'} sparse attention but {{sparse}} is not given",
-                              "add {sparse}, or leave them out for dense attention", section="engine.sparse")
+            no = given.get("sparse") is False
+            raise ConfigError(set_[0], f"{names} {'sets' if one else 'set'} sparse attention but "
+                              f"{'--no-sparse is' if no else '{sparse} is not'} given",
+                              f"{'leave out --no-sparse' if no else 'add {sparse}'}, or leave them out for dense attention",
+                              section="engine.sparse")
     sparse = SparseConfig(**sparse_values) if sparse_on else None
     offload = OffloadConfig(**values.pop("engine.offload", {}))
     kernels = KernelConfig(**values.pop("engine.kernels", {}))

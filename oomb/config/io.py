@@ -15,8 +15,9 @@ kernels sections inside ``engine``::
 A file may hold sections or fields a command does not use (the same file serves ``oomb train`` and ``oomb
 plan``); a key that is no field of its section is refused, and so is a key given twice in one mapping.
 
-Numbers are read as YAML 1.2 reads them: ``1e-4``, ``3E5`` and ``1.0e4`` are floats (PyYAML's YAML 1.1 rules
-read an exponent without a dot, or without a sign, as a string).
+Numbers and booleans are read as YAML 1.2 reads them: ``1e-4``, ``3E5`` and ``1.0e4`` are floats (PyYAML's YAML 1.1
+rules read an exponent without a dot, or without a sign, as a string), and only true and false (True, TRUE, False,
+FALSE) are booleans: ``off``, ``on``, ``yes``, ``no``, ``y`` and ``n`` are strings (``save_attention: off``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, literal
 from .flags import COMMANDS, SECTIONS, command_fields, _section
 from .job import JobConfig
 
@@ -37,17 +38,33 @@ _NESTED = {"engine": ("sparse", "offload", "kernels")}
 _FLOAT_12 = r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9][0-9_]*)[eE][-+]?[0-9]+$"
 """The floats with an exponent that YAML 1.2 reads as numbers and YAML 1.1 as strings (no dot, or no sign)."""
 
+_BOOL_12 = r"^(?:true|True|TRUE|false|False|FALSE)$"
+"""The booleans of YAML 1.2; YAML 1.1 also reads yes/no/on/off/y/n (any case) as booleans, so that
+``save_attention: off`` was False, not the string 'off'."""
+
+_BOOL = "tag:yaml.org,2002:bool"
+
 
 @cache
 def _with_floats_12(base: type) -> type:
-    """A subclass of PyYAML's ``base`` (SafeLoader or SafeDumper) that also resolves :data:`_FLOAT_12` as floats:
-    the loader reads ``1e-4`` as a number, and the dumper quotes a string such as ``'1e3'``, so that what
-    :func:`dump_yaml` writes reads back as it was."""
+    """A subclass of PyYAML's ``base`` (SafeLoader or SafeDumper) that resolves plain scalars as YAML 1.2 does
+    where YAML 1.1 differs: :data:`_FLOAT_12` as floats, and only :data:`_BOOL_12` as booleans. The loader reads
+    ``1e-4`` as a number and ``off`` as a string; the dumper quotes a string such as ``'1e3'``, and keeps quoting
+    ``'off'`` or ``'yes'`` (YAML 1.1 booleans), so that what :func:`dump_yaml` writes reads back as it was under
+    any YAML reader."""
     import re
 
+    import yaml
+
     cls = type(f"{base.__name__}12", (base,), {})
-    cls.yaml_implicit_resolvers = {k: list(v) for k, v in base.yaml_implicit_resolvers.items()}
+    loader = issubclass(base, yaml.constructor.BaseConstructor)
+    cls.yaml_implicit_resolvers = {k: [(tag, rx) for tag, rx in v if not (loader and tag == _BOOL)]
+                                   for k, v in base.yaml_implicit_resolvers.items()}
     cls.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(_FLOAT_12), list("-+0123456789."))
+    if loader:
+        cls.add_implicit_resolver(_BOOL, re.compile(_BOOL_12), list("tTfF"))
+    else:  # also y and n, which the YAML 1.1 spec reads as booleans (PyYAML does not)
+        cls.add_implicit_resolver(_BOOL, re.compile(r"^(?:y|Y|n|N)$"), list("yYnN"))
     return cls
 
 
@@ -119,23 +136,23 @@ def read_yaml(path: str | Path) -> dict[str, dict[str, Any] | None]:
     try:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
-        raise ConfigError("config", f"--config {str(p)!r} cannot be read ({exc.strerror or exc})",
+        raise ConfigError("config", f"--config {literal(str(p))} cannot be read ({exc.strerror or exc})",
                           "pass the path of a YAML file") from exc
     try:
         data = _load(text)
     except _Duplicate as exc:
         first, again = exc.lines
-        raise ConfigError("config", f"--config {str(p)!r} sets {exc.path} twice (lines {first} and {again})",
+        raise ConfigError("config", f"--config {literal(str(p))} sets {exc.path} twice (lines {first} and {again})",
                           "keep one of them") from exc
     except yaml.YAMLError as exc:
         where = getattr(exc, "problem_mark", None)
         at = f" at line {where.line + 1}" if where is not None else ""
-        raise ConfigError("config", f"--config {str(p)!r} is not valid YAML{at}",
+        raise ConfigError("config", f"--config {literal(str(p))} is not valid YAML{at}",
                           "fix the file (sections of 'key: value' lines, as --print-config writes)") from exc
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError("config", f"--config {str(p)!r} holds a {type(data).__name__}, not sections",
+        raise ConfigError("config", f"--config {literal(str(p))} holds a {type(data).__name__}, not sections",
                           "write sections such as 'engine:' with 'key: value' lines under them (see --print-config)")
     out: dict[str, dict[str, Any] | None] = {}
     _read_section(data, "", out, str(p))
@@ -148,7 +165,7 @@ def _read_section(data: dict, prefix: str, out: dict, file: str) -> None:
         path = f"{prefix}.{key}" if prefix else str(key)
         if path not in SECTIONS or path not in tops and prefix == "":
             known = ", ".join(s.rsplit(".", 1)[-1] for s in tops)
-            raise ConfigError(path, f"unknown section {path!r} in the configuration file",
+            raise ConfigError(path, f"unknown section {literal(path)} in the configuration file",
                               f"use the sections {known}")
         if value is None and path == "engine.sparse":
             out[path] = None
@@ -159,7 +176,7 @@ def _read_section(data: dict, prefix: str, out: dict, file: str) -> None:
                               "write 'sparse: {}' under engine for sparse attention with the defaults (or its keys, "
                               "e.g. 'sparse: {page_budget: 64}'), or 'sparse: null' for dense attention")
         if not isinstance(value, dict):
-            raise ConfigError(path, f"section {path!r} is {value!r}, not a mapping of keys to values",
+            raise ConfigError(path, f"section {literal(path)} is {literal(value)}, not a mapping of keys to values",
                               "write its settings as 'key: value' lines indented under it")
         names = {f.name for f in dataclasses.fields(SECTIONS[path])}
         nested = set(_NESTED.get(path, ()))
@@ -172,11 +189,32 @@ def _read_section(data: dict, prefix: str, out: dict, file: str) -> None:
             else:
                 import difflib
 
-                near = difflib.get_close_matches(str(k), sorted(names - nested), n=1)
-                hint = f"did you mean {path}.{near[0]}? " if near else ""
+                near = _did_you_mean(str(k), path)
+                hint = f"did you mean {near}? " if near else ""
+                inside = f", and its sections {', '.join(_NESTED[path])}" if nested else ""
                 raise ConfigError(str(k), f"unknown key {path}.{k} in the configuration file",
-                                  f"{hint}the keys of {path} are {', '.join(sorted(names - nested))}", section=path)
+                                  f"{hint}the keys of {path} are {', '.join(sorted(names - nested))}{inside}",
+                                  section=path)
         out[path] = values
+
+
+def _did_you_mean(key: str, path: str) -> str | None:
+    """The key path nearest to the unknown ``key`` of section ``path``, among the keys of that section and those of
+    the other sections of its family (engine, engine.sparse, engine.offload, engine.kernels): ``engine.page_budget``
+    is ``engine.sparse.page_budget``. A key of ``path`` itself wins a tie."""
+    import difflib
+
+    top = path.split(".", 1)[0]
+    family = [path] + [s for s in (top, *(f"{top}.{n}" for n in _NESTED.get(top, ()))) if s != path]
+    where: dict[str, str] = {}
+    for section in family:
+        nested = set(_NESTED.get(section, ()))
+        for f in dataclasses.fields(SECTIONS[section]):
+            if f.name not in nested:
+                where.setdefault(f.name, f"{section}.{f.name}")
+    scored = [(difflib.SequenceMatcher(None, key, name).ratio(), -i, name) for i, name in enumerate(where)]
+    score, _, name = max(scored)
+    return where[name] if score >= 0.6 else None  # difflib.get_close_matches's cutoff
 
 
 def dump_yaml(job: JobConfig, command: str) -> str:

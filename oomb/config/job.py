@@ -13,7 +13,7 @@ from typing import List, Literal, Optional
 
 from . import _checks as check
 from .engine import OOMBConfig
-from .errors import ConfigError
+from .errors import ConfigError, literal
 from .meta import flag
 
 __all__ = [
@@ -44,12 +44,15 @@ def resolve_dtype(dtype: str, device: str) -> str:
     return "bfloat16" if device == "cuda" else "float32"
 
 
-def _in(section: str):
-    """``__post_init__`` of the section at key path ``section``: the field types (:func:`check.types`), then ``fn``'s
-    checks; a :class:`ConfigError` is told in ``section``."""
+def _in(section: str, first=None):
+    """``__post_init__`` of the section at key path ``section``: ``first``'s checks (those of a value the type check
+    would tell less well), the field types (:func:`check.types`), then ``fn``'s checks; a :class:`ConfigError` is
+    told in ``section``."""
     def wrap(fn):
         def post_init(self) -> None:
             try:
+                if first is not None:
+                    first(self)
                 check.types(self)
                 fn(self)
             except ConfigError as exc:
@@ -57,6 +60,20 @@ def _in(section: str):
                 raise
         return post_init
     return wrap
+
+
+def _rope_scaling_is_text(value) -> None:
+    """``rope_scaling`` is one string of key=value pairs (:func:`oomb.models.rope.parse_rope_scaling` reads it, as
+    the flag gives it); a mapping, the form a YAML file invites, is told as that string."""
+    if value is None or isinstance(value, str):
+        return
+    if isinstance(value, dict) and value:
+        example = ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in value.items())
+        raise ConfigError("rope_scaling", f"{{rope_scaling}} is the mapping {literal(value)}",
+                          "write it as one string of key=value pairs: " + example.replace("{", "{{").replace("}", "}}"))
+    raise ConfigError("rope_scaling", f"{{rope_scaling}} is {literal(value)}",
+                      "write it as one string of key=value pairs, e.g. type=linear,factor=2 or "
+                      "type=yarn,factor=4,original_max_position_embeddings=32768")
 
 
 @dataclass
@@ -101,19 +118,16 @@ class ModelConfig:
     """With LoRA, also train the input embeddings and every norm layer (LongLoRA: LoRA alone does not extend the
     context); they are saved in the adapter (peft modules_to_save), which PeftModel.from_pretrained loads."""
 
-    @_in("model")
+    @_in("model", first=lambda self: _rope_scaling_is_text(self.rope_scaling))
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
-            raise ConfigError("name", f"{{name}} is {self.name!r}", "pass a preset name or a model folder")
+            raise ConfigError("name", f"{{name}} is {literal(self.name)}", "pass a preset name or a model folder")
         check.choice("device", self.device, ("cpu", "cuda"))
         check.choice("dtype", self.dtype, ("auto", "float32", "bfloat16"))
         if not check.is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT:
-            raise ConfigError("seed", f"{{seed}} is {self.seed!r}", f"pass an integer from 0 to {SEED_LIMIT - 1}")
+            raise ConfigError("seed", f"{{seed}} is {literal(self.seed)}", f"pass an integer from 0 to {SEED_LIMIT - 1}")
         if self.rope_theta is not None:
             check.positive_float("rope_theta", self.rope_theta, "pass a positive base frequency, e.g. {rope_theta} 1000000")
-        if self.rope_scaling is not None and not isinstance(self.rope_scaling, str):
-            raise ConfigError("rope_scaling", f"{{rope_scaling}} is {self.rope_scaling!r}",
-                              "pass key=value pairs, e.g. type=yarn,factor=4,original_max_position_embeddings=32768")
         check.nonnegative_int("lora_rank", self.lora_rank, zero="0 for a full fine-tune", unit="")
         if self.lora_alpha is not None:
             check.positive_float("lora_alpha", self.lora_alpha, "pass a positive number (default: 2 x {lora_rank})")
@@ -121,7 +135,7 @@ class ModelConfig:
                 raise ConfigError("lora_alpha", "{lora_alpha} scales a LoRA adapter but {lora_rank} is 0 (a full fine-tune)",
                                   "set {lora_rank} R, or leave {lora_alpha} out")
         if not isinstance(self.lora_targets, str) or not any(n.strip() for n in self.lora_targets.split(",")):
-            raise ConfigError("lora_targets", f"{{lora_targets}} is {self.lora_targets!r}",
+            raise ConfigError("lora_targets", f"{{lora_targets}} is {literal(self.lora_targets)}",
                               "pass module names separated by commas (e.g. q_proj,v_proj) or all-linear")
         check.boolean("train_embeddings_norms", self.train_embeddings_norms)
         if self.lora_rank == 0:
@@ -183,16 +197,16 @@ class DataConfig:
     @_in("data")
     def __post_init__(self) -> None:
         if not check.is_int(self.seq_len) or self.seq_len < 2:
-            raise ConfigError("seq_len", f"{{seq_len}} is {self.seq_len!r}",
+            raise ConfigError("seq_len", f"{{seq_len}} is {literal(self.seq_len)}",
                               "a sequence needs at least 2 tokens (one input, one target); pass {seq_len} 2 or more")
         check.boolean("document_mask", self.document_mask)
         for key in ("split", "text_field"):
             value = getattr(self, key)
             if not isinstance(value, str) or not value:
-                raise ConfigError(key, f"{{{key}}} is {value!r}", f"pass a name, e.g. {{{key}}} {'train' if key == 'split' else 'text'}")
+                raise ConfigError(key, f"{{{key}}} is {literal(value)}", f"pass a name, e.g. {{{key}}} {'train' if key == 'split' else 'text'}")
         check.choice("format", self.format, ("auto", "text", "messages", "prompt-completion"))
         if self.chat_template is not None and (not isinstance(self.chat_template, str) or not self.chat_template):
-            raise ConfigError("chat_template", f"{{chat_template}} is {self.chat_template!r}", "pass a template file path")
+            raise ConfigError("chat_template", f"{{chat_template}} is {literal(self.chat_template)}", "pass a template file path")
         if self.loss_on is not None:
             check.choice("loss_on", self.loss_on, ("all", "assistant"))
         if self.long_examples is not None:
@@ -339,7 +353,7 @@ class PlanConfig:
         for key in ("gpu_gib", "host_gib"):
             value = getattr(self, key)
             if value is not None and (not check.is_number(value) or not (value > 0 and math.isfinite(value))):
-                raise ConfigError(key, f"{{{key}}} is {value!r}",
+                raise ConfigError(key, f"{{{key}}} is {literal(value)}",
                                   f"pass a positive number of GiB for {{{key}}}, or leave it out to use this machine's")
         check.boolean("no_optimizer", self.no_optimizer)
         check.positive_int("nproc", self.nproc, "ranks")
@@ -349,7 +363,7 @@ def _budgets(key: str, budgets) -> None:
     if budgets is None:
         return
     if not isinstance(budgets, (list, tuple)) or not budgets or not all(check.is_int(b) for b in budgets):
-        raise ConfigError(key, f"{{{key}}} is {budgets!r}", "pass one or more whole numbers of pages")
+        raise ConfigError(key, f"{{{key}}} is {literal(budgets)}", "pass one or more whole numbers of pages")
     for b in budgets:
         if b < 0:
             raise ConfigError(key, f"{{{key}}} has {b}", "pass page budgets of 0 or more")
@@ -414,14 +428,14 @@ class EvalConfig:
         _budgets("budgets", self.budgets)
         if self.lengths is not None:
             if not isinstance(self.lengths, (list, tuple)) or not self.lengths or not all(check.is_int(t) for t in self.lengths):
-                raise ConfigError("lengths", f"{{lengths}} is {self.lengths!r}", "pass one or more token counts")
+                raise ConfigError("lengths", f"{{lengths}} is {literal(self.lengths)}", "pass one or more token counts")
             if min(self.lengths) < 2:
                 raise ConfigError("lengths", f"{{lengths}} has {min(self.lengths)}", "pass prompt lengths of 2 tokens or more")
             if len(set(self.lengths)) != len(self.lengths):
                 raise ConfigError("lengths", "{lengths} lists a length twice", "name each length once")
         if self.depths is not None:
             if not isinstance(self.depths, (list, tuple)) or not self.depths or not all(check.is_number(d) for d in self.depths):
-                raise ConfigError("depths", f"{{depths}} is {self.depths!r}", "pass one or more percentages, e.g. {depths} 0 50 100")
+                raise ConfigError("depths", f"{{depths}} is {literal(self.depths)}", "pass one or more percentages, e.g. {depths} 0 50 100")
             bad = [d for d in self.depths if not (math.isfinite(d) and 0 <= d <= 100)]
             if bad:
                 raise ConfigError("depths", f"{{depths}} has {bad[0]:g}, outside [0, 100]",
@@ -430,11 +444,11 @@ class EvalConfig:
                 raise ConfigError("depths", "{depths} lists a depth twice", "name each depth once")
         check.positive_int("trials", self.trials, "trials")
         if not check.is_int(self.needles) or not 1 <= self.needles <= MAX_NEEDLES:
-            raise ConfigError("needles", f"{{needles}} is {self.needles!r}", f"pass 1 to {MAX_NEEDLES} needles per prompt")
+            raise ConfigError("needles", f"{{needles}} is {literal(self.needles)}", f"pass 1 to {MAX_NEEDLES} needles per prompt")
         if not check.is_int(self.seed) or not 0 <= self.seed < SEED_LIMIT:
-            raise ConfigError("seed", f"{{seed}} is {self.seed!r}", f"pass an integer from 0 to {SEED_LIMIT - 1}")
+            raise ConfigError("seed", f"{{seed}} is {literal(self.seed)}", f"pass an integer from 0 to {SEED_LIMIT - 1}")
         if self.heatmap is not None and (not isinstance(self.heatmap, str) or not self.heatmap):
-            raise ConfigError("heatmap", f"{{heatmap}} is {self.heatmap!r}", "pass a file path, e.g. {heatmap} passkey.png")
+            raise ConfigError("heatmap", f"{{heatmap}} is {literal(self.heatmap)}", "pass a file path, e.g. {heatmap} passkey.png")
         defaults = {f.name: f.default for f in fields(self)}
         if self.task == "loss":
             for key in ("lengths", "depths", "trials", "needles", "seed", "heatmap"):
@@ -493,7 +507,7 @@ class BenchConfig:
     @_in("bench")
     def __post_init__(self) -> None:
         if not isinstance(self.lengths, (list, tuple)) or not self.lengths or not all(check.is_int(t) for t in self.lengths):
-            raise ConfigError("lengths", f"{{lengths}} is {self.lengths!r}", "pass one or more token counts")
+            raise ConfigError("lengths", f"{{lengths}} is {literal(self.lengths)}", "pass one or more token counts")
         for s in self.systems:
             check.choice("systems", s, ("hf", "oomb"))
         check.positive_int("steps", self.steps)
@@ -514,7 +528,7 @@ class DataReportConfig:
     @_in("data_report")
     def __post_init__(self) -> None:
         if self.output is not None and (not isinstance(self.output, str) or not self.output):
-            raise ConfigError("output", f"{{output}} is {self.output!r}", "pass a file path, e.g. {output} lengths.png")
+            raise ConfigError("output", f"{{output}} is {literal(self.output)}", "pass a file path, e.g. {output} lengths.png")
         check.nonnegative_int("show_tokens", self.show_tokens, "tokens", zero="0 (all of it)")
 
 
@@ -550,13 +564,13 @@ class DataMakeConfig:
         check.positive_int("examples", self.examples, "rows")
         if self.lengths is not None:
             if not isinstance(self.lengths, (list, tuple)) or not self.lengths or not all(check.is_int(t) for t in self.lengths):
-                raise ConfigError("lengths", f"{{lengths}} is {self.lengths!r}", "pass one or more token counts")
+                raise ConfigError("lengths", f"{{lengths}} is {literal(self.lengths)}", "pass one or more token counts")
             if min(self.lengths) < 2:
                 raise ConfigError("lengths", f"{{lengths}} has {min(self.lengths)}", "pass row lengths of 2 tokens or more")
         if not check.is_int(self.needles) or not 1 <= self.needles <= MAX_NEEDLES:
-            raise ConfigError("needles", f"{{needles}} is {self.needles!r}", f"pass 1 to {MAX_NEEDLES} needles per row")
+            raise ConfigError("needles", f"{{needles}} is {literal(self.needles)}", f"pass 1 to {MAX_NEEDLES} needles per row")
         if self.path is not None and (not isinstance(self.path, str) or not self.path):
-            raise ConfigError("path", f"{{path}} is {self.path!r}", "pass a file path, e.g. {path} passkey.jsonl")
+            raise ConfigError("path", f"{{path}} is {literal(self.path)}", "pass a file path, e.g. {path} passkey.jsonl")
         if self.kind is None:
             defaults = {f.name: f.default for f in fields(self)}
             for key in ("examples", "lengths", "needles", "path"):
@@ -580,7 +594,7 @@ class MergeConfig:
     @_in("merge")
     def __post_init__(self) -> None:
         if self.adapter is not None and (not isinstance(self.adapter, str) or not self.adapter.strip()):
-            raise ConfigError("adapter", f"{{adapter}} is {self.adapter!r}", "pass the folder of a LoRA adapter")
+            raise ConfigError("adapter", f"{{adapter}} is {literal(self.adapter)}", "pass the folder of a LoRA adapter")
 
 
 @dataclass

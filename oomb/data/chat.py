@@ -52,18 +52,20 @@ def read_chat_template(path: str | None) -> str | None:
     try:
         text = p.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
-        raise DataError(f"cannot read --chat-template {path!r} ({getattr(exc, 'strerror', None) or exc})",
-                        "pass a Jinja chat template file") from exc
+        raise DataError(f"cannot read {{chat_template}} {path!r} ({getattr(exc, 'strerror', None) or exc})",
+                        "set {chat_template} to a Jinja chat template file", setting="chat_template") from exc
     if p.suffix == ".json":
         try:
             text = json.loads(text).get("chat_template")
         except (ValueError, AttributeError):
             text = None
         if not isinstance(text, str):
-            raise DataError(f"--chat-template {path!r} has no string \"chat_template\" key",
-                            "pass a Jinja chat template file, or a JSON file with a \"chat_template\" key")
+            raise DataError(f"{{chat_template}} {path!r} has no string \"chat_template\" key",
+                            "set {chat_template} to a Jinja chat template file, or a JSON file with a \"chat_template\" "
+                            "key", setting="chat_template")
     if not text.strip():
-        raise DataError(f"--chat-template {path!r} is empty", "pass a Jinja chat template file")
+        raise DataError(f"{{chat_template}} {path!r} is empty", "set {chat_template} to a Jinja chat template file",
+                        setting="chat_template")
     return text
 
 
@@ -102,9 +104,10 @@ def _render(tokenizer, messages: Sequence[dict], template: str | None, where: st
     except Exception as exc:  # jinja2 errors, the template's raise_exception
         msg = " ".join(str(exc).split()) or type(exc).__name__
         raise DataError(f"{where}: the chat template cannot render this conversation ({msg})",
-                        "fix the row, or pass --chat-template a template for these roles") from exc
+                        "fix the row, or set {chat_template} to a template for these roles", setting="chat_template") from exc
     if not isinstance(text, str):
-        raise DataError(f"{where}: the chat template did not render text", "pass --chat-template a Jinja template")
+        raise DataError(f"{where}: the chat template did not render text", "set {chat_template} to a Jinja template",
+                        setting="chat_template")
     return text
 
 
@@ -122,7 +125,8 @@ def _trained_spans(tokenizer, messages: Sequence[dict], template: str | None, wh
         if not r.startswith(prev):
             raise DataError(f"{where}: the chat template renders message {i - 1} differently once message {i} "
                             "follows, so the messages' spans cannot be told apart",
-                            "pass --chat-template a template that renders each turn the same way whatever follows")
+                            "set {chat_template} to a template that renders each turn the same way whatever follows",
+                            setting="chat_template")
         start, end = len(prev), len(r)
         prev = r
         if not trained[i]:
@@ -136,13 +140,15 @@ def _trained_spans(tokenizer, messages: Sequence[dict], template: str | None, wh
         content = m["content"]
         if header is None or not span.startswith(header):
             raise DataError(f"{where}: the chat template does not render message {i}'s content where it renders "
-                            "other content", "pass --chat-template a template that writes each message's content verbatim")
+                            "other content", "set {chat_template} to a template that writes each message's content "
+                            "verbatim", setting="chat_template")
         body = span[len(header):]
         if not body.startswith(content):
             content = content.strip()
             if not body.startswith(content):
                 raise DataError(f"{where}: the chat template does not render message {i}'s content as it is",
-                                "pass --chat-template a template that writes each message's content verbatim")
+                                "set {chat_template} to a template that writes each message's content verbatim",
+                                setting="chat_template")
         a = start + len(header)
         b = a + len(content)
         end_of_turn = _end_of_turn(full[b:end], specials)

@@ -39,14 +39,18 @@ def load_tokenizer(path: str | os.PathLike | None = None):
     from transformers import AutoTokenizer, PretrainedConfig
 
     root = BUNDLED_TOKENIZER if path is None else Path(path)
+    setting = None if path is None else "tokenizer"  # the bundled one is no setting of the user's
     if not root.is_dir():
         what = "is a file, not a folder" if root.exists() else "does not exist"
-        raise DataError(f"tokenizer folder {str(root)!r} {what}", "pass --tokenizer a local folder with tokenizer.json (or omit it for the bundled tokenizer)")
+        raise DataError(f"tokenizer folder {str(root)!r} {what}",
+                        "set {tokenizer} to a local folder with tokenizer.json (or leave it out for the bundled tokenizer)",
+                        setting=setting)
     if not _has_vocabulary_file(root):
         raise DataError(
             f"cannot load a tokenizer from {str(root)!r}: the folder has no vocabulary (no tokenizer.json, "
             "vocab.json, vocab.txt or SentencePiece .model file)",
-            "pass --tokenizer the folder a Hugging Face tokenizer's save_pretrained wrote, with its vocabulary files")
+            "set {tokenizer} to the folder a Hugging Face tokenizer's save_pretrained wrote, with its vocabulary files",
+            setting=setting)
     try:
         # An empty config: the class comes from the folder's tokenizer_config.json (or tokenizer.json), never
         # from a config.json beside it. A trained oomb output holds both, and transformers >= 5.2x swaps in the
@@ -57,13 +61,13 @@ def load_tokenizer(path: str | os.PathLike | None = None):
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DataError(
             f"cannot load a tokenizer from {str(root)!r} ({first_line})",
-            "pass --tokenizer a folder written by a Hugging Face tokenizer's save_pretrained",
+            "set {tokenizer} to a folder written by a Hugging Face tokenizer's save_pretrained", setting=setting,
         ) from exc
     if len(tokenizer) < MIN_TOKENS:
         raise DataError(
             f"the tokenizer in {str(root)!r} has only {len(tokenizer)} tokens (a model's tokenizer has thousands; "
             "its vocabulary did not load)",
-            "pass --tokenizer the model's own tokenizer folder, with its tokenizer.json")
+            "set {tokenizer} to the model's own tokenizer folder, with its tokenizer.json", setting=setting)
     return tokenizer
 
 

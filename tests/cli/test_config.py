@@ -252,3 +252,116 @@ def test_sparse_true_in_a_file_is_told_how_to_turn_sparse_attention_on(tmp_path,
     f.write_text("engine:\n  sparse: {}\n")
     code, out, err = _run(["train", "--config", f, "--output-dir", tmp_path / "o", "--print-config"], capsys)
     assert code == 0 and yaml.safe_load(out)["engine"]["sparse"]["page_budget"] == 64, err
+
+
+def test_a_second_config_is_refused_not_read_over_the_first(tmp_path, capsys):
+    """argparse keeps the last of two --config flags, which dropped the first file's settings without a word: a
+    second --config is refused, saying that one file is read and how to combine them."""
+    a, b = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    a.write_text("engine: {chunk_size: 1024}\n")
+    b.write_text("train: {steps: 3}\n")
+    for argv in (["--config", a, "--config", b], [f"--config={a}", "--chunk-size", "2048", f"--config={b}"]):
+        _refused(["train", *argv, "--print-config"], capsys, "--config is given twice", repr(str(a)), repr(str(b)),
+                 "only one --config file is read", "put the settings of both in one file", "override single settings with flags")
+    code, out, err = _run(["train", "--config", a, "--steps", "3", "--print-config"], capsys)  # the way to combine
+    assert code == 0 and yaml.safe_load(out)["engine"]["chunk_size"] == 1024 and yaml.safe_load(out)["train"]["steps"] == 3, err
+
+
+@pytest.mark.parametrize("argv, told", [
+    (["merge", "--steps", "2", "r0"], "unrecognized arguments: --steps 2 (--steps is a flag of 'oomb train', not of 'oomb merge')"),
+    (["merge", "r0", "--steps", "2"], "unrecognized arguments: --steps 2 (--steps is a flag of 'oomb train'"),
+    (["merge", "--lengths", "1", "2", "r0", "--bogus"], "unrecognized arguments: --lengths 1 2 --bogus (--lengths is a flag of"),
+    (["merge", "--bogus", "2", "r0"], "unrecognized arguments: --bogus 2; run 'oomb merge --help'"),
+    (["merge", "--dry-run", "r0"], "unrecognized arguments: --dry-run; run 'oomb merge --help'"),
+    (["train", "--make-output=x", "y"], "unrecognized arguments: --make-output=x y (--make-output is a flag of 'oomb data'"),
+])
+def test_an_unknown_argument_is_named_with_its_own_value(argv, told, capsys):
+    """argparse gives an unknown flag's value to a positional (merge --steps 2 r0: 2 became the adapter folder) and
+    named the wrong token ('--steps r0'); the message names the unknown flag with the values it was given."""
+    _refused(argv, capsys, told)
+
+
+def test_a_reader_that_closes_stdout_early_ends_the_command_quietly(tmp_path):
+    """`oomb ... | head -1`: once the reader has gone, writing to stdout raises BrokenPipeError, which ended in a
+    traceback; the command ends quietly instead, with status 1 (the Python docs' note on SIGPIPE)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[2]), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, "-m", "oomb", "train", "--output-dir", str(tmp_path / "o"), "--print-config"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=tmp_path)
+    proc.stdout.close()  # the reader goes before oomb writes a byte (it is still importing)
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 1, err
+    assert err == "", err
+
+
+def test_a_rope_scaling_mapping_in_a_file_is_shown_as_given_with_the_form_it_takes(tmp_path, capsys):
+    """The braces of the mapping were read as placeholders of the message ("is model.'type': 'linear', ..."); the
+    mapping is shown as written, with the one string of key=value pairs that --rope-scaling and the file take."""
+    f = tmp_path / "run.yaml"
+    f.write_text("model:\n  rope_scaling: {type: linear, factor: 2}\n")
+    _refused(["train", "--config", f, "--print-config"], capsys,
+             f"model.rope_scaling (in {f}) is the mapping {{'type': 'linear', 'factor': 2}}; write it as one string of "
+             "key=value pairs: type=linear,factor=2")
+    f.write_text("model:\n  rope_scaling: type=linear,factor=2\n")
+    code, out, err = _run(["train", "--config", f, "--print-config"], capsys)
+    assert code == 0 and yaml.safe_load(out)["model"]["rope_scaling"] == "type=linear,factor=2", err
+
+
+def test_an_unknown_key_is_matched_against_the_keys_of_the_nested_sections_too(tmp_path, capsys):
+    """engine.page_budget was told 'did you mean engine.page_size'; the key is engine.sparse.page_budget."""
+    f = tmp_path / "run.yaml"
+    for text, meant in (("engine:\n  page_budget: 8\n", "engine.sparse.page_budget"),
+                        ("engine:\n  copy_stream: 2\n", "engine.offload.copy_streams"),
+                        ("engine:\n  sparse:\n    chunk_size: 1024\n", "engine.chunk_size"),
+                        ("engine:\n  page_sise: 64\n", "engine.page_size")):
+        f.write_text(text)
+        _refused(["train", "--config", f, "--print-config"], capsys, f"did you mean {meant}?")
+
+
+def test_no_sparse_turns_off_the_sparse_section_of_a_file(tmp_path, capsys):
+    """A file's engine.sparse section could not be turned off on the command line; --no-sparse trains dense, and
+    a sparse flag given with it is refused (it would be ignored)."""
+    f = tmp_path / "run.yaml"
+    f.write_text("engine:\n  sparse: {page_budget: 8}\n")
+    code, out, err = _run(["train", "--config", f, "--print-config"], capsys)
+    assert code == 0 and yaml.safe_load(out)["engine"]["sparse"]["page_budget"] == 8, err
+    for command in ("train", "plan", "data"):
+        code, out, err = _run([command, "--config", f, "--no-sparse", "--print-config"], capsys)
+        assert code == 0 and yaml.safe_load(out)["engine"]["sparse"] is None, (command, err)
+    from oomb.cli.parser import _job_config
+
+    job, _ = _job_config("train", ["train", "--config", str(f), "--no-sparse"], str(f))
+    assert job.engine.sparse is None
+    _refused(["train", "--config", f, "--no-sparse", "--page-budget", "4", "--print-config"], capsys,
+             "--page-budget sets sparse attention but --no-sparse is given", "leave out --no-sparse")
+    code, out, err = _run(["train", "--no-sparse", "--sparse", "--print-config"], capsys)  # the last one given counts
+    assert code == 0 and yaml.safe_load(out)["engine"]["sparse"] is not None, err
+
+
+def test_tokenizer_and_chat_template_from_a_file_are_named_as_its_keys(tmp_path, capsys):
+    """data.tokenizer and data.chat_template given in a --config file were told as the flags --tokenizer and
+    --chat-template, which the user never wrote; they are named as the file's keys (as data.path is), and as the
+    flags where the flags gave them."""
+    import json
+
+    rows = tmp_path / "chat.jsonl"
+    rows.write_text(json.dumps({"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}) + "\n")
+    f = tmp_path / "run.yaml"
+    f.write_text(f"data:\n  tokenizer: {tmp_path / 'no-tokenizer'}\n")
+    err = _refused(["data", "--config", f], capsys, f"set data.tokenizer (in {f}) to a local folder with tokenizer.json")
+    assert "--tokenizer" not in err, err
+    _refused(["data", "--tokenizer", tmp_path / "no-tokenizer"], capsys, "set --tokenizer to a local folder")
+    _refused(["data", "--config", f, "--tokenizer", tmp_path / "other"], capsys, "'" + str(tmp_path / "other") + "'",
+             "set --tokenizer to")  # the flag over the file: the flag is named
+    f.write_text(f"data:\n  path: {rows}\n  chat_template: {tmp_path / 'no-template.jinja'}\n")
+    err = _refused(["data", "--config", f, "--output", tmp_path / "h.png"], capsys,
+                   f"cannot read data.chat_template (in {f}) '{tmp_path / 'no-template.jinja'}'",
+                   "set data.chat_template to a Jinja chat template file")
+    assert "--chat-template" not in err and err.count(str(f)) == 1, err
+    _refused(["data", "--data", rows, "--chat-template", tmp_path / "no-template.jinja", "--output", tmp_path / "h.png"],
+             capsys, f"cannot read --chat-template '{tmp_path / 'no-template.jinja'}'", "set --chat-template to")
+    assert not (tmp_path / "h.png").exists()
