@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..ops.attention_ref import acc_dtype_for
+from ..ops.paged_attention import step_backend
 from ..ops.sparse_representatives import PageRepresentatives
 from ..ops.sparse_select import PageSelection, select_pages
 
@@ -25,6 +26,11 @@ class SparseAttentionState:
 
     Selections are keyed by (chunk start token, layer); the engine drops a chunk's entries once
     its Stage-2 backward is done (``retain_selections=True`` keeps them, for tests and tools).
+
+    Selections are made by :func:`oomb.ops.triton.page_select.select_pages_triton` (one kernel after the scores, no
+    host synchronisation) when the sparse attention runs on the Triton kernels on CUDA (``step_backend`` of the
+    config is 'triton') with float32 representatives (any model but a float64 one); else by
+    :func:`oomb.ops.sparse_select.select_pages`. The two give the same selection, bitwise.
     """
 
     def __init__(self, config, num_layers, num_kv_heads, head_dim, seq_len, dtype, device, retain_selections=False):
@@ -42,6 +48,12 @@ class SparseAttentionState:
         self._pages: dict[tuple[int, int], list] = {}
         self._pages_host: dict[int, torch.Tensor] = {}  # chunk start -> pinned [num_layers, n_past] bool (CUDA)
         self._num_layers = num_layers
+        self._select = select_pages
+        if (torch.device(device).type == "cuda" and step_backend(config, torch.device(device)) == "triton"
+                and acc_dtype_for(dtype) == torch.float32):
+            from ..ops.triton.page_select import select_pages_triton
+
+            self._select = select_pages_triton
 
     def write(self, layer: int, start: int, k: torch.Tensor) -> None:
         """Stage 1: summarise the chunk's keys [n, Hkv, D] (after the store wrote them)."""
@@ -63,7 +75,7 @@ class SparseAttentionState:
             cfg, sp = self.config, self.config.sparse
             n = -(-start // cfg.page_size)
             with torch.no_grad():
-                sel = select_pages(
+                sel = self._select(
                     q, self.reps.layer(layer, n), start, cfg.page_size, sp.page_budget, sp.sink_pages,
                     sp.local_pages, sp.block_size, sp.score, q_doc_start,
                 )
