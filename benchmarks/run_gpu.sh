@@ -118,7 +118,7 @@ retrieval() {  # a 100M model trained from random weights on passkey rows, per m
   local model="RHIDDEN=${RHIDDEN:-768} RINTER=${RINTER:-2048} RLAYERS=${RLAYERS:-12} RHEADS=${RHEADS:-12}"
   local init=$W/init_$(key $model) short=$W/short_$(key $alens $rows) mid=$W/mid_$(key $a2lens $rows2)
   local long=$W/long_$(key $blens ${RB_ROWS:-450}).jsonl
-  local a=$W/a_$(key $model $alens $rows $aseq $achunk $asteps ${RA_LR:-1e-3} $ROPT)
+  local a=$W/a_$(key $model $alens $rows $aseq $achunk $asteps ${RA_LR:-1e-3} ${ROPT:-})
   local a2=${a}_a2_$(key $a2lens $rows2 $a2steps ${RA2_LR:-5e-4})
   mkdir -p $short $mid
   for seed in 10 11 12; do  # three files made side by side: the short rows are a folder of them

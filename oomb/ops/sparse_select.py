@@ -224,7 +224,8 @@ def select_pages(
     :func:`_select_pages_topk` computes the same :class:`PageSelection` bitwise without sorting over n
     (tests/ops/test_sparse_select_property.py); it is faster on the CPU but was slower on an H200 for up to
     8,192 past pages (0.95 against 0.67 ms at 8,192; ``benchmarks/results/page_selection_h200.json``),
-    so this is the one the engine uses.
+    so this is the torch path the engine uses (on CUDA with the Triton kernels it runs
+    :func:`oomb.ops.triton.page_select.select_pages_triton`, bitwise the same selection).
 
     Args:
         q: [C, Hq, D] post-RoPE queries of the chunk (Hq a multiple of Hkv).
