@@ -163,13 +163,15 @@ class KernelConfig:
     first config (fast compiles, e.g. for GPU test runs over many small shapes)."""
 
     fwd_tma: bool = True
-    """The paged attention forward reads full past tiles through tensor descriptors (TMA; Hopper or newer)."""
+    """The paged and sparse attention forwards read full past tiles through tensor descriptors (TMA; Hopper or
+    newer)."""
 
     bwd_tma: bool = True
-    """The dq kernel reads full past tiles through tensor descriptors (TMA; Hopper or newer)."""
+    """The paged and sparse dq kernels read full past tiles through tensor descriptors (TMA; Hopper or newer)."""
 
     dkdv_tma: bool = True
-    """The dk/dv kernel loads its q/dout row tiles through tensor descriptors (TMA; Hopper or newer)."""
+    """The paged and sparse dk/dv kernels load their q/dout row tiles through tensor descriptors (TMA; Hopper or
+    newer)."""
 
     fused_wgrad: bool = True
     """From the second chunk of a step on, ``nn.Linear`` weight gradients are added into ``.grad`` inside the

@@ -102,6 +102,36 @@ def _run_and_compare(case, past_len, sel_cpu, sel, doc=None):
     assert torch.equal(dk_cache.cpu() != 0, dkc_r != 0)
 
 
+@pytest.mark.parametrize("past_len,block", [(70, 3), (96, 16)], ids=["partial-last-page-block3", "full-pages-block16"])
+def test_descriptor_tiles_equal_gathered_tiles(monkeypatch, past_len, block):
+    """Full-page K/V tiles (forward, dq) and q/dout row tiles (dk/dv) through tensor descriptors give bitwise the
+    gathered tiles' results, with a partial last page and query blocks that end inside a row tile."""
+    from oomb.config.engine import KernelConfig
+
+    used = []
+    for name in ("use_tma", "qo_tma"):
+        real = getattr(tsa, name)
+        monkeypatch.setattr(tsa, name, lambda *a, _real=real, _name=name, **kw: used.append((_name, _real(*a, **kw))) or used[-1][1])
+    C, Hq, Hkv, D, S = 19, 7, 1, 64, 32
+    case = make_case(C, Hq, Hkv, D, past_len, S, seed=5, transposed_q=True)
+    _, sel = _selection(case, past_len, S, 1, 1, 0, block, "mean")
+    assert not sel.dense
+    c = case
+    results = []
+    for kc in (KernelConfig(), KernelConfig(fwd_tma=False, bwd_tma=False, dkdv_tma=False)):
+        used.clear()
+        out, lse = tsa.sparse_attention_fwd(c["q"], c["k"], c["v"], c["k_cache"], c["v_cache"], c["block_table"], past_len,
+                                            sel, kernels=kc)
+        dkc = torch.zeros(c["k_cache"].shape, dtype=torch.float32, device=DEVICE)
+        dvc = torch.zeros_like(dkc)
+        grads = tsa.sparse_attention_bwd(c["dout"], c["q"], c["k"], c["v"], out, lse, c["k_cache"], c["v_cache"],
+                                         c["block_table"], past_len, dkc, dvc, sel, kernels=kc)
+        results.append((out, lse, *grads, dkc, dvc))
+        assert [u for _, u in used] == ([True] * 3 if kc.fwd_tma else [False] * 3), used
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+
+
 def test_kernel_backward_is_deterministic_and_accumulates():
     C, Hq, Hkv, D, past_len, S = 8, 4, 2, 64, 48, 8
     case = make_case(C, Hq, Hkv, D, past_len, S, seed=11)

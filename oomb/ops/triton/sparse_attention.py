@@ -24,7 +24,9 @@ selection block, K selected pages per (block, KV head), n past pages):
 * dK/dV (past): one program per (past page, token tile of it, KV head), which loops over the
   query blocks that selected the page -- an inverse (CSR) map the launcher builds from
   ``page_idx`` -- and over their row tiles, in ascending order, then does ONE read-add-write
-  of its gradient-page rows. Pages no block selected are not touched. As in the dense kernels,
+  of its gradient-page rows. Its rows are walked head-major, as the dense dk/dv kernel's: a row
+  tile is ``BLOCK_M`` consecutive queries of one head of the group (a plain 2-D tile of q/dout,
+  or one tensor-descriptor box), not the forward's interleaved (query, head) rows. Pages no block selected are not touched. As in the dense kernels,
   no atomics: the result is bitwise reproducible. Programs are launched most-selected page
   first (longest-processing-time order): the sink and local pages, which every block selects,
   would otherwise be among the last launched and finish alone.
@@ -32,8 +34,14 @@ selection block, K selected pages per (block, KV head), n past pages):
 Rows that see no past key (no page selected, or packed documents) give ``out_past = 0`` and
 ``lse_past = -inf``, and merge to the own-chunk result.
 
+Tensor descriptors (TMA, Hopper or newer; :mod:`.tma`): the forward and dq kernels read the K/V tiles of full
+selected pages through descriptors of the pool seen as [P * S, Hkv * D] (a partial last page of the past, and
+packed documents, keep the masked gather), and the dK/dV kernel its q/dout row tiles through [Hq, C, D]
+descriptors; results are bitwise those of the gathered tiles.
+
 Settings: the ``kernels`` argument (a :class:`oomb.config.KernelConfig`); these kernels read its ``autotune``,
-and the own-chunk calls of the dense kernels read theirs as well.
+``fwd_tma`` (forward), ``bwd_tma`` (dq) and ``dkdv_tma`` (dK/dV), and the own-chunk calls of the dense kernels
+read theirs as well.
 """
 
 from __future__ import annotations
@@ -47,6 +55,7 @@ from .inputs import LOG2E, _alloc, _check_doc, _check_inputs, _dot_precision, _d
 from .interpreter import INTERPRET
 from .paged_attention import paged_attention_bwd, paged_attention_fwd
 from .sparse_kernels import _sparse_attn_bwd_dkdv_kernel, _sparse_attn_bwd_dq_kernel, _sparse_attn_fwd_kernel
+from .tma import qo_tma, use_tma
 
 __all__ = ["sparse_attention_bwd", "sparse_attention_fwd"]
 
@@ -79,6 +88,15 @@ def _common(q, sel, D, page_size, doc):
 
 def _has_past(sel: PageSelection, past_len: int) -> bool:
     return past_len > 0 and sel.page_idx.shape[2] > 0
+
+
+def _tma_args(kernel, k_cache: torch.Tensor, v_cache: torch.Tensor, D: int, page_size: int, doc, enabled: bool) -> dict:
+    """USE_TMA and the pool's [rows, cols] view for a forward / dq launch: full-page tiles go through tensor
+    descriptors where :func:`~oomb.ops.triton.tma.use_tma` allows it and there are no packed documents (whose tiles
+    are masked)."""
+    tma = doc is None and use_tma(k_cache, v_cache, D, page_size, kernel.configs, enabled)
+    P, S, Hkv, _ = k_cache.shape
+    return dict(USE_TMA=tma, n_rows=P * S if tma else 0, n_cols=Hkv * D if tma else 0)
 
 
 def sparse_attention_fwd(
@@ -141,7 +159,7 @@ def sparse_attention_fwd(
         stride_cnt_b=counts.stride(0), stride_cnt_h=counts.stride(1),
         stride_o_c=out_p.stride(0), stride_o_h=out_p.stride(1), stride_o_d=out_p.stride(2),
         stride_lse_h=lse_p.stride(0),
-        **_common(q, sel, D, page_size, doc),
+        **_common(q, sel, D, page_size, doc), **_tma_args(fwd_kernel, k_cache, v_cache, D, page_size, doc, kernels.fwd_tma),
     )
     # Merge the own-chunk and selected-past partial softmaxes (lse_own is finite: the diagonal).
     lse = torch.logaddexp(lse_own, lse_p)
@@ -247,7 +265,7 @@ def sparse_attention_bwd(
         stride_do_c=dout.stride(0), stride_do_h=dout.stride(1), stride_do_d=dout.stride(2),
         stride_dq_c=dq_p.stride(0), stride_dq_h=dq_p.stride(1), stride_dq_d=dq_p.stride(2),
         stride_lse_h=lse.stride(0), stride_delta_h=delta.stride(0),
-        **common,
+        **common, **_tma_args(dq_kernel, k_cache, v_cache, D, page_size, doc, kernels.bwd_tma),
     )
     n_pages = sel.n_past_pages
     offsets, blocks = _inverse_selection(page_idx, n_pages)
@@ -261,12 +279,13 @@ def sparse_attention_bwd(
         return (Hkv * n_pages * triton.cdiv(page_size, meta["BLOCK_N"]),)
 
     sdk, sdv = dk_cache.stride(), dv_cache.stride()
-    _drain_streams_before_first_tune("sparse_dkdv", q, dict(common, autotune=kernels.autotune))
+    q_tma = qo_tma(q, dout, D, kernels.dkdv_tma)
+    _drain_streams_before_first_tune("sparse_dkdv", q, dict(common, QO_TMA=q_tma, autotune=kernels.autotune))
     dkdv_kernel[grid_pages](
         q_ptr=q, k_cache_ptr=k_cache, v_cache_ptr=v_cache, block_table_ptr=bt, csr_offsets_ptr=offsets,
         csr_blocks_ptr=blocks, work_order_ptr=work_order, dout_ptr=dout, lse_ptr=lse, delta_ptr=delta,
         dk_cache_ptr=dk_cache, dv_cache_ptr=dv_cache, doc_ptr=doc_arg,
-        C=C, past_len=past_len, n_pages=n_pages, qk_scale=scale * LOG2E, softmax_scale=scale,
+        C=C, past_len=past_len, n_pages=n_pages, qk_scale=scale * LOG2E, softmax_scale=scale, Hq=Hq,
         stride_q_c=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
         stride_kc_p=skc[0], stride_kc_t=skc[1], stride_kc_h=skc[2], stride_kc_d=skc[3],
         stride_vc_p=svc[0], stride_vc_t=svc[1], stride_vc_h=svc[2], stride_vc_d=svc[3],
@@ -274,7 +293,7 @@ def sparse_attention_bwd(
         stride_dk_p=sdk[0], stride_dk_t=sdk[1], stride_dk_h=sdk[2], stride_dk_d=sdk[3],
         stride_dv_p=sdv[0], stride_dv_t=sdv[1], stride_dv_h=sdv[2], stride_dv_d=sdv[3],
         stride_lse_h=lse.stride(0), stride_delta_h=delta.stride(0),
-        **common,
+        **common, QO_TMA=q_tma,
     )
     dq = (dq_own.float() + dq_p).to(q.dtype)
     return dq, dk, dv

@@ -21,7 +21,8 @@ FWD_GPU_CONFIGS = [(128, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 3)]
 DQ_GPU_CONFIGS = [(128, 64, 8, 2), (128, 128, 8, 2), (64, 64, 4, 3)]
 DKDV_GPU_CONFIGS = [(64, 128, 8, 3), (64, 64, 4, 3), (32, 128, 8, 2)]
 """(BLOCK_M, BLOCK_N, num_warps, num_stages) the sparse kernels are autotuned over on a GPU."""
-_KEY = ["G", "HEAD_DIM", "PAGE_SIZE", "BLOCK_Q", "HAS_DOC"]
+_KEY = ["G", "HEAD_DIM", "PAGE_SIZE", "BLOCK_Q", "HAS_DOC", "USE_TMA"]
+_DKDV_KEY = ["G", "HEAD_DIM", "PAGE_SIZE", "BLOCK_Q", "HAS_DOC", "QO_TMA"]
 
 
 def _dkdv_rows(nargs: dict) -> torch.Tensor:
@@ -59,6 +60,23 @@ def _selected_tokens(sel_row_ptr, block_table_ptr, u, u_mask, past_len, PAGE_SIZ
     return tok, phys, t.to(tl.int64), u_mask & (tok < past_len)
 
 
+@triton.jit
+def _full_virtual_tokens(sel_row_ptr, n_cnt, past_len, PAGE_SIZE: tl.constexpr):
+    """Virtual tokens of a block's selection that lie in full pages: all of them unless the last selected page (the
+    highest, as selections are ascending) is the partial last page of the past, whose tile then stays masked."""
+    last = tl.load(sel_row_ptr + tl.maximum(n_cnt - 1, 0))
+    partial = (n_cnt > 0) & ((last + 1) * PAGE_SIZE > past_len)
+    return tl.where(partial, n_cnt - 1, n_cnt) * PAGE_SIZE
+
+
+@triton.jit
+def _page_tile_row(sel_row_ptr, block_table_ptr, u0, PAGE_SIZE: tl.constexpr):
+    """First row of virtual tile ``u0`` in the pool seen as [pages * PAGE_SIZE, Hkv * D] (the tile lies in one page)."""
+    logical = tl.load(sel_row_ptr + u0 // PAGE_SIZE)
+    slot = tl.load(block_table_ptr + logical)
+    return slot * PAGE_SIZE + u0 % PAGE_SIZE
+
+
 @tuned(FWD_GPU_CONFIGS, key=_KEY)
 @triton.jit
 def _sparse_attn_fwd_kernel(
@@ -74,6 +92,7 @@ def _sparse_attn_fwd_kernel(
     C,
     past_len,
     qk_scale,  # softmax_scale * log2(e)
+    n_rows, n_cols,  # USE_TMA: the pools seen as [n_rows, n_cols] = [P * S, Hkv * D]
     stride_q_c, stride_q_h, stride_q_d,
     stride_kc_p, stride_kc_t, stride_kc_h, stride_kc_d,
     stride_vc_p, stride_vc_t, stride_vc_h, stride_vc_d,
@@ -89,6 +108,7 @@ def _sparse_attn_fwd_kernel(
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
     HAS_DOC: tl.constexpr,
+    USE_TMA: tl.constexpr,  # full-page tiles through tensor descriptors (see tma.use_tma)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -111,8 +131,25 @@ def _sparse_attn_fwd_kernel(
     kc = k_cache_ptr + hkv * stride_kc_h
     vc = v_cache_ptr + hkv * stride_vc_h
     sel_row = sel_ptr + b * stride_sel_b + hkv * stride_sel_h
-    n_virt = tl.load(counts_ptr + b * stride_cnt_b + hkv * stride_cnt_h) * PAGE_SIZE
-    for u0 in range(0, n_virt, BLOCK_N):
+    n_cnt = tl.load(counts_ptr + b * stride_cnt_b + hkv * stride_cnt_h)
+    n_virt = n_cnt * PAGE_SIZE
+    u_start = 0
+    if USE_TMA:
+        # Tiles of full pages (PAGE_SIZE % BLOCK_N == 0): one box each of the pool seen as
+        # [pages * PAGE_SIZE, Hkv * HEAD_DIM], unmasked; a partial last page goes through the gather below.
+        k_desc = tl.make_tensor_descriptor(k_cache_ptr, shape=[n_rows, n_cols], strides=[n_cols, 1], block_shape=[BLOCK_N, BLOCK_D])
+        v_desc = tl.make_tensor_descriptor(v_cache_ptr, shape=[n_rows, n_cols], strides=[n_cols, 1], block_shape=[BLOCK_N, BLOCK_D])
+        col = (hkv * HEAD_DIM).to(tl.int32)
+        u_start = _full_virtual_tokens(sel_row, n_cnt, past_len, PAGE_SIZE)
+        for u0 in range(0, u_start, BLOCK_N):
+            row = _page_tile_row(sel_row, block_table_ptr, u0, PAGE_SIZE)
+            k = k_desc.load([row, col])
+            v = v_desc.load([row, col])
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k, v, None, qk_scale, False, DOT_PREC)
+    for u0 in range(u_start, n_virt, BLOCK_N):
         u = u0 + offs_n
         tok, phys, t, tok_mask = _selected_tokens(sel_row, block_table_ptr, u, u < n_virt, past_len, PAGE_SIZE)
         k = _load_rows(kc, phys * stride_kc_p + t * stride_kc_t, tok_mask, offs_d, d_mask, stride_kc_d)
@@ -150,6 +187,7 @@ def _sparse_attn_bwd_dq_kernel(
     past_len,
     qk_scale,
     softmax_scale,
+    n_rows, n_cols,  # USE_TMA: the pools seen as [n_rows, n_cols] = [P * S, Hkv * D]
     stride_q_c, stride_q_h, stride_q_d,
     stride_kc_p, stride_kc_t, stride_kc_h, stride_kc_d,
     stride_vc_p, stride_vc_t, stride_vc_h, stride_vc_d,
@@ -167,6 +205,7 @@ def _sparse_attn_bwd_dq_kernel(
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
     HAS_DOC: tl.constexpr,
+    USE_TMA: tl.constexpr,  # full-page tiles through tensor descriptors (see tma.use_tma)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -191,8 +230,25 @@ def _sparse_attn_bwd_dq_kernel(
     kc = k_cache_ptr + hkv * stride_kc_h
     vc = v_cache_ptr + hkv * stride_vc_h
     sel_row = sel_ptr + b * stride_sel_b + hkv * stride_sel_h
-    n_virt = tl.load(counts_ptr + b * stride_cnt_b + hkv * stride_cnt_h) * PAGE_SIZE
-    for u0 in range(0, n_virt, BLOCK_N):
+    n_cnt = tl.load(counts_ptr + b * stride_cnt_b + hkv * stride_cnt_h)
+    n_virt = n_cnt * PAGE_SIZE
+    u_start = 0
+    if USE_TMA:
+        # As in the forward: full-page tiles through descriptors; rows past the block (r_mask) have
+        # q = dout = 0 and are never stored, so these tiles need no mask.
+        k_desc = tl.make_tensor_descriptor(k_cache_ptr, shape=[n_rows, n_cols], strides=[n_cols, 1], block_shape=[BLOCK_N, BLOCK_D])
+        v_desc = tl.make_tensor_descriptor(v_cache_ptr, shape=[n_rows, n_cols], strides=[n_cols, 1], block_shape=[BLOCK_N, BLOCK_D])
+        col = (hkv * HEAD_DIM).to(tl.int32)
+        u_start = _full_virtual_tokens(sel_row, n_cnt, past_len, PAGE_SIZE)
+        for u0 in range(0, u_start, BLOCK_N):
+            row = _page_tile_row(sel_row, block_table_ptr, u0, PAGE_SIZE)
+            k = k_desc.load([row, col])
+            v = v_desc.load([row, col])
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            dq = _dq_tile(dq, q, do, k, v, lse2, delta, None, qk_scale, False, DOT_PREC)
+    for u0 in range(u_start, n_virt, BLOCK_N):
         u = u0 + offs_n
         tok, phys, t, tok_mask = _selected_tokens(sel_row, block_table_ptr, u, u < n_virt, past_len, PAGE_SIZE)
         k = _load_rows(kc, phys * stride_kc_p + t * stride_kc_t, tok_mask, offs_d, d_mask, stride_kc_d)
@@ -209,7 +265,7 @@ def _sparse_attn_bwd_dq_kernel(
     tl.store(dq_ptr + dq_off[:, None] + offs_d[None, :] * stride_dq_d, dq, mask=r_mask[:, None] & d_mask[None, :])
 
 
-@tuned(DKDV_GPU_CONFIGS, key=_KEY, pre_hook=_DKDV_RESTORE.pre_hook, post_hook=_DKDV_RESTORE.post_hook)
+@tuned(DKDV_GPU_CONFIGS, key=_DKDV_KEY, pre_hook=_DKDV_RESTORE.pre_hook, post_hook=_DKDV_RESTORE.post_hook)
 @triton.jit
 def _sparse_attn_bwd_dkdv_kernel(
     q_ptr,  # [C, Hq, D]
@@ -230,6 +286,7 @@ def _sparse_attn_bwd_dkdv_kernel(
     n_pages,
     qk_scale,
     softmax_scale,
+    Hq,
     stride_q_c, stride_q_h, stride_q_d,
     stride_kc_p, stride_kc_t, stride_kc_h, stride_kc_d,
     stride_vc_p, stride_vc_t, stride_vc_h, stride_vc_d,
@@ -246,6 +303,7 @@ def _sparse_attn_bwd_dkdv_kernel(
     UPCAST: tl.constexpr,
     DOT_PREC: tl.constexpr,
     HAS_DOC: tl.constexpr,
+    QO_TMA: tl.constexpr,  # q/dout row tiles through [Hq, C, D] tensor descriptors (see tma.qo_tma)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
@@ -271,31 +329,48 @@ def _sparse_attn_bwd_dkdv_kernel(
         v = v.to(tl.float32)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    for e in range(e_lo, e_hi):
+    # Rows walked head-major, as in the dense dk/dv kernel: for each selecting block, the query tiles of head 0 of the
+    # group, then head 1, ...; a row tile is BLOCK_M consecutive queries of ONE head (a plain 2-D tile, or one
+    # descriptor box). One flat loop over (block, head, tile), so it pipelines as one.
+    N_T = (BLOCK_Q + BLOCK_M - 1) // BLOCK_M  # row tiles per (block, head)
+    offs_m = tl.arange(0, BLOCK_M)
+    if QO_TMA:
+        q_desc = tl.make_tensor_descriptor(q_ptr, shape=[Hq, C, HEAD_DIM], strides=[stride_q_h, stride_q_c, 1],
+                                           block_shape=[1, BLOCK_M, BLOCK_D])
+        do_desc = tl.make_tensor_descriptor(dout_ptr, shape=[Hq, C, HEAD_DIM], strides=[stride_do_h, stride_do_c, 1],
+                                            block_shape=[1, BLOCK_M, BLOCK_D])
+    for it in range(0, (e_hi - e_lo) * (G * N_T)):
+        e = e_lo + it // (G * N_T)
+        r = it % (G * N_T)
+        g = r // N_T
         b = tl.load(csr_blocks_ptr + e)
-        row_end = tl.minimum((b + 1) * BLOCK_Q, C) * G
-        for row0 in range(b * BLOCK_Q * G, row_end, BLOCK_M):
-            offs_r = row0 + tl.arange(0, BLOCK_M)
-            r_mask = offs_r < row_end  # rows of the next block may not have selected this page
-            i_q = offs_r // G
-            head = hkv * G + offs_r % G
-            # Masked rows read q = dout = lse = delta = 0 and contribute exactly 0.
-            q = _load_rows(q_ptr, i_q.to(tl.int64) * stride_q_c + head * stride_q_h, r_mask, offs_d, d_mask, stride_q_d)
-            do = _load_rows(dout_ptr, i_q.to(tl.int64) * stride_do_c + head * stride_do_h, r_mask, offs_d, d_mask, stride_do_d)
-            if UPCAST:
-                q = q.to(tl.float32)
-                do = do.to(tl.float32)
-            lse2 = tl.load(lse_ptr + head * stride_lse_h + i_q, mask=r_mask, other=0.0) * 1.4426950408889634
-            delta = tl.load(delta_ptr + head * stride_delta_h + i_q, mask=r_mask, other=0.0)
-            s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # [N, M]
-            p_t = tl.exp2(s_t - lse2[None, :])
-            if HAS_DOC:
-                doc = tl.load(doc_ptr + i_q, mask=r_mask, other=0)
-                p_t = tl.where(j[:, None] >= doc[None, :], p_t, 0.0)
-            dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PREC)
-            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-            ds_t = p_t * (dp_t - delta[None, :])
-            dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PREC)
+        i0 = b * BLOCK_Q + (r % N_T) * BLOCK_M
+        i = i0 + offs_m
+        i_mask = i < tl.minimum((b + 1) * BLOCK_Q, C)  # rows of the next block may not have selected this page
+        head = hkv * G + g
+        if QO_TMA:
+            q = q_desc.load([head.to(tl.int32), i0, 0]).reshape([BLOCK_M, BLOCK_D])
+            do = do_desc.load([head.to(tl.int32), i0, 0]).reshape([BLOCK_M, BLOCK_D])
+        else:
+            q = _load_rows(q_ptr + head * stride_q_h, i.to(tl.int64) * stride_q_c, i_mask, offs_d, d_mask, stride_q_d)
+            do = _load_rows(dout_ptr + head * stride_do_h, i.to(tl.int64) * stride_do_c, i_mask, offs_d, d_mask, stride_do_d)
+        if UPCAST:
+            q = q.to(tl.float32)
+            do = do.to(tl.float32)
+        lse2 = tl.load(lse_ptr + head * stride_lse_h + i, mask=i_mask, other=0.0) * 1.4426950408889634
+        delta = tl.load(delta_ptr + head * stride_delta_h + i, mask=i_mask, other=0.0)
+        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # [N, M]
+        p_t = tl.exp2(s_t - lse2[None, :])
+        # Rows outside the block contribute exactly 0 (with descriptors their q/dout are another block's).
+        p_mask = i_mask[None, :]
+        if HAS_DOC:
+            doc = tl.load(doc_ptr + i, mask=i_mask, other=0)
+            p_mask = p_mask & (j[:, None] >= doc[None, :])
+        p_t = tl.where(p_mask, p_t, 0.0)
+        dv += tl.dot(p_t.to(do.dtype), do, input_precision=DOT_PREC)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=DOT_PREC)
     dk = dk * softmax_scale
     # Only pages some block selected are written; each row by exactly this program.
     st_mask = j_mask[:, None] & d_mask[None, :]
