@@ -102,17 +102,20 @@ def _run_and_compare(case, past_len, sel_cpu, sel, doc=None):
     assert torch.equal(dk_cache.cpu() != 0, dkc_r != 0)
 
 
-@pytest.mark.parametrize("past_len,block", [(70, 3), (96, 16)], ids=["partial-last-page-block3", "full-pages-block16"])
-def test_descriptor_tiles_equal_gathered_tiles(monkeypatch, past_len, block):
-    """Full-page K/V tiles (forward, dq) and q/dout row tiles (dk/dv) through tensor descriptors give bitwise the
-    gathered tiles' results, with a partial last page and query blocks that end inside a row tile."""
+@pytest.mark.parametrize("pages,block", [(2.2, 3), (3, 16)], ids=["partial-last-page-block3", "full-pages-block16"])
+def test_descriptor_tiles_equal_gathered_tiles(monkeypatch, pages, block):
+    """Full-page K/V tiles (forward, dq) and q/dout row tiles (dk/dv) through tensor descriptors give the gathered
+    tiles' results (bitwise under the interpreter, to fp32 rounding compiled), with a partial last page and query
+    blocks that end inside a row tile."""
     from oomb.config.engine import KernelConfig
 
     used = []
     for name in ("use_tma", "qo_tma"):
         real = getattr(tsa, name)
         monkeypatch.setattr(tsa, name, lambda *a, _real=real, _name=name, **kw: used.append((_name, _real(*a, **kw))) or used[-1][1])
-    C, Hq, Hkv, D, S = 19, 7, 1, 64, 32
+    C, Hq, Hkv, D = 19, 7, 1, 64
+    S = 128 if DEVICE == "cuda" else 32  # pages a multiple of every autotuned BLOCK_N (GPU configs: up to 128)
+    past_len = int(pages * S)
     case = make_case(C, Hq, Hkv, D, past_len, S, seed=5, transposed_q=True)
     _, sel = _selection(case, past_len, S, 1, 1, 0, block, "mean")
     assert not sel.dense
@@ -129,7 +132,10 @@ def test_descriptor_tiles_equal_gathered_tiles(monkeypatch, past_len, block):
         results.append((out, lse, *grads, dkc, dvc))
         assert [u for _, u in used] == ([True] * 3 if kc.fwd_tma else [False] * 3), used
     for got, want in zip(*results):
-        assert torch.equal(got, want)
+        if DEVICE == "cpu":
+            assert torch.equal(got, want)
+        else:  # compiled, the two loops may round differently
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_kernel_backward_is_deterministic_and_accumulates():

@@ -37,7 +37,8 @@ Rows that see no past key (no page selected, or packed documents) give ``out_pas
 Tensor descriptors (TMA, Hopper or newer; :mod:`.tma`): the forward and dq kernels read the K/V tiles of full
 selected pages through descriptors of the pool seen as [P * S, Hkv * D] (a partial last page of the past, and
 packed documents, keep the masked gather), and the dK/dV kernel its q/dout row tiles through [Hq, C, D]
-descriptors; results are bitwise those of the gathered tiles.
+descriptors; results equal the gathered tiles' to rounding (the same products and sums; compiled, the two
+loops may round differently).
 
 Settings: the ``kernels`` argument (a :class:`oomb.config.KernelConfig`); these kernels read its ``autotune``,
 ``fwd_tma`` (forward), ``bwd_tma`` (dq) and ``dkdv_tma`` (dK/dV), and the own-chunk calls of the dense kernels
