@@ -26,8 +26,8 @@ selection block, K selected pages per (block, KV head), n past pages):
   ``page_idx`` -- and over their row tiles, in ascending order, then does ONE read-add-write
   of its gradient-page rows. Its rows are walked head-major, as the dense dk/dv kernel's: a row
   tile is ``BLOCK_M`` consecutive queries of one head of the group (a plain 2-D tile of q/dout,
-  or one tensor-descriptor box), not the forward's interleaved (query, head) rows. Pages no block selected are not touched. As in the dense kernels,
-  no atomics: the result is bitwise reproducible. Programs are launched most-selected page
+  or one tensor-descriptor box), not the forward's interleaved (query, head) rows. Pages no
+  block selected are not touched. As in the dense kernels, no atomics: the result is bitwise reproducible. Programs are launched most-selected page
   first (longest-processing-time order): the sink and local pages, which every block selects,
   would otherwise be among the last launched and finish alone.
 

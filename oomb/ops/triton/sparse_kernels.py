@@ -70,11 +70,18 @@ def _full_virtual_tokens(sel_row_ptr, n_cnt, past_len, PAGE_SIZE: tl.constexpr):
 
 
 @triton.jit
-def _page_tile_row(sel_row_ptr, block_table_ptr, u0, PAGE_SIZE: tl.constexpr):
-    """First row of virtual tile ``u0`` in the pool seen as [pages * PAGE_SIZE, Hkv * D] (the tile lies in one page)."""
+def _page_tile(k_desc, v_desc, sel_row_ptr, block_table_ptr, u0, col, PAGE_SIZE: tl.constexpr, UPCAST: tl.constexpr):
+    """K and V [BLOCK_N, BLOCK_D] of virtual tile ``u0`` (inside one full selected page) through the descriptors of
+    the pools seen as [pages * PAGE_SIZE, Hkv * D], at column ``col`` (the KV head's first)."""
     logical = tl.load(sel_row_ptr + u0 // PAGE_SIZE)
     slot = tl.load(block_table_ptr + logical)
-    return slot * PAGE_SIZE + u0 % PAGE_SIZE
+    row = slot * PAGE_SIZE + u0 % PAGE_SIZE
+    k = k_desc.load([row, col])
+    v = v_desc.load([row, col])
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v
 
 
 @tuned(FWD_GPU_CONFIGS, key=_KEY)
@@ -142,12 +149,7 @@ def _sparse_attn_fwd_kernel(
         col = (hkv * HEAD_DIM).to(tl.int32)
         u_start = _full_virtual_tokens(sel_row, n_cnt, past_len, PAGE_SIZE)
         for u0 in range(0, u_start, BLOCK_N):
-            row = _page_tile_row(sel_row, block_table_ptr, u0, PAGE_SIZE)
-            k = k_desc.load([row, col])
-            v = v_desc.load([row, col])
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
+            k, v = _page_tile(k_desc, v_desc, sel_row, block_table_ptr, u0, col, PAGE_SIZE, UPCAST)
             acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k, v, None, qk_scale, False, DOT_PREC)
     for u0 in range(u_start, n_virt, BLOCK_N):
         u = u0 + offs_n
@@ -241,12 +243,7 @@ def _sparse_attn_bwd_dq_kernel(
         col = (hkv * HEAD_DIM).to(tl.int32)
         u_start = _full_virtual_tokens(sel_row, n_cnt, past_len, PAGE_SIZE)
         for u0 in range(0, u_start, BLOCK_N):
-            row = _page_tile_row(sel_row, block_table_ptr, u0, PAGE_SIZE)
-            k = k_desc.load([row, col])
-            v = v_desc.load([row, col])
-            if UPCAST:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
+            k, v = _page_tile(k_desc, v_desc, sel_row, block_table_ptr, u0, col, PAGE_SIZE, UPCAST)
             dq = _dq_tile(dq, q, do, k, v, lse2, delta, None, qk_scale, False, DOT_PREC)
     for u0 in range(u_start, n_virt, BLOCK_N):
         u = u0 + offs_n
