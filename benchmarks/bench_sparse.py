@@ -19,7 +19,8 @@ Example (on the GPU; Qwen2.5-7B shape, bf16, chunk 4096, 64-page budget, offload
 
 Kernels only (``--kernels``): precision of the Triton sparse kernels in bf16 against the
 sparse reference in float64, next to the same reference run on bf16 inputs (flash-attention's
-rule: kernel error <= 2x that), and forward/backward time with TFLOP/s against the dense
+rule: kernel error <= 2x that; for the float32 gradient pages, whose reference keeps p and ds in float32,
+2x the larger of that and the exact pages' bf16 rounding), and forward/backward time with TFLOP/s against the dense
 kernels over the same number of attended past tokens and over the whole past::
 
     PYTHONPATH=. python benchmarks/bench_sparse.py --kernels --kernel-past 262144 --out benchmarks/results
@@ -248,7 +249,14 @@ def kernel_report(args, device: torch.device) -> dict:
     got = dict(out=out, lse=lse, dq=dq, dk=dk, dv=dv, dk_cache=dkc, dv_cache=dvc)
     report["precision"] = {name: dict(kernel=_rel(got[name], ref64[name]), reference_low=_rel(ref_lo[name], ref64[name]))
                            for name in got}
-    report["precision_pass"] = all(r["kernel"] <= 2 * r["reference_low"] + 1e-6 for r in report["precision"].values())
+    # The gradient pages are float32 sums whose products the kernels, as every flash-style kernel, take on p and ds
+    # rounded to the input dtype, where the reference keeps them in float32 (its error there is ~1e-5 in bf16,
+    # below what any bf16-product kernel reaches): their floor is the error of the exact pages rounded to the
+    # input dtype, the precision of those products.
+    for name in ("dk_cache", "dv_cache"):
+        report["precision"][name]["dtype_rounding"] = _rel(ref64[name].to(dtype), ref64[name])
+    report["precision_pass"] = all(r["kernel"] <= 2 * max(r["reference_low"], r.get("dtype_rounding", 0.0)) + 1e-6
+                                   for r in report["precision"].values())
     if device.type == "cuda":
         from triton.testing import do_bench
 

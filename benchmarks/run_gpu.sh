@@ -19,6 +19,7 @@
 # overhead    offload_overhead.py                      dense step all on the GPU vs offloaded (cuDNN, Triton), one process
 # sdpa-memory bench_sdpa_memory.py                     the fused attention backward's workspace per past token
 # stage2      profile_offload_stage2.py                CUDA timeline of Stage-2 chunks with every page offloaded
+# profile-sparse profile_sparse_step.py                GPU time of one sparse step by kernel group (torch.profiler)
 # copy        bench_copy_duplex.py                     pinned host<->device bandwidth, one and two streams
 # gather      bench_page_gather.py                     the zero-copy tile copy kernels, alone and beside GEMMs
 # gather-big  bench_page_gather_big.py                 the same over a 64 GiB pinned tier
@@ -205,6 +206,7 @@ case "$kind" in
   offload)    python3 $B/bench_offload.py --out "$OUT" "$@" ;;
   offload-ab) python3 $B/offload_ab.py --out "$OUT" "$@" ;;
   stage2)     python3 $B/profile_offload_stage2.py --out "$OUT" "$@" ;;
+  profile-sparse) python3 $B/profile_sparse_step.py --out "$OUT" "$@" ;;
   copy)       python3 $B/bench_copy_duplex.py --out "$OUT" "$@" ;;
   gather)     python3 $B/bench_page_gather.py --out "$OUT" "$@" ;;
   gather-big) python3 $B/bench_page_gather_big.py --out "$OUT" "$@" ;;

@@ -74,6 +74,35 @@ def spread(xs: list[float]) -> dict:
     return dict(min=round(xs[0], 4), median=round(xs[len(xs) // 2], 4), max=round(xs[-1], 4))
 
 
+def autotuned(launcher, autotune: str) -> dict:
+    """The config the autotuner chose per key for each kernel of ``launcher``'s kernel module."""
+    name = launcher.__name__.rsplit(".", 1)[0] + (".sparse_kernels" if launcher is today else "._baseline_sparse_kernels")
+    mod = sys.modules[name]
+    out = {}
+    for kname, obj in vars(mod).items():
+        if kname.endswith("_kernel") and hasattr(obj, "configs"):
+            cache = getattr(obj[autotune], "cache", None) or {}
+            out[kname] = {str(k): str(v) for k, v in cache.items()}
+    return out
+
+
+def kernel_ms(fn, reps: int) -> dict:
+    """GPU milliseconds per call of ``fn``, per kernel name (torch.profiler over ``reps`` calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    rows = {}
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", 0) or 0
+        if us > 0 and not e.key.startswith(("aten::", "cuda")):
+            rows[e.key[:100]] = round(us / 1e3 / reps, 4)
+    return dict(sorted(rows.items(), key=lambda kv: -kv[1]))
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--baseline", default=None, help="folder with sparse_attention.py and sparse_kernels.py to compare against")
@@ -88,6 +117,8 @@ def main(argv=None) -> None:
     ap.add_argument("--local-pages", type=int, default=8)
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--profile", action="store_true",
+                    help="also GPU milliseconds per kernel of one forward + backward of each variant (torch.profiler)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -145,7 +176,10 @@ def main(argv=None) -> None:
         f, b = spread(tf), spread(tb)
         report["variants"][name] = dict(
             fwd_ms=f, bwd_ms=b, fwd_tflops=round(fl_fwd / f["median"] / 1e9, 1),
-            bwd_tflops=round(2.5 * fl_fwd / b["median"] / 1e9, 1), errors=errors)
+            bwd_tflops=round(2.5 * fl_fwd / b["median"] / 1e9, 1), errors=errors,
+            autotuned=autotuned(mod, kc.autotune))
+        if args.profile:
+            report["variants"][name]["kernel_ms"] = kernel_ms(lambda: (fwd(), bwd()), reps=5)
         print(name, json.dumps(report["variants"][name]), flush=True)
         with open(args.out, "w") as fh:
             json.dump(report, fh, indent=1)
