@@ -9,6 +9,7 @@ packed documents, a strided q.
 from __future__ import annotations
 
 import importlib
+import os
 
 import pytest
 import torch
@@ -291,6 +292,8 @@ def test_autotune_hooks_restore_every_row_the_dkdv_kernels_write(monkeypatch):
 
 
 @pytest.mark.cuda(reason="needs CUDA (several autotune configs, benchmarked)")
+@pytest.mark.skipif(os.environ.get("OOMB_TEST_AUTOTUNE") == "first",
+                    reason="OOMB_TEST_AUTOTUNE=first runs every kernel's first config: nothing is tuned")
 def test_cuda_autotune_leaves_the_pools_as_one_launch(monkeypatch):
     """A first call that autotunes the dK/dV kernels (every config benchmarked on the real pools, the hooks saving and
     restoring the rows each run writes) leaves the pools exactly as a call that only launches the chosen config."""

@@ -209,8 +209,9 @@ def paged_attention_bwd(
     delta: torch.Tensor | None = None,
     dq_dtype: torch.dtype | None = None,
     *,
+    with_dq: bool = True,
     kernels: KernelConfig | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Backward of :func:`paged_attention_fwd` (or of one part of it); adds the past pages' dK/dV in place.
 
     Args:
@@ -229,10 +230,12 @@ def paged_attention_bwd(
         delta: optional float32 [Hq, C] contiguous ``rowsum(dout * out)`` (computed here when
             None); callers running several parts compute it once.
         dq_dtype: dtype of ``dq``: q's (default) or float32 (a part kept unrounded for the sum).
+        with_dq: False skips the dq kernel and returns None for dq (a caller that computes dq itself, e.g. the
+            sparse dq kernel with its own-chunk loop).
         kernels: kernel settings; reads ``autotune``, ``bwd_tma`` and ``dkdv_tma``. None: ``KernelConfig()``.
 
     Returns:
-        dq: [C, Hq, D] in ``dq_dtype``, with q's memory layout (this part's contribution).
+        dq: [C, Hq, D] in ``dq_dtype``, with q's memory layout (this part's contribution); None without ``with_dq``.
         dk, dv: [C, Hkv, D] in k's dtype -- the own chunk's contribution only; None when
             include_own=False.
 
@@ -264,7 +267,7 @@ def paged_attention_bwd(
                     f"got {None if t is None else (t.dtype, tuple(t.shape), t.device)}"
                 )
     doc = _check_doc(q_doc_start, C, past_len, q.device)
-    dq = _alloc_like(q, dq_dtype)
+    dq = _alloc_like(q, dq_dtype) if with_dq else None
     dk = _alloc(tuple(k.shape), k.dtype, k.device) if include_own else None
     dv = _alloc(tuple(v.shape), v.dtype, v.device) if include_own else None
     if C == 0:
@@ -288,22 +291,23 @@ def paged_attention_bwd(
     def grid_rows(meta):
         return (triton.cdiv(C * G, meta["BLOCK_M"]), Hkv)
 
-    dq_kernel[grid_rows](
-        q_ptr=q, k_ptr=k, v_ptr=v, k_cache_ptr=kc, v_cache_ptr=vc, block_table_ptr=bt,
-        dout_ptr=dout, lse_ptr=lse, delta_ptr=delta, dq_ptr=dq, doc_ptr=doc_arg,
-        C=C, past_start=past_start, past_len=past_len, qk_scale=scale * LOG2E, softmax_scale=scale,
-        stride_q_c=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
-        stride_k_c=k.stride(0), stride_k_h=k.stride(1), stride_k_d=k.stride(2),
-        stride_v_c=v.stride(0), stride_v_h=v.stride(1), stride_v_d=v.stride(2),
-        stride_kc_p=skc[0], stride_kc_t=skc[1], stride_kc_h=skc[2], stride_kc_d=skc[3],
-        stride_vc_p=svc[0], stride_vc_t=svc[1], stride_vc_h=svc[2], stride_vc_d=svc[3],
-        stride_do_c=dout.stride(0), stride_do_h=dout.stride(1), stride_do_d=dout.stride(2),
-        stride_dq_c=dq.stride(0), stride_dq_h=dq.stride(1), stride_dq_d=dq.stride(2),
-        stride_lse_h=lse.stride(0), stride_delta_h=delta.stride(0), HAS_OWN=bool(include_own),
-        PART=past_start > 0, USE_TMA=tma, n_rows=kc.shape[0] * kc.shape[1] if tma else 0,
-        n_cols=kc.shape[2] * kc.shape[3] if tma else 0,
-        **common,
-    )
+    if with_dq:
+        dq_kernel[grid_rows](
+            q_ptr=q, k_ptr=k, v_ptr=v, k_cache_ptr=kc, v_cache_ptr=vc, block_table_ptr=bt,
+            dout_ptr=dout, lse_ptr=lse, delta_ptr=delta, dq_ptr=dq, doc_ptr=doc_arg,
+            C=C, past_start=past_start, past_len=past_len, qk_scale=scale * LOG2E, softmax_scale=scale,
+            stride_q_c=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
+            stride_k_c=k.stride(0), stride_k_h=k.stride(1), stride_k_d=k.stride(2),
+            stride_v_c=v.stride(0), stride_v_h=v.stride(1), stride_v_d=v.stride(2),
+            stride_kc_p=skc[0], stride_kc_t=skc[1], stride_kc_h=skc[2], stride_kc_d=skc[3],
+            stride_vc_p=svc[0], stride_vc_t=svc[1], stride_vc_h=svc[2], stride_vc_d=svc[3],
+            stride_do_c=dout.stride(0), stride_do_h=dout.stride(1), stride_do_d=dout.stride(2),
+            stride_dq_c=dq.stride(0), stride_dq_h=dq.stride(1), stride_dq_d=dq.stride(2),
+            stride_lse_h=lse.stride(0), stride_delta_h=delta.stride(0), HAS_OWN=bool(include_own),
+            PART=past_start > 0, USE_TMA=tma, n_rows=kc.shape[0] * kc.shape[1] if tma else 0,
+            n_cols=kc.shape[2] * kc.shape[3] if tma else 0,
+            **common,
+        )
 
     def launch_dkdv(is_past, kk, vv, dkk, dvv, key_start, n_keys, key_off):
         def grid_keys(meta):

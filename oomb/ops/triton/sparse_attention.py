@@ -9,18 +9,18 @@ query block ``b`` (queries ``b*B .. b*B+B-1``) of KV head ``h`` attends to the p
 How the work is split (shape legend as in :mod:`oomb.ops.triton.paged_attention`; B queries per
 selection block, K selected pages per (block, KV head), n past pages):
 
-* The own chunk is the dense problem with no past, so it runs through the dense kernels
-  (:func:`~oomb.ops.triton.paged_attention.paged_attention_fwd` /
-  ``paged_attention_bwd`` with ``past_len=0``). The forward then merges the own and the past
-  partial results through their log-sum-exps (FlashAttention's rescaling, in torch: a few
-  [C, Hq, D] passes, ~2% of the attention's time at C=4096 and 64 selected pages); the dq
-  kernel's past part is added to the own part.
-* Forward and dq (past part): one program per (row tile of ONE query block, KV head). Rows are
-  the dense kernels' query-major (query, head-in-group) pairs, so a tile holds all G heads of
-  its queries and shares each K/V tile among them; a tile never straddles two query blocks.
-  The block's selected pages are walked as one virtual token sequence ``u = slot * S + t``
-  (page ``page_idx[b, h, slot]``, slot token ``t``) in ``BLOCK_N`` tiles, so a tile may span
-  several selected pages or part of one, whatever ``page_size``.
+* Forward and dq: one program per (row tile of ONE query block, KV head), over the block's selected past pages
+  and then the chunk's own keys (causal, the dense kernels' own-chunk loop, :func:`.tiles._own_fwd` /
+  :func:`.tiles._own_dq`), in one online softmax: the output, its log-sum-exp and dq are written once, in their
+  final dtype (no merge of partial results, no second launch). Rows are the dense kernels' query-major (query,
+  head-in-group) pairs, so a tile holds all G heads of its queries and shares each K/V tile among them; a tile
+  never straddles two query blocks. The last query block is launched first (it has the most own keys). The
+  block's selected pages are walked as one virtual token sequence ``u = slot * S + t`` (page
+  ``page_idx[b, h, slot]``, slot token ``t``) in ``BLOCK_N`` tiles, so a tile may span several selected pages or
+  part of one, whatever ``page_size``. A chunk with no past pages (or none selected) runs the dense kernels
+  (:func:`~oomb.ops.triton.paged_attention.paged_attention_fwd` / ``paged_attention_bwd`` with ``past_len=0``).
+* dK/dV of the own keys: the dense kernel (``paged_attention_bwd`` with ``past_len=0``, no dq), with the
+  same ``delta = rowsum(dout * out)`` as the sparse kernels, computed once.
 * dK/dV (past): one program per (past page, token tile of it, KV head), which loops over the
   query blocks that selected the page -- an inverse (CSR) map the launcher builds from
   ``page_idx`` -- and over their row tiles, in ascending order, then does ONE read-add-write
@@ -31,8 +31,7 @@ selection block, K selected pages per (block, KV head), n past pages):
   first (longest-processing-time order): the sink and local pages, which every block selects,
   would otherwise be among the last launched and finish alone.
 
-Rows that see no past key (no page selected, or packed documents) give ``out_past = 0`` and
-``lse_past = -inf``, and merge to the own-chunk result.
+Every row sees at least its own key (the diagonal), so every output row and log-sum-exp is finite.
 
 Tensor descriptors (TMA, Hopper or newer; :mod:`.tma`): the forward and dq kernels read the K/V tiles of full
 selected pages through descriptors of the pool seen as [P * S, Hkv * D] (a partial last page of the past, and
@@ -42,7 +41,7 @@ loops may round differently).
 
 Settings: the ``kernels`` argument (a :class:`oomb.config.KernelConfig`); these kernels read its ``autotune``,
 ``fwd_tma`` (forward), ``bwd_tma`` (dq) and ``dkdv_tma`` (dK/dV), and the own-chunk calls of the dense kernels
-read theirs as well.
+read theirs as well (they run the own chunk's dK/dV, and chunks without past pages).
 """
 
 from __future__ import annotations
@@ -52,7 +51,7 @@ import triton
 
 from ...config.engine import KernelConfig
 from ..sparse_select import PageSelection
-from .inputs import LOG2E, _alloc, _check_doc, _check_inputs, _dot_precision, _drain_streams_before_first_tune
+from .inputs import LOG2E, _alloc, _check_doc, _check_inputs, _delta, _dot_precision, _drain_streams_before_first_tune
 from .interpreter import INTERPRET
 from .paged_attention import paged_attention_bwd, paged_attention_fwd
 from .sparse_kernels import _sparse_attn_bwd_dkdv_kernel, _sparse_attn_bwd_dq_kernel, _sparse_attn_fwd_kernel
@@ -136,12 +135,10 @@ def sparse_attention_fwd(
     C, Hq, Hkv, D, page_size, scale = _check_inputs(q, k, v, k_cache, v_cache, block_table, past_len, softmax_scale)
     page_idx, counts = _check_selection(sel, C, Hkv, past_len, page_size, q.device)
     doc = _check_doc(q_doc_start, C, past_len, q.device)
-    out_own, lse_own = paged_attention_fwd(q, k, v, None, None, None, 0, scale, q_doc_start=_shift(doc, past_len),
-                                           kernels=kernels)
     if not _has_past(sel, past_len) or C == 0:
-        return out_own, lse_own
-    out_p = _alloc((C, Hq, D), torch.float32, q.device)
-    lse_p = _alloc((Hq, C), torch.float32, q.device)
+        return paged_attention_fwd(q, k, v, None, None, None, 0, scale, q_doc_start=_shift(doc, past_len), kernels=kernels)
+    out = _alloc((C, Hq, D), q.dtype, q.device)
+    lse = _alloc((Hq, C), torch.float32, q.device)
     nb = page_idx.shape[0]
     bt = block_table.contiguous()
 
@@ -150,23 +147,20 @@ def sparse_attention_fwd(
 
     skc, svc = k_cache.stride(), v_cache.stride()
     fwd_kernel[grid](
-        q_ptr=q, k_cache_ptr=k_cache, v_cache_ptr=v_cache, block_table_ptr=bt, sel_ptr=page_idx, counts_ptr=counts,
-        out_ptr=out_p, lse_ptr=lse_p, doc_ptr=doc if doc is not None else bt,
+        q_ptr=q, k_ptr=k, v_ptr=v, k_cache_ptr=k_cache, v_cache_ptr=v_cache, block_table_ptr=bt, sel_ptr=page_idx,
+        counts_ptr=counts, out_ptr=out, lse_ptr=lse, doc_ptr=doc if doc is not None else bt,
         C=C, past_len=past_len, qk_scale=scale * LOG2E,
         stride_q_c=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
+        stride_k_c=k.stride(0), stride_k_h=k.stride(1), stride_k_d=k.stride(2),
+        stride_v_c=v.stride(0), stride_v_h=v.stride(1), stride_v_d=v.stride(2),
         stride_kc_p=skc[0], stride_kc_t=skc[1], stride_kc_h=skc[2], stride_kc_d=skc[3],
         stride_vc_p=svc[0], stride_vc_t=svc[1], stride_vc_h=svc[2], stride_vc_d=svc[3],
         stride_sel_b=page_idx.stride(0), stride_sel_h=page_idx.stride(1),
         stride_cnt_b=counts.stride(0), stride_cnt_h=counts.stride(1),
-        stride_o_c=out_p.stride(0), stride_o_h=out_p.stride(1), stride_o_d=out_p.stride(2),
-        stride_lse_h=lse_p.stride(0),
+        stride_o_c=out.stride(0), stride_o_h=out.stride(1), stride_o_d=out.stride(2),
+        stride_lse_h=lse.stride(0),
         **_common(q, sel, D, page_size, doc), **_tma_args(fwd_kernel, k_cache, v_cache, D, page_size, doc, kernels.fwd_tma),
     )
-    # Merge the own-chunk and selected-past partial softmaxes (lse_own is finite: the diagonal).
-    lse = torch.logaddexp(lse_own, lse_p)
-    w_own = torch.exp(lse_own - lse).t()[..., None]  # [C, Hq, 1]
-    w_past = torch.exp(lse_p - lse).t()[..., None]
-    out = (out_own.float() * w_own + out_p * w_past).to(q.dtype)
     return out, lse
 
 
@@ -238,33 +232,37 @@ def sparse_attention_bwd(
         for name, t in (("dk_cache", dk_cache), ("dv_cache", dv_cache)):
             if t is None or t.shape != k_cache.shape or t.dtype != torch.float32 or t.device != q.device:
                 raise ValueError(f"a selection with past pages needs {name} float32 {tuple(k_cache.shape)} on {q.device}")
-    # Own chunk: the dense kernels with no past (they use the full lse and delta, so this is exact).
-    dq_own, dk, dv = paged_attention_bwd(dout, q, k, v, out, lse, None, None, None, 0, None, None, scale,
-                                         q_doc_start=_shift(doc, past_len), kernels=kernels)
     if not has_past:
-        return dq_own, dk, dv
-    delta = (dout.float() * out.float()).sum(-1).t().contiguous()
+        return paged_attention_bwd(dout, q, k, v, out, lse, None, None, None, 0, None, None, scale,
+                                   q_doc_start=_shift(doc, past_len), kernels=kernels)
+    delta = _delta(dout, out)
+    # The own keys' dK/dV: the dense kernel with no past (it uses the full lse and delta, so this is exact); their
+    # dq is the sparse dq kernel's own-chunk loop.
+    _, dk, dv = paged_attention_bwd(dout, q, k, v, out, lse, None, None, None, 0, None, None, scale,
+                                    q_doc_start=_shift(doc, past_len), delta=delta, with_dq=False, kernels=kernels)
     bt = block_table.contiguous()
     doc_arg = doc if doc is not None else bt
     common = _common(q, sel, D, page_size, doc)
     nb = page_idx.shape[0]
     skc, svc = k_cache.stride(), v_cache.stride()
-    dq_p = _alloc((C, Hq, D), torch.float32, q.device)
+    dq = _alloc((C, Hq, D), q.dtype, q.device)
 
     def grid_rows(meta):
         return (nb * triton.cdiv(sel.block_size * (Hq // Hkv), meta["BLOCK_M"]), Hkv)
 
     dq_kernel[grid_rows](
-        q_ptr=q, k_cache_ptr=k_cache, v_cache_ptr=v_cache, block_table_ptr=bt, sel_ptr=page_idx, counts_ptr=counts,
-        dout_ptr=dout, lse_ptr=lse, delta_ptr=delta, dq_ptr=dq_p, doc_ptr=doc_arg,
+        q_ptr=q, k_ptr=k, v_ptr=v, k_cache_ptr=k_cache, v_cache_ptr=v_cache, block_table_ptr=bt, sel_ptr=page_idx,
+        counts_ptr=counts, dout_ptr=dout, lse_ptr=lse, delta_ptr=delta, dq_ptr=dq, doc_ptr=doc_arg,
         C=C, past_len=past_len, qk_scale=scale * LOG2E, softmax_scale=scale,
         stride_q_c=q.stride(0), stride_q_h=q.stride(1), stride_q_d=q.stride(2),
+        stride_k_c=k.stride(0), stride_k_h=k.stride(1), stride_k_d=k.stride(2),
+        stride_v_c=v.stride(0), stride_v_h=v.stride(1), stride_v_d=v.stride(2),
         stride_kc_p=skc[0], stride_kc_t=skc[1], stride_kc_h=skc[2], stride_kc_d=skc[3],
         stride_vc_p=svc[0], stride_vc_t=svc[1], stride_vc_h=svc[2], stride_vc_d=svc[3],
         stride_sel_b=page_idx.stride(0), stride_sel_h=page_idx.stride(1),
         stride_cnt_b=counts.stride(0), stride_cnt_h=counts.stride(1),
         stride_do_c=dout.stride(0), stride_do_h=dout.stride(1), stride_do_d=dout.stride(2),
-        stride_dq_c=dq_p.stride(0), stride_dq_h=dq_p.stride(1), stride_dq_d=dq_p.stride(2),
+        stride_dq_c=dq.stride(0), stride_dq_h=dq.stride(1), stride_dq_d=dq.stride(2),
         stride_lse_h=lse.stride(0), stride_delta_h=delta.stride(0),
         **common, **_tma_args(dq_kernel, k_cache, v_cache, D, page_size, doc, kernels.bwd_tma),
     )
@@ -296,5 +294,4 @@ def sparse_attention_bwd(
         stride_lse_h=lse.stride(0), stride_delta_h=delta.stride(0),
         **common, QO_TMA=q_tma,
     )
-    dq = (dq_own.float() + dq_p).to(q.dtype)
     return dq, dk, dv

@@ -1,5 +1,6 @@
-"""Kernels of the Triton sparse paged attention: forward and dq over each query block's selected past pages, and
-dK/dV per selected (past page, token tile, KV head) through the inverse (CSR) map of the selection.
+"""Kernels of the Triton sparse paged attention: forward and dq over each query block's selected past pages and the
+chunk's own keys (causal) in one pass, and dK/dV per selected (past page, token tile, KV head) through the inverse
+(CSR) map of the selection (the own keys' dK/dV are the dense kernel's).
 
 Contract and work split: :mod:`oomb.ops.triton.sparse_attention`, whose launchers validate every input (the
 kernels check nothing).
@@ -12,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .autotune import RestoreRows, tuned
-from .tiles import _dq_tile, _fwd_tile, _load_rows
+from .tiles import _dq_tile, _fwd_tile, _load_rows, _own_dq, _own_fwd
 
 __all__ = ["DKDV_GPU_CONFIGS", "DQ_GPU_CONFIGS", "FWD_GPU_CONFIGS", "_sparse_attn_bwd_dkdv_kernel",
            "_sparse_attn_bwd_dq_kernel", "_sparse_attn_fwd_kernel"]
@@ -42,12 +43,15 @@ _DKDV_RESTORE = RestoreRows(("dk_cache_ptr", "dv_cache_ptr"), _dkdv_rows)
 
 @triton.jit
 def _block_rows(pid, C, G: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Program -> (query block b, first row, end row of the block, rows [BLOCK_M])."""
+    """Program -> (query block b, first row, end row of the block, rows [BLOCK_M], first and last query of the
+    tile's rows). The last block comes first: it has the most own (causal) keys, so the longest programs start
+    first instead of running alone at the end."""
     tiles = tl.cdiv(BLOCK_Q * G, BLOCK_M)
-    b = pid // tiles
+    b = tl.cdiv(C, BLOCK_Q) - 1 - pid // tiles
     row0 = b * BLOCK_Q * G + (pid % tiles) * BLOCK_M
     row_end = tl.minimum((b + 1) * BLOCK_Q, C) * G
-    return b, row0, row_end, row0 + tl.arange(0, BLOCK_M)
+    i_hi = (tl.minimum(row0 + BLOCK_M, row_end) - 1) // G
+    return b, row0, row_end, row0 + tl.arange(0, BLOCK_M), row0 // G, i_hi
 
 
 @triton.jit
@@ -88,19 +92,23 @@ def _page_tile(k_desc, v_desc, sel_row_ptr, block_table_ptr, u0, col, PAGE_SIZE:
 @triton.jit
 def _sparse_attn_fwd_kernel(
     q_ptr,  # [C, Hq, D]
+    k_ptr,  # [C, Hkv, D] own keys
+    v_ptr,  # [C, Hkv, D] own values
     k_cache_ptr,  # [P, S, Hkv, D]
     v_cache_ptr,  # [P, S, Hkv, D]
     block_table_ptr,  # int32 [n] logical past page -> pool page
     sel_ptr,  # int32 [nb, Hkv, K] selected logical pages (ascending)
     counts_ptr,  # int32 [nb, Hkv]
-    out_ptr,  # fp32 [C, Hq, D] attention over the selected past only
-    lse_ptr,  # fp32 [Hq, C] its log-sum-exp (-inf where nothing is visible)
-    doc_ptr,  # int32 [C] (HAS_DOC only)
+    out_ptr,  # [C, Hq, D] attention over the selected past and the own chunk (causal), q's dtype
+    lse_ptr,  # fp32 [Hq, C] its log-sum-exp
+    doc_ptr,  # int32 [C] absolute first token of each query's document (HAS_DOC only)
     C,
     past_len,
     qk_scale,  # softmax_scale * log2(e)
     n_rows, n_cols,  # USE_TMA: the pools seen as [n_rows, n_cols] = [P * S, Hkv * D]
     stride_q_c, stride_q_h, stride_q_d,
+    stride_k_c, stride_k_h, stride_k_d,
+    stride_v_c, stride_v_h, stride_v_d,
     stride_kc_p, stride_kc_t, stride_kc_h, stride_kc_d,
     stride_vc_p, stride_vc_t, stride_vc_h, stride_vc_d,
     stride_sel_b, stride_sel_h,
@@ -120,7 +128,7 @@ def _sparse_attn_fwd_kernel(
     BLOCK_N: tl.constexpr,
 ):
     hkv = tl.program_id(1).to(tl.int64)
-    b, row0, row_end, offs_r = _block_rows(tl.program_id(0), C, G, BLOCK_Q, BLOCK_M)
+    b, row0, row_end, offs_r, i_lo, i_hi = _block_rows(tl.program_id(0), C, G, BLOCK_Q, BLOCK_M)
     r_mask = offs_r < row_end
     i_q = offs_r // G
     head = hkv * G + offs_r % G
@@ -130,8 +138,11 @@ def _sparse_attn_fwd_kernel(
     q = _load_rows(q_ptr, i_q.to(tl.int64) * stride_q_c + head * stride_q_h, r_mask, offs_d, d_mask, stride_q_d)
     if UPCAST:
         q = q.to(tl.float32)
+    doc = i_q  # read only with HAS_DOC
+    doc_lo = row0
     if HAS_DOC:
         doc = tl.load(doc_ptr + i_q, mask=r_mask, other=0)
+        doc_lo = tl.load(doc_ptr + i_lo)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -163,11 +174,16 @@ def _sparse_attn_fwd_kernel(
         if HAS_DOC:
             s_mask = s_mask & (tok[None, :] >= doc[:, None])
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k, v, s_mask, qk_scale, True, DOT_PREC)
-    seen = l_i > 0
-    acc = acc / tl.where(seen, l_i, 1.0)[:, None]
+    acc, m_i, l_i = _own_fwd(acc, m_i, l_i, q, k_ptr + hkv * stride_k_h, v_ptr + hkv * stride_v_h, i_q, i_lo, i_hi, doc,
+                             doc_lo, C, past_len, qk_scale, offs_n, offs_d, d_mask, stride_k_c, stride_k_d, stride_v_c,
+                             stride_v_d, HAS_DOC, UPCAST, DOT_PREC, BLOCK_N)
+    # Every real row saw at least its own key (the diagonal), so l_i > 0; rows past the block are not stored.
+    l_i = tl.where(r_mask, l_i, 1.0)
+    acc = acc / l_i[:, None]
     o_off = i_q.to(tl.int64) * stride_o_c + head * stride_o_h
-    tl.store(out_ptr + o_off[:, None] + offs_d[None, :] * stride_o_d, acc, mask=r_mask[:, None] & d_mask[None, :])
-    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    tl.store(out_ptr + o_off[:, None] + offs_d[None, :] * stride_o_d, acc.to(out_ptr.dtype.element_ty),
+             mask=r_mask[:, None] & d_mask[None, :])
+    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # natural-log units
     tl.store(lse_ptr + head * stride_lse_h + i_q, lse, mask=r_mask)
 
 
@@ -175,6 +191,8 @@ def _sparse_attn_fwd_kernel(
 @triton.jit
 def _sparse_attn_bwd_dq_kernel(
     q_ptr,  # [C, Hq, D]
+    k_ptr,  # [C, Hkv, D] own keys
+    v_ptr,  # [C, Hkv, D] own values
     k_cache_ptr,  # [P, S, Hkv, D]
     v_cache_ptr,  # [P, S, Hkv, D]
     block_table_ptr,  # int32 [n]
@@ -183,7 +201,7 @@ def _sparse_attn_bwd_dq_kernel(
     dout_ptr,  # [C, Hq, D]
     lse_ptr,  # fp32 [Hq, C] of the whole (own + selected past) attention
     delta_ptr,  # fp32 [Hq, C]
-    dq_ptr,  # fp32 [C, Hq, D] past part of dq (written)
+    dq_ptr,  # [C, Hq, D] dq over the selected past and the own chunk (written, q's dtype)
     doc_ptr,  # int32 [C] (HAS_DOC only)
     C,
     past_len,
@@ -191,6 +209,8 @@ def _sparse_attn_bwd_dq_kernel(
     softmax_scale,
     n_rows, n_cols,  # USE_TMA: the pools seen as [n_rows, n_cols] = [P * S, Hkv * D]
     stride_q_c, stride_q_h, stride_q_d,
+    stride_k_c, stride_k_h, stride_k_d,
+    stride_v_c, stride_v_h, stride_v_d,
     stride_kc_p, stride_kc_t, stride_kc_h, stride_kc_d,
     stride_vc_p, stride_vc_t, stride_vc_h, stride_vc_d,
     stride_sel_b, stride_sel_h,
@@ -212,7 +232,7 @@ def _sparse_attn_bwd_dq_kernel(
     BLOCK_N: tl.constexpr,
 ):
     hkv = tl.program_id(1).to(tl.int64)
-    b, row0, row_end, offs_r = _block_rows(tl.program_id(0), C, G, BLOCK_Q, BLOCK_M)
+    b, row0, row_end, offs_r, i_lo, i_hi = _block_rows(tl.program_id(0), C, G, BLOCK_Q, BLOCK_M)
     r_mask = offs_r < row_end
     i_q = offs_r // G
     head = hkv * G + offs_r % G
@@ -224,8 +244,11 @@ def _sparse_attn_bwd_dq_kernel(
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
+    doc = i_q  # read only with HAS_DOC
+    doc_lo = row0
     if HAS_DOC:
         doc = tl.load(doc_ptr + i_q, mask=r_mask, other=0)
+        doc_lo = tl.load(doc_ptr + i_lo)
     lse2 = tl.load(lse_ptr + head * stride_lse_h + i_q, mask=r_mask, other=0.0) * 1.4426950408889634
     delta = tl.load(delta_ptr + head * stride_delta_h + i_q, mask=r_mask, other=0.0)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -257,9 +280,13 @@ def _sparse_attn_bwd_dq_kernel(
         if HAS_DOC:
             s_mask = s_mask & (tok[None, :] >= doc[:, None])
         dq = _dq_tile(dq, q, do, k, v, lse2, delta, s_mask, qk_scale, True, DOT_PREC)
+    dq = _own_dq(dq, q, do, k_ptr + hkv * stride_k_h, v_ptr + hkv * stride_v_h, lse2, delta, i_q, i_lo, i_hi, doc, doc_lo,
+                 C, past_len, qk_scale, offs_n, offs_d, d_mask, stride_k_c, stride_k_d, stride_v_c, stride_v_d, HAS_DOC,
+                 UPCAST, DOT_PREC, BLOCK_N)
     dq = dq * softmax_scale
     dq_off = i_q.to(tl.int64) * stride_dq_c + head * stride_dq_h
-    tl.store(dq_ptr + dq_off[:, None] + offs_d[None, :] * stride_dq_d, dq, mask=r_mask[:, None] & d_mask[None, :])
+    tl.store(dq_ptr + dq_off[:, None] + offs_d[None, :] * stride_dq_d, dq.to(dq_ptr.dtype.element_ty),
+             mask=r_mask[:, None] & d_mask[None, :])
 
 
 @tuned(DKDV_GPU_CONFIGS, key=_DKDV_KEY, pre_hook=_DKDV_RESTORE.pre_hook, post_hook=_DKDV_RESTORE.post_hook)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["_dq_tile", "_fwd_tile", "_load_rows", "_past_from", "_past_token_offsets"]
+__all__ = ["_dq_tile", "_fwd_tile", "_load_rows", "_own_dq", "_own_fwd", "_past_from", "_past_token_offsets"]
 
 @triton.jit
 def _load_rows(ptr, row_off, r_mask, offs_d, d_mask, stride_d):
@@ -70,3 +70,69 @@ def _dq_tile(dq, q, do, k, v, lse2, delta, s_mask, qk_scale, MASKED: tl.constexp
     ds = p * (dp - delta[:, None])
     return dq + tl.dot(ds.to(k.dtype), k, input_precision=DOT_PREC)
 
+
+
+@triton.jit
+def _own_tile(ko, vo, j0, C, offs_n, offs_d, d_mask, stride_k_c, stride_k_d, stride_v_c, stride_v_d, UPCAST: tl.constexpr):
+    """Own keys/values [BLOCK_N, BLOCK_D] from chunk position ``j0`` (rows past C read 0), and the key positions."""
+    j = j0 + offs_n
+    j_mask = j < C
+    k = _load_rows(ko, j.to(tl.int64) * stride_k_c, j_mask, offs_d, d_mask, stride_k_d)
+    v = _load_rows(vo, j.to(tl.int64) * stride_v_c, j_mask, offs_d, d_mask, stride_v_d)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    return k, v, j, j_mask
+
+
+@triton.jit
+def _own_range(i_lo, doc_lo, past_len, HAS_DOC: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(end of the unmasked own tiles, start of the masked ones) for a row tile whose first query is ``i_lo``.
+
+    Causal: own key j is visible to query i iff j <= i, so tiles entirely at or below the first query need no
+    mask and the diagonal tiles do. Packed documents (own key j at absolute token past_len + j): tiles before
+    the tile's first document start ``doc_lo`` are skipped and every other own tile is masked."""
+    own_full = ((i_lo + 1) // BLOCK_N) * BLOCK_N
+    masked_start = own_full
+    if HAS_DOC:
+        masked_start = ((tl.maximum(doc_lo - past_len, 0)) // BLOCK_N) * BLOCK_N
+        own_full = 0
+    return own_full, masked_start
+
+
+@triton.jit
+def _own_fwd(acc, m_i, l_i, q, ko, vo, i_q, i_lo, i_hi, doc, doc_lo, C, past_len, qk_scale, offs_n, offs_d, d_mask,
+             stride_k_c, stride_k_d, stride_v_c, stride_v_d,
+             HAS_DOC: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Online-softmax steps of rows with queries ``i_q`` (in [i_lo, i_hi]) over the chunk's own keys ``ko``/``vo``
+    ([C, D] of one KV head), causal, packed documents masked (``doc``: absolute first token of each row's
+    document, HAS_DOC only)."""
+    own_full, masked_start = _own_range(i_lo, doc_lo, past_len, HAS_DOC, BLOCK_N)
+    for j0 in range(0, own_full, BLOCK_N):
+        k, v, j, j_mask = _own_tile(ko, vo, j0, C, offs_n, offs_d, d_mask, stride_k_c, stride_k_d, stride_v_c, stride_v_d, UPCAST)
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k, v, None, qk_scale, False, DOT_PREC)
+    for j0 in range(masked_start, i_hi + 1, BLOCK_N):
+        k, v, j, j_mask = _own_tile(ko, vo, j0, C, offs_n, offs_d, d_mask, stride_k_c, stride_k_d, stride_v_c, stride_v_d, UPCAST)
+        s_mask = (j[None, :] <= i_q[:, None]) & j_mask[None, :]
+        if HAS_DOC:
+            s_mask = s_mask & ((past_len + j)[None, :] >= doc[:, None])
+        acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, k, v, s_mask, qk_scale, True, DOT_PREC)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _own_dq(dq, q, do, ko, vo, lse2, delta, i_q, i_lo, i_hi, doc, doc_lo, C, past_len, qk_scale, offs_n, offs_d, d_mask,
+            stride_k_c, stride_k_d, stride_v_c, stride_v_d,
+            HAS_DOC: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dq of rows with queries ``i_q`` over the chunk's own keys (as :func:`_own_fwd`; p recomputed from lse)."""
+    own_full, masked_start = _own_range(i_lo, doc_lo, past_len, HAS_DOC, BLOCK_N)
+    for j0 in range(0, own_full, BLOCK_N):
+        k, v, j, j_mask = _own_tile(ko, vo, j0, C, offs_n, offs_d, d_mask, stride_k_c, stride_k_d, stride_v_c, stride_v_d, UPCAST)
+        dq = _dq_tile(dq, q, do, k, v, lse2, delta, None, qk_scale, False, DOT_PREC)
+    for j0 in range(masked_start, i_hi + 1, BLOCK_N):
+        k, v, j, j_mask = _own_tile(ko, vo, j0, C, offs_n, offs_d, d_mask, stride_k_c, stride_k_d, stride_v_c, stride_v_d, UPCAST)
+        s_mask = (j[None, :] <= i_q[:, None]) & j_mask[None, :]
+        if HAS_DOC:
+            s_mask = s_mask & ((past_len + j)[None, :] >= doc[:, None])
+        dq = _dq_tile(dq, q, do, k, v, lse2, delta, s_mask, qk_scale, True, DOT_PREC)
+    return dq
