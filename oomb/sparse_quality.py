@@ -34,10 +34,11 @@ def dense_like_sparse(config: OOMBConfig, device: torch.device) -> OOMBConfig:
 
 
 def check_budgets(budgets: Sequence[int]) -> list[int]:
-    """``budgets`` as a list of page counts, or ValueError naming them when one is not an int >= 1."""
+    """``budgets`` as a list of page counts, or ValueError naming them when one is not an int >= 0 (0: the sink and
+    local pages only, as ``SparseConfig.page_budget`` allows)."""
     budgets = list(budgets)
-    if any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in budgets):
-        raise ValueError(f"budgets must be page counts >= 1, got {budgets}")
+    if any(isinstance(b, bool) or not isinstance(b, int) or b < 0 for b in budgets):
+        raise ValueError(f"budgets must be page counts >= 0, got {budgets}")
     return budgets
 
 

@@ -181,7 +181,9 @@ def _warn_if_sparse_is_dense(args: argparse.Namespace) -> None:
     why = (f"--page-budget {args.page_budget} + --sink-pages {args.sink_pages} + --local-pages {args.local_pages} = "
            f"{kept} pages cover all {past} past pages of the last chunk" if past else
            f"the sequence is one chunk (--chunk-size {args.chunk_size}), which has no past page to choose from")
-    fix = ("use a longer --seq-len, a smaller --page-budget or --local-pages" if past else
+    flags = [f"--{n.replace('_', '-')}" for n in ("page_budget", "sink_pages", "local_pages") if getattr(args, n) > 0]
+    smaller = " or ".join([", ".join(flags[:-1]), flags[-1]] if len(flags) > 1 else flags)
+    fix = (f"use a longer --seq-len or a smaller {smaller}" if past else
            "use a --chunk-size below --seq-len (sparse attention selects among the pages of earlier chunks)")
     warnings.warn(
         f"--sparse at --seq-len {args.seq_len}: {why}, so the sparse selection keeps every page and attention is "

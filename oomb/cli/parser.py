@@ -170,7 +170,7 @@ _DESCRIPTIONS = {
         "per parameter). Nothing is trained or written, except --json.",
     ),
     "eval": (
-        "held-out loss at long context, dense and with sparse attention",
+        "held-out loss or passkey / needle retrieval at long context, dense and with sparse attention",
         "Evaluate the mean token loss of a model on consecutive, non-overlapping --seq-len token windows of the data, "
         "in file order (not shuffled: two runs read the same tokens), once with dense attention and once per sparse "
         "page budget. Prints a Markdown table (loss, perplexity, change vs dense, tokens, seconds); nothing is "

@@ -103,8 +103,9 @@ class ModelConfig:
     saved in config.json)."""
 
     lora_rank: int = 0
-    """LoRA rank (peft) on the layers lora_targets names; 0: full fine-tune; at most the adapted layers' smaller
-    size."""
+    """LoRA rank (peft) on the layers lora_targets names; 0: full fine-tune. A rank above every q/k/v/o
+    projection's smaller dimension is refused (an adapter that large expresses nothing a full update cannot, in
+    any of them)."""
 
     lora_alpha: Optional[float] = None
     """LoRA alpha; default: 2 x lora_rank."""

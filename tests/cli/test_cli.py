@@ -1180,12 +1180,15 @@ def test_an_offload_budget_that_holds_every_page_is_warned_about_once(tmp_path, 
     assert "warning" not in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("extra, dense", [
-    ([], True),  # the defaults, 64 + 1 + 8 pages, hold the 2 past pages of FAST's last chunk
-    (["--page-budget", "1", "--sink-pages", "1", "--local-pages", "0"], True),  # 2 pages: exactly the past
-    (["--page-budget", "1", "--sink-pages", "0", "--local-pages", "0"], False),  # 1 of 2 past pages: sparse
+@pytest.mark.parametrize("extra, dense, smaller", [
+    # the defaults, 64 + 1 + 8 pages, hold the 2 past pages of FAST's last chunk
+    ([], True, "--page-budget, --sink-pages or --local-pages"),
+    (["--page-budget", "1", "--sink-pages", "1", "--local-pages", "0"], True, "--page-budget or --sink-pages"),  # exactly
+    # a budget of 0 cannot shrink: the fix names only the others
+    (["--page-budget", "0", "--sink-pages", "1", "--local-pages", "1"], True, "--sink-pages or --local-pages"),
+    (["--page-budget", "1", "--sink-pages", "0", "--local-pages", "0"], False, None),  # 1 of 2 past pages: sparse
 ])
-def test_a_sparse_setting_that_keeps_every_page_is_warned_about_once(tmp_path, text_file, capsys, extra, dense):
+def test_a_sparse_setting_that_keeps_every_page_is_warned_about_once(tmp_path, text_file, capsys, extra, dense, smaller):
     """--page-budget + --sink-pages + --local-pages covering every past page of the last chunk made sparse attention
     exactly dense at that length without a word: `oomb train` (once per run, not per step) and `oomb plan` warn."""
     assert run_cli(["train", "--data", text_file, "--output-dir", tmp_path / "run", *FAST, "--sparse", *extra]) == 0
@@ -1194,7 +1197,7 @@ def test_a_sparse_setting_that_keeps_every_page_is_warned_about_once(tmp_path, t
     assert warned == ([f"oomb: warning: --sparse at --seq-len 128: --page-budget {extra[1] if extra else 64} + --sink-pages "
                        f"{extra[3] if extra else 1} + --local-pages {extra[5] if extra else 8} = {kept} pages cover all 2 past "
                        "pages of the last chunk, so the sparse selection keeps every page and attention is dense (correct, "
-                       "just not sparse); use a longer --seq-len, a smaller --page-budget or --local-pages, or drop --sparse"]
+                       f"just not sparse); use a longer --seq-len or a smaller {smaller}, or drop --sparse"]
                       if dense else [])
     assert run_cli(["plan", "--model", "tiny", "--seq-len", "128", "--chunk-size", "64", "--page-size", "32", "--gpu-gib", "8",
                     "--host-gib", "8", "--sparse", *extra]) == 0

@@ -276,3 +276,13 @@ def test_engine_passes_its_kernel_settings_to_every_attention_call(monkeypatch):
     Engine(model, cfg).step(torch.randint(0, VOCAB, (1, 40)))
     assert {name for name, _ in seen} == {"_fwd", "_bwd", "_sparse_fwd", "_sparse_bwd"}
     assert all(k is kernels for _, k in seen), {name for name, k in seen if k is not kernels}
+
+
+def test_budget_lists_take_zero_as_the_sink_and_local_pages_only():
+    """eval and grad-error take the page budgets SparseConfig takes: 0 (only the sink and local pages) is one."""
+    from oomb.sparse_quality import check_budgets
+
+    assert check_budgets((0, 4)) == [0, 4]
+    for bad in ([-1], [1.5], [True]):
+        with pytest.raises(ValueError, match="page counts >= 0"):
+            check_budgets(bad)
