@@ -103,5 +103,5 @@ def test_bad_scoring_input_is_refused(tok):
     with pytest.raises(ValueError, match="prompts is empty"):
         evaluate_retrieval(model, [], OOMBConfig())
     p = passkey_prompt(tok, 120, 0.0)
-    with pytest.raises(ValueError, match="budgets must be page counts"):
-        evaluate_retrieval(model, [p], OOMBConfig(), budgets=[0])
+    with pytest.raises(ValueError, match="budgets must be page counts >= 0"):
+        evaluate_retrieval(model, [p], OOMBConfig(), budgets=[-1])
