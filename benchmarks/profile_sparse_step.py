@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_sparse import build, engine_config  # noqa: E402
+from overrides import add_set_argument  # noqa: E402
 
 from oomb import Engine  # noqa: E402
 
@@ -59,8 +60,8 @@ def main(argv=None) -> int:
     ap.add_argument("--gpu-page-budget", type=int, default=None)
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--tag", default="")
+    add_set_argument(ap)
     args = ap.parse_args(argv)
-    args.sets = []
     from torch.profiler import ProfilerActivity, profile
 
     device = torch.device("cuda")
@@ -99,7 +100,8 @@ def main(argv=None) -> int:
     total = sum(groups.values())
     stem = os.path.join(args.out, f"profile_sparse_{args.model}_{args.length}{args.tag}")
     os.makedirs(args.out, exist_ok=True)
-    lines = [f"# sparse step, {args.model}, {args.length} tokens, chunk {args.chunk_size}, budget {args.page_budget}: "
+    lines = [f"# sparse step, {args.model}, {args.length} tokens, chunk {args.chunk_size}, budget {args.page_budget}"
+             f"{(', ' + ', '.join(args.sets)) if args.sets else ''}: "
              f"step {plain:.2f} s without the profiler ({warm:.2f} s warm-up), {wall:.2f} s with it; "
              f"GPU kernel time {total:.2f} s", "", "| group | GPU s | share |", "|---|---:|---:|"]
     for g, s in sorted(groups.items(), key=lambda kv: -kv[1]):
