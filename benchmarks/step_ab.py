@@ -23,6 +23,8 @@ p.add_argument("--out", required=True)
 p.add_argument("--device", default="cuda")
 p.add_argument("--autotune", choices=["full", "first"], default="full",
                help="first: every Triton kernel runs its first config (both trees alike; no tuning time)")
+p.add_argument("--offload", choices=["auto", "on", "off"], default="auto",
+               help="the engine's offload mode (a tree without sections always runs its default)")
 p.add_argument("--checkpoint-layers", action="store_true")
 p.add_argument("--checkpoint-attention", choices=["keep", "recompute"], default="keep")
 p.add_argument("--fused-glue", nargs="+", choices=["none", "liger"], default=["none"],
@@ -42,8 +44,8 @@ assert oomb.__file__.startswith(os.path.abspath(a.src)), oomb.__file__
 from oomb import OOMBConfig
 ckpt = {}
 if "kernels" in OOMBConfig.__dataclass_fields__:
-    from oomb.config import KernelConfig, SparseConfig
-    ckpt = {"checkpoint_layers": a.checkpoint_layers}
+    from oomb.config import KernelConfig, OffloadConfig, SparseConfig
+    ckpt = {"checkpoint_layers": a.checkpoint_layers, "offload": OffloadConfig(mode=a.offload)}
     if a.checkpoint_layers and "checkpoint_attention" in OOMBConfig.__dataclass_fields__:
         ckpt["checkpoint_attention"] = a.checkpoint_attention
     cfg = OOMBConfig(chunk_size=4096, sparse=SparseConfig(page_budget=64) if a.sparse else None,
@@ -87,6 +89,7 @@ for glue, T in [(glue, T) for glue in a.fused_glue for T in a.lengths]:
             stage2.append(out.stage2_seconds)
         losses.append(out.loss)
     row = dict(label=a.label, api=api, model=a.model, tokens=T, sparse=a.sparse, autotune=a.autotune, fused_glue=glue,
+               offload=a.offload if api == "sections" else None,
                checkpoint_layers=a.checkpoint_layers, checkpoint_attention=ckpt.get("checkpoint_attention")
                if api == "sections" else None,
                min_s=min(times), median_s=statistics.median(times), max_s=max(times), times=times,

@@ -577,7 +577,7 @@ class Engine:
         """The training loss sum of one chunk: the fused linear cross-entropy where the glue has one, else the
         chunked cross-entropy."""
         if self._glue is not None and bool((targets != IGNORE_INDEX).any()):
-            loss_sum = self._glue.cross_entropy_sum(hidden, self._lm_head, targets)
+            loss_sum = self._glue.cross_entropy_sum(hidden, self._lm_head, targets, self.config.loss_chunk_size)
             if loss_sum is not None:
                 return loss_sum
         return chunked_cross_entropy_sum(hidden, self._lm_head, targets, self.config.loss_chunk_size)

@@ -11,7 +11,8 @@
   so it is swapped only inside :meth:`FusedGlue.active` (the engine enters it around each chunk's forward and
   backward), never for other models of the process,
 - the training cross-entropy by Liger's fused linear cross-entropy (the logits never leave the kernel's own
-  blocks; weight gradients accumulated in float32), where the output projection is a plain ``nn.Linear``.
+  blocks; weight gradients accumulated in float32), where the output projection is a plain ``nn.Linear``, in
+  blocks of at most the engine's ``loss_chunk_size`` rows (:func:`liger_chunk_mem_const`).
 
 Liger's kernels are Triton kernels for CUDA: :func:`check_fused_glue` refuses the CPU and a missing install.
 The fp64 parity tests of the engine run with ``fused_glue="none"``, the exact reference path.
@@ -33,7 +34,7 @@ import torch
 from ..config.engine import FusedGlue as FusedGlueKind
 from ..config.errors import ConfigError
 
-__all__ = ["FUSED_GLUE", "FusedGlue", "FusedGlueError", "check_fused_glue"]
+__all__ = ["FUSED_GLUE", "FusedGlue", "FusedGlueError", "check_fused_glue", "liger_chunk_mem_const"]
 
 FUSED_GLUE = get_args(FusedGlueKind)
 """The choices of the engine's ``fused_glue`` setting (declared in :mod:`oomb.config.engine`)."""
@@ -74,6 +75,39 @@ def _rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 def _swiglu_forward(self, x: torch.Tensor) -> torch.Tensor:
     return self.down_proj(self._oomb_liger.liger_swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+def _liger_rows_per_block(rows: int, hidden: int, vocab: int, mem_const: int) -> int:
+    """Rows per block of Liger's fused linear cross-entropy for ``chunk_mem_const=mem_const`` (its own formula:
+    ``next_power_of_2(cdiv(rows, cdiv(vocab, mem_const * hidden)))``, at most ``rows``)."""
+    blocks = -(-vocab // (mem_const * hidden))
+    per = -(-rows // blocks)
+    return min(1 << (per - 1).bit_length(), rows)
+
+
+def liger_chunk_mem_const(rows: int, hidden: int, vocab: int, block: int) -> int:
+    """The ``chunk_mem_const`` of Liger's fused linear cross-entropy that makes its row blocks as large as
+    possible but at most ``block`` rows (or 1, Liger's smallest blocks of about ``rows x hidden`` logits, where
+    even those are larger).
+
+    Liger's default (1) bounds the transient logits to about ``rows x hidden`` elements: about ``vocab / hidden``
+    blocks, rounded to powers of two (32 blocks of 128 rows for a 4096-row chunk of the Qwen2.5-7B shape), and
+    each block adds its GEMM into the whole float32 ``[vocab, hidden]`` weight gradient, a read and a write of
+    2.2 GB per block for that shape. At
+    ``block`` rows (the engine's ``loss_chunk_size``) the bf16 logits block is at most half the float32 block of
+    the unfused cross-entropy the memory model counts, and the weight gradient is touched ``rows / block`` times.
+
+    Args:
+        rows: rows (tokens) of the hidden states; hidden: their width; vocab: the output projection's rows;
+            block: the most rows per block (>= 1).
+
+    Returns:
+        An int >= 1.
+    """
+    mem_const = max(1, -(-vocab // hidden))  # the smallest value that makes one block of all rows
+    while mem_const > 1 and _liger_rows_per_block(rows, hidden, vocab, mem_const) > block:
+        mem_const -= 1
+    return mem_const
 
 
 def _is_rms_norm(module: torch.nn.Module) -> bool:
@@ -149,14 +183,15 @@ class FusedGlue:
                 self._modeling.apply_rotary_pos_emb = self._original_rope
                 self._original_rope = None
 
-    def cross_entropy_sum(self, hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor):
+    def cross_entropy_sum(self, hidden: torch.Tensor, lm_head: torch.nn.Module, targets: torch.Tensor, block: int):
         """Sum of the token cross-entropies of ``lm_head(hidden)`` against ``targets`` (-100: no loss), through
-        Liger's fused linear cross-entropy, or None where ``lm_head`` is not a plain ``nn.Linear`` (the caller
-        then uses the chunked cross-entropy).
+        Liger's fused linear cross-entropy in blocks of at most ``block`` rows (see :func:`liger_chunk_mem_const`),
+        or None where ``lm_head`` is not a plain ``nn.Linear`` (the caller then uses the chunked cross-entropy).
 
         Args:
             hidden: [n, hidden_size] final hidden states (after the final norm), with a graph.
             targets: int64 [n].
+            block: the most rows per logits block (the engine's ``loss_chunk_size``).
 
         Returns:
             A 0-dim float32 tensor, or None.
@@ -165,6 +200,7 @@ class FusedGlue:
             return None
         loss = self._liger.liger_fused_linear_cross_entropy(
             hidden, lm_head.weight, targets, lm_head.bias, ignore_index=-100, reduction="sum",
-            accum_dtype=torch.float32)
+            accum_dtype=torch.float32,
+            chunk_mem_const=liger_chunk_mem_const(hidden.shape[0], hidden.shape[1], lm_head.weight.shape[0], block))
         loss = loss[0] if isinstance(loss, tuple) else loss
         return loss.float()

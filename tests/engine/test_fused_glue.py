@@ -44,8 +44,9 @@ def _stand_in(calls: collections.Counter) -> types.SimpleNamespace:
         calls["rope"] += 1
         return rope(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
 
-    def flce(x, weight, target, bias=None, ignore_index=-100, reduction="mean", accum_dtype=None):
+    def flce(x, weight, target, bias=None, ignore_index=-100, reduction="mean", accum_dtype=None, chunk_mem_const=1):
         assert (ignore_index, reduction, accum_dtype) == (-100, "sum", torch.float32)
+        assert isinstance(chunk_mem_const, int) and chunk_mem_const >= 1
         calls["cross_entropy"] += 1
         logits = F.linear(x, weight, bias)
         return F.cross_entropy(logits.to(torch.promote_types(logits.dtype, torch.float32)), target,
@@ -137,3 +138,17 @@ def test_cli_refuses_fused_glue_on_the_cpu_in_one_line(tmp_path, capsys):
     assert err == ["oomb: error: --fused-glue 'liger' runs Triton kernels on CUDA, and the model is on cpu; "
                    "use --fused-glue 'none' on the CPU"]
     assert not out.exists()
+
+
+@pytest.mark.parametrize("rows,hidden,vocab,block,mem_const,per_block", [
+    (4096, 3584, 152064, 1024, 14, 1024),  # Qwen2.5-7B shape, loss_chunk_size 1024: 4 blocks (Liger's default: 32 of 128 rows)
+    (4096, 3584, 152064, 4096, 43, 4096),  # one block of every row
+    (4096, 3584, 152064, 100, 1, 128),  # below Liger's smallest block: its default
+    (4096, 896, 151936, 1024, 56, 1024),  # Qwen2.5-0.5B shape
+    (300, 64, 1000, 1024, 16, 300),  # fewer rows than a block
+])
+def test_liger_blocks_are_the_largest_within_loss_chunk_size(rows, hidden, vocab, block, mem_const, per_block):
+    c = fg.liger_chunk_mem_const(rows, hidden, vocab, block)
+    assert (c, fg._liger_rows_per_block(rows, hidden, vocab, c)) == (mem_const, per_block)
+    if c < -(-vocab // hidden):
+        assert fg._liger_rows_per_block(rows, hidden, vocab, c + 1) > block  # one more would exceed the block
