@@ -4,7 +4,10 @@ Systems:
 
 * ``hf``: the model's own forward with SDPA attention over the whole sequence, per-layer gradient
   checkpointing (non-reentrant) and a chunked cross-entropy (logits for ``loss_block`` tokens at a
-  time) -- the strongest plain-transformers setup for long sequences (docs/design.md §1);
+  time) -- the strongest plain-transformers setup for long sequences (docs/design.md §1). With the config's
+  ``fused_glue='liger'`` it runs the same Liger kernels as the engine (RMSNorm, SwiGLU, RoPE and the fused linear
+  cross-entropy in blocks of ``loss_block`` rows: what transformers' Trainer does with ``use_liger_kernel``), so
+  the two systems are compared glue for glue;
 * ``oomb``: :class:`oomb.Engine` with the given :class:`oomb.OOMBConfig`.
 
 Both are timed at the last of ``steps`` steps on the same sequence (for oomb on one engine): a first step
@@ -17,6 +20,7 @@ row with ``error="out of memory"`` and the run goes on.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 from typing import Callable, Sequence
@@ -26,16 +30,21 @@ import torch
 from .config import OOMBConfig
 from .engine.engine import Engine
 from .engine.loss import IGNORE_INDEX, chunked_cross_entropy_sum
+from .models.fused_glue import FusedGlue
 
 __all__ = ["SYSTEMS", "bench_rows", "bench_table", "hf_step", "measure"]
 
 SYSTEMS = ("hf", "oomb")
 
 
-def hf_step(model: torch.nn.Module, input_ids: torch.Tensor, loss_block: int = 1024) -> float:
+def hf_step(model: torch.nn.Module, input_ids: torch.Tensor, loss_block: int = 1024,
+            glue: FusedGlue | None = None) -> float:
     """One plain-transformers training step on ``input_ids`` ([1, T] int64): SDPA attention, per-layer
     checkpointing, chunked cross-entropy (mean over the T - 1 next-token targets); returns the loss.
-    The model's attention implementation is set to 'sdpa' and checkpointing is switched off again after."""
+    With ``glue`` (a :class:`oomb.models.fused_glue.FusedGlue` of ``model``) the forward and the checkpoint reruns
+    in backward run inside ``glue.active()`` and the loss is its fused linear cross-entropy in blocks of
+    ``loss_block`` rows. The model's attention implementation is set to 'sdpa' and checkpointing is switched off
+    again after."""
     model.set_attn_implementation("sdpa")
     # transformers >= 5.2x renamed these (the old names warn and go in v6)
     new = hasattr(model, "activation_checkpointing_enable")
@@ -45,10 +54,14 @@ def hf_step(model: torch.nn.Module, input_ids: torch.Tensor, loss_block: int = 1
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     try:
         model.train()
-        hidden = model.model(input_ids=input_ids, use_cache=False).last_hidden_state[0]
-        targets = torch.cat([input_ids[0, 1:], input_ids.new_full((1,), IGNORE_INDEX)])
-        loss = chunked_cross_entropy_sum(hidden, model.lm_head, targets, loss_block) / (targets.numel() - 1)
-        loss.backward()
+        with glue.active() if glue is not None else contextlib.nullcontext():
+            hidden = model.model(input_ids=input_ids, use_cache=False).last_hidden_state[0]
+            targets = torch.cat([input_ids[0, 1:], input_ids.new_full((1,), IGNORE_INDEX)])
+            loss_sum = None if glue is None else glue.cross_entropy_sum(hidden, model.lm_head, targets, loss_block)
+            if loss_sum is None:
+                loss_sum = chunked_cross_entropy_sum(hidden, model.lm_head, targets, loss_block)
+            loss = loss_sum / (targets.numel() - 1)
+            loss.backward()
     finally:
         model.activation_checkpointing_disable() if new else model.gradient_checkpointing_disable()
     return float(loss.detach())
@@ -79,12 +92,13 @@ def _clear(model: torch.nn.Module, device: torch.device) -> None:
 def _one(model, system: str, ids: torch.Tensor, config: OOMBConfig, steps: int, device: torch.device) -> dict:
     """Time one system on one sequence, ``steps`` times, the last one kept -> a row (without system/tokens)."""
     engine = Engine(model, config) if system == "oomb" else None
+    glue = FusedGlue(model) if system == "hf" and config.fused_glue == "liger" else None
     first = None
     for i in range(steps):
         if i:
             model.zero_grad(set_to_none=True)
         if engine is None:
-            dt, peak, loss = measure(lambda: hf_step(model, ids), device)
+            dt, peak, loss = measure(lambda: hf_step(model, ids, config.loss_chunk_size, glue), device)
         else:
             dt, peak, out = measure(lambda: engine.step(ids), device)
             loss = out.loss

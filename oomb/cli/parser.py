@@ -180,7 +180,8 @@ _DESCRIPTIONS = {
         "time one training step of oomb next to plain Hugging Face training",
         "Time one training step (forward + backward, no optimizer) of oomb's chunk-recurrent engine next to plain "
         "Hugging Face training of the same model -- SDPA attention over the whole sequence, per-layer gradient "
-        "checkpointing, chunked cross-entropy -- on the same random tokens, per --lengths. Prints seconds, tokens/s, "
+        "checkpointing, chunked cross-entropy; with --fused-glue liger the same Liger kernels as oomb -- on the same "
+        "random tokens, per --lengths. Prints seconds, tokens/s, "
         "oomb's speed relative to hf, the peak GPU memory and the first step's seconds; a step out of memory is a "
         "row, and the run goes on. Both systems are timed at their --steps'th step on the same sequence (oomb on one "
         "engine): the first allocates memory and builds kernels (oomb also its page store), which a training run "

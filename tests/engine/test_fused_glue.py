@@ -152,3 +152,22 @@ def test_liger_blocks_are_the_largest_within_loss_chunk_size(rows, hidden, vocab
     assert (c, fg._liger_rows_per_block(rows, hidden, vocab, c)) == (mem_const, per_block)
     if c < -(-vocab // hidden):
         assert fg._liger_rows_per_block(rows, hidden, vocab, c + 1) > block  # one more would exceed the block
+
+
+def test_bench_hf_baseline_runs_the_same_glue(calls):
+    """oomb bench with fused_glue='liger' compares glue for glue: the HF step runs the fused functions too (its
+    loss equals the unfused HF step's on the same tokens, the stand-ins being exact)."""
+    from oomb.bench import bench_rows, hf_step
+
+    original = modeling_qwen2.apply_rotary_pos_emb
+    model = tiny("qwen2", layers=2).double()
+    cfg = OOMBConfig(chunk_size=8, page_size=4, attention_backend="torch", fused_glue="liger", loss_chunk_size=8)
+    rows = bench_rows(model, [32], cfg, systems=["hf"], steps=1, seed=0)
+    # per layer one forward and one checkpoint rerun; one fused cross-entropy over the whole sequence
+    assert calls["cross_entropy"] == 1 and calls["swiglu"] == 2 * 2 and calls["rope"] == 2 * 2
+    assert calls["rms_norm"] >= 2 * 2 * 2
+    assert modeling_qwen2.apply_rotary_pos_emb is original
+    ids = torch.randint(0, model.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(32))
+    unfused = tiny("qwen2", layers=2).double()
+    unfused.load_state_dict(model.state_dict())
+    assert rows[0]["loss"] == pytest.approx(hf_step(unfused, ids, 8), rel=1e-6)  # the fused loss is float32
