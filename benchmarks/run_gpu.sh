@@ -80,12 +80,18 @@ PY
 }
 
 glue() {  # fused_glue none vs liger (Liger-Kernel from .whl/ if missing): bf16 parity over 33 chunks, then step A/B
+  # (ARGS go to step_ab.py, e.g. --sparse --offload off); GLUE_HF_LENGTHS="32768 ...": then oomb against HF, glue for
+  # glue (bench_vs_hf_glue.py, cuDNN attention with saved outputs). The parity check needs an H200: its fp32
+  # full-sequence reference over 12,365 tokens ran out of memory on an H100
   if ! python3 -c "import liger_kernel" 2>/dev/null && ls .whl/liger_kernel-*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/liger_kernel-*.whl
     export PYTHONPATH=$PYTHONPATH:/tmp/site; fi
   python3 $B/check_gpu_parity.py --out "$OUT" --chunk-size 384 --backends triton sdpa --fused-glue none liger || true
   python3 $B/step_ab.py --src . --label glue --lengths ${GLUE_LENGTHS:-32768} --steps 3 --fused-glue none liger \
     --out "$OUT/fused_glue_ab.jsonl" "$@"
+  if [ -n "${GLUE_HF_LENGTHS:-}" ]; then
+    python3 $B/bench_vs_hf_glue.py --lengths $GLUE_HF_LENGTHS --set engine.attention_backend=sdpa \
+      --set engine.save_attention=gpu --out "$OUT/bench_vs_hf_glue.jsonl"; fi
 }
 
 retrieval() {  # a 100M model trained from random weights on passkey rows, per mode (ARGS: dense sparse64 sparse16)
