@@ -200,7 +200,8 @@ def _bench(args: argparse.Namespace) -> int:
     print(f"oomb bench: {args.model} ({sum(p.numel() for p in model.parameters()) / 1e6:,.1f}M parameters, "
           f"{str(dtype).replace('torch.', '')}) on {device}; oomb: chunk {args.chunk_size}, page {args.page_size}, "
           f"attention {backend}, save-attention {args.save_attention}"
-          f"{', checkpoint-layers (attention ' + args.checkpoint_attention + ')' if args.checkpoint_layers else ''}, "
+          f"{', checkpoint-layers (attention ' + args.checkpoint_attention + ')' if args.checkpoint_layers else ''}"
+          f"{', fused glue ' + cfg.fused_glue + ' (hf too)' if cfg.fused_glue != 'none' else ''}, "
           f"timed at step {args.steps}", file=sys.stderr)
     rows = bench_rows(model, args.lengths, cfg, systems=args.systems, steps=args.steps, warmup_len=args.warmup_len,
                       seed=args.seed,
@@ -215,7 +216,8 @@ def _bench(args: argparse.Namespace) -> int:
                                     config=dict(chunk_size=args.chunk_size, page_size=args.page_size,
                                                 attention_backend=backend, save_attention=args.save_attention,
                                                 checkpoint_layers=args.checkpoint_layers,
-                                                checkpoint_attention=args.checkpoint_attention),
+                                                checkpoint_attention=args.checkpoint_attention,
+                                                fused_glue=cfg.fused_glue),
                                     gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                                     cpu_threads=torch.get_num_threads(), torch=torch.__version__,
                                     transformers=__import__("transformers").__version__, rows=rows))

@@ -23,6 +23,7 @@ def test_cli_bench_table_json_and_equal_losses(tmp_path, capsys):
     report = json.loads(path.read_text())
     assert report["lengths"] == [256, 384] and report["systems"] == ["hf", "oomb"] and report["steps"] == 2
     assert report["config"]["attention_backend"] == "torch" and report["warmup_len"] == 0  # auto, resolved on the CPU
+    assert report["config"]["fused_glue"] == "none"
     rows = {(r["system"], r["tokens"]): r for r in report["rows"]}
     for T in (256, 384):
         hf, oomb = rows[("hf", T)], rows[("oomb", T)]
