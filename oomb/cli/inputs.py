@@ -35,6 +35,8 @@ def _check_json_arg(args: argparse.Namespace, report_keys: frozenset, command: s
     new, empty or an earlier ``oomb <command>`` report (recognised by ``report_keys``), never another file."""
     if args.json is None:
         return
+    if not args.json.strip():
+        raise UsageError("--json is empty", "pass a file path, e.g. --json report.json")
     json_path = Path(args.json).expanduser().resolve()
     if json_path.is_dir():
         raise UsageError(f"--json {args.json!r} is a folder", "pass a file path, e.g. --json report.json")

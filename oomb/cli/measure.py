@@ -177,6 +177,12 @@ def _bench(args: argparse.Namespace) -> int:
 
     device, dtype = _resolve_device_dtype(args)
     cfg = args.job.engine
+    from ..models.fused_glue import FusedGlueError, check_fused_glue
+
+    try:
+        check_fused_glue(cfg.fused_glue, device)  # the CPU or a missing Liger-Kernel before any weight is built
+    except FusedGlueError as exc:
+        raise UsageError(*exc.parts(lambda field: "--fused-glue")) from exc
     try:
         model_config = load_config(args.model)
         check_config_supported(model_config)

@@ -252,7 +252,7 @@ class OOMBConfig:
     fused_glue: FusedGlue = "none"
     """The memory-bound work around the GEMMs: 'none' (the model's own PyTorch code: the exact reference path) or
     'liger' (RMSNorm, RoPE, SwiGLU and the training cross-entropy through Liger-Kernel's fused Triton kernels;
-    CUDA only, needs ``pip install liger-kernel``; the same math, bf16 rounding in other places)."""
+    CUDA only, needs Liger-Kernel 0.8 (``pip install 'oomb[liger]'``); the same math, bf16 rounding in other places)."""
 
     loss_chunk_size: int = field(default=1024, metadata=flag(None))
     """Tokens per logits block in the chunked cross-entropy; logits exist for at most this many tokens."""

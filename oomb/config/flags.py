@@ -78,7 +78,7 @@ COMMANDS: dict[str, list[tuple[str, tuple[str, ...] | None]]] = {
     "bench": [
         ("model", ("name", "device", "dtype", "seed")),
         ("engine", ("chunk_size", "page_size", "attention_backend", "save_attention", "checkpoint_layers",
-                    "checkpoint_attention")),
+                    "checkpoint_attention", "fused_glue")),
         ("engine.kernels", _ALL), ("bench", _ALL),
     ],
     "merge": [("merge", _ALL), ("output", ("dir",))],

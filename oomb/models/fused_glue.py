@@ -53,7 +53,7 @@ def _functional():
         return importlib.import_module("liger_kernel.transformers.functional")
     except ImportError as exc:
         raise FusedGlueError(f"{{fused_glue}} 'liger' needs Liger-Kernel, which cannot be imported ({exc})",
-                             "pip install liger-kernel, or use {fused_glue} 'none'") from None
+                             "pip install 'liger-kernel>=0.8.5,<0.9' (or oomb[liger]), or use {fused_glue} 'none'") from None
 
 
 def check_fused_glue(kind: str, device: torch.device) -> None:

@@ -52,6 +52,8 @@ def test_cli_bench_table_json_and_equal_losses(tmp_path, capsys):
     (["--warmup-len", "1"], "--warmup-len is 1"),
     (["--attention-backend", "triton"], "runs on the GPU only"),
     (["--model", "no-such-model"], "no-such-model"),
+    (["--fused-glue", "liger"], "--fused-glue 'liger' runs Triton kernels on CUDA, and the model is on cpu"),
+    (["--json", ""], "--json is empty"),
 ])
 def test_cli_bench_bad_input(argv, fragment, capsys):
     with pytest.raises(SystemExit) as e:

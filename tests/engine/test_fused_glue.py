@@ -117,7 +117,7 @@ def test_fused_glue_without_liger_names_the_install(monkeypatch):
 
     monkeypatch.setattr(builtins, "__import__", no_liger)
     monkeypatch.setattr(fg.importlib, "import_module", lambda name: no_liger(name))
-    with pytest.raises(fg.FusedGlueError, match="pip install liger-kernel"):
+    with pytest.raises(fg.FusedGlueError, match=r"pip install 'liger-kernel>=0\.8\.5,<0\.9'"):
         fg.check_fused_glue("liger", torch.device("cuda"))
     fg.check_fused_glue("none", torch.device("cpu"))
 
