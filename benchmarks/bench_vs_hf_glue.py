@@ -14,6 +14,7 @@ Example (on the GPU)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -48,8 +49,6 @@ def main(argv=None) -> int:
         model = AutoModelForCausalLM.from_config(preset_config(args.model),
                                                  dtype=torch.bfloat16 if device.type == "cuda" else torch.float32)
     base = apply_sets(OOMBConfig(chunk_size=4096), args.sets)
-    import dataclasses
-
     lines = ["| fused_glue | system | tokens | s/step min / median / max | peak GiB | loss | hf s / oomb s |",
              "|---|---|---:|---|---:|---:|---:|"]
     for glue in sorted(set(args.glues), key=["none", "liger"].index):
