@@ -55,8 +55,8 @@ def main(argv=None) -> int:
         cfg = dataclasses.replace(base, fused_glue=glue)
         runs = [bench_rows(model, args.lengths, cfg, steps=2, warmup_len=args.warmup_len if i == 0 else 0, seed=i)
                 for i in range(args.repeats)]
-        med = {}
         for T in args.lengths:
+            med = {}
             for system in ("hf", "oomb"):
                 rs = [r for run in runs for r in run if r["system"] == system and r["tokens"] == T]
                 ok = [r for r in rs if "error" not in r]
@@ -75,7 +75,6 @@ def main(argv=None) -> int:
                 lines.append(f"| {glue} | {system} | {T:,} | " + (
                     f"{row['min_s']:.3f} / {row['median_s']:.3f} / {row['max_s']:.3f} | {row['peak_gib']:.2f} | "
                     f"{row['losses'][-1]:.5f} | {ratio} |" if ok else f"{row['errors'][0]} | | | |"))
-            med = {}
     print("\n".join(lines))
     return 0
 

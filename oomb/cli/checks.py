@@ -205,6 +205,16 @@ def _check_sizes(args: argparse.Namespace) -> None:
             raise UsageError("--rope-scaling is empty", "pass e.g. --rope-scaling type=linear,factor=4")
 
 
+def _check_fused_glue(kind: str, device) -> None:
+    """The CPU or a missing Liger-Kernel for ``--fused-glue kind``, before any weight is built (train and bench)."""
+    from ..models.fused_glue import FusedGlueError, check_fused_glue
+
+    try:
+        check_fused_glue(kind, device)
+    except FusedGlueError as exc:
+        raise UsageError(*exc.parts(lambda field: "--fused-glue")) from exc
+
+
 def _check_backend_device(args: argparse.Namespace) -> None:
     if args.attention_backend == "triton" and args.device != "cuda":
         raise UsageError("--attention-backend triton runs on the GPU only", "pass --device cuda, or --attention-backend torch, sdpa or auto on the CPU")

@@ -8,6 +8,7 @@ from typing import Sequence
 
 from .checks import (
     _check_backend_device,
+    _check_fused_glue,
     _check_sparse_flags,
     _last_chunk_past_pages,
     _resolve_device_dtype,
@@ -177,12 +178,7 @@ def _bench(args: argparse.Namespace) -> int:
 
     device, dtype = _resolve_device_dtype(args)
     cfg = args.job.engine
-    from ..models.fused_glue import FusedGlueError, check_fused_glue
-
-    try:
-        check_fused_glue(cfg.fused_glue, device)  # the CPU or a missing Liger-Kernel before any weight is built
-    except FusedGlueError as exc:
-        raise UsageError(*exc.parts(lambda field: "--fused-glue")) from exc
+    _check_fused_glue(cfg.fused_glue, device)
     try:
         model_config = load_config(args.model)
         check_config_supported(model_config)

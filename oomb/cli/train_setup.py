@@ -11,6 +11,7 @@ from pathlib import Path
 from .checks import (
     _check_cpu_memory,
     _check_cpu_offload_sizes,
+    _check_fused_glue,
     _check_lora_targets,
     _check_vocab,
     _usage_from,
@@ -128,12 +129,7 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         check_available(args.optimizer)  # a missing library before any weight is built
     except OptimizerUnavailable as exc:
         raise _usage_from(exc, "pass --optimizer adamw") from exc
-    from ..models.fused_glue import FusedGlueError, check_fused_glue
-
-    try:
-        check_fused_glue(args.fused_glue, device)  # the CPU or a missing Liger-Kernel before any weight is built
-    except FusedGlueError as exc:
-        raise UsageError(*exc.parts(lambda field: "--fused-glue")) from exc
+    _check_fused_glue(args.fused_glue, device)
     if args.lora_rank > 0:
         _check_lora_targets(model_config, args)
     if device.type != "cuda":

@@ -93,9 +93,9 @@ def liger_chunk_mem_const(rows: int, hidden: int, vocab: int, block: int) -> int
     Liger's default (1) bounds the transient logits to about ``rows x hidden`` elements: about ``vocab / hidden``
     blocks, rounded to powers of two (32 blocks of 128 rows for a 4096-row chunk of the Qwen2.5-7B shape), and
     each block adds its GEMM into the whole float32 ``[vocab, hidden]`` weight gradient, a read and a write of
-    2.2 GB per block for that shape. At
-    ``block`` rows (the engine's ``loss_chunk_size``) the bf16 logits block is at most half the float32 block of
-    the unfused cross-entropy the memory model counts, and the weight gradient is touched ``rows / block`` times.
+    2.2 GB per block for that shape. At ``block`` rows (the engine's ``loss_chunk_size``) the bf16 logits block is
+    at most half the float32 block of the unfused cross-entropy the memory model counts, and the weight gradient
+    is touched ``rows / block`` times.
 
     Args:
         rows: rows (tokens) of the hidden states; hidden: their width; vocab: the output projection's rows;
