@@ -106,6 +106,7 @@ def _one(model, system: str, ids: torch.Tensor, config: OOMBConfig, steps: int, 
     row = dict(seconds=dt, peak_bytes=peak, loss=loss, first_step_seconds=first)
     if engine is not None:
         row["kv_store_bytes"] = out.kv_store_bytes
+        row["kept_graphs"] = out.kept_graphs
         del engine
     return row
 
@@ -143,7 +144,8 @@ def bench_rows(
         progress: called with each row as it is made.
 
     Returns:
-        Rows ``{system, tokens, seconds, tokens_per_s, peak_bytes, loss, first_step_seconds[, kv_store_bytes]}``,
+        Rows ``{system, tokens, seconds, tokens_per_s, peak_bytes, loss, first_step_seconds[, kv_store_bytes,
+        kept_graphs]}``,
         or ``{system, tokens, error}`` for a step out of memory, ordered by length, then system.
 
     Raises:

@@ -29,6 +29,7 @@ OffloadMode = Literal["auto", "on", "off"]
 StageGrain = Literal["head", "page"]
 Autotune = Literal["full", "first"]
 FusedGlue = Literal["none", "liger"]
+KeepGraphs = Literal["off", "auto"]
 
 HOST_FRACTION = 0.75
 """Share of the available host RAM the pinned KV host tier may take (the planner's and the engine's budget)."""
@@ -249,6 +250,17 @@ class OOMBConfig:
     .grad in the parameter dtype, one rounding per chunk) or 'float32' (a float32 sum rounded into .grad once per
     step, as full-sequence training rounds once; 4 instead of 2 bytes per bf16 trainable parameter)."""
 
+    keep_graphs: KeepGraphs = "off"
+    """Skip the Stage-2 recompute of the chunks whose autograd graph fits in spare GPU memory: 'off' (every chunk
+    but the last is recomputed: the least memory) or 'auto' (the last Stage-1 chunks run their forward with
+    autograd and keep its graph until their backward, as many as fit in the GPU memory the step leaves free, read
+    on the step before, so the first step of a length keeps none; same gradients, one chunk forward less per kept
+    chunk). Dense attention without checkpoint_layers; a step whose pages are offloaded, or a sharded model,
+    keeps none. On the CPU it keeps keep_graphs_max chunks (none if unset): there is no free memory to read."""
+
+    keep_graphs_max: Optional[int] = None
+    """With keep_graphs 'auto', keep at most this many chunks' graphs (0 or more); None: as many as fit."""
+
     fused_glue: FusedGlue = "none"
     """The memory-bound work around the GEMMs: 'none' (the model's own PyTorch code: the exact reference path) or
     'liger' (RMSNorm, RoPE, SwiGLU and the training cross-entropy through Liger-Kernel's fused Triton kernels;
@@ -290,6 +302,9 @@ class OOMBConfig:
             check.choice("save_attention", self.save_attention, ("off", "gpu", "host"))
             check.choice("grad_accum_dtype", self.grad_accum_dtype, ("param", "float32"))
             check.choice("fused_glue", self.fused_glue, ("none", "liger"))
+            check.choice("keep_graphs", self.keep_graphs, ("off", "auto"))
+            if self.keep_graphs_max is not None:
+                check.nonnegative_int("keep_graphs_max", self.keep_graphs_max, "chunks")
             if self.sparse is True:
                 self.sparse = SparseConfig()
             elif self.sparse is False:
@@ -307,6 +322,15 @@ class OOMBConfig:
                 "staging_sets", "{staging_sets} sizes whole-layer staging, which only sparse attention uses (dense "
                 "offload stages segments: see {segment_pages})", "enable {sparse}, or leave {staging_sets} out",
                 section="engine.offload")
+        if self.keep_graphs == "auto" and (self.sparse is not None or self.checkpoint_layers):
+            other = "{sparse}" if self.sparse is not None else "{checkpoint_layers}"
+            raise ConfigError(
+                "keep_graphs", f"{{keep_graphs}} 'auto' keeps whole chunk graphs of dense attention, and {other} is on",
+                f"turn {other} off, or leave {{keep_graphs}} out", section="engine")
+        if self.keep_graphs_max is not None and self.keep_graphs != "auto":
+            raise ConfigError(
+                "keep_graphs_max", "{keep_graphs_max} caps {keep_graphs} 'auto', which is off",
+                "pass {keep_graphs} auto, or leave {keep_graphs_max} out", section="engine")
         if self.checkpoint_attention != "keep" and not self.checkpoint_layers:
             raise ConfigError(
                 "checkpoint_attention", "{checkpoint_attention} chooses what the rerun of a checkpointed layer does, "

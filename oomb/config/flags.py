@@ -51,7 +51,7 @@ SECTIONS: dict[str, type] = {
 
 _ENGINE_CORE = ("chunk_size", "page_size", "attention_backend", "checkpoint_layers", "checkpoint_attention",
                 "save_attention", "grad_accum_dtype", "sparse")
-_ENGINE_TRAIN = _ENGINE_CORE + ("fused_glue", "loss_chunk_size", "attention_block_size")
+_ENGINE_TRAIN = _ENGINE_CORE + ("keep_graphs", "keep_graphs_max", "fused_glue", "loss_chunk_size", "attention_block_size")
 _ALL = None
 
 COMMANDS: dict[str, list[tuple[str, tuple[str, ...] | None]]] = {
@@ -78,7 +78,7 @@ COMMANDS: dict[str, list[tuple[str, tuple[str, ...] | None]]] = {
     "bench": [
         ("model", ("name", "device", "dtype", "seed")),
         ("engine", ("chunk_size", "page_size", "attention_backend", "save_attention", "checkpoint_layers",
-                    "checkpoint_attention", "fused_glue")),
+                    "checkpoint_attention", "keep_graphs", "keep_graphs_max", "fused_glue")),
         ("engine.kernels", _ALL), ("bench", _ALL),
     ],
     "merge": [("merge", _ALL), ("output", ("dir",))],

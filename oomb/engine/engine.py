@@ -22,6 +22,9 @@ A model sharded over ranks by :func:`oomb.engine.sharding.shard_model` (FSDP2) r
 root's registered forward, so that FSDP2 gathers and frees the layers around each use; its gradients are
 reduce-scattered into the parameters' ``DTensor`` shards instead of staying in ``.grad`` (docs/design.md §8).
 
+With ``config.keep_graphs='auto'`` the last Stage-1 chunks that fit in spare GPU memory run with autograd and keep
+their graph, and Stage 2 back-propagates them without recomputing (:mod:`oomb.engine.kept_graphs`).
+
 In dense mode this gives full-sequence gradients up to rounding. With ``config.sparse``
 (docs/design.md §2.4, :mod:`oomb.ops.sparse_attention`) each chunk's Stage-1 write also summarises its pages,
 and each (chunk, layer) selects its past pages once, before attending; Stage 2 reuses that
@@ -52,6 +55,7 @@ from .fused_wgrad import FusedWeightGradAccumulation
 from .grad_accum import LOW_PRECISION, Float32GradAccumulator, extra_grad_bytes
 from .offload import OffloadedKVStore
 from .kept_attention import KeptAttention
+from .kept_graphs import GraphBudget
 from .saved_attention import SavedAttention
 from .sharding import sharding_of
 from .sparse_state import SparseAttentionState
@@ -80,6 +84,7 @@ class StepOutput:
         tokens_per_s: num_tokens / seconds.
         peak_memory_bytes: peak CUDA memory allocated during the step, None on CPU.
         kv_store_bytes: bytes of the page pool (K, V, dK, dV).
+        kept_graphs: chunks whose graph Stage 1 kept, so that Stage 2 did not recompute them (keep_graphs).
     """
 
     loss: float
@@ -91,13 +96,15 @@ class StepOutput:
     tokens_per_s: float
     peak_memory_bytes: int | None
     kv_store_bytes: int
+    kept_graphs: int = 0
 
 
 class _ChunkContext:
     """Per-(stage, chunk) state handed to the attention function through transformers' kwargs."""
 
     def __init__(
-        self, engine: "Engine", stage: int, start: int, length: int, is_last: bool, q_doc_start: torch.Tensor | None
+        self, engine: "Engine", stage: int, start: int, length: int, is_last: bool, q_doc_start: torch.Tensor | None,
+        keep_graph: bool = False,
     ):
         self.engine = engine
         self.stage = stage
@@ -105,6 +112,9 @@ class _ChunkContext:
         self.length = length
         self.is_last = is_last
         self.q_doc_start = q_doc_start
+        # A Stage-1 chunk whose forward runs with autograd and keeps its graph for its Stage-2 backward (keep_graphs):
+        # it writes its K/V as Stage 1 does and attends as Stage 2 does.
+        self.keep_graph = keep_graph
 
     def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float):
         """query [1, Hq, C, D], key/value [1, Hkv, C, D] -> attention output [1, C, Hq, D]."""
@@ -121,9 +131,13 @@ class _ChunkContext:
             sel = sparse.selection(layer, self.start, q, self.q_doc_start, record_pages=self.stage == 1)
             if self.is_last and sparse.track_last:
                 sparse.note_tiles(layer, self.start)
-        kv = store.attention_view(layer, self.stage, self.start, self.length, self.is_last, self.q_doc_start)
+        keep = self.keep_graph
+        # A kept graph's view is Stage 2's: its backward writes the past's dK/dV and reads what later chunks stored
+        # in its own pages (the block table is read then, after the write below allocates them).
+        kv = store.attention_view(layer, 2 if keep else self.stage, self.start, self.length, self.is_last,
+                                  self.q_doc_start)
         if self.stage == 1:
-            store.write(layer, self.start, k, v)
+            store.write(layer, self.start, k.detach(), v.detach())
             if sparse is not None:
                 sparse.write(layer, self.start, k)
         saved, kept = eng._saved, eng._kept
@@ -135,14 +149,14 @@ class _ChunkContext:
             prev = kept.take(self.start, layer)
         backend = eng._backend if sparse is None else paged_backend(eng._backend, q.device)  # sparse: block tables
         call = (q, k, v, kv, sel, scaling, backend, eng.config)
-        if self.stage == 1 or (prev is None and kept is not None):  # a forward outside autograd: out and lse
+        if (self.stage == 1 and not keep) or (prev is None and kept is not None):  # outside autograd: out and lse
             out, lse = _attention_forward(*call)
             if self.stage == 2:
                 kept.keep(self.start, layer, out, lse)
                 prev = (out, lse)
-        if self.stage == 2:
+        if self.stage == 2 or keep:
             out = _attention_with_grad(*call, prev)
-        if saved is not None and self.stage == 1:
+        elif saved is not None:
             saved.save(chunk, layer, out, lse)
         store.after_attention_forward(layer, self.stage)
         return out.unsqueeze(0)
@@ -265,6 +279,7 @@ class Engine:
         # Each Stage-2 chunk's attention outputs across its layer checkpoints (checkpoint_attention='keep').
         self._kept = KeptAttention() if self.config.checkpoint_layers and self.config.checkpoint_attention == "keep" else None
         self._warned_saved_offload = False
+        self._graph_budget = GraphBudget()  # what kept chunk graphs need (keep_graphs='auto' on CUDA)
         self._backend = "torch"
         # What choose_engine_tiering read when it sized the GPU pool on CUDA (bytes: free, cached, allocated,
         # reserve, missing gradients, activations, pool budget); None until then (or on CPU).
@@ -650,8 +665,8 @@ class Engine:
 
         try:
             with _rope_state_of_full_sequence(self._decoder, T, device, self.dtype):
-                t0, t1, t2, total = self._stages(input_ids, targets, doc_start, positions, denom, progress, store,
-                                                 sync_gradients)
+                t0, t1, t2, total, kept = self._stages(input_ids, targets, doc_start, positions, denom, progress,
+                                                       store, sync_gradients)
         finally:
             if self._kept is not None:
                 self._kept.clear()
@@ -668,24 +683,18 @@ class Engine:
             tokens_per_s=T / max(t2 - t0, 1e-9),
             peak_memory_bytes=peak,
             kv_store_bytes=store.nbytes,
+            kept_graphs=kept,
         )
 
     def _stages(self, input_ids, targets, doc_start, positions, denom, progress, store, sync=True):
-        """Stage 1 and Stage 2 of one step -> (t0, t1, t2, summed token loss) with t* host times."""
+        """Stage 1 and Stage 2 of one step -> (t0, t1, t2, summed token loss, chunks kept) with t* host times."""
         T = input_ids.shape[0]
         C = self.config.chunk_size
         N = -(-T // C)
         device = self.device
-        _sync(device)
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            for c in tqdm(range(N - 1), desc="stage 1 (K/V; not the last chunk)", unit="chunk", disable=not progress, leave=False):
-                ctx = _ChunkContext(self, 1, c * C, C, False, _slice(doc_start, c * C, C))
-                self._in_root(self._run_chunk, input_ids, positions, ctx)
-        _sync(device)
-        t1 = time.perf_counter()
-
-        total = torch.zeros((), dtype=torch.float64, device=device)
+        cuda = device.type == "cuda"
+        keep = self._graphs_to_keep(T, N, store)
+        graphs: dict[int, torch.Tensor] = {}  # chunk -> its loss sum, with the graph Stage 1 kept
         sharding = self._sharding
         if self.config.grad_accum_dtype == "float32" and (sharding is None or sharding.reduces_every_chunk):
             # (sharded: the float32 sums are of each chunk's reduce-scattered shard; with grads-optim FSDP2 sums
@@ -693,15 +702,67 @@ class Engine:
             accumulate = Float32GradAccumulator(self.model.parameters() if sharding is None else sharding.parameters)
         else:  # weight gradients added into .grad inside the GEMM from the second chunk on
             accumulate = FusedWeightGradAccumulation(self.model, enabled=self.config.kernels.fused_wgrad)
-        with accumulate:
-            self._stage2(input_ids, targets, doc_start, positions, denom, progress, store, total, sync)
+        _sync(device)
+        start = torch.cuda.memory_allocated(device) if cuda else 0
+        t0 = time.perf_counter()
+        with accumulate:  # from Stage 1 on: the forwards of kept graphs run inside it
+            for c in tqdm(range(N - 1), desc="stage 1 (K/V; not the last chunk)", unit="chunk", disable=not progress, leave=False):
+                s = c * C
+                if c >= N - 1 - keep and len(graphs) == c - (N - 1 - keep):
+                    loss_sum = self._kept_forward(input_ids, positions, targets, doc_start, s, C)
+                    if loss_sum is not None:
+                        graphs[c] = loss_sum
+                        continue
+                with torch.no_grad():
+                    ctx = _ChunkContext(self, 1, s, C, False, _slice(doc_start, s, C))
+                    self._in_root(self._run_chunk, input_ids, positions, ctx)
+            _sync(device)
+            t1 = time.perf_counter()
+            total = torch.zeros((), dtype=torch.float64, device=device)
+            kept = len(graphs)
+            self._stage2(input_ids, targets, doc_start, positions, denom, progress, store, total, sync, graphs)
         _sync(device)
         t2 = time.perf_counter()
-        return t0, t1, t2, total
+        if cuda and self.config.keep_graphs == "auto":
+            self._graph_budget.note_step(T, torch.cuda.max_memory_allocated(device), start, kept, C)
+        return t0, t1, t2, total, kept
 
-    def _stage2(self, input_ids, targets, doc_start, positions, denom, progress, store, total, sync=True) -> None:
-        """Stage 2: chunks N-1 .. 0 recomputed with autograd and back-propagated; their loss sums added to ``total``
-        (``sync``: see :meth:`step`'s ``sync_gradients``)."""
+    def _graphs_to_keep(self, T: int, N: int, store: PagedKVStore) -> int:
+        """How many of Stage 1's last chunks keep their graph this step (config.keep_graphs; see
+        :mod:`oomb.engine.kept_graphs`)."""
+        cfg = self.config
+        if (cfg.keep_graphs != "auto" or N < 2 or self._sharding is not None or self._sparse is not None
+                or self._kept is not None or isinstance(store, OffloadedKVStore)):
+            return 0
+        most = N - 1 if cfg.keep_graphs_max is None else min(cfg.keep_graphs_max, N - 1)
+        if self.device.type != "cuda":
+            return most if cfg.keep_graphs_max is not None else 0
+        free, total = torch.cuda.mem_get_info(self.device)
+        free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        return self._graph_budget.chunks(T, cfg.chunk_size, int(free), int(total), most)
+
+    def _kept_forward(self, input_ids, positions, targets, doc_start, s: int, C: int) -> torch.Tensor | None:
+        """Stage 1 of the chunk at token ``s`` with autograd: its loss sum, holding the graph for Stage 2; None if
+        the GPU ran out of memory on the way (the pages the chunk wrote are released, and Stage 1 runs it again
+        without autograd)."""
+        ctx = _ChunkContext(self, 1, s, C, False, _slice(doc_start, s, C), keep_graph=True)
+        try:
+            return self._chunk_loss(input_ids, positions, ctx, targets[s : s + C])
+        except torch.OutOfMemoryError:
+            pass  # (outside the handler: the traceback's frames hold the partial graph)
+        for layer in range(self.num_layers):
+            self._store.release_from(layer, s)
+        warnings.warn(f"keep_graphs: the GPU ran out of memory keeping the graph of the chunk at token {s:,}; it and "
+                      "the chunks after it are recomputed in Stage 2 instead", stacklevel=4)
+        return None
+
+    def _stage2(self, input_ids, targets, doc_start, positions, denom, progress, store, total, sync=True,
+                graphs: dict | None = None) -> None:
+        """Stage 2: chunks N-1 .. 0 recomputed with autograd (those in ``graphs``, chunk -> loss sum with the graph
+        Stage 1 kept, are not) and back-propagated; their loss sums added to ``total`` (``sync``: see
+        :meth:`step`'s ``sync_gradients``)."""
+        graphs = {} if graphs is None else graphs
+        measure = self.device.type == "cuda" and self.config.keep_graphs == "auto"
         T = input_ids.shape[0]
         C = self.config.chunk_size
         N = -(-T // C)
@@ -709,10 +770,16 @@ class Engine:
             s = c * C
             n = min(C, T - s)
             if self._saved is not None:  # host: this chunk's and the next one's saved outputs on their way
-                self._saved.prefetch(c)
-                self._saved.prefetch(c - 1)
-            ctx = _ChunkContext(self, 2, s, n, c == N - 1, _slice(doc_start, s, n))
-            loss_sum = self._in_root(self._chunk_loss, input_ids, positions, ctx, targets[s : s + n])
+                for chunk in (c, c - 1):
+                    if chunk not in graphs:
+                        self._saved.prefetch(chunk)
+            loss_sum = graphs.pop(c, None)
+            if loss_sum is None:
+                before = torch.cuda.memory_allocated(self.device) if measure and c == N - 1 else None
+                ctx = _ChunkContext(self, 2, s, n, c == N - 1, _slice(doc_start, s, n))
+                loss_sum = self._in_root(self._chunk_loss, input_ids, positions, ctx, targets[s : s + n])
+                if before is not None:  # the graph one chunk holds (the last: every step runs it here)
+                    self._graph_budget.note_graph(n, torch.cuda.memory_allocated(self.device) - before)
             if self._sharding is not None:
                 self._sharding.before_backward(last_chunk=c == 0, sync=sync)
             with self._glue_active():  # layer checkpoints rerun their forward inside backward

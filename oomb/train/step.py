@@ -40,7 +40,8 @@ class StepRecord:
 
     ``loss`` is the mean cross-entropy over the step's valid targets on every rank (nats/token);
     ``num_tokens`` counts the tokens of every rank; ``peak_memory_bytes`` is this rank's peak GPU memory
-    (``None`` on the CPU); times are seconds of wall clock.
+    (``None`` on the CPU); times are seconds of wall clock; ``kept_graphs`` counts the chunks of this rank's
+    sequences whose Stage-2 recompute was skipped (``OOMBConfig.keep_graphs``).
     """
 
     step: int
@@ -53,6 +54,7 @@ class StepRecord:
     num_tokens: int
     stage1_seconds: float
     stage2_seconds: float
+    kept_graphs: int = 0
 
     def to_json(self) -> dict:
         """The record rounded as ``log.jsonl`` stores it."""
@@ -214,4 +216,4 @@ class Trainer:
             step=step, loss=loss, tokens_per_s=num_tokens / seconds if seconds > 0 else 0.0,
             peak_memory_bytes=max(peaks) if peaks else None, seconds=seconds, lr=lr, grad_norm=grad_norm,
             num_tokens=num_tokens, stage1_seconds=sum(r.stage1_seconds for r in results),
-            stage2_seconds=sum(r.stage2_seconds for r in results))
+            stage2_seconds=sum(r.stage2_seconds for r in results), kept_graphs=sum(r.kept_graphs for r in results))
