@@ -57,7 +57,7 @@ from oomb import Engine, OOMBConfig  # noqa: E402
 from oomb.config import OffloadConfig  # noqa: E402
 from overrides import add_set_argument, apply_sets  # noqa: E402
 from oomb.engine import engine as engine_module  # noqa: E402
-from oomb.engine.engine import _ChunkContext  # noqa: E402
+from oomb.engine.chunk_context import ChunkContext  # noqa: E402
 from oomb.engine.loss import chunked_cross_entropy_sum  # noqa: E402
 from oomb.engine.offload import OffloadedKVStore  # noqa: E402
 from oomb.memory import default_segment_pages, min_gpu_pages, resident_pages_for_budget  # noqa: E402
@@ -128,7 +128,7 @@ def _partial_stages(engine, store, input_ids, targets, positions, T, C, N, devic
     if fill == "stage1":
         with torch.no_grad():
             for c in range(N - 1):
-                engine._run_chunk(input_ids, positions, _ChunkContext(engine, 1, c * C, C, False, None))
+                engine._run_chunk(input_ids, positions, ChunkContext(engine, 1, c * C, C, False, None))
     else:
         g = torch.Generator(device=device).manual_seed(0)
         k = torch.randn(C, engine.num_kv_heads, engine.head_dim, generator=g, device=device, dtype=engine.dtype)
@@ -141,7 +141,7 @@ def _partial_stages(engine, store, input_ids, targets, positions, T, C, N, devic
     s = (N - 1) * C
     n = T - s
     n_valid = int((targets != -100).sum())
-    hidden = engine._run_chunk(input_ids, positions, _ChunkContext(engine, 2, s, n, True, None))
+    hidden = engine._run_chunk(input_ids, positions, ChunkContext(engine, 2, s, n, True, None))
     loss = chunked_cross_entropy_sum(hidden, engine._lm_head, targets[s : s + n], engine.config.loss_chunk_size)
     (loss / n_valid).backward()
     _sync(device)

@@ -44,9 +44,7 @@ from tqdm.auto import tqdm
 from ..config import OOMBConfig
 from ..models.fused_glue import FusedGlue
 from ..models.hf import check_model_supported, use_oomb_attention
-from ..ops.paged_attention import (paged_attention, paged_attention_forward, paged_backend, resolve_backend,
-                                   step_backend)
-from ..ops.sparse_attention import sparse_paged_attention, sparse_paged_attention_forward
+from ..ops.paged_attention import resolve_backend, step_backend
 from ..config.engine import HOST_FRACTION
 from ..memory import (DeviceMemory, MemoryPlanError, ModelShape, activation_bytes, choose_engine_tiering, host_memory,
                       saved_attention_bytes, sparse_headroom_bytes)
@@ -54,6 +52,7 @@ from .kv_store import PagedKVStore
 from .fused_wgrad import FusedWeightGradAccumulation
 from .grad_accum import LOW_PRECISION, Float32GradAccumulator, extra_grad_bytes
 from .offload import OffloadedKVStore
+from .chunk_context import ChunkContext
 from .kept_attention import KeptAttention
 from .kept_graphs import GraphBudget
 from .saved_attention import SavedAttention
@@ -97,87 +96,6 @@ class StepOutput:
     peak_memory_bytes: int | None
     kv_store_bytes: int
     kept_graphs: int = 0
-
-
-class _ChunkContext:
-    """Per-(stage, chunk) state handed to the attention function through transformers' kwargs."""
-
-    def __init__(
-        self, engine: "Engine", stage: int, start: int, length: int, is_last: bool, q_doc_start: torch.Tensor | None,
-        keep_graph: bool = False,
-    ):
-        self.engine = engine
-        self.stage = stage
-        self.start = start
-        self.length = length
-        self.is_last = is_last
-        self.q_doc_start = q_doc_start
-        # A Stage-1 chunk whose forward runs with autograd and keeps its graph for its Stage-2 backward (keep_graphs):
-        # it writes its K/V as Stage 1 does and attends as Stage 2 does.
-        self.keep_graph = keep_graph
-
-    def attend(self, layer: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float):
-        """query [1, Hq, C, D], key/value [1, Hkv, C, D] -> attention output [1, C, Hq, D]."""
-        eng = self.engine
-        store = eng._store
-        q = query[0].transpose(0, 1)
-        k = key[0].transpose(0, 1)
-        v = value[0].transpose(0, 1)
-        sparse = eng._sparse
-        sel = None
-        if sparse is not None:
-            # Made once (Stage 1, or the last chunk's first Stage-2 forward) and reused unchanged; before the view,
-            # so that the store knows which tiles the last chunk's attention reads (SparseAttentionState.track_last).
-            sel = sparse.selection(layer, self.start, q, self.q_doc_start, record_pages=self.stage == 1)
-            if self.is_last and sparse.track_last:
-                sparse.note_tiles(layer, self.start)
-        keep = self.keep_graph
-        # A kept graph's view is Stage 2's: its backward writes the past's dK/dV and reads what later chunks stored
-        # in its own pages (the block table is read then, after the write below allocates them).
-        kv = store.attention_view(layer, 2 if keep else self.stage, self.start, self.length, self.is_last,
-                                  self.q_doc_start)
-        if self.stage == 1:
-            store.write(layer, self.start, k.detach(), v.detach())
-            if sparse is not None:
-                sparse.write(layer, self.start, k)
-        saved, kept = eng._saved, eng._kept
-        chunk = self.start // eng.config.chunk_size
-        # Stage 2 of a chunk Stage 1 ran: its attention outputs, if they were kept (save_attention); else, in the
-        # rerun of a checkpointed layer, those of the chunk's first forward (checkpoint_attention='keep').
-        prev = saved.load(chunk, layer) if saved is not None and self.stage == 2 and not self.is_last else None
-        if prev is None and kept is not None and self.stage == 2:
-            prev = kept.take(self.start, layer)
-        backend = eng._backend if sparse is None else paged_backend(eng._backend, q.device)  # sparse: block tables
-        call = (q, k, v, kv, sel, scaling, backend, eng.config)
-        if (self.stage == 1 and not keep) or (prev is None and kept is not None):  # outside autograd: out and lse
-            out, lse = _attention_forward(*call)
-            if self.stage == 2:
-                kept.keep(self.start, layer, out, lse)
-                prev = (out, lse)
-        if self.stage == 2 or keep:
-            out = _attention_with_grad(*call, prev)
-        elif saved is not None:
-            saved.save(chunk, layer, out, lse)
-        store.after_attention_forward(layer, self.stage)
-        return out.unsqueeze(0)
-
-
-@torch.no_grad()
-def _attention_forward(q, k, v, kv, sel, scaling: float, backend: str, config: OOMBConfig):
-    """One (chunk, layer) attention without autograd -> (out [C, Hq, D], lse [Hq, C]); ``sel`` None: dense."""
-    bs, kernels = config.attention_block_size, config.kernels
-    if sel is not None:
-        return sparse_paged_attention_forward(q, k, v, kv, sel, scaling, backend, bs, kernels=kernels)
-    return paged_attention_forward(q, k, v, kv, scaling, backend, bs, kernels=kernels)
-
-
-def _attention_with_grad(q, k, v, kv, sel, scaling: float, backend: str, config: OOMBConfig, saved):
-    """One (chunk, layer) attention with autograd -> out [C, Hq, D]; ``saved``: its (out, lse) computed earlier
-    on the same inputs (the forward is skipped), or None."""
-    bs, kernels = config.attention_block_size, config.kernels
-    if sel is not None:
-        return sparse_paged_attention(q, k, v, kv, sel, scaling, backend, bs, saved=saved, kernels=kernels)
-    return paged_attention(q, k, v, kv, scaling, backend, bs, saved=saved, kernels=kernels)
 
 
 def _slice(x: torch.Tensor | None, start: int, n: int) -> torch.Tensor | None:
@@ -573,14 +491,14 @@ class Engine:
         parameters (embeddings, final norm, output head) are gathered and the backward of its result is hooked."""
         return fn(*args) if self._sharding is None else self._sharding.run(lambda: fn(*args))
 
-    def _chunk_loss(self, input_ids, positions, ctx: _ChunkContext, targets: torch.Tensor) -> torch.Tensor:
+    def _chunk_loss(self, input_ids, positions, ctx: ChunkContext, targets: torch.Tensor) -> torch.Tensor:
         """Stage 2's forward of one chunk: its summed token loss (``targets``: the chunk's)."""
         return self._loss_sum(self._run_chunk(input_ids, positions, ctx), targets)
 
-    def _chunk_scored(self, input_ids, positions, ctx: _ChunkContext, targets: torch.Tensor, per_chunk) -> None:
+    def _chunk_scored(self, input_ids, positions, ctx: ChunkContext, targets: torch.Tensor, per_chunk) -> None:
         per_chunk(self._run_chunk(input_ids, positions, ctx), targets)
 
-    def _run_chunk(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: _ChunkContext) -> torch.Tensor:
+    def _run_chunk(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ChunkContext) -> torch.Tensor:
         s, n = ctx.start, ctx.length
         pos = positions[s : s + n].unsqueeze(0)
         with self._glue_active():
@@ -714,7 +632,7 @@ class Engine:
                         graphs[c] = loss_sum
                         continue
                 with torch.no_grad():
-                    ctx = _ChunkContext(self, 1, s, C, False, _slice(doc_start, s, C))
+                    ctx = ChunkContext(self, 1, s, C, False, _slice(doc_start, s, C))
                     self._in_root(self._run_chunk, input_ids, positions, ctx)
             _sync(device)
             t1 = time.perf_counter()
@@ -745,7 +663,7 @@ class Engine:
         """Stage 1 of the chunk at token ``s`` with autograd: its loss sum, holding the graph for Stage 2; None if
         the GPU ran out of memory on the way (the pages the chunk wrote are released, and Stage 1 runs it again
         without autograd)."""
-        ctx = _ChunkContext(self, 1, s, C, False, _slice(doc_start, s, C), keep_graph=True)
+        ctx = ChunkContext(self, 1, s, C, False, _slice(doc_start, s, C), keep_graph=True)
         try:
             return self._chunk_loss(input_ids, positions, ctx, targets[s : s + C])
         except torch.OutOfMemoryError:
@@ -776,7 +694,7 @@ class Engine:
             loss_sum = graphs.pop(c, None)
             if loss_sum is None:
                 before = torch.cuda.memory_allocated(self.device) if measure and c == N - 1 else None
-                ctx = _ChunkContext(self, 2, s, n, c == N - 1, _slice(doc_start, s, n))
+                ctx = ChunkContext(self, 2, s, n, c == N - 1, _slice(doc_start, s, n))
                 loss_sum = self._in_root(self._chunk_loss, input_ids, positions, ctx, targets[s : s + n])
                 if before is not None:  # the graph one chunk holds (the last: every step runs it here)
                     self._graph_budget.note_graph(n, torch.cuda.memory_allocated(self.device) - before)
@@ -810,7 +728,7 @@ class Engine:
         with _rope_state_of_full_sequence(self._decoder, T, self.device, self.dtype):
             for s in range(0, T, C):
                 n = min(C, T - s)
-                ctx = _ChunkContext(self, 1, s, n, False, _slice(doc_start, s, n))
+                ctx = ChunkContext(self, 1, s, n, False, _slice(doc_start, s, n))
                 self._in_root(self._chunk_scored, input_ids, positions, ctx, targets[s : s + n], per_chunk)
                 if self._sparse is not None:
                     self._sparse.release(s)

@@ -31,7 +31,7 @@ TEXT = (
 # One log.jsonl line as `oomb train` writes it (an earlier run's output, which --overwrite may replace).
 OOMB_LOG_LINE = json.dumps({
     "step": 1, "loss": 10.4, "tokens_per_s": 812.5, "peak_memory_bytes": None, "seconds": 0.1575, "lr": 0.0015,
-    "grad_norm": 2.71, "num_tokens": 128, "stage1_seconds": 0.0412, "stage2_seconds": 0.1021,
+    "grad_norm": 2.71, "num_tokens": 128, "stage1_seconds": 0.0412, "stage2_seconds": 0.1021, "kept_graphs": 0,
 }) + "\n"
 
 # A checkpoint's meta.json as oomb's checkpoint code writes it (the keys are what --overwrite recognises).

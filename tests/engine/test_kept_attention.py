@@ -14,7 +14,7 @@ import pytest
 import torch
 from configs import engine_config
 
-import oomb.engine.engine as eng_mod
+from oomb.engine.chunk_context import ChunkContext
 import oomb.ops.paged_attention as pa
 import oomb.ops.sparse_attention as sp
 from oomb import Engine
@@ -35,7 +35,7 @@ class _ForwardCounter:
     def __init__(self, monkeypatch, chunk_size: int) -> None:
         self.counts: collections.Counter = collections.Counter()
         self._now = None
-        fwd, sfwd, attend = pa._fwd, sp._sparse_fwd, eng_mod._ChunkContext.attend
+        fwd, sfwd, attend = pa._fwd, sp._sparse_fwd, ChunkContext.attend
 
         def counted(f):
             def run(*a, **k):
@@ -49,7 +49,7 @@ class _ForwardCounter:
 
         monkeypatch.setattr(pa, "_fwd", counted(fwd))
         monkeypatch.setattr(sp, "_sparse_fwd", counted(sfwd))
-        monkeypatch.setattr(eng_mod._ChunkContext, "attend", attend_noted)
+        monkeypatch.setattr(ChunkContext, "attend", attend_noted)
 
 
 def _expected(N: int, L: int, ckpt: str, save: str) -> dict:

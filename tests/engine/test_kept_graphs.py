@@ -5,7 +5,7 @@ GPU memory falls back to the recompute without changing the step."""
 import pytest
 import torch
 
-import oomb.engine.engine as engine_module
+import oomb.engine.chunk_context as chunk_context
 import oomb.ops.paged_attention as pa
 from oomb import Engine
 from oomb.config import ConfigError, OOMBConfig
@@ -94,7 +94,7 @@ def test_out_of_memory_in_a_kept_forward_falls_back_to_the_recompute(monkeypatch
     ids = torch.randint(0, VOCAB, (1, 40))
     cfg = dict(chunk_size=8, page_size=4)
     ref, _ = _step(twin, ids, **cfg)
-    with_grad = engine_module._attention_with_grad
+    with_grad = chunk_context._attention_with_grad
     calls = {"n": 0}
 
     def failing(*a, **k):
@@ -104,7 +104,7 @@ def test_out_of_memory_in_a_kept_forward_falls_back_to_the_recompute(monkeypatch
                 raise torch.OutOfMemoryError("CUDA out of memory (test)")
         return with_grad(*a, **k)
 
-    monkeypatch.setattr(engine_module, "_attention_with_grad", failing)
+    monkeypatch.setattr(chunk_context, "_attention_with_grad", failing)
     engine = Engine(model, engine_config(attention_backend="torch", keep_graphs="auto", keep_graphs_max=2, **cfg))
     model.zero_grad(set_to_none=True)
     with pytest.warns(UserWarning, match="ran out of memory keeping the graph of the chunk at token 24"):
