@@ -192,17 +192,19 @@ def bench_rows(
 
 
 def bench_table(rows: Sequence[dict]) -> str:
-    """Markdown table of :func:`bench_rows`' rows, with oomb's speed relative to the hf row of the same length."""
+    """Markdown table of :func:`bench_rows`' rows, with oomb's speed relative to the hf row of the same length and the
+    chunk graphs its timed step kept (``keep_graphs``)."""
     hf = {r["tokens"]: r["tokens_per_s"] for r in rows if r["system"] == "hf" and "error" not in r}
-    lines = ["| system | tokens | s/step | tokens/s | vs hf | peak GPU GiB | first step s |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| system | tokens | s/step | tokens/s | vs hf | peak GPU GiB | first step s | kept graphs |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['system']} | {r['tokens']:,} | {r['error']} | | | | |")
+            lines.append(f"| {r['system']} | {r['tokens']:,} | {r['error']} | | | | | |")
             continue
         ratio = f"{r['tokens_per_s'] / hf[r['tokens']]:.2f}x" if r["system"] != "hf" and r["tokens"] in hf else "—"
         peak = "—" if r["peak_bytes"] is None else f"{r['peak_bytes'] / 2**30:.2f}"
         first = f"{r['first_step_seconds']:.3f}" if r.get("first_step_seconds") is not None else "—"
+        kept = r.get("kept_graphs", "—")
         lines.append(f"| {r['system']} | {r['tokens']:,} | {r['seconds']:.3f} | {r['tokens_per_s']:,.0f} | {ratio} | "
-                     f"{peak} | {first} |")
+                     f"{peak} | {first} | {kept} |")
     return "\n".join(lines)

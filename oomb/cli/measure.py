@@ -151,6 +151,13 @@ _BENCH_REPORT_KEYS = frozenset({"model", "lengths", "systems", "rows"})
 _MAX_BENCH_TOKENS = 2**31
 
 
+def _keep_graphs_words(cfg) -> str:
+    """', keep-graphs auto (at most N)' for bench's header line, or nothing when off."""
+    if cfg.keep_graphs != "auto":
+        return ""
+    return ", keep-graphs auto" + (f" (at most {cfg.keep_graphs_max})" if cfg.keep_graphs_max is not None else "")
+
+
 def _bench(args: argparse.Namespace) -> int:
     """``oomb bench``: one training step of oomb and of plain HF training per length, as a table."""
     if any(T < 2 for T in args.lengths):
@@ -203,7 +210,8 @@ def _bench(args: argparse.Namespace) -> int:
           f"{str(dtype).replace('torch.', '')}) on {device}; oomb: chunk {args.chunk_size}, page {args.page_size}, "
           f"attention {backend}, save-attention {args.save_attention}"
           f"{', checkpoint-layers (attention ' + args.checkpoint_attention + ')' if args.checkpoint_layers else ''}"
-          f"{', fused glue ' + cfg.fused_glue + ' (hf too)' if cfg.fused_glue != 'none' else ''}, "
+          f"{', fused glue ' + cfg.fused_glue + ' (hf too)' if cfg.fused_glue != 'none' else ''}"
+          f"{_keep_graphs_words(cfg)}, "
           f"timed at step {args.steps}", file=sys.stderr)
     rows = bench_rows(model, args.lengths, cfg, systems=args.systems, steps=args.steps, warmup_len=args.warmup_len,
                       seed=args.seed,
@@ -219,7 +227,8 @@ def _bench(args: argparse.Namespace) -> int:
                                                 attention_backend=backend, save_attention=args.save_attention,
                                                 checkpoint_layers=args.checkpoint_layers,
                                                 checkpoint_attention=args.checkpoint_attention,
-                                                fused_glue=cfg.fused_glue),
+                                                fused_glue=cfg.fused_glue, keep_graphs=cfg.keep_graphs,
+                                                keep_graphs_max=cfg.keep_graphs_max),
                                     gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
                                     cpu_threads=torch.get_num_threads(), torch=torch.__version__,
                                     transformers=__import__("transformers").__version__, rows=rows))

@@ -255,11 +255,12 @@ class OOMBConfig:
     but the last is recomputed: the least memory) or 'auto' (the last Stage-1 chunks run their forward with
     autograd and keep its graph until their backward, as many as fit in the GPU memory the step leaves free, read
     on the step before, so the first step of a length keeps none; same gradients, one chunk forward less per kept
-    chunk). Dense attention without checkpoint_layers; a step whose pages are offloaded, or a sharded model,
-    keeps none. On the CPU it keeps keep_graphs_max chunks (none if unset): there is no free memory to read."""
+    chunk). Dense attention without checkpoint_layers, pages on the GPU, an unsharded model: elsewhere it keeps
+    none (a warning says why, once per engine)."""
 
     keep_graphs_max: Optional[int] = None
-    """With keep_graphs 'auto', keep at most this many chunks' graphs (0 or more); None: as many as fit."""
+    """With keep_graphs 'auto': keep at most this many chunks' graphs (0 or more; never more than the chunks
+    before the last). None: as many as fit on CUDA, and none on the CPU, which has no free GPU memory to read."""
 
     fused_glue: FusedGlue = "none"
     """The memory-bound work around the GEMMs: 'none' (the model's own PyTorch code: the exact reference path) or
@@ -322,15 +323,6 @@ class OOMBConfig:
                 "staging_sets", "{staging_sets} sizes whole-layer staging, which only sparse attention uses (dense "
                 "offload stages segments: see {segment_pages})", "enable {sparse}, or leave {staging_sets} out",
                 section="engine.offload")
-        if self.keep_graphs == "auto" and (self.sparse is not None or self.checkpoint_layers):
-            other = "{sparse}" if self.sparse is not None else "{checkpoint_layers}"
-            raise ConfigError(
-                "keep_graphs", f"{{keep_graphs}} 'auto' keeps whole chunk graphs of dense attention, and {other} is on",
-                f"turn {other} off, or leave {{keep_graphs}} out", section="engine")
-        if self.keep_graphs_max is not None and self.keep_graphs != "auto":
-            raise ConfigError(
-                "keep_graphs_max", "{keep_graphs_max} caps {keep_graphs} 'auto', which is off",
-                "pass {keep_graphs} auto, or leave {keep_graphs_max} out", section="engine")
         if self.checkpoint_attention != "keep" and not self.checkpoint_layers:
             raise ConfigError(
                 "checkpoint_attention", "{checkpoint_attention} chooses what the rerun of a checkpointed layer does, "

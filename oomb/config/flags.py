@@ -243,7 +243,8 @@ def job_from_values(command: str, given: dict[str, Any], file_values: dict[str, 
     section that is not null and ``--no-sparse`` is not given (it leaves that section out); a sparse field set while
     it is off is refused (it would be ignored). For the commands
     without ``--sparse`` (eval, grad-error: their ``--budgets`` say which sparse runs to make) ``engine.sparse``
-    is always set: the sink, local and score settings of those runs.
+    is always set: the sink, local and score settings of those runs. A command with no sparse setting at all
+    (bench: dense attention) gets None, whatever the file says.
 
     Raises:
         ConfigError: the first bad value; its ``section`` and ``key`` say which field.
@@ -267,6 +268,9 @@ def job_from_values(command: str, given: dict[str, Any], file_values: dict[str, 
             continue
         values.setdefault(ff.section, {})[ff.name] = value
     sparse_on = given["sparse"] if has_toggle and "sparse" in given else sparse_in_file or not has_toggle
+    if not has_toggle and not any(ff.section == "engine.sparse" for ff in by_dest.values()):
+        sparse_on = False  # bench: no sparse attention; a file's section (for train) is not used
+        values.pop("engine.sparse", None)
     sparse_values = values.pop("engine.sparse", None) or {}
     if not sparse_on:
         set_ = [k for k, v in sparse_values.items() if v != _default(_field(SparseConfig, k))]

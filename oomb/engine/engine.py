@@ -198,6 +198,7 @@ class Engine:
         self._kept = KeptAttention() if self.config.checkpoint_layers and self.config.checkpoint_attention == "keep" else None
         self._warned_saved_offload = False
         self._graph_budget = GraphBudget()  # what kept chunk graphs need (keep_graphs='auto' on CUDA)
+        self._warned_no_graphs = False
         self._backend = "torch"
         # What choose_engine_tiering read when it sized the GPU pool on CUDA (bytes: free, cached, allocated,
         # reserve, missing gradients, activations, pool budget); None until then (or on CPU).
@@ -649,12 +650,24 @@ class Engine:
         """How many of Stage 1's last chunks keep their graph this step (config.keep_graphs; see
         :mod:`oomb.engine.kept_graphs`)."""
         cfg = self.config
-        if (cfg.keep_graphs != "auto" or N < 2 or self._sharding is not None or self._sparse is not None
-                or self._kept is not None or isinstance(store, OffloadedKVStore)):
+        if cfg.keep_graphs != "auto" or N < 2:
+            return 0
+        cpu = self.device.type != "cuda"
+        why = ("sparse attention (--sparse)" if self._sparse is not None else
+               "--checkpoint-layers (the rerun of a layer would write its K/V again)" if cfg.checkpoint_layers else
+               "an offloaded KV store (--offload)" if isinstance(store, OffloadedKVStore) else
+               "a sharded model" if self._sharding is not None else
+               "no --keep-graphs-max on the CPU (there is no free GPU memory to read)"
+               if cpu and cfg.keep_graphs_max is None else None)
+        if why is not None:
+            if not self._warned_no_graphs:
+                warnings.warn(f"--keep-graphs auto (OOMBConfig.keep_graphs='auto') keeps no chunk graph with {why}: "
+                              "Stage 2 recomputes every chunk", stacklevel=4)
+                self._warned_no_graphs = True
             return 0
         most = N - 1 if cfg.keep_graphs_max is None else min(cfg.keep_graphs_max, N - 1)
-        if self.device.type != "cuda":
-            return most if cfg.keep_graphs_max is not None else 0
+        if cpu:
+            return most
         free, total = torch.cuda.mem_get_info(self.device)
         free += torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         return self._graph_budget.chunks(T, cfg.chunk_size, int(free), int(total), most)

@@ -42,6 +42,28 @@ def test_cli_bench_table_json_and_equal_losses(tmp_path, capsys):
     assert other.read_text() == '{"mine": 1}'
 
 
+def test_cli_bench_runs_dense_attention_and_keeps_graphs(monkeypatch, tmp_path):
+    """oomb bench's oomb rows run dense attention (bench has no sparse setting; a --config file's engine.sparse
+    section, written for train, is not used), and --keep-graphs reaches the engine, its report and its rows."""
+    seen = []
+    real = ob.Engine
+
+    def spy(model, config):
+        seen.append(config)
+        return real(model, config)
+
+    monkeypatch.setattr(ob, "Engine", spy)
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("engine:\n  sparse:\n    page_budget: 1\n  keep_graphs: auto\n  keep_graphs_max: 1\n")
+    path = tmp_path / "bench.json"
+    assert main(["bench", "--config", str(cfg), "--lengths", "512", "--chunk-size", "128", "--warmup-len", "0",
+                 "--systems", "oomb", "--json", str(path)]) == 0
+    assert seen and all(c.sparse is None and c.keep_graphs == "auto" and c.keep_graphs_max == 1 for c in seen)
+    report = json.loads(path.read_text())
+    assert report["config"]["keep_graphs"] == "auto" and report["config"]["keep_graphs_max"] == 1
+    assert report["rows"][0]["kept_graphs"] == 1
+
+
 @pytest.mark.parametrize("argv,fragment", [
     (["--lengths", "1"], "--lengths has 1"),
     (["--systems", "hf", "hf"], "lists a system twice"),

@@ -2,6 +2,9 @@
 and every gradient) as recomputing them, Stage 2 really skips their forward, and a kept forward that runs out of
 GPU memory falls back to the recompute without changing the step."""
 
+import re
+import warnings
+
 import pytest
 import torch
 
@@ -114,23 +117,30 @@ def test_out_of_memory_in_a_kept_forward_falls_back_to_the_recompute(monkeypatch
 
 
 def test_where_no_graph_is_kept():
-    """Off, one chunk, and auto on the CPU without a cap keep none; the step is the plain one."""
+    """Off, and one chunk, keep none quietly; auto where it cannot keep any (the CPU without a cap, sparse
+    attention, layer checkpoints) keeps none and says why once per engine; the step is the plain one."""
     torch.manual_seed(7)
     model = tiny("llama", 4, 2).double()
     ids = torch.randint(0, VOCAB, (1, 24))
-    for cfg in (dict(chunk_size=8), dict(chunk_size=8, keep_graphs="auto"), dict(chunk_size=24, keep_graphs="auto",
-                                                                              keep_graphs_max=3)):
-        out, _ = _step(model, ids, page_size=4, **cfg)
-        assert out.kept_graphs == 0, cfg
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for cfg in (dict(chunk_size=8), dict(chunk_size=8, keep_graphs_max=2),
+                    dict(chunk_size=24, keep_graphs="auto", keep_graphs_max=3)):
+            out, _ = _step(model, ids, page_size=4, **cfg)
+            assert out.kept_graphs == 0, cfg
+    for cfg, why in ((dict(), "no --keep-graphs-max on the CPU"),
+                     (dict(keep_graphs_max=2, sparse=True, page_budget=1), "sparse attention"),
+                     (dict(keep_graphs_max=2, checkpoint_layers=True), "--checkpoint-layers")):
+        engine = Engine(model, engine_config(chunk_size=8, page_size=4, attention_backend="torch", keep_graphs="auto",
+                                             **cfg))
+        with pytest.warns(UserWarning, match=f"keeps no chunk graph with {re.escape(why)}"):
+            assert engine.step(ids).kept_graphs == 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert engine.step(ids).kept_graphs == 0
 
 
-def test_config_refuses_what_keep_graphs_cannot_serve():
-    with pytest.raises(ConfigError, match="sparse is on; turn sparse off, or leave keep_graphs out"):
-        engine_config(keep_graphs="auto", sparse=True)
-    with pytest.raises(ConfigError, match="checkpoint_layers is on"):
-        OOMBConfig(keep_graphs="auto", checkpoint_layers=True)
-    with pytest.raises(ConfigError, match="keep_graphs_max caps keep_graphs 'auto', which is off"):
-        OOMBConfig(keep_graphs_max=2)
+def test_config_refuses_bad_values():
     with pytest.raises(ConfigError, match="keep_graphs_max is -1"):
         OOMBConfig(keep_graphs="auto", keep_graphs_max=-1)
     with pytest.raises(ConfigError, match="keep_graphs is 'on'; pass one of 'off', 'auto'"):
