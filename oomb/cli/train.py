@@ -209,8 +209,9 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
                     if step % args.log_every == 0 or step == args.steps:
                         peak = record.peak_memory_bytes
                         mem = "" if peak is None else f"  peak {peak / 2**30:.2f} GiB"
+                        kept = f"  kept graphs {record.kept_graphs}" if record.kept_graphs else ""
                         tqdm.write(f"step {step:>5}/{args.steps}  loss {record.loss:.4f}  {record.tokens_per_s:,.0f} tok/s  "
-                                   f"{record.seconds:.2f} s  lr {record.lr:.2e}{mem}", file=sys.stdout)
+                                   f"{record.seconds:.2f} s  lr {record.lr:.2e}{mem}{kept}", file=sys.stdout)
                 if args.save_every and step % args.save_every == 0 and step < args.steps:
                     checkpoint(step)
                     saved_at = step

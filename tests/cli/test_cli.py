@@ -1409,3 +1409,17 @@ def test_train_warns_that_adamw_rounds_away_bf16_updates(tmp_path, text_file, ca
     for extra, where in ((["--dtype", "float32"], "b"), (["--dtype", "bfloat16", "--lora-rank", "4"], "c")):
         assert run_cli([*argv, "--output-dir", tmp_path / where, *extra]) == 0
         assert "rounds away" not in capsys.readouterr().err
+
+
+def test_train_with_kept_graphs_logs_and_prints_them(tmp_path, text_file, capsys):
+    """--keep-graphs auto with a cap on the CPU: each step keeps the chunks before the last (capped), log.jsonl and
+    the step line say how many, and the losses are those of a run without it."""
+    runs = {}
+    for name, extra in (("plain", []), ("kept", ["--keep-graphs", "auto", "--keep-graphs-max", "5"])):
+        out = tmp_path / name
+        assert run_cli(["train", "--data", text_file, "--output-dir", out, "--log-every", "1", *FAST, *extra]) == 0
+        runs[name] = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+        printed = capsys.readouterr().out
+        assert ("kept graphs 1" in printed) == (name == "kept"), printed
+    assert [r["kept_graphs"] for r in runs["kept"]] == [1, 1] and [r["kept_graphs"] for r in runs["plain"]] == [0, 0]
+    assert [r["loss"] for r in runs["kept"]] == [r["loss"] for r in runs["plain"]]
