@@ -59,8 +59,7 @@ def main(argv=None) -> int:
         runs = {}  # (system, keep_graphs) -> rows of every repeat
         for i in range(args.repeats):
             for j, keep in enumerate(keeps):
-                cfg = dataclasses.replace(base, fused_glue=glue, keep_graphs=keep,
-                                          keep_graphs_max=base.keep_graphs_max if keep == "auto" else None)
+                cfg = dataclasses.replace(base, fused_glue=glue, keep_graphs=keep)
                 systems = ("hf", "oomb") if j == 0 else ("oomb",)
                 rows = bench_rows(model, args.lengths, cfg, systems=systems, steps=2,
                                   warmup_len=args.warmup_len if i == 0 else 0, seed=i)

@@ -26,6 +26,7 @@ from .memory import (
     MemoryPlanError,
     ModelShape,
     Tiering,
+    allocator_reserve_bytes,
     base_gpu_bytes,
     choose_staging_sets,
     dtype_size,
@@ -382,7 +383,7 @@ def plan(
     backend = {"auto": "sdpa"}.get(attention_backend, attention_backend)
     if sparse is not None and backend == "sdpa":
         backend = "triton"  # sparse attention reads its pages through the block-table kernels (paged_backend)
-    reserve = gpu_reserve_bytes if gpu_reserve_bytes is not None else max(2 * GiB, int(0.03 * machine.gpu_total_bytes))
+    reserve = gpu_reserve_bytes if gpu_reserve_bytes is not None else allocator_reserve_bytes(machine.gpu_total_bytes)
     if sparse is not None:
         # sparse_state_bytes reads the settings plus ``sparse`` and this plan's page size.
         sparse_cfg = SimpleNamespace(sparse=_sparse_settings(sparse), page_size=page_size)

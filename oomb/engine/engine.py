@@ -46,8 +46,8 @@ from ..models.fused_glue import FusedGlue
 from ..models.hf import check_model_supported, use_oomb_attention
 from ..ops.paged_attention import resolve_backend, step_backend
 from ..config.engine import HOST_FRACTION
-from ..memory import (DeviceMemory, MemoryPlanError, ModelShape, activation_bytes, choose_engine_tiering, host_memory,
-                      saved_attention_bytes, sparse_headroom_bytes)
+from ..memory import (DeviceMemory, MemoryPlanError, ModelShape, activation_bytes, allocator_reserve_bytes,
+                      choose_engine_tiering, host_memory, saved_attention_bytes, sparse_headroom_bytes)
 from .kv_store import PagedKVStore
 from .fused_wgrad import FusedWeightGradAccumulation
 from .grad_accum import LOW_PRECISION, Float32GradAccumulator, extra_grad_bytes
@@ -468,7 +468,7 @@ class Engine:
                                self.config.checkpoint_layers, backend, self.config.attention_block_size,
                                self.config.loss_chunk_size, max(T - self.config.chunk_size, 0),
                                keep_attention=self.config.checkpoint_attention == "keep")["total"]
-        reserve = max(2 * 2**30, int(0.03 * total))
+        reserve = allocator_reserve_bytes(total)
         if self.config.sparse:
             reserve += sparse_headroom_bytes(self.config.checkpoint_layers)
         spare = free - act - reserve
@@ -624,14 +624,16 @@ class Engine:
         _sync(device)
         start = torch.cuda.memory_allocated(device) if cuda else 0
         t0 = time.perf_counter()
+        first_kept = N - 1 - keep  # after an out-of-memory in a kept forward, the chunks left are not kept
         with accumulate:  # from Stage 1 on: the forwards of kept graphs run inside it
             for c in tqdm(range(N - 1), desc="stage 1 (K/V; not the last chunk)", unit="chunk", disable=not progress, leave=False):
                 s = c * C
-                if c >= N - 1 - keep and len(graphs) == c - (N - 1 - keep):
+                if c >= first_kept:
                     loss_sum = self._kept_forward(input_ids, positions, targets, doc_start, s, C)
                     if loss_sum is not None:
                         graphs[c] = loss_sum
                         continue
+                    first_kept = N
                 with torch.no_grad():
                     ctx = ChunkContext(self, 1, s, C, False, _slice(doc_start, s, C))
                     self._in_root(self._run_chunk, input_ids, positions, ctx)

@@ -9,13 +9,9 @@ longer than any measured keeps none until it has been measured.
 
 from __future__ import annotations
 
-__all__ = ["GraphBudget", "graph_reserve_bytes"]
+from ..memory import allocator_reserve_bytes
 
-
-def graph_reserve_bytes(total_bytes: int) -> int:
-    """GPU bytes left free below the kept graphs for the allocator's rounding and fragmentation: 2 GiB or 3% of
-    the device, whichever is more (what the saved attention outputs leave, :meth:`Engine._saved_memory_problem`)."""
-    return max(2 * 2**30, int(0.03 * total_bytes))
+__all__ = ["GraphBudget"]
 
 
 class GraphBudget:
@@ -57,5 +53,5 @@ class GraphBudget:
         graph = self.chunk_bytes(chunk_size)
         if graph <= 0 or self.work is None or tokens > self.work[0] or most <= 0:
             return 0
-        spare = free_bytes - self.work[1] - graph_reserve_bytes(total_bytes)
+        spare = free_bytes - self.work[1] - allocator_reserve_bytes(total_bytes)
         return max(0, min(most, spare // graph))

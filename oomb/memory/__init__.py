@@ -23,7 +23,7 @@ from .sharding import SHARD_MODES, ShardBytes, collective_counts, shard_bytes, s
 from .step import (LORA_TARGETS, activation_bytes, base_gpu_bytes, page_bytes, saved_attention_bytes,
                    sparse_headroom_bytes, sparse_state_bytes)
 from .tiering import (DEFAULT_SEGMENT_TOKENS, DeviceMemory, EngineTiering, MemoryPlanError, Tiering,
-                      choose_engine_tiering, choose_staging_sets, default_segment_pages, fit_tiering,
+                      allocator_reserve_bytes, choose_engine_tiering, choose_staging_sets, default_segment_pages, fit_tiering,
                       gpu_page_budget_problem, kv_stash_request_bytes, kv_stash_reserve_bytes, kv_stash_tiles,
                       min_gpu_pages, resident_pages_for_budget, resolve_segment_pages, stage1_shadow_pages, staging_pages)
 from .traffic import offload_traffic, segment_traffic
@@ -31,7 +31,7 @@ from .traffic import offload_traffic, segment_traffic
 __all__ = [
     "BufTag", "DEFAULT_SEGMENT_TOKENS", "DeviceMemory", "EngineTiering", "GiB", "LORA_TARGETS", "Machine",
     "MemoryPlanError", "ModelShape", "OPTIMIZER_NAMES", "OptimizerBytes", "SHARD_MODES", "SegUse", "SegmentSchedule",
-    "ShardBytes", "Tiering", "activation_bytes", "base_gpu_bytes", "collective_counts",
+    "ShardBytes", "Tiering", "activation_bytes", "allocator_reserve_bytes", "base_gpu_bytes", "collective_counts",
     "choose_engine_tiering", "choose_staging_sets", "default_segment_pages", "dtype_size", "fit_tiering",
     "gpu_page_budget_problem",
     "host_memory", "kv_stash_request_bytes", "kv_stash_reserve_bytes", "kv_stash_tiles", "min_gpu_pages",

@@ -23,6 +23,7 @@ __all__ = [
     "EngineTiering",
     "MemoryPlanError",
     "Tiering",
+    "allocator_reserve_bytes",
     "choose_engine_tiering",
     "choose_staging_sets",
     "default_segment_pages",
@@ -41,6 +42,12 @@ __all__ = [
 
 class MemoryPlanError(ValueError):
     """A run that cannot fit the machine; the message says what is short, by how much, and what to change."""
+
+
+def allocator_reserve_bytes(total_bytes: int) -> int:
+    """GPU bytes a plan leaves free on a device of ``total_bytes`` for the caching allocator's rounding and
+    fragmentation: 2 GiB or 3% of the device, whichever is more."""
+    return max(2 * GiB, int(0.03 * total_bytes))
 
 
 DEFAULT_SEGMENT_TOKENS = 32768
@@ -390,7 +397,7 @@ def choose_engine_tiering(shape: ModelShape, config: Any, seq_len: int, dtype: t
     act = activation_bytes(shape, min(cfg.chunk_size, seq_len), dtype, cfg.checkpoint_layers, backend,
                            cfg.attention_block_size, cfg.loss_chunk_size, max(seq_len - cfg.chunk_size, 0),
                            keep_attention=cfg.checkpoint_attention == "keep")["total"]
-    reserve = max(2 * GiB, int(0.03 * total))
+    reserve = allocator_reserve_bytes(total)
     stash = 0
     if cfg.sparse:
         # Page representatives and stored selections live on the GPU for the whole step, and a 1M-token sparse +

@@ -12,7 +12,8 @@ import oomb.engine.chunk_context as chunk_context
 import oomb.ops.paged_attention as pa
 from oomb import Engine
 from oomb.config import ConfigError, OOMBConfig
-from oomb.engine.kept_graphs import GraphBudget, graph_reserve_bytes
+from oomb.engine.kept_graphs import GraphBudget
+from oomb.memory import allocator_reserve_bytes
 from configs import engine_config
 from test_engine import VOCAB, clone_model, reference_step, tiny
 
@@ -153,7 +154,7 @@ def test_graph_budget_counts_what_fits():
     b.note_graph(8, 8 * GiB)  # a short last chunk: 1 GiB per token
     b.note_step(100, peak=30 * GiB, start=10 * GiB, kept=0, chunk_size=10)
     assert b.chunk_bytes(10) == 10 * GiB and b.work == (100, 20 * GiB)
-    reserve = graph_reserve_bytes(80 * GiB)
+    reserve = allocator_reserve_bytes(80 * GiB)
     assert reserve == int(0.03 * 80 * GiB)
     # 70 GiB free - 20 GiB of work - 2.4 GiB reserve = 47.6 GiB: four 10-GiB graphs
     assert b.chunks(100, 10, 70 * GiB, 80 * GiB, 9) == 4
