@@ -159,10 +159,12 @@ class DataConfig:
     split: str = field(default="train", metadata=flag("--data-split"))
     """The split of the data to train on (a single file's one split is train)."""
 
-    format: Literal["auto", "text", "messages", "prompt-completion"] = field(default="auto", metadata=flag("--data-format"))
+    format: Literal["auto", "text", "messages", "prompt-completion", "segments"] = field(
+        default="auto", metadata=flag("--data-format"))
     """How rows are read: text (the text_field), messages (a list of role/content messages rendered with the
-    chat template), prompt-completion (prompt and completion fields); auto: from the fields the rows have, in
-    that order of preference messages, prompt-completion, text."""
+    chat template), prompt-completion (prompt and completion fields), segments (a list of {"text", "label"}
+    pieces, those labelled true trained); auto: from the fields the rows have, in that order of preference
+    messages, prompt-completion, segments, text."""
 
     text_field: str = "text"
     """The field holding the text of a text row."""
@@ -172,12 +174,13 @@ class DataConfig:
     of the tokenizer's own; needed when the tokenizer has none."""
 
     loss_on: Optional[Literal["all", "assistant"]] = None
-    """Which tokens of a chat or prompt-completion example carry the loss: assistant (assistant messages' or the
-    completion's content and end of turn; the default) or all; text trains on every token."""
+    """Which tokens of a chat, prompt-completion or segments example carry the loss: assistant (assistant
+    messages' or the completion's content and end of turn, or the segments labelled true; the default) or all;
+    text trains on every token."""
 
     long_examples: Optional[Literal["split", "drop"]] = None
     """An example longer than seq_len: split over several sequences, or dropped (counted); default: split for
-    text (the token stream is cut), drop for messages and prompt-completion."""
+    text (the token stream is cut), drop for messages, prompt-completion and segments."""
 
     streaming: bool = False
     """Read the rows as they are used instead of into memory (corpora larger than RAM); the packed sequences are
@@ -205,7 +208,7 @@ class DataConfig:
             value = getattr(self, key)
             if not isinstance(value, str) or not value:
                 raise ConfigError(key, f"{{{key}}} is {literal(value)}", f"pass a name, e.g. {{{key}}} {'train' if key == 'split' else 'text'}")
-        check.choice("format", self.format, ("auto", "text", "messages", "prompt-completion"))
+        check.choice("format", self.format, ("auto", "text", "messages", "prompt-completion", "segments"))
         if self.chat_template is not None and (not isinstance(self.chat_template, str) or not self.chat_template):
             raise ConfigError("chat_template", f"{{chat_template}} is {literal(self.chat_template)}", "pass a template file path")
         if self.loss_on is not None:
@@ -537,12 +540,13 @@ class DataReportConfig:
 class DataMakeConfig:
     """``oomb data --make``: a synthetic retrieval training set written as JSON Lines instead of the report."""
 
-    kind: Optional[Literal["passkey", "needle"]] = field(default=None, metadata=flag("--make"))
-    """Write retrieval training rows ({"prompt": ..., "completion": ...}, read by 'oomb train --data FILE')
-    instead of reporting on the data: passkey (a pass key in filler text, asked for at the end) or needle
-    ("The secret <word> is <number>." sentences in the --data text, the bundled novels by default, one of them
-    asked for); each at a length of lengths and a random depth, seeded by seed, as 'oomb eval --task' scores
-    them."""
+    kind: Optional[Literal["passkey", "needle", "keyvalue"]] = field(default=None, metadata=flag("--make"))
+    """Write retrieval training rows (read by 'oomb train --data FILE') instead of reporting on the data:
+    passkey (a pass key in filler text, asked for at the end) or needle ("The secret <word> is <number>."
+    sentences in the --data text, the bundled novels by default, one of them asked for), as prompt/completion
+    rows, each as 'oomb eval --task' scores it; or keyvalue (a pass key and needles secret sentences in filler
+    text, every one asked for at the end, every answer trained: segments rows, many answers per row). Each row
+    at a length of lengths and a random depth, seeded by seed."""
 
     examples: int = 1000
     """Rows to write."""
@@ -552,7 +556,8 @@ class DataMakeConfig:
     seq_len of its length (each row takes one at random); default: seq_len."""
 
     needles: int = 4
-    """Needle sentences per needle row (1 to 30; the first is asked for, the others are distractors)."""
+    """Needle sentences per needle row (1 to 30; the first is asked for, the others are distractors), or secret
+    sentences per keyvalue row (1 to 30; each is asked for, and the pass key)."""
 
     path: Optional[str] = field(default=None, metadata=flag("--make-output", metavar="PATH"))
     """Where the rows go (new, empty, or an earlier 'oomb data --make' file: any other existing file is refused);
@@ -561,7 +566,7 @@ class DataMakeConfig:
     @_in("data_make")
     def __post_init__(self) -> None:
         if self.kind is not None:
-            check.choice("kind", self.kind, ("passkey", "needle"))
+            check.choice("kind", self.kind, ("passkey", "needle", "keyvalue"))
         check.positive_int("examples", self.examples, "rows")
         if self.lengths is not None:
             if not isinstance(self.lengths, (list, tuple)) or not self.lengths or not all(check.is_int(t) for t in self.lengths):
@@ -577,10 +582,10 @@ class DataMakeConfig:
             for key in ("examples", "lengths", "needles", "path"):
                 if getattr(self, key) != defaults[key]:
                     raise ConfigError(key, f"{{{key}}} sets up synthetic rows but {{kind}} is not given",
-                                      f"add {{kind}} passkey or {{kind}} needle, or leave {{{key}}} out")
+                                      f"add {{kind}} passkey, needle or keyvalue, or leave {{{key}}} out")
         elif self.kind == "passkey" and self.needles != 4:
-            raise ConfigError("needles", "{needles} is for {kind} needle; a passkey row holds one pass key",
-                              "pass {kind} needle, or leave {needles} out")
+            raise ConfigError("needles", "{needles} is for {kind} needle or keyvalue; a passkey row holds one pass key",
+                              "pass {kind} needle or keyvalue, or leave {needles} out")
 
 
 @dataclass

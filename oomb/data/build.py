@@ -5,7 +5,7 @@
   into consecutive ``seq_len`` sequences (:class:`~oomb.data.sequences.TextSequences`, documents split at EOS
   with ``document_mask``); with ``long_examples="drop"`` each document (and its EOS) is an example packed as
   chat examples are;
-* ``messages`` and ``prompt``/``completion`` rows: each row an example with its own labels
+* ``messages``, ``prompt``/``completion`` and ``segments`` rows: each row an example with its own labels
   (:mod:`oomb.data.chat`), packed with per-example bounds (:mod:`oomb.data.packing`).
 
 With ``streaming`` the rows are read one by one and the result is written in shards to the cache folder
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .chat import encode_messages, encode_prompt_completion, encode_text, read_chat_template
+from .chat import encode_messages, encode_prompt_completion, encode_segments, encode_text, read_chat_template
 from .errors import DataError
 from .packing import PackedSequences, Packer
 from .sequences import TextSequences
@@ -34,17 +34,18 @@ from .tokenizer import tokenizer_digest
 
 __all__ = ["build_training_data", "detect_format"]
 
-_FORMATS = ("messages", "prompt-completion", "text")
+_FORMATS = ("messages", "prompt-completion", "segments", "text")
 
 
 def detect_format(fmt: str, columns: list[str], text_field: str, name: str) -> str:
-    """The row format: ``fmt`` unless "auto", else the first of messages, prompt-completion, text whose fields
-    the rows have.
+    """The row format: ``fmt`` unless "auto", else the first of messages, prompt-completion, segments, text
+    whose fields the rows have.
 
     Raises:
         DataError: the rows lack the fields of the format (naming the fields they have).
     """
-    need = {"messages": ["messages"], "prompt-completion": ["prompt", "completion"], "text": [text_field]}
+    need = {"messages": ["messages"], "prompt-completion": ["prompt", "completion"], "segments": ["segments"],
+            "text": [text_field]}
     found = ", ".join(columns) or "none"
     if fmt != "auto":
         missing = [c for c in need[fmt] if c not in columns]
@@ -55,13 +56,14 @@ def detect_format(fmt: str, columns: list[str], text_field: str, name: str) -> s
     for f in _FORMATS:
         if all(c in columns for c in need[f]):
             return f
-    raise DataError(f"{name} has none of the fields messages, prompt and completion, or {text_field!r} "
+    raise DataError(f"{name} has none of the fields messages, prompt and completion, segments, or {text_field!r} "
                     f"(its fields: {found})", "pass --text-field NAME for the field that holds the text, or rows "
-                    "with messages or prompt/completion")
+                    "with messages, prompt/completion or segments")
 
 
 def _fields(fmt: str, text_field: str) -> tuple[str, ...]:
-    return {"messages": ("messages",), "prompt-completion": ("prompt", "completion"), "text": (text_field,)}[fmt]
+    return {"messages": ("messages",), "prompt-completion": ("prompt", "completion"), "segments": ("segments",),
+            "text": (text_field,)}[fmt]
 
 
 def _refuse_mixed(rows: Rows, fmt: str, text_field: str, i: int, row: dict) -> None:
@@ -184,6 +186,10 @@ def _examples(cfg, fmt: str, rows: Rows, tokenizer, template: str | None, loss_o
             ids, labels = encode_messages(tokenizer, row.get("messages"), template, loss_on, where)
             if any(isinstance(m, dict) and m.get("role") == "assistant" for m in row["messages"]):
                 seen["assistant"] += 1
+        elif fmt == "segments":
+            ids, labels = encode_segments(tokenizer, row.get("segments"), loss_on, where)
+            if any(isinstance(g, dict) and g.get("label") is True for g in row["segments"]):
+                seen["assistant"] += 1
         else:
             prompt, completion = row.get("prompt"), row.get("completion")
             ids, labels = encode_prompt_completion(tokenizer, prompt, completion, template, loss_on, where)
@@ -216,7 +222,7 @@ def build_training_data(cfg, tokenizer, seed: int = 0):
         cfg = replace(cfg, text_field="text")
     fmt = detect_format(cfg.format, rows.columns, cfg.text_field, repr(rows.name))
     if fmt == "text" and cfg.loss_on == "assistant":
-        raise DataError(f"--loss-on assistant needs messages or prompt/completion rows, but {rows.name!r} is text",
+        raise DataError(f"--loss-on assistant needs messages, prompt/completion or segments rows, but {rows.name!r} is text",
                         "leave --loss-on out for text (every token is trained)")
     long = cfg.long_examples or ("split" if fmt == "text" else "drop")
     if fmt == "text" and long == "split":
@@ -239,6 +245,9 @@ def build_training_data(cfg, tokenizer, seed: int = 0):
         if fmt == "messages" and loss_on == "assistant" and not seen["assistant"]:
             raise DataError(f"no example of {rows.name!r} has an assistant turn, so no token would be trained",
                             "add assistant messages to the rows, or pass --loss-on all")
+        if fmt == "segments" and loss_on == "assistant" and not seen["assistant"]:
+            raise DataError(f"no example of {rows.name!r} has a segment with \"label\": true, so no token would be "
+                            "trained", "label the segments to train true, or pass --loss-on all")
         data = packer.finish(seed)
         if not len(data):
             s = packer.stats()

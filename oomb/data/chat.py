@@ -16,6 +16,12 @@ overlap a trained span.
 A ``prompt``/``completion`` row of strings is ``prompt`` then ``completion`` then the EOS token, the completion
 and EOS trained; a row whose prompt and completion are message lists is the conversation ``prompt +
 completion`` with the completion's assistant messages trained.
+
+A ``segments`` row (a list of ``{"text": str, "label": bool}``, Axolotl's template-free ``input_output``
+format) is each segment's text tokenised on its own, without special tokens, concatenated, then the EOS token;
+the segments with ``"label": true`` are trained, and the EOS where the last segment is. No template and no
+role markers: the row says exactly which tokens carry the loss, also several spans of one example (e.g. many
+answers in one long context).
 """
 
 from __future__ import annotations
@@ -27,8 +33,8 @@ import numpy as np
 
 from .errors import DataError
 
-__all__ = ["IGNORE_INDEX", "ROLES", "check_messages", "encode_messages", "encode_prompt_completion",
-           "encode_text", "read_chat_template"]
+__all__ = ["IGNORE_INDEX", "ROLES", "check_messages", "check_segments", "encode_messages", "encode_prompt_completion",
+           "encode_segments", "encode_text", "read_chat_template"]
 
 IGNORE_INDEX = -100
 _MARKER = "\u2063oomb-content-marker\u2063"
@@ -241,6 +247,46 @@ def encode_prompt_completion(tokenizer, prompt, completion, template: str | None
                                trained_from=len(prompt))
     raise DataError(f"{where}: prompt is {type(prompt).__name__} and completion is {type(completion).__name__}",
                     "write both as strings, or both as lists of messages")
+
+
+def check_segments(segments, where: str) -> None:
+    """Refuse a ``segments`` value that is not a non-empty list of ``{"text": str, "label": bool}``.
+
+    Raises:
+        DataError: naming ``where`` (the row) and the bad segment.
+    """
+    fix = 'write segments as a list of {"text": "...", "label": true|false}'
+    if not isinstance(segments, (list, tuple)) or not segments:
+        raise DataError(f"{where}: segments is {type(segments).__name__ if segments else 'empty'}, not a list of "
+                        "segments", fix)
+    for j, seg in enumerate(segments):
+        if not isinstance(seg, dict) or "text" not in seg or "label" not in seg:
+            raise DataError(f"{where}: segment {j} is not an object with \"text\" and \"label\"", fix)
+        if not isinstance(seg["text"], str):
+            raise DataError(f"{where}: segment {j} has text of type {type(seg['text']).__name__}, not a string", fix)
+        if not isinstance(seg["label"], bool):
+            raise DataError(f"{where}: segment {j} has label {seg['label']!r}, not true or false", fix)
+
+
+def encode_segments(tokenizer, segments, loss_on: str, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids and labels (int64 ``[n]`` each, -100 = no loss) of one ``segments`` row (see the module).
+
+    ``loss_on``: "assistant" (the segments labelled true, and the EOS where the last one is) or "all".
+
+    Raises:
+        DataError: a bad segment (:func:`check_segments`).
+    """
+    check_segments(segments, where)
+    encoded = tokenizer([seg["text"] for seg in segments], add_special_tokens=False)["input_ids"]
+    ids, labels = [], []
+    for seg, part in zip(segments, encoded):
+        ids += part
+        labels += part if seg["label"] else [IGNORE_INDEX] * len(part)
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+        labels.append(tokenizer.eos_token_id if segments[-1]["label"] else IGNORE_INDEX)
+    ids = np.asarray(ids, dtype=np.int64)
+    return ids, (ids.copy() if loss_on == "all" else np.asarray(labels, dtype=np.int64))
 
 
 def encode_text(tokenizer, text: str) -> tuple[np.ndarray, np.ndarray]:

@@ -1,4 +1,5 @@
-"""Synthetic retrieval training rows: passkey and needle prompts with their answers, as prompt/completion rows.
+"""Synthetic retrieval training rows: passkey and needle prompts with their answers, as prompt/completion rows,
+and key-value rows that ask for many values of one long context, as segments rows.
 
 Each row is one prompt of :mod:`oomb.retrieval.prompts` (haystack and question) decoded to text as ``prompt``,
 and its answer decoded as ``completion``, at a length drawn from the given lengths and a depth drawn uniformly
@@ -16,6 +17,16 @@ EOS token), so it fits ``--seq-len L``. Its prompt and completion are a scored p
 trained is what ``oomb eval --task`` scores. A needle haystack that begins inside a word of the text can
 re-encode to another token count; such a row takes the next prompt drawn (another haystack) that re-encodes to
 ``L`` tokens.
+
+A **keyvalue** row trains many answers at long range from one context: the passkey prompt's intro and filler
+holding its pass key sentence and ``needles`` "The secret W is V." sentences (distinct words and values) at
+random sentence starts, then a question for every one of them in a random order, each followed by its answer:
+" What is the pass key? The pass key is V" and " What is the secret W? The secret W is V". It is written as a
+``segments`` row (:mod:`oomb.data.chat`): the answers (" V") are the segments labelled true, so every answer and
+the final EOS are trained, nothing else. A passkey prompt has ~1 trained answer per ``L`` tokens; a keyvalue row
+``needles + 1`` at distances spread over the whole row, which is what makes retrieval at 32K learnable in a
+few hundred steps (``docs/performance.md``). Its pass key is asked with the exact words of the passkey
+evaluation. A row is exactly ``L`` tokens as training encodes it (segments, then EOS), checked by encoding it.
 """
 
 from __future__ import annotations
@@ -27,7 +38,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .prompts import PromptTooShort, _bos, needle_prompt, passkey_prompt
+from .prompts import FILLER, INTRO, WORDS, PromptTooShort, _bos, _encode, _place, _question, _value, check_digits, \
+    needle_prompt, passkey_prompt
 
 __all__ = ["ROW_KEYS", "is_retrieval_jsonl", "retrieval_rows", "write_retrieval_jsonl"]
 
@@ -44,12 +56,13 @@ _TRIAL_BASE = 1 << 20
 
 def retrieval_rows(task: str, tokenizer, lengths: Sequence[int], examples: int, seed: int = 0,
                    tokens: np.ndarray | None = None, needles: int = 1) -> list[dict]:
-    """``examples`` rows of ``task`` ("passkey" or "needle"), seeded by ``seed`` (see the module).
+    """``examples`` rows of ``task`` ("passkey", "needle" or "keyvalue"), seeded by ``seed`` (see the module).
 
     Args:
         lengths: token lengths, as training encodes a row (its EOS included); each row takes one, drawn uniformly.
         tokens: the needle task's text token stream (:func:`oomb.data.tokenize_documents`).
-        needles: needle sentences per needle row (the first is asked).
+        needles: needle sentences per needle row (the first is asked), or secret sentences per keyvalue row (each
+            asked, and the pass key).
 
     Raises:
         ValueError: ``examples`` < 1, no lengths, an unknown task, no tokens for the needle task, and what the
@@ -60,8 +73,10 @@ def retrieval_rows(task: str, tokenizer, lengths: Sequence[int], examples: int, 
         raise ValueError(f"examples is {examples}; pass 1 or more")
     if not lengths:
         raise ValueError("lengths is empty; pass one or more token lengths")
-    if task not in ("passkey", "needle"):
-        raise ValueError(f"task is {task!r}; pass passkey or needle")
+    if task not in ("passkey", "needle", "keyvalue"):
+        raise ValueError(f"task is {task!r}; pass passkey, needle or keyvalue")
+    if task == "keyvalue" and not 0 <= needles <= len(WORDS):
+        raise ValueError(f"needles is {needles}; pass 0 to {len(WORDS)} secret sentences per keyvalue row")
     if task == "needle" and tokens is None:
         raise ValueError("the needle task needs a text token stream (tokens) to hide the needles in")
     rng = np.random.default_rng([seed, 7])
@@ -69,7 +84,10 @@ def retrieval_rows(task: str, tokenizer, lengths: Sequence[int], examples: int, 
     for i in range(examples):
         length = int(lengths[int(rng.integers(len(lengths)))])
         depth = round(float(rng.uniform(0.0, 100.0)), 3)
-        rows.append(_row(task, tokenizer, length, depth, _TRIAL_BASE + i, seed, tokens, needles))
+        if task == "keyvalue":
+            rows.append(_keyvalue_row(tokenizer, length, depth, _TRIAL_BASE + i, seed, needles))
+        else:
+            rows.append(_row(task, tokenizer, length, depth, _TRIAL_BASE + i, seed, tokens, needles))
     return rows
 
 
@@ -112,6 +130,79 @@ def _row(task: str, tokenizer, length: int, depth: float, trial: int, seed: int,
             return {"prompt": question, "completion": answer, "task": task, "length": length, "depth": depth,
                     "answer": prompt.answer}
     raise ValueError(f"none of {_TRIES} {task} prompts of {length} tokens re-encodes to {length} tokens with this "
+                     "tokenizer (their decoded text tokenises differently); pass other lengths, or another tokenizer")
+
+
+def _keyvalue_draw(tokenizer, length: int, depth: float, rng: np.random.Generator, needles: int):
+    """One keyvalue row's (segments as token-id lists with their labels, pass key value, all values) of ``length``
+    tokens, the EOS included (see the module).
+
+    Raises:
+        PromptTooShort: ``length`` leaves no filler token.
+    """
+    words = [WORDS[i] for i in rng.choice(len(WORDS), size=needles, replace=False)]
+    values: list[str] = []
+    for _ in range(needles + 1):
+        values.append(_value(rng, values))
+    passkey = values[0]
+    sentences = [_encode(tokenizer, f" The pass key is {passkey}. Remember it. {passkey} is the pass key.")]
+    sentences += [_encode(tokenizer, f" The secret {w} is {v}.") for w, v in zip(words, values[1:])]
+    asks = [" What is the pass key? The pass key is"] + [f" What is the secret {w}? The secret {w} is" for w in words]
+    qa = [_question(tokenizer, q, v) for q, v in zip(asks, values)]
+    order = rng.permutation(len(qa)).tolist()
+    head = _encode(tokenizer, INTRO)
+    fixed = len(head) + sum(map(len, sentences)) + sum(len(q) + len(a) for q, a in qa) + 1  # + EOS
+    room = length - fixed
+    if room < 1:
+        raise PromptTooShort(length, fixed - 1, f"keyvalue row: its intro, pass key and {needles} secret sentences, "
+                             "their questions and answers, and EOS; its")
+    filler, starts = [], []
+    pieces = [_encode(tokenizer, " " + f) for f in FILLER]
+    while len(filler) < room:
+        for piece in pieces:
+            starts.append(len(filler))
+            filler += piece
+    filler = filler[:room]
+    inner = [p for p in starts if p <= room] or [0]
+    # The pass key at ``depth`` (as the passkey prompt places it), the secrets at random sentence starts.
+    spots = [(_place(depth / 100 * room, starts, room), 0)]
+    spots += [(int(inner[int(rng.integers(len(inner)))]), k + 1) for k in range(needles)]
+    ids, prev = list(head), 0
+    for p, k in sorted(spots):
+        ids += filler[prev:p] + sentences[k]
+        prev = p
+    ids += filler[prev:]
+    segments = []
+    for k in order:  # the context goes into the first question's segment
+        q, a = qa[k]
+        segments += [(q if segments else ids + q, False), (a, True)]
+    return segments, passkey, values
+
+
+def _keyvalue_row(tokenizer, length: int, depth: float, trial: int, seed: int, needles: int) -> dict:
+    """The keyvalue row of ``length`` tokens as training encodes it (see the module).
+
+    Raises:
+        ValueError: ``length`` too short, or none of :data:`_TRIES` rows drawn re-encodes to ``length`` tokens.
+    """
+    from ..data.chat import encode_segments
+
+    check_digits(tokenizer)
+    for k in range(_TRIES):
+        rng = np.random.default_rng([seed, 2, length, int(round(depth * 1000)), trial + k * _RETRY_STRIDE])
+        try:
+            parts, passkey, values = _keyvalue_draw(tokenizer, length, depth, rng, needles)
+        except PromptTooShort as exc:
+            raise ValueError(f"length {length} is too short for a {exc.what} take {exc.fixed + 1} tokens before any "
+                             f"filler; pass lengths of {exc.fixed + 2} or more, or fewer needles") from exc
+        segments = [{"text": tokenizer.decode(ids), "label": label} for ids, label in parts]
+        want = [t for ids, _ in parts for t in ids]
+        got, _ = encode_segments(tokenizer, segments, "assistant", "keyvalue row")
+        eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+        if got.tolist() == want + eos and len(got) == length:
+            return {"segments": segments, "task": "keyvalue", "length": length, "depth": depth, "answer": passkey,
+                    "answers": values}
+    raise ValueError(f"none of {_TRIES} keyvalue rows of {length} tokens re-encodes to the same tokens with this "
                      "tokenizer (their decoded text tokenises differently); pass other lengths, or another tokenizer")
 
 

@@ -119,6 +119,26 @@ def test_oomb_data_make_writes_rows_oomb_train_reads(tmp_path, capsys):
                    capsys, "pass --make-lengths of")
 
 
+def test_oomb_data_make_keyvalue_writes_segments_rows_oomb_train_trains(tmp_path, capsys):
+    rows_file = tmp_path / "kv.jsonl"
+    assert run_cli(["data", "--make", "keyvalue", "--needles", "3", "--examples", "4", "--make-lengths", "200",
+                    "--make-output", rows_file]) == 0
+    assert "wrote 4 keyvalue rows" in capsys.readouterr().out
+    rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
+    assert len(rows) == 4 and all(len(r["segments"]) == 8 and len(r["answers"]) == 4 for r in rows)
+    assert run_cli(["data", "--data", rows_file, "--seq-len", "256", "--document-mask"]) == 0
+    assert "4 examples (segments)" in capsys.readouterr().out
+    assert run_cli(["train", "--data", rows_file, "--output-dir", tmp_path / "run", "--seq-len", "256",
+                    "--chunk-size", "64", "--page-size", "32", "--steps", "1", "--no-progress", "--document-mask"]) == 0
+    capsys.readouterr()
+    _check_refused(run_cli(["data", "--make", "keyvalue", "--data", rows_file, "--make-output", tmp_path / "y.jsonl"]),
+                   capsys, "--data is not read by --make keyvalue")
+    _check_refused(run_cli(["data", "--make", "keyvalue", "--needles", "31", "--make-output", tmp_path / "y.jsonl"]),
+                   capsys, "pass 1 to 30 needles per row")
+    _check_refused(run_cli(["data", "--make", "keyvalue", "--needles", "30", "--make-lengths", "300",
+                            "--make-output", tmp_path / "y.jsonl"]), capsys, "pass --make-lengths of")
+
+
 def test_a_lora_output_folder_is_merged_in_memory_and_scored(tmp_path, capsys):
     """A LoRA `oomb train` output: eval merges it into its base as `oomb merge` does; the scores equal those of
     the merged folder."""

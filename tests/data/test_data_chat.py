@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from oomb.data import DataError, load_tokenizer, pack
-from oomb.data.chat import check_messages, encode_messages, encode_prompt_completion, read_chat_template
+from oomb.data.chat import check_messages, encode_messages, encode_prompt_completion, encode_segments, read_chat_template
 
 TEMPLATES = Path(__file__).parent / "chat_templates"
 SPECIALS = {"chatml": (["<|im_start|>", "<|im_end|>"], None),
@@ -78,6 +78,56 @@ def test_prompt_completion_strings_train_the_completion_and_eos():
     tok = load_tokenizer()
     ids, labels = encode_prompt_completion(tok, "Q: two and two?", " A: four.", None, "assistant", "row 0")
     assert marked(tok, ids, labels) == ["▁Q", ":", "▁two", "▁and", "▁two", "?", "[▁A]", "[:]", "[▁four]", "[.]", "[</s>]"]
+
+
+def test_segments_train_the_labelled_segments_and_the_eos_after_a_labelled_last_one():
+    tok = load_tokenizer()
+    segments = [{"text": "Q: two and two?", "label": False}, {"text": " four.", "label": True},
+                {"text": " Q: and three?", "label": False}, {"text": " six.", "label": True}]
+    ids, labels = encode_segments(tok, segments, "assistant", "row 0")
+    assert marked(tok, ids, labels) == ["▁Q", ":", "▁two", "▁and", "▁two", "?", "[▁four]", "[.]", "▁Q", ":", "▁and",
+                                        "▁three", "?", "[▁six]", "[.]", "[</s>]"]
+    # each segment is tokenised on its own: the ids are the concatenation of the segments' own encodings
+    assert ids[:-1].tolist() == sum((tok(g["text"], add_special_tokens=False)["input_ids"] for g in segments), [])
+    ids, labels = encode_segments(tok, segments[:3], "assistant", "row 0")
+    assert labels[-1] == -100 and (labels != -100).sum() == 2  # an unlabelled last segment: its EOS untrained
+    ids, labels = encode_segments(tok, segments[:3], "all", "row 0")
+    assert labels.tolist() == ids.tolist()
+
+
+@pytest.mark.parametrize("segments, match", [
+    ([], "segments is empty"),
+    ("text", "segments is str, not a list"),
+    ([{"text": "a"}], 'segment 0 is not an object with "text" and "label"'),
+    ([{"text": 3, "label": True}], "segment 0 has text of type int"),
+    ([{"text": "a", "label": "yes"}], "segment 0 has label 'yes', not true or false"),
+])
+def test_bad_segments_are_refused_naming_the_row(segments, match):
+    with pytest.raises(DataError, match=match) as info:
+        encode_segments(load_tokenizer(), segments, "assistant", "rows.jsonl row 7")
+    assert "rows.jsonl row 7" in str(info.value)
+
+
+def test_segments_rows_are_read_packed_and_need_a_labelled_segment(tmp_path, monkeypatch):
+    import json
+
+    from oomb.config import DataConfig
+    from oomb.data import build_training_data
+
+    monkeypatch.setenv("OOMB_CACHE_DIR", str(tmp_path / "cache"))
+    tok = load_tokenizer()
+    rows = [{"segments": [{"text": f"Question {i}?", "label": False}, {"text": f" Answer {i}.", "label": True}]}
+            for i in range(6)]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = build_training_data(DataConfig(path=str(path), seq_len=64, document_mask=True), tok)
+    assert data.stats.format == "segments" and data.stats.examples == 6
+    trained = sum(int((data[i].labels != -100).sum()) for i in range(len(data)))
+    want = sum(int((encode_segments(tok, r["segments"], "assistant", "r")[1] != -100).sum()) for r in rows)
+    assert trained == want > 0
+    path.write_text("".join(json.dumps({"segments": [{"text": "no answer", "label": False}]}) + "\n" for _ in range(3)))
+    with pytest.raises(DataError, match='has a segment with "label": true'):
+        build_training_data(DataConfig(path=str(path), seq_len=64, document_mask=True), tok)
 
 
 def test_prompt_completion_messages_train_only_the_completion_turns():

@@ -228,3 +228,61 @@ def test_training_rows_encode_to_the_scored_prompt_with_only_the_answer_trained(
         start = len(ids) - (len(want) - (scored.answer_start - bos))
         assert (labels[:start] == IGNORE_INDEX).all() and labels[start:].tolist() == ids[start:].tolist()
         assert tok.decode(ids[start:-1].tolist()).strip() == row["answer"]
+
+def test_a_keyvalue_row_asks_every_key_and_trains_exactly_its_answers(tok, tmp_path, monkeypatch):
+    """A keyvalue row is L tokens as training encodes it; its trained tokens are the answers of every question
+    (and the EOS), each the value its key was given in the context; the pass key is asked in the passkey
+    evaluation's words, at the depth asked; the same seed gives the same rows; it packs with --seq-len L."""
+    import re
+
+    from oomb.config import DataConfig
+    from oomb.data import build_training_data
+    from oomb.data.chat import IGNORE_INDEX, encode_segments
+    from oomb.retrieval import write_retrieval_jsonl
+
+    rows = retrieval_rows("keyvalue", tok, [400, 900], 6, seed=4, needles=5)
+    assert rows == retrieval_rows("keyvalue", tok, [400, 900], 6, seed=4, needles=5)
+    assert rows != retrieval_rows("keyvalue", tok, [400, 900], 6, seed=5, needles=5)
+    for r in rows:
+        ids, labels = encode_segments(tok, r["segments"], "assistant", "row")
+        assert len(ids) == r["length"] and ids[-1] == tok.eos_token_id and labels[-1] == tok.eos_token_id
+        context = r["segments"][0]["text"]
+        given = dict(re.findall(r"The secret (\w+) is (\d+)\.", context))
+        assert len(given) == 5 and context.count(f"The pass key is {r['answer']}. Remember it.") == 1
+        assert sorted(r["answers"]) == sorted([r["answer"], *given.values()])
+        questions = [g["text"] for g in r["segments"][0::2]]
+        answers = [g["text"].strip() for g in r["segments"][1::2]]
+        assert all(not g["label"] for g in r["segments"][0::2]) and all(g["label"] for g in r["segments"][1::2])
+        for q, a in zip(questions, answers):
+            key = re.search(r"What is the (pass key|secret (\w+))\? The \1 is$", q)
+            assert key, q
+            assert a == (r["answer"] if key.group(2) is None else given[key.group(2)])
+        assert len(answers) == 6
+        # exactly the answers' tokens (and the EOS) are trained
+        trained = np.flatnonzero(labels != IGNORE_INDEX)
+        assert tok.decode(ids[trained[:-1]].tolist()).replace(" ", "") == "".join(answers)
+    # depth: the pass key at 0% opens the haystack, at 100% it is the haystack's last sentence but the secrets
+    from oomb.retrieval.synthetic import _keyvalue_row  # rows draw their depth; the builder takes one
+
+    for depth, where in ((0.0, "start"), (100.0, "end")):
+        row = _keyvalue_row(tok, 600, depth, 0, 1, 1)
+        context = row["segments"][0]["text"]
+        hay = context.split("I will quiz you about the important information there.")[1]
+        hay = re.sub(r" The secret \w+ is \d+\.", "", hay)
+        if where == "start":
+            assert hay.lstrip().startswith(f"The pass key is {row['answer']}.")
+        else:
+            assert hay.split(" What is the")[0].rstrip().endswith(f"{row['answer']} is the pass key.")
+    monkeypatch.setenv("OOMB_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_retrieval_jsonl(tmp_path / "kv.jsonl", rows)
+    data = build_training_data(DataConfig(path=str(path), seq_len=900, document_mask=True, long_examples="drop"), tok)
+    assert data.stats.format == "segments" and data.stats.examples == 6 and data.stats.dropped_examples == 0
+
+
+def test_a_keyvalue_row_too_short_or_with_too_many_needles_is_refused(tok):
+    with pytest.raises(ValueError, match=r"pass lengths of (\d+) or more, or fewer needles") as info:
+        retrieval_rows("keyvalue", tok, [100], 1, needles=5)
+    need = int(info.value.args[0].split("pass lengths of ")[1].split()[0])
+    assert len(retrieval_rows("keyvalue", tok, [need], 1, needles=5)) == 1
+    with pytest.raises(ValueError, match="pass 0 to 30 secret sentences"):
+        retrieval_rows("keyvalue", tok, [1000], 1, needles=31)
