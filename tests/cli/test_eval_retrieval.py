@@ -126,7 +126,8 @@ def test_oomb_data_make_keyvalue_writes_segments_rows_oomb_train_trains(tmp_path
     assert "wrote 4 keyvalue rows" in capsys.readouterr().out
     rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
     assert len(rows) == 4 and all(len(r["segments"]) == 8 and len(r["answers"]) == 4 for r in rows)
-    assert run_cli(["data", "--data", rows_file, "--seq-len", "256", "--document-mask"]) == 0
+    assert run_cli(["data", "--data", rows_file, "--seq-len", "256", "--document-mask",
+                    "--output", tmp_path / "lengths.png"]) == 0
     assert "4 examples (segments)" in capsys.readouterr().out
     assert run_cli(["train", "--data", rows_file, "--output-dir", tmp_path / "run", "--seq-len", "256",
                     "--chunk-size", "64", "--page-size", "32", "--steps", "1", "--no-progress", "--document-mask"]) == 0
