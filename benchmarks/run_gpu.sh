@@ -94,22 +94,26 @@ glue() {  # fused_glue none vs liger (Liger-Kernel from .whl/ if missing): bf16 
       --set engine.save_attention=gpu --out "$OUT/bench_vs_hf_glue.jsonl"; fi
 }
 
-retrieval() {  # a 100M model trained from random weights on passkey rows, per mode (ARGS: dense sparse64 sparse16)
-  # The rows are prompt/completion rows (`oomb data --make passkey`): only the answer and EOS are trained, which is
-  # what makes retrieval learnable from random weights (benchmarks/passkey_loss_recipe_cpu.py). Stage A, once for
-  # every mode: RA_STEPS steps of RA_SEQ tokens (chunk RA_CHUNK) packed from rows of 128-512 tokens with the
+retrieval() {  # a 100M model trained from random weights on retrieval rows, per mode (ARGS: dense sparse64 sparse16)
+  # RKIND=passkey: prompt/completion rows (`oomb data --make passkey`): only the answer and EOS are trained, which is
+  # what makes retrieval learnable from random weights (benchmarks/passkey_loss_recipe_cpu.py). RKIND=keyvalue:
+  # segments rows (`oomb data --make keyvalue`), the pass key and N secret sentences, every one asked and its answer
+  # trained (N + 1 answers per row, at distances over the whole row); RA_NEEDLES / RB_NEEDLES list N per rows file
+  # of stage A / stage B (N = 0: passkey rows as segments, so they mix with the others). Stage A, once for
+  # every mode: RA_STEPS steps of RA_SEQ tokens (chunk RA_CHUNK) packed from rows of RA_LENS tokens with the
   # document mask. A block of 128 queries reaches at most 6 pages of its rows, fewer than any mode keeps (sink 1 +
   # local 8 + budget), so sparse attention trains them exactly as dense (tests/engine/test_sparse_engine.py,
   # test_packed_documents_that_fit_the_kept_pages_train_as_dense): one dense run serves all modes. Rows of up to
   # 2K from random weights teach nothing (docs/performance.md), so stage A2, also once, lengthens what stage A
   # learnt: RA2_STEPS steps (0: none) of RA_SEQ tokens from rows of RA2_LENS, from stage A's model. Stage B, per
-  # mode from the last of these: RB_STEPS steps of RB_SEQ tokens (chunk RCHUNK) packed from rows of 2K-32K (several
+  # mode from the last of these: RB_STEPS steps of RB_SEQ tokens (chunk RCHUNK) packed from rows of RB_LENS (several
   # answers per sequence) in the mode's attention. Then the passkey grid, dense and sparse, to 2x RB_SEQ.
   # RPARALLEL=1 runs the modes' stage B side by side on the one GPU (a 100M model leaves it mostly idle; the times
   # and tokens/s of each run are then those of a shared GPU). Sizes come from the environment so that the same
   # script runs small on a CPU (RDEV=cpu RHIDDEN=64 ...). ROPT: the --optimizer of every stage. The rows and each
   # stage's model are kept under RWORK in folders named by a hash of their settings: a second run on the same
-  # machine reuses what it can and redoes what a changed setting changes.
+  # machine reuses what it can (RSTOP=a: stop after stage A, so that a later call goes on from it) and redoes
+  # what a changed setting changes.
   local W=${RWORK:-/tmp/oomb-retrieval} dev=${RDEV:-cuda} aseq=${RA_SEQ:-16384} asteps=${RA_STEPS:-1200}
   local achunk=${RA_CHUNK:-8192} bseq=${RB_SEQ:-32768} bsteps=${RB_STEPS:-150} chunk=${RCHUNK:-4096}
   local alens=${RA_LENS:-"128 192 256 320 384 512"} blens=${RB_LENS:-"2048 4096 8192 16384 32000"}
@@ -121,25 +125,31 @@ retrieval() {  # a 100M model trained from random weights on passkey rows, per m
     case $mode in dense|sparse[0-9]*) ;; *) echo "retrieval: unknown mode $mode (dense, sparseB)" >&2; return 2;; esac
   done
   key() { echo "$*" | md5sum | cut -c1-8; }
-  local rows=${RA_ROWS:-12000} rows2=${RA2_ROWS:-6000} seed
+  local rows=${RA_ROWS:-12000} rows2=${RA2_ROWS:-6000} seed kind=${RKIND:-passkey} aneed="- - -" bneed="-" n i
+  [ "$kind" = keyvalue ] && { aneed=${RA_NEEDLES:-"0 0 4"}; bneed=${RB_NEEDLES:-"30 0"}; }
+  needles() { [ "$1" = - ] || echo "--needles $1"; }
   local model="RHIDDEN=${RHIDDEN:-768} RINTER=${RINTER:-2048} RLAYERS=${RLAYERS:-12} RHEADS=${RHEADS:-12}"
-  local init=$W/init_$(key $model) short=$W/short_$(key $alens $rows) mid=$W/mid_$(key $a2lens $rows2)
-  local long=$W/long_$(key $blens ${RB_ROWS:-450}).jsonl
-  local a=$W/a_$(key $model $alens $rows $aseq $achunk $asteps ${RA_LR:-1e-3} ${ROPT:-})
+  local init=$W/init_$(key $model) short=$W/short_$(key $kind $aneed $alens $rows) mid=$W/mid_$(key $kind $aneed $a2lens $rows2)
+  local long=$W/long_$(key $kind $bneed $blens ${RB_ROWS:-450})
+  local a=$W/a_$(key $model $kind $aneed $alens $rows $aseq $achunk $asteps ${RA_LR:-1e-3} ${ROPT:-})
   local a2=${a}_a2_$(key $a2lens $rows2 $a2steps ${RA2_LR:-5e-4})
-  mkdir -p $short $mid
-  for seed in 10 11 12; do  # three files made side by side: the short rows are a folder of them
-    [ -f $short/s$seed.jsonl ] || python3 -m oomb data --make passkey --examples $rows --make-lengths $alens \
+  mkdir -p $short $mid $long
+  i=0; for n in $aneed; do  # the files made side by side: the short rows are a folder of them
+    seed=$((10 + i)); i=$((i + 1))
+    [ -f $short/s$seed.jsonl ] || python3 -m oomb data --make $kind $(needles $n) --examples $rows --make-lengths $alens \
       --make-output $short/s$seed.jsonl --seed $seed &
   done
   if [ "$a2steps" -gt 0 ]; then
     for seed in 20 21; do
-      [ -f $mid/s$seed.jsonl ] || python3 -m oomb data --make passkey --examples $rows2 --make-lengths $a2lens \
-        --make-output $mid/s$seed.jsonl --seed $seed &
+      [ -f $mid/s$seed.jsonl ] || python3 -m oomb data --make $kind $(needles ${aneed%% *}) --examples $rows2 \
+        --make-lengths $a2lens --make-output $mid/s$seed.jsonl --seed $seed &
     done
   fi
-  [ -f $long ] || python3 -m oomb data --make passkey --examples ${RB_ROWS:-450} --make-lengths $blens \
-    --make-output $long --seed 1 &
+  i=0; for n in $bneed; do
+    i=$((i + 1))
+    [ -f $long/s$i.jsonl ] || python3 -m oomb data --make $kind $(needles $n) --examples ${RB_ROWS:-450} \
+      --make-lengths $blens --make-output $long/s$i.jsonl --seed $i &
+  done
   [ -d $init ] || env $model RINIT=$init python3 - <<'PY'
 import os, torch
 from transformers import AutoModelForCausalLM, Qwen2Config
@@ -155,28 +165,31 @@ model.save_pretrained(os.environ["RINIT"])
 PY
   wait
   local ta0=$(date +%s)
-  [ -f $a/model.safetensors ] || { python3 -m oomb train --model $init --data $short $common --seq-len $aseq \
+  [ -f $a/model.safetensors ] || python3 -m oomb train --model $init --data $short $common --seq-len $aseq \
       --chunk-size $achunk --steps $asteps --lr ${RA_LR:-1e-3} --warmup-steps 30 --output-dir $a --overwrite \
-      2>&1 | tee "$OUT/retrieval_a.txt"; cp $a/log.jsonl "$OUT/retrieval_train_a.jsonl"; }
+      2>&1 | tee "$OUT/retrieval_a.txt"
   [ -f $a/model.safetensors ] || { echo "retrieval: stage A failed (see $OUT/retrieval_a.txt)" >&2; return 1; }
+  cp $a/log.jsonl "$OUT/retrieval_train_a.jsonl"
   echo "{\"stage\": \"a\", \"stage_a_s\": $(( $(date +%s) - ta0 ))}" | tee -a "$OUT/retrieval_times.jsonl"
   local start=$a
   if [ "$a2steps" -gt 0 ]; then
     ta0=$(date +%s)
-    [ -f $a2/model.safetensors ] || { python3 -m oomb train --model $a --data $mid $common --seq-len $aseq \
+    [ -f $a2/model.safetensors ] || python3 -m oomb train --model $a --data $mid $common --seq-len $aseq \
         --chunk-size $achunk --steps $a2steps --lr ${RA2_LR:-5e-4} --warmup-steps 10 --output-dir $a2 --overwrite \
-        2>&1 | tee "$OUT/retrieval_a2.txt"; cp $a2/log.jsonl "$OUT/retrieval_train_a2.jsonl"; }
+        2>&1 | tee "$OUT/retrieval_a2.txt"
     [ -f $a2/model.safetensors ] || { echo "retrieval: stage A2 failed (see $OUT/retrieval_a2.txt)" >&2; return 1; }
+    cp $a2/log.jsonl "$OUT/retrieval_train_a2.jsonl"
     echo "{\"stage\": \"a2\", \"stage_a2_s\": $(( $(date +%s) - ta0 ))}" | tee -a "$OUT/retrieval_times.jsonl"
     start=$a2
   fi
+  [ "${RSTOP:-}" = a ] && { echo "retrieval: stopped after stage A (RSTOP=a)"; return 0; }
   one() {
     local mode=$1 extra=""; case $mode in sparse*) extra="--sparse --page-budget ${mode#sparse}";; esac
-    local t1=$(date +%s)
-    python3 -m oomb train --model $start --data $long $common $extra --seq-len $bseq --chunk-size $chunk \
-      --steps $bsteps --lr ${RB_LR:-5e-4} --warmup-steps 10 --output-dir $W/b_$mode --overwrite
-    cp $W/b_$mode/log.jsonl "$OUT/retrieval_train_b_$mode.jsonl"; local t2=$(date +%s)
-    python3 -m oomb eval --task passkey --model $W/b_$mode --device $dev --chunk-size $chunk --lengths $elens \
+    local b=$W/b_${mode}_$(key $start $long $bseq $bsteps $chunk ${RB_LR:-5e-4}) t1=$(date +%s)
+    [ -f $b/model.safetensors ] || python3 -m oomb train --model $start --data $long $common $extra --seq-len $bseq \
+      --chunk-size $chunk --steps $bsteps --lr ${RB_LR:-5e-4} --warmup-steps 10 --output-dir $b --overwrite
+    cp $b/log.jsonl "$OUT/retrieval_train_b_$mode.jsonl"; local t2=$(date +%s)
+    python3 -m oomb eval --task passkey --model $b --device $dev --chunk-size $chunk --lengths $elens \
       --depths 0 25 50 75 100 --trials ${RE_TRIALS:-2} --budgets 16 64 --json "$OUT/retrieval_eval_$mode.json" \
       > "$OUT/retrieval_eval_$mode.md"
     local t3=$(date +%s)

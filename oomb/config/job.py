@@ -557,7 +557,7 @@ class DataMakeConfig:
 
     needles: int = 4
     """Needle sentences per needle row (1 to 30; the first is asked for, the others are distractors), or secret
-    sentences per keyvalue row (1 to 30; each is asked for, and the pass key)."""
+    sentences per keyvalue row (0 to 30; each is asked for, and the pass key: 0 makes passkey rows as segments)."""
 
     path: Optional[str] = field(default=None, metadata=flag("--make-output", metavar="PATH"))
     """Where the rows go (new, empty, or an earlier 'oomb data --make' file: any other existing file is refused);
@@ -573,8 +573,9 @@ class DataMakeConfig:
                 raise ConfigError("lengths", f"{{lengths}} is {literal(self.lengths)}", "pass one or more token counts")
             if min(self.lengths) < 2:
                 raise ConfigError("lengths", f"{{lengths}} has {min(self.lengths)}", "pass row lengths of 2 tokens or more")
-        if not check.is_int(self.needles) or not 1 <= self.needles <= MAX_NEEDLES:
-            raise ConfigError("needles", f"{{needles}} is {literal(self.needles)}", f"pass 1 to {MAX_NEEDLES} needles per row")
+        least = 0 if self.kind == "keyvalue" else 1
+        if not check.is_int(self.needles) or not least <= self.needles <= MAX_NEEDLES:
+            raise ConfigError("needles", f"{{needles}} is {literal(self.needles)}", f"pass {least} to {MAX_NEEDLES} needles per row")
         if self.path is not None and (not isinstance(self.path, str) or not self.path):
             raise ConfigError("path", f"{{path}} is {literal(self.path)}", "pass a file path, e.g. {path} passkey.jsonl")
         if self.kind is None:

@@ -135,6 +135,8 @@ def test_oomb_data_make_keyvalue_writes_segments_rows_oomb_train_trains(tmp_path
     _check_refused(run_cli(["data", "--make", "keyvalue", "--data", rows_file, "--make-output", tmp_path / "y.jsonl"]),
                    capsys, "--data is not read by --make keyvalue")
     _check_refused(run_cli(["data", "--make", "keyvalue", "--needles", "31", "--make-output", tmp_path / "y.jsonl"]),
+                   capsys, "pass 0 to 30 needles per row")
+    _check_refused(run_cli(["data", "--make", "needle", "--needles", "0", "--make-output", tmp_path / "y.jsonl"]),
                    capsys, "pass 1 to 30 needles per row")
     _check_refused(run_cli(["data", "--make", "keyvalue", "--needles", "30", "--make-lengths", "300",
                             "--make-output", tmp_path / "y.jsonl"]), capsys, "pass --make-lengths of")

@@ -286,3 +286,18 @@ def test_a_keyvalue_row_too_short_or_with_too_many_needles_is_refused(tok):
     assert len(retrieval_rows("keyvalue", tok, [need], 1, needles=5)) == 1
     with pytest.raises(ValueError, match="pass 0 to 30 secret sentences"):
         retrieval_rows("keyvalue", tok, [1000], 1, needles=31)
+
+
+def test_a_keyvalue_row_without_secrets_is_the_passkey_rows_tokens_as_segments(tok):
+    """needles=0: the passkey prompt and its answer, the same tokens and trained tokens as a passkey row would
+    have for that draw (a passkey prompt of L - 1 tokens then EOS)."""
+    from oomb.data.chat import encode_segments
+    from oomb.retrieval.synthetic import _TRIAL_BASE
+
+    for r in retrieval_rows("keyvalue", tok, [300, 700], 4, seed=3, needles=0):
+        ids, labels = encode_segments(tok, r["segments"], "assistant", "row")
+        assert len(r["segments"]) == 2 and r["answers"] == [r["answer"]]
+        prompt = passkey_prompt(tok, r["length"] - 1, r["depth"], _TRIAL_BASE, 0)  # its layout, any value
+        assert len(ids) == r["length"] and int((labels != -100).sum()) == len(ids) - prompt.answer_start
+        assert tok.decode(ids[:prompt.answer_start].tolist()).replace(r["answer"], "V") == \
+            tok.decode(prompt.input_ids[:prompt.answer_start].tolist()).replace(prompt.answer, "V")
