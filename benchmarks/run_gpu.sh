@@ -113,7 +113,8 @@ retrieval() {  # a 100M model trained from random weights on retrieval rows, per
   # script runs small on a CPU (RDEV=cpu RHIDDEN=64 ...). ROPT: the --optimizer of every stage. The rows and each
   # stage's model are kept under RWORK in folders named by a hash of their settings: a second run on the same
   # machine reuses what it can (RSTOP=a: stop after stage A, so that a later call goes on from it) and redoes
-  # what a changed setting changes.
+  # what a changed setting changes. `oomb train` reads the rows (JSON Lines) with the datasets library: where the
+  # GPU image lacks it, carry its wheels (datasets, dill, multiprocess) and install them first.
   local W=${RWORK:-/tmp/oomb-retrieval} dev=${RDEV:-cuda} aseq=${RA_SEQ:-16384} asteps=${RA_STEPS:-1200}
   local achunk=${RA_CHUNK:-8192} bseq=${RB_SEQ:-32768} bsteps=${RB_STEPS:-150} chunk=${RCHUNK:-4096}
   local alens=${RA_LENS:-"128 192 256 320 384 512"} blens=${RB_LENS:-"2048 4096 8192 16384 32000"}
