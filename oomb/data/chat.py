@@ -256,9 +256,9 @@ def check_segments(segments, where: str) -> None:
         DataError: naming ``where`` (the row) and the bad segment.
     """
     fix = 'write segments as a list of {"text": "...", "label": true|false}'
-    if not isinstance(segments, (list, tuple)) or not segments:
-        raise DataError(f"{where}: segments is {type(segments).__name__ if segments else 'empty'}, not a list of "
-                        "segments", fix)
+    if segments is None or not isinstance(segments, (list, tuple)) or not segments:
+        what = "null" if segments is None else "empty" if isinstance(segments, (list, tuple)) else type(segments).__name__
+        raise DataError(f"{where}: segments is {what}, not a list of segments", fix)
     for j, seg in enumerate(segments):
         if not isinstance(seg, dict) or "text" not in seg or "label" not in seg:
             raise DataError(f"{where}: segment {j} is not an object with \"text\" and \"label\"", fix)
@@ -266,6 +266,9 @@ def check_segments(segments, where: str) -> None:
             raise DataError(f"{where}: segment {j} has text of type {type(seg['text']).__name__}, not a string", fix)
         if not isinstance(seg["label"], bool):
             raise DataError(f"{where}: segment {j} has label {seg['label']!r}, not true or false", fix)
+        if seg["label"] and not seg["text"]:
+            raise DataError(f"{where}: segment {j} is labelled true but its text is empty, so it trains nothing",
+                            "give the labelled segment its text, or label it false")
 
 
 def encode_segments(tokenizer, segments, loss_on: str, where: str) -> tuple[np.ndarray, np.ndarray]:

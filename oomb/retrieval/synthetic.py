@@ -154,8 +154,7 @@ def _keyvalue_draw(tokenizer, length: int, depth: float, rng: np.random.Generato
     fixed = len(head) + sum(map(len, sentences)) + sum(len(q) + len(a) for q, a in qa) + 1  # + EOS
     room = length - fixed
     if room < 1:
-        raise PromptTooShort(length, fixed - 1, f"keyvalue row: its intro, pass key and {needles} secret sentences, "
-                             "their questions and answers, and EOS; its")
+        raise PromptTooShort(length, fixed - 1, f"keyvalue row: its intro, pass key and {needles} secret sentences")
     filler, starts = [], []
     pieces = [_encode(tokenizer, " " + f) for f in FILLER]
     while len(filler) < room:
@@ -193,8 +192,9 @@ def _keyvalue_row(tokenizer, length: int, depth: float, trial: int, seed: int, n
         try:
             parts, passkey, values = _keyvalue_draw(tokenizer, length, depth, rng, needles)
         except PromptTooShort as exc:
-            raise ValueError(f"length {length} is too short for a {exc.what} take {exc.fixed + 1} tokens before any "
-                             f"filler; pass lengths of {exc.fixed + 2} or more, or fewer needles") from exc
+            raise ValueError(f"length {length} is too short for a {exc.what}, their questions and answers and the EOS "
+                             f"take {exc.fixed + 1} tokens before any filler; pass lengths of {exc.fixed + 2} or more, "
+                             "or fewer needles") from exc
         segments = [{"text": tokenizer.decode(ids), "label": label} for ids, label in parts]
         want = [t for ids, _ in parts for t in ids]
         got, _ = encode_segments(tokenizer, segments, "assistant", "keyvalue row")
@@ -207,19 +207,22 @@ def _keyvalue_row(tokenizer, length: int, depth: float, trial: int, seed: int, n
 
 
 def is_retrieval_jsonl(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is empty or its first line is a row of :func:`retrieval_rows` (a file this module wrote)."""
+    """Whether ``path`` is blank or every non-blank line of it is a row of :func:`retrieval_rows` (a file this
+    module wrote, which may be replaced: a file that also holds other rows is not)."""
     try:
         with open(path, encoding="utf-8") as f:
-            first = f.readline()
+            for line in f:
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    return False
+                if not isinstance(row, dict) or not set(_OWN_KEYS) <= row.keys():
+                    return False
     except (OSError, UnicodeDecodeError):
         return False
-    if not first.strip():
-        return Path(path).stat().st_size == 0 or not Path(path).read_text(encoding="utf-8").strip()
-    try:
-        row = json.loads(first)
-    except ValueError:
-        return False
-    return isinstance(row, dict) and set(_OWN_KEYS) <= row.keys()
+    return True
 
 
 def write_retrieval_jsonl(path: str | os.PathLike, rows: Sequence[dict]) -> Path:

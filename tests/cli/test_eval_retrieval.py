@@ -140,6 +140,13 @@ def test_oomb_data_make_keyvalue_writes_segments_rows_oomb_train_trains(tmp_path
                    capsys, "pass 1 to 30 needles per row")
     _check_refused(run_cli(["data", "--make", "keyvalue", "--needles", "30", "--make-lengths", "300",
                             "--make-output", tmp_path / "y.jsonl"]), capsys, "pass --make-lengths of")
+    # a file that begins with made rows but also holds the user's own is not replaced
+    mine = tmp_path / "combined.jsonl"
+    mine.write_text(rows_file.read_text() + json.dumps({"text": "my own row"}) + "\n")
+    before = mine.read_text()
+    _check_refused(run_cli(["data", "--make", "keyvalue", "--make-output", mine]), capsys,
+                   "is not an earlier 'oomb data --make' file")
+    assert mine.read_text() == before
 
 
 def test_a_lora_output_folder_is_merged_in_memory_and_scored(tmp_path, capsys):

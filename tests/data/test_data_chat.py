@@ -101,6 +101,8 @@ def test_segments_train_the_labelled_segments_and_the_eos_after_a_labelled_last_
     ([{"text": "a"}], 'segment 0 is not an object with "text" and "label"'),
     ([{"text": 3, "label": True}], "segment 0 has text of type int"),
     ([{"text": "a", "label": "yes"}], "segment 0 has label 'yes', not true or false"),
+    (None, "segments is null"),
+    ([{"text": "Q?", "label": False}, {"text": "", "label": True}], "segment 1 is labelled true but its text is empty"),
 ])
 def test_bad_segments_are_refused_naming_the_row(segments, match):
     with pytest.raises(DataError, match=match) as info:
