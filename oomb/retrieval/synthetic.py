@@ -23,10 +23,12 @@ holding its pass key sentence and ``needles`` "The secret W is V." sentences (di
 random sentence starts, then a question for every one of them in a random order, each followed by its answer:
 " What is the pass key? The pass key is V" and " What is the secret W? The secret W is V". It is written as a
 ``segments`` row (:mod:`oomb.data.chat`): the answers (" V") are the segments labelled true, so every answer and
-the final EOS are trained, nothing else. A passkey prompt has ~1 trained answer per ``L`` tokens; a keyvalue row
-``needles + 1`` at distances spread over the whole row, which is what makes retrieval at 32K learnable in a
-few hundred steps (``docs/performance.md``). Its pass key is asked with the exact words of the passkey
-evaluation. A row is exactly ``L`` tokens as training encodes it (segments, then EOS), checked by encoding it.
+the final EOS are trained, nothing else. A passkey row trains one answer per ``L`` tokens; a keyvalue row
+``needles + 1``, at distances spread over the whole row. With several numbers in the context the key must be
+matched to pick the answer, which a small model may not learn at all (``docs/performance.md``, "Row lengths, and
+many answers per row"); ``needles=0`` gives the passkey row's tokens as a segments row, so the two mix in one
+``--data`` folder. Its pass key is asked with the exact words of the passkey evaluation. A row is exactly ``L``
+tokens as training encodes it (segments, then EOS), checked by encoding it.
 """
 
 from __future__ import annotations
