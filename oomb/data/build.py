@@ -188,7 +188,7 @@ def _examples(cfg, fmt: str, rows: Rows, tokenizer, template: str | None, loss_o
                 seen["assistant"] += 1
         elif fmt == "segments":
             ids, labels = encode_segments(tokenizer, row.get("segments"), loss_on, where)
-            if any(isinstance(g, dict) and g.get("label") is True for g in row["segments"]):
+            if any(g["label"] for g in row["segments"]):  # checked by encode_segments
                 seen["assistant"] += 1
         else:
             prompt, completion = row.get("prompt"), row.get("completion")

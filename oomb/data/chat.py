@@ -256,7 +256,7 @@ def check_segments(segments, where: str) -> None:
         DataError: naming ``where`` (the row) and the bad segment.
     """
     fix = 'write segments as a list of {"text": "...", "label": true|false}'
-    if segments is None or not isinstance(segments, (list, tuple)) or not segments:
+    if not isinstance(segments, (list, tuple)) or not segments:
         what = "null" if segments is None else "empty" if isinstance(segments, (list, tuple)) else type(segments).__name__
         raise DataError(f"{where}: segments is {what}, not a list of segments", fix)
     for j, seg in enumerate(segments):

@@ -155,6 +155,18 @@ class PromptTooShort(ValueError):
         self.length, self.fixed, self.what = length, fixed, what
 
 
+def _filler(tokenizer, room: int) -> tuple[list[int], list[int]]:
+    """(token ids, sentence start indices) of the FILLER sentences repeated, whole rounds of them until at least
+    ``room`` tokens (the caller cuts the ids at ``room``)."""
+    sentences = [_encode(tokenizer, " " + s) for s in FILLER]
+    filler, starts = [], []
+    while len(filler) < room:
+        for s in sentences:
+            starts.append(len(filler))
+            filler += s
+    return filler, starts
+
+
 def passkey_prompt(tokenizer, length: int, depth: float, trial: int = 0, seed: int = 0) -> RetrievalPrompt:
     """The passkey prompt of ``length`` tokens with the pass key at ``depth`` percent (see the module).
 
@@ -173,12 +185,7 @@ def passkey_prompt(tokenizer, length: int, depth: float, trial: int = 0, seed: i
     room = length - fixed  # filler tokens
     if room < 1:
         raise PromptTooShort(length, fixed, "passkey prompt: its intro, pass key sentence")
-    sentences = [_encode(tokenizer, " " + s) for s in FILLER]
-    filler, starts = [], []
-    while len(filler) < room:
-        for s in sentences:
-            starts.append(len(filler))
-            filler += s
+    filler, starts = _filler(tokenizer, room)
     at = _place(depth / 100 * room, starts, room)
     ids = head + filler[:at] + needle + filler[at:room] + question + answer
     return RetrievalPrompt("passkey", length, float(depth), trial, torch.tensor(ids, dtype=torch.int64), value,

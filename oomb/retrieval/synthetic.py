@@ -40,7 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .prompts import FILLER, INTRO, WORDS, PromptTooShort, _bos, _encode, _place, _question, _value, check_digits, \
+from .prompts import INTRO, WORDS, PromptTooShort, _bos, _encode, _filler, _place, _question, _value, check_digits, \
     needle_prompt, passkey_prompt
 
 __all__ = ["ROW_KEYS", "is_retrieval_jsonl", "retrieval_rows", "write_retrieval_jsonl"]
@@ -157,12 +157,7 @@ def _keyvalue_draw(tokenizer, length: int, depth: float, rng: np.random.Generato
     room = length - fixed
     if room < 1:
         raise PromptTooShort(length, fixed - 1, f"keyvalue row: its intro, pass key and {needles} secret sentences")
-    filler, starts = [], []
-    pieces = [_encode(tokenizer, " " + f) for f in FILLER]
-    while len(filler) < room:
-        for piece in pieces:
-            starts.append(len(filler))
-            filler += piece
+    filler, starts = _filler(tokenizer, room)
     filler = filler[:room]
     inner = [p for p in starts if p <= room] or [0]
     # The pass key at ``depth`` (as the passkey prompt places it), the secrets at random sentence starts.
