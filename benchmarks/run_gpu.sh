@@ -46,7 +46,7 @@ kind=${1:?usage: benchmarks/run_gpu.sh KIND [ARGS...] (kinds: see the top of thi
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} TRITON_CACHE_DIR=$PWD/.triton_cache TRITON_CACHE_AUTOTUNING=1
 OUT=${OUT:-benchmarks/results/run}; mkdir -p "$OUT"
 if ls triton_cache.tgz.part-* >/dev/null 2>&1; then cat triton_cache.tgz.part-* | tar xz; fi
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "no GPU (nvidia-smi not found)"
   python3 -c "import torch,transformers,triton; print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__, 'cudnn', torch.backends.cudnn.version())"
   free -g | sed -n 2p; date -u +%F; git rev-parse --short HEAD 2>/dev/null || true; } > "$OUT/env.txt" 2>&1
 cat "$OUT/env.txt"
@@ -107,10 +107,12 @@ retrieval() {  # a 100M model trained from random weights on retrieval rows, per
   # 2K from random weights teach nothing (docs/performance.md), so stage A2, also once, lengthens what stage A
   # learnt: RA2_STEPS steps (0: none) of RA_SEQ tokens from rows of RA2_LENS, from stage A's model. Stage B, per
   # mode from the last of these: RB_STEPS steps of RB_SEQ tokens (chunk RCHUNK) packed from rows of RB_LENS (several
-  # answers per sequence) in the mode's attention. Then the passkey grid, dense and sparse, to 2x RB_SEQ.
+  # answers per sequence) in the mode's attention. Then the passkey grid, dense and sparse, to 2x RB_SEQ. The model
+  # stage B starts from is read first, dense, at RA_ELENS (empty: not read) into retrieval_eval_a.{md,json}.
   # RPARALLEL=1 runs the modes' stage B side by side on the one GPU (a 100M model leaves it mostly idle; the times
   # and tokens/s of each run are then those of a shared GPU). Sizes come from the environment so that the same
-  # script runs small on a CPU (RDEV=cpu RHIDDEN=64 ...). ROPT: the --optimizer of every stage. The rows and each
+  # script runs small on a CPU (RDEV=cpu RHIDDEN=64 ...). ROPT: the --optimizer of every stage; RSCHED its
+  # --lr-schedule (cosine, constant: a cosine decay brings bf16 weights' updates under their rounding step). The rows and each
   # stage's model are kept under RWORK in folders named by a hash of their settings: a second run on the same
   # machine reuses what it can (RSTOP=a: stop after stage A, so that a later call goes on from it) and redoes
   # what a changed setting changes. `oomb train` reads the rows (JSON Lines) with the datasets library: where the
@@ -120,7 +122,7 @@ retrieval() {  # a 100M model trained from random weights on retrieval rows, per
   local alens=${RA_LENS:-"128 192 256 320 384 512"} blens=${RB_LENS:-"2048 4096 8192 16384 32000"}
   local a2lens=${RA2_LENS:-"512 768 1024 1536 2048"} a2steps=${RA2_STEPS:-600}
   local elens=${RE_LENS:-"4096 8192 16384 32768 65536"}
-  local common="--device $dev --document-mask --long-examples drop --no-progress --seed 0 --log-every 50 ${ROPT:+--optimizer $ROPT}"
+  local common="--device $dev --document-mask --long-examples drop --no-progress --seed 0 --log-every 50 ${ROPT:+--optimizer $ROPT} --lr-schedule ${RSCHED:-cosine}"
   [ $# -gt 0 ] || set -- dense sparse64 sparse16
   for mode in "$@"; do
     case $mode in dense|sparse[0-9]*) ;; *) echo "retrieval: unknown mode $mode (dense, sparseB)" >&2; return 2;; esac
@@ -132,7 +134,7 @@ retrieval() {  # a 100M model trained from random weights on retrieval rows, per
   local model="RHIDDEN=${RHIDDEN:-768} RINTER=${RINTER:-2048} RLAYERS=${RLAYERS:-12} RHEADS=${RHEADS:-12}"
   local init=$W/init_$(key $model) short=$W/short_$(key $kind $aneed $alens $rows) mid=$W/mid_$(key $kind $aneed $a2lens $rows2)
   local long=$W/long_$(key $kind $bneed $blens ${RB_ROWS:-450})
-  local a=$W/a_$(key $model $kind $aneed $alens $rows $aseq $achunk $asteps ${RA_LR:-1e-3} ${ROPT:-})
+  local a=$W/a_$(key $model $kind $aneed $alens $rows $aseq $achunk $asteps ${RA_LR:-1e-3} ${ROPT:-} ${RSCHED:-cosine})
   local a2=${a}_a2_$(key $a2lens $rows2 $a2steps ${RA2_LR:-5e-4})
   mkdir -p $short $mid $long
   i=0; for n in $aneed; do  # the files made side by side: the short rows are a folder of them
@@ -182,6 +184,12 @@ PY
     cp $a2/log.jsonl "$OUT/retrieval_train_a2.jsonl"
     echo "{\"stage\": \"a2\", \"stage_a2_s\": $(( $(date +%s) - ta0 ))}" | tee -a "$OUT/retrieval_times.jsonl"
     start=$a2
+  fi
+  if [ -n "${RA_ELENS-512 768 2048 4096}" ] && [ ! -f "$OUT/retrieval_eval_a.json" ]; then  # what stage B starts from
+    python3 -m oomb eval --task passkey --model $start --device $dev --chunk-size $achunk \
+      --lengths ${RA_ELENS-512 768 2048 4096} --depths 0 25 50 75 100 --trials ${RE_TRIALS:-2} \
+      --json "$OUT/retrieval_eval_a.json" > "$OUT/retrieval_eval_a.md"
+    grep "^\*\*\|^| \*\*all\|log-prob" "$OUT/retrieval_eval_a.md"
   fi
   [ "${RSTOP:-}" = a ] && { echo "retrieval: stopped after stage A (RSTOP=a)"; return 0; }
   one() {
