@@ -6,7 +6,8 @@ Reads the training stages' log.jsonl, DIR/retrieval_train_a.jsonl (stage A, shar
 DIR/retrieval_train_a_MODE.jsonl per mode), DIR/retrieval_train_a2.jsonl (stage A2, shared, where it ran) and
 DIR/retrieval_train_b_MODE.jsonl, and DIR/retrieval_eval_MODE.json (``oomb eval --task passkey --json``); writes
 DIR/NAME_loss.png (the stages' steps one after the other, log-scale loss, one line per mode) and
-DIR/NAME_heatmap_MODE.png (one panel per evaluation mode).
+DIR/NAME_heatmap_MODE.png (one per trained mode: a column per evaluation mode, exact-match accuracy above and
+answer log-probability below).
 """
 
 from __future__ import annotations

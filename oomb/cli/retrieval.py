@@ -109,5 +109,5 @@ def _eval_retrieval(args: argparse.Namespace, budgets: list[int]) -> int:
         _write_json(args.json, data)
     if heatmap is not None:
         report.heatmap(heatmap)
-        print(f"oomb: wrote the accuracy heatmap to {heatmap}", file=sys.stderr)
+        print(f"oomb: wrote the heatmap (accuracy, answer log-probability) to {heatmap}", file=sys.stderr)
     return 0

@@ -421,8 +421,9 @@ class EvalConfig:
     or an earlier 'oomb eval' report of the same task kind: any other existing file is refused)."""
 
     heatmap: Optional[str] = field(default=None, metadata=flag("--heatmap", metavar="PATH"))
-    """Also draw the retrieval accuracy as a PNG heatmap (depth x length, one panel per mode) to PATH (new, or
-    an earlier PNG: any other existing file is refused)."""
+    """Also draw the retrieval results as a PNG heatmap (depth x length, one column per mode: exact-match accuracy
+    above, mean answer log-probability below) to PATH (new, or an earlier PNG: any other existing file is
+    refused)."""
 
     @_in("eval")
     def __post_init__(self) -> None:

@@ -58,9 +58,10 @@ class RetrievalRow:
         ts = [t for t in self.trials if (length is None or t.length == length) and (depth is None or t.depth == depth)]
         return sum(t.exact for t in ts) / len(ts) if ts else math.nan
 
-    def mean_logprob(self, length: int | None = None) -> float:
-        """Mean answer log-probability (nats) over the trials of ``length`` (all for None)."""
-        ts = [t for t in self.trials if length is None or t.length == length]
+    def mean_logprob(self, length: int | None = None, depth: float | None = None) -> float:
+        """Mean answer log-probability (nats) over the trials of that length and/or depth (all for None); nan if
+        none."""
+        ts = [t for t in self.trials if (length is None or t.length == length) and (depth is None or t.depth == depth)]
         return sum(t.logprob for t in ts) / len(ts) if ts else math.nan
 
 
@@ -88,6 +89,10 @@ class RetrievalReport:
         """Accuracy ``[depth][length]`` of one mode (fractions 0..1)."""
         return [[row.accuracy(length, depth) for length in self.lengths] for depth in self.depths]
 
+    def logprob_grid(self, row: RetrievalRow) -> list[list[float]]:
+        """Mean answer log-probability ``[depth][length]`` of one mode (nats, <= 0; 0 is a certain answer)."""
+        return [[row.mean_logprob(length, depth) for length in self.lengths] for depth in self.depths]
+
     def table(self) -> str:
         """Markdown: per mode a table of exact-match accuracy (%) with depths as rows and lengths as columns, then
         the accuracy and mean answer log-probability of each length."""
@@ -114,6 +119,7 @@ class RetrievalReport:
                 {
                     "mode": row.mode, "budget": row.budget, "seconds": row.seconds,
                     "accuracy": row.accuracy(), "accuracy_grid": self.grid(row),
+                    "mean_logprob_grid": self.logprob_grid(row),
                     "accuracy_by_length": [row.accuracy(n) for n in self.lengths],
                     "mean_logprob_by_length": [row.mean_logprob(n) for n in self.lengths],
                     "results": [vars(t) for t in row.trials],
@@ -123,8 +129,10 @@ class RetrievalReport:
         }
 
     def heatmap(self, path: str | os.PathLike) -> Path:
-        """Write the accuracy heatmap PNG to ``path`` (atomically): one panel per mode, lengths on x, depths on y
-        (0% at the top), colour = exact-match accuracy (red 0 to green 1), each cell labelled. Returns the path."""
+        """Write the heatmap PNG to ``path`` (atomically): one column of panels per mode, lengths on x, depths on y
+        (0% at the top), each cell labelled. Top row: exact-match accuracy (red 0 to green 1). Bottom row: the mean
+        answer log-probability (nats; green 0, red at the lowest cell of any mode), which still ranks models that
+        answer nothing exactly. Returns the path."""
         import matplotlib
 
         matplotlib.use("Agg")
@@ -134,21 +142,32 @@ class RetrievalReport:
         path = Path(path)
         n = len(self.rows)
         width = max(4.0, 0.7 * len(self.lengths) + 2.5)
-        fig, axes = plt.subplots(1, n, figsize=(width * n, max(3.0, 0.45 * len(self.depths) + 1.8)), dpi=100,
-                                 squeeze=False)
-        image = None
-        for ax, row in zip(axes[0], self.rows):
-            grid = np.array(self.grid(row), dtype=float)
-            image = ax.imshow(grid, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
-            ax.set_xticks(range(len(self.lengths)), [f"{x:,}" for x in self.lengths], rotation=45, ha="right")
-            ax.set_yticks(range(len(self.depths)), [_depth(d) for d in self.depths])
-            for i in range(grid.shape[0]):
-                for j in range(grid.shape[1]):
-                    ax.text(j, i, f"{100 * grid[i, j]:.0f}", ha="center", va="center", fontsize=7)
-            ax.set_xlabel("context length (tokens)")
-            ax.set_ylabel("depth of the answer")
-            ax.set_title(f"{self.task}, {row.name}: {100 * row.accuracy():.0f}%", fontsize=9)
-        fig.colorbar(image, ax=list(axes[0]), label="exact-match accuracy", fraction=0.05)
+        height = max(3.0, 0.45 * len(self.depths) + 1.8)
+        fig, axes = plt.subplots(2, n, figsize=(width * n, 2 * height), dpi=100, squeeze=False, layout="constrained")
+        logprobs = [np.array(self.logprob_grid(row), dtype=float) for row in self.rows]
+        lowest = min(float(np.nanmin(g)) if np.isfinite(g).any() else -1.0 for g in logprobs)
+        lowest = min(math.floor(lowest), -1)
+        images = [None, None]
+        for j, row in enumerate(self.rows):
+            panels = ((np.array(self.grid(row), dtype=float), 0.0, 1.0, "{:.0f}", 100.0,
+                       f"{self.task}, {row.name}: {100 * row.accuracy():.0f}% exact"),
+                      (logprobs[j], lowest, 0.0, "{:.1f}", 1.0,
+                       f"{self.task}, {row.name}: answer log-prob {row.mean_logprob():.2f}"))
+            for i, (grid, vmin, vmax, fmt, scale, title) in enumerate(panels):
+                ax = axes[i][j]
+                images[i] = ax.imshow(grid, cmap="RdYlGn", vmin=vmin, vmax=vmax, aspect="auto")
+                ax.set_xticks(range(len(self.lengths)), [f"{x:,}" for x in self.lengths], rotation=45, ha="right")
+                ax.set_yticks(range(len(self.depths)), [_depth(d) for d in self.depths])
+                for r in range(grid.shape[0]):
+                    for c in range(grid.shape[1]):
+                        ax.text(c, r, fmt.format(scale * grid[r, c]), ha="center", va="center", fontsize=7)
+                if i == 1:
+                    ax.set_xlabel("context length (tokens)")
+                if j == 0:
+                    ax.set_ylabel("depth of the answer")
+                ax.set_title(title, fontsize=9)
+        fig.colorbar(images[0], ax=list(axes[0]), label="exact-match accuracy")
+        fig.colorbar(images[1], ax=list(axes[1]), label="answer log-prob (nats)")
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.png")
         try:
             fig.savefig(tmp, format="png", bbox_inches="tight")

@@ -94,6 +94,11 @@ def test_the_report_table_json_and_heatmap(tok, tmp_path):
     data = report.to_dict()
     assert data["rows"][0]["accuracy_grid"] == grid and data["rows"][0]["accuracy"] == 0.25
     assert len(data["rows"][0]["results"]) == 12 and all(math.isfinite(r["logprob"]) for r in data["rows"][0]["results"])
+    row.trials[0].logprob, row.trials[1].logprob = -1.0, -4.0  # the (100 tokens, 0%) cell's two trials
+    lp = report.logprob_grid(row)
+    assert lp[0][0] == -2.5 and row.mean_logprob(100, 0.0) == -2.5
+    assert lp[2][1] == pytest.approx(sum(t.logprob for t in row.cell(150, 100.0)) / 2)
+    assert report.to_dict()["rows"][0]["mean_logprob_grid"] == lp
     png = report.heatmap(tmp_path / "map.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 5000
 
