@@ -112,10 +112,10 @@ retrieval() {  # a 100M model trained from random weights on retrieval rows, per
   # RPARALLEL=1 runs the modes' stage B side by side on the one GPU (a 100M model leaves it mostly idle; the times
   # and tokens/s of each run are then those of a shared GPU). Sizes come from the environment so that the same
   # script runs small on a CPU (RDEV=cpu RHIDDEN=64 ...). ROPT: the --optimizer of every stage; RSCHED its
-  # --lr-schedule (cosine, constant: a cosine decay brings bf16 weights' updates under their rounding step). The rows and each
-  # stage's model are kept under RWORK in folders named by a hash of their settings: a second run on the same
-  # machine reuses what it can (RSTOP=a: stop after stage A, so that a later call goes on from it) and redoes
-  # what a changed setting changes. `oomb train` reads the rows (JSON Lines) with the datasets library: where the
+  # --lr-schedule (cosine, the default; constant: no decay, which learnt stage A more slowly, docs/performance.md).
+  # The rows and each stage's model are kept under RWORK in folders named by a hash of their settings: a second
+  # run on the same machine reuses what it can (RSTOP=a: stop after stage A, so that a later call goes on from it)
+  # and redoes what a changed setting changes. `oomb train` reads the rows (JSON Lines) with the datasets library: where the
   # GPU image lacks it, carry its wheels (datasets, dill, multiprocess) and install them first.
   local W=${RWORK:-/tmp/oomb-retrieval} dev=${RDEV:-cuda} aseq=${RA_SEQ:-16384} asteps=${RA_STEPS:-1200}
   local achunk=${RA_CHUNK:-8192} bseq=${RB_SEQ:-32768} bsteps=${RB_STEPS:-150} chunk=${RCHUNK:-4096}
