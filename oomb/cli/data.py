@@ -118,8 +118,10 @@ def _make(args: argparse.Namespace) -> int:
         message = str(exc).replace("pass lengths of", "pass --make-lengths of")
         raise _usage_from(ValueError(message), "see 'oomb data --help'") from exc
     write_retrieval_jsonl(path, rows)
-    print(f"oomb: wrote {len(rows):,} {args.make} rows of {', '.join(f'{n:,}' for n in lengths)} tokens "
-          f"(tokenizer {args.tokenizer or 'bundled'}) to {path}; train on them with 'oomb train --data {path}'")
+    one = len(rows) == 1
+    print(f"oomb: wrote {len(rows):,} {args.make} row{'' if one else 's'} of {', '.join(f'{n:,}' for n in lengths)} "
+          f"tokens (tokenizer {args.tokenizer or 'bundled'}) to {path}; train on {'it' if one else 'them'} with "
+          f"'oomb train --data {path}'")
     return 0
 
 
@@ -152,7 +154,7 @@ def _data(args: argparse.Namespace) -> int:
     how = "highlighted" if color else "in [[...]]"
     print(f"oomb: sequence {first} of {len(data):,}, the first that training reads (trained tokens {how}):")
     print(render_sequence(tokenizer, data[first], args.show_tokens, color))
-    _histogram(out, lengths, args.seq_len, f"{stats.examples:,} examples, {stats.tokens:,} tokens "
+    _histogram(out, lengths, args.seq_len, f"{stats.examples:,} example{'' if stats.examples == 1 else 's'}, {stats.tokens:,} tokens "
                f"({args.data or 'bundled corpus'})")
     print(f"oomb: wrote the length histogram to {out}")
     return 0

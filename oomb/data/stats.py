@@ -42,15 +42,19 @@ class DataStats:
 
     def summary(self) -> str:
         """One line for the start of a run."""
-        what = "documents" if self.format == "text" else "examples"
-        parts = [f"data: {self.examples:,} {what} ({self.format}), {self.tokens:,} tokens -> {self.sequences:,} "
+        what = "document" if self.format == "text" else "example"
+
+        def count(n: int, word: str) -> str:
+            return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+        parts = [f"data: {count(self.examples, what)} ({self.format}), {self.tokens:,} tokens -> {self.sequences:,} "
                  f"sequence{'s' if self.sequences != 1 else ''} of {self.seq_len:,}",
                  f"{self.trained_tokens:,} trained tokens ({100 * self.trained_share:.1f}%)",
                  f"{self.padding:,} padding"]
         if self.split_examples:
             parts.append(f"{self.split_examples:,} split over sequences")
         if self.dropped_examples:
-            parts.append(f"{self.dropped_examples:,} {what} dropped ({self.dropped_tokens:,} tokens)")
+            parts.append(f"{count(self.dropped_examples, what)} dropped ({self.dropped_tokens:,} tokens)")
         elif self.dropped_tokens:
             parts.append(f"{self.dropped_tokens:,} tokens of the tail unused")
         return "; ".join(parts)

@@ -174,7 +174,7 @@ def test_long_chat_examples_are_dropped_and_counted_by_default_policy():
     s = data.stats
     assert (len(data), s.examples, s.dropped_examples, s.dropped_tokens) == (1, 3, 1, len(long[0]))
     assert s.trained_tokens == 2 * 3  # 'Yes', '.', '<|im_end|>' of each short example
-    assert "1 examples dropped" in s.summary() or "1 example" in s.summary()
+    assert "data: 3 examples (" in s.summary() and "; 1 example dropped (" in s.summary()
 
 
 @pytest.mark.parametrize("messages, match", [
