@@ -121,7 +121,7 @@ retrieval() {  # a 100M model trained from random weights on retrieval rows, per
   local achunk=${RA_CHUNK:-8192} bseq=${RB_SEQ:-32768} bsteps=${RB_STEPS:-150} chunk=${RCHUNK:-4096}
   local alens=${RA_LENS:-"128 192 256 320 384 512"} blens=${RB_LENS:-"2048 4096 8192 16384 32000"}
   local a2lens=${RA2_LENS:-"512 768 1024 1536 2048"} a2steps=${RA2_STEPS:-600}
-  local elens=${RE_LENS:-"4096 8192 16384 32768 65536"}
+  local elens=${RE_LENS:-"4096 8192 16384 32768 65536"} aelens=${RA_ELENS-"512 768 2048 4096"}
   local common="--device $dev --document-mask --long-examples drop --no-progress --seed 0 --log-every 50 ${ROPT:+--optimizer $ROPT} --lr-schedule ${RSCHED:-cosine}"
   [ $# -gt 0 ] || set -- dense sparse64 sparse16
   for mode in "$@"; do
@@ -185,9 +185,9 @@ PY
     echo "{\"stage\": \"a2\", \"stage_a2_s\": $(( $(date +%s) - ta0 ))}" | tee -a "$OUT/retrieval_times.jsonl"
     start=$a2
   fi
-  if [ -n "${RA_ELENS-512 768 2048 4096}" ] && [ ! -f "$OUT/retrieval_eval_a.json" ]; then  # what stage B starts from
+  if [ -n "$aelens" ] && [ ! -f "$OUT/retrieval_eval_a.json" ]; then  # what stage B starts from
     python3 -m oomb eval --task passkey --model $start --device $dev --chunk-size $achunk \
-      --lengths ${RA_ELENS-512 768 2048 4096} --depths 0 25 50 75 100 --trials ${RE_TRIALS:-2} \
+      --lengths $aelens --depths 0 25 50 75 100 --trials ${RE_TRIALS:-2} \
       --json "$OUT/retrieval_eval_a.json" > "$OUT/retrieval_eval_a.md"
     grep "^\*\*\|^| \*\*all\|log-prob" "$OUT/retrieval_eval_a.md"
   fi

@@ -88,6 +88,7 @@ def _histogram(path: Path, lengths, seq_len: int, title: str) -> None:
 def _make(args: argparse.Namespace) -> int:
     """``oomb data --make passkey|needle|keyvalue``: write synthetic retrieval rows (JSON Lines) for
     ``oomb train --data``."""
+    from ..data.stats import counted
     from ..retrieval import is_retrieval_jsonl, retrieval_rows, write_retrieval_jsonl
     from .inputs import _load_tokens
     from .retrieval import _check_digits, _load_tokenizer
@@ -118,9 +119,8 @@ def _make(args: argparse.Namespace) -> int:
         message = str(exc).replace("pass lengths of", "pass --make-lengths of")
         raise _usage_from(ValueError(message), "see 'oomb data --help'") from exc
     write_retrieval_jsonl(path, rows)
-    one = len(rows) == 1
-    print(f"oomb: wrote {len(rows):,} {args.make} row{'' if one else 's'} of {', '.join(f'{n:,}' for n in lengths)} "
-          f"tokens (tokenizer {args.tokenizer or 'bundled'}) to {path}; train on {'it' if one else 'them'} with "
+    print(f"oomb: wrote {counted(len(rows), args.make + ' row')} of {', '.join(f'{n:,}' for n in lengths)} tokens "
+          f"(tokenizer {args.tokenizer or 'bundled'}) to {path}; train on {'it' if len(rows) == 1 else 'them'} with "
           f"'oomb train --data {path}'")
     return 0
 
@@ -132,6 +132,7 @@ def _data(args: argparse.Namespace) -> int:
         return _make(args)
     out = _check_output(args.output)
     from .. import UnsupportedModelError
+    from ..data.stats import counted
     from ..models.presets import UnknownModelError, load_config
 
     try:
@@ -154,7 +155,7 @@ def _data(args: argparse.Namespace) -> int:
     how = "highlighted" if color else "in [[...]]"
     print(f"oomb: sequence {first} of {len(data):,}, the first that training reads (trained tokens {how}):")
     print(render_sequence(tokenizer, data[first], args.show_tokens, color))
-    _histogram(out, lengths, args.seq_len, f"{stats.examples:,} example{'' if stats.examples == 1 else 's'}, {stats.tokens:,} tokens "
+    _histogram(out, lengths, args.seq_len, f"{counted(stats.examples, 'example')}, {stats.tokens:,} tokens "
                f"({args.data or 'bundled corpus'})")
     print(f"oomb: wrote the length histogram to {out}")
     return 0

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-__all__ = ["DataStats"]
+__all__ = ["DataStats", "counted"]
+
+
+def counted(n: int, noun: str) -> str:
+    """``n`` with its noun in the number it needs: "1 example", "1,200 examples"."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
 @dataclass(frozen=True)
@@ -43,18 +48,14 @@ class DataStats:
     def summary(self) -> str:
         """One line for the start of a run."""
         what = "document" if self.format == "text" else "example"
-
-        def count(n: int, word: str) -> str:
-            return f"{n:,} {word}{'' if n == 1 else 's'}"
-
-        parts = [f"data: {count(self.examples, what)} ({self.format}), {self.tokens:,} tokens -> {self.sequences:,} "
-                 f"sequence{'s' if self.sequences != 1 else ''} of {self.seq_len:,}",
+        parts = [f"data: {counted(self.examples, what)} ({self.format}), {self.tokens:,} tokens -> "
+                 f"{counted(self.sequences, 'sequence')} of {self.seq_len:,}",
                  f"{self.trained_tokens:,} trained tokens ({100 * self.trained_share:.1f}%)",
                  f"{self.padding:,} padding"]
         if self.split_examples:
             parts.append(f"{self.split_examples:,} split over sequences")
         if self.dropped_examples:
-            parts.append(f"{count(self.dropped_examples, what)} dropped ({self.dropped_tokens:,} tokens)")
+            parts.append(f"{counted(self.dropped_examples, what)} dropped ({self.dropped_tokens:,} tokens)")
         elif self.dropped_tokens:
             parts.append(f"{self.dropped_tokens:,} tokens of the tail unused")
         return "; ".join(parts)
