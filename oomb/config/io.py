@@ -1,5 +1,7 @@
 """Configuration files: read a YAML file of configuration sections, write the effective configuration back.
 
+A file is UTF-8 text in YAML (JSON, which YAML reads too, is a YAML file); a TOML file is refused as such.
+
 A file holds the sections of :class:`~oomb.config.job.JobConfig` by name, the engine's sparse, offload and
 kernels sections inside ``engine``::
 
@@ -134,10 +136,11 @@ def read_yaml(path: str | Path) -> dict[str, dict[str, Any] | None]:
 
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        raw = p.read_bytes()
     except OSError as exc:
         raise ConfigError("config", f"--config {literal(str(p))} cannot be read ({exc.strerror or exc})",
                           "pass the path of a YAML file") from exc
+    text = _text(raw, p)
     try:
         data = _load(text)
     except _Duplicate as exc:
@@ -145,18 +148,59 @@ def read_yaml(path: str | Path) -> dict[str, dict[str, Any] | None]:
         raise ConfigError("config", f"--config {literal(str(p))} sets {exc.path} twice (lines {first} and {again})",
                           "keep one of them") from exc
     except yaml.YAMLError as exc:
+        if _is_toml(text, p):
+            raise _toml(p) from exc
         where = getattr(exc, "problem_mark", None)
         at = f" at line {where.line + 1}" if where is not None else ""
         raise ConfigError("config", f"--config {literal(str(p))} is not valid YAML{at}",
                           "fix the file (sections of 'key: value' lines, as --print-config writes)") from exc
     if data is None:
         return {}
+    if not isinstance(data, dict) and _is_toml(text, p):
+        raise _toml(p)
     if not isinstance(data, dict):
         raise ConfigError("config", f"--config {literal(str(p))} holds a {type(data).__name__}, not sections",
                           "write sections such as 'engine:' with 'key: value' lines under them (see --print-config)")
     out: dict[str, dict[str, Any] | None] = {}
     _read_section(data, "", out, str(p))
     return out
+
+
+def _text(raw: bytes, p: Path) -> str:
+    """The text of the config file ``p`` (its bytes ``raw``): UTF-8, a byte order mark dropped; a binary file or
+    text in another encoding is a :class:`ConfigError` naming the first bad byte's line."""
+    if b"\0" in raw:
+        raise ConfigError("config", f"--config {literal(str(p))} is a binary file, not a configuration file",
+                          "pass a YAML file of sections (as --print-config writes)")
+    try:
+        return raw.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        bom = 3 if raw.startswith(b"\xef\xbb\xbf") else 0
+        line = raw.count(b"\n", 0, exc.start + bom) + 1
+        raise ConfigError("config", f"--config {literal(str(p))} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} "
+                          f"at line {line})",
+                          "save it as UTF-8 (e.g. iconv -f latin1 -t utf-8), or write that character in ASCII") from exc
+
+
+def _toml(p: Path) -> ConfigError:
+    return ConfigError("config", f"--config {literal(str(p))} is a TOML file; --config reads YAML (or JSON, which "
+                       "YAML reads too), not TOML",
+                       "write it as YAML: 'section:' lines with indented 'key: value' lines under them (as "
+                       "--print-config writes)")
+
+
+def _is_toml(text: str, p: Path) -> bool:
+    """Whether ``text``, which is not valid YAML, is a TOML file (its suffix, or what Python's TOML reader reads)."""
+    if p.suffix.lower() == ".toml":
+        return True
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        return False
+    try:
+        return bool(tomllib.loads(text))
+    except tomllib.TOMLDecodeError:
+        return False
 
 
 def _read_section(data: dict, prefix: str, out: dict, file: str) -> None:

@@ -158,6 +158,27 @@ def test_a_bad_file_gets_one_line_naming_the_key(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+def test_a_file_that_is_not_utf8_yaml_gets_one_line_naming_what_it_is(tmp_path, capsys):
+    """A Latin-1 or binary --config file crashed with a UnicodeDecodeError traceback, and a TOML file was called
+    invalid YAML; each is one line saying what the file is and what --config reads."""
+    bad = tmp_path / "latin1.yaml"
+    bad.write_bytes(b"data:\n  seq_len: 256 # caf\xe9\n")
+    _refused(["train", "--config", bad, "--print-config", "--output-dir", tmp_path / "o"], capsys,
+             "is not UTF-8 text (byte 0xe9 at line 2)", "save it as UTF-8")
+    bad.write_bytes(bytes(range(256)) * 4)
+    _refused(["plan", "--config", bad], capsys, "is a binary file, not a configuration file")
+    for name, text in (("run.toml", "[data]\nseq_len = 256\n"), ("run.conf", "[data]\nseq_len = 256\n"),
+                       ("one.cfg", "seq_len = 256\n")):
+        (tmp_path / name).write_text(text)
+        _refused(["train", "--config", tmp_path / name, "--output-dir", tmp_path / "o"], capsys,
+                 "is a TOML file; --config reads YAML (or JSON", "write it as YAML")
+    good = tmp_path / "bom.json"
+    good.write_bytes(b'\xef\xbb\xbf{"data": {"seq_len": 256}}\n')  # JSON is YAML; a byte order mark is dropped
+    code, out, err = _run(["train", "--config", good, "--print-config", "--output-dir", tmp_path / "o"], capsys)
+    assert code == 0 and "seq_len: 256" in out, err
+    assert not (tmp_path / "o").exists()
+
+
 def test_a_flag_overrides_a_bad_value_of_the_file_and_is_named_itself(tmp_path, capsys):
     f = tmp_path / "run.yaml"
     f.write_text("engine:\n  chunk_size: 1000\n")
