@@ -15,40 +15,86 @@ from .errors import UsageError
 from .output import _check_writable_dir_path
 
 
-def _adapter_dir(given: str | None) -> Path:
+def _named(args: argparse.Namespace | None, key: str, flag: str) -> str:
+    """How the user gave the setting ``key`` (``"output.dir"``): ``key (in FILE)`` where its value came from the
+    --config file, else ``flag``."""
+    config = getattr(args, "_config_file", None)
+    if config is not None and key in getattr(args, "_config_keys", ()):
+        return f"{key} (in {config})"
+    return flag
+
+
+def _adapter_dir(given: str | None, args: argparse.Namespace | None = None) -> Path:
     if given is None or not str(given).strip():
         raise UsageError("oomb merge needs ADAPTER_DIR (or merge.adapter in --config FILE)",
                          "pass the --output-dir of an 'oomb train --lora-rank' run")
+    shown = _named(args, "merge.adapter", "ADAPTER_DIR")
     path = Path(given).expanduser().resolve()
     if not path.is_dir():
-        raise UsageError(f"ADAPTER_DIR {given!r} {'is a file' if path.exists() else 'does not exist'}",
+        raise UsageError(f"{shown} {given!r} {'is a file' if path.exists() else 'does not exist'}",
                          "pass the --output-dir of an 'oomb train --lora-rank' run")
     if not (path / "adapter_config.json").is_file():
         full = " (it holds a full model: it loads as it is, there is nothing to merge)" if (path / "config.json").is_file() else ""
-        raise UsageError(f"ADAPTER_DIR {given!r} is not a LoRA adapter folder: no adapter_config.json{full}",
+        raise UsageError(f"{shown} {given!r} is not a LoRA adapter folder: no adapter_config.json{full}",
                          "pass the --output-dir of an 'oomb train --lora-rank' run")
+    _read_json(path / "adapter_config.json", "restore the adapter_config.json its run wrote (peft's LoRA settings)")
     return path
 
 
-def _output_dir(given: str | None, adapter: Path) -> Path:
+def _output_dir(given: str | None, adapter: Path, args: argparse.Namespace | None = None) -> Path:
     if given is None or not str(given).strip():
         raise UsageError("oomb merge needs --output-dir (or output.dir in --config FILE)",
                          "pass --output-dir DIR, a folder that is new or empty")
+    shown = _named(args, "output.dir", "--output-dir")
     out = Path(given).expanduser().resolve()
     if out.exists() and not out.is_dir():
-        raise UsageError(f"--output-dir {given!r} is a file", "pass a directory path that is new or empty")
+        raise UsageError(f"{shown} {given!r} is a file", "pass a directory path that is new or empty")
     if out == adapter or (out.is_dir() and any(out.iterdir())):
-        raise UsageError(f"--output-dir {given!r} exists and is not empty", "pass a new or empty directory")
-    _check_writable_dir_path("--output-dir", given, out)
+        raise UsageError(f"{shown} {given!r} exists and is not empty", "pass a new or empty directory")
+    _check_writable_dir_path(shown, given, out)
     return out
 
 
-def _read_json(path: Path) -> dict:
+def _read_json(path: Path, restore: str) -> dict:
+    """The JSON object of the file ``path``; {} where there is none. A file that cannot be read or holds no JSON
+    object is one UsageError naming it, with ``restore`` as the fix."""
     try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
         return {}
-    return value if isinstance(value, dict) else {}
+    except OSError as exc:
+        raise UsageError(f"{path} cannot be read ({exc.strerror or exc})", restore) from exc
+    except UnicodeDecodeError as exc:
+        raise UsageError(f"{path} is corrupt (not UTF-8 text)", restore) from exc
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise UsageError(f"{path} is corrupt (not valid JSON: {exc})", restore) from exc
+    if not isinstance(value, dict):
+        raise UsageError(f"{path} is corrupt (a JSON {type(value).__name__}, not an object)", restore)
+    return value
+
+
+_RESTORE_ARGS = "restore the train_args.json its run wrote (oomb train writes the run's options there)"
+
+
+def _recipe_value(train_args: dict, file: Path, key: str, default):
+    """``train_args[key]`` (``default`` where absent), refused as one UsageError naming the file, the key and the
+    value where it is not what oomb train writes there."""
+    value = train_args.get(key, default)
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok, want = {
+        "seed": (isinstance(value, int) and not isinstance(value, bool), "an integer (the run's --seed)"),
+        "dtype": (value in ("auto", "float32", "bfloat16"), "auto, float32 or bfloat16 (the run's --dtype)"),
+        "device": (value in ("cpu", "cuda"), "cpu or cuda (the run's --device)"),
+        "rope_theta": (value is None or number and value > 0, "null or a number > 0 (the run's --rope-theta)"),
+        "rope_scaling_dict": (value is None or isinstance(value, dict),
+                              "null or an object of RoPE scaling settings (the run's --rope-scaling)"),
+    }[key]
+    if not ok:
+        raise UsageError(f"{file} has {key} {json.dumps(value)}, not {want}: it was edited or is damaged",
+                         f"set {key} back to the run's value, or {_RESTORE_ARGS}")
+    return value
 
 
 def _base_recipe(adapter: Path) -> dict:
@@ -56,15 +102,22 @@ def _base_recipe(adapter: Path) -> dict:
     train_args.json of an oomb run; else from adapter_config.json's base_model_name_or_path (a local folder)."""
     from ..models.presets import PRESETS
 
-    train_args = _read_json(adapter / "train_args.json")
-    base = _read_json(adapter / "adapter_config.json").get("base_model_name_or_path")
-    if "oomb_version" in train_args and isinstance(train_args.get("model"), str):
-        model = train_args["model"]
+    file = adapter / "train_args.json"
+    train_args = _read_json(file, _RESTORE_ARGS)
+    base = _read_json(adapter / "adapter_config.json",
+                      "restore the adapter_config.json its run wrote (peft's LoRA settings)").get("base_model_name_or_path")
+    if "oomb_version" in train_args:
+        model = train_args.get("model")
+        if not isinstance(model, str) or not model.strip():
+            raise UsageError(f"{file} has model {json.dumps(model)}, not a model name or folder: it was edited or is "
+                             "damaged", f"set model back to the run's --model, or {_RESTORE_ARGS}")
         if model not in PRESETS:  # a folder: the absolute path adapter_config.json records
             model = base if isinstance(base, str) and os.path.isdir(base) else model
-        return dict(model=model, seed=train_args.get("seed", 0), dtype=train_args.get("dtype", "auto"),
-                    device=train_args.get("device", "cpu"), rope_theta=train_args.get("rope_theta"),
-                    rope_scaling=train_args.get("rope_scaling_dict"))
+        return dict(model=model, seed=_recipe_value(train_args, file, "seed", 0),
+                    dtype=_recipe_value(train_args, file, "dtype", "auto"),
+                    device=_recipe_value(train_args, file, "device", "cpu"),
+                    rope_theta=_recipe_value(train_args, file, "rope_theta", None),
+                    rope_scaling=_recipe_value(train_args, file, "rope_scaling_dict", None))
     if isinstance(base, str) and os.path.isdir(base) and base not in PRESETS:
         return dict(model=base, seed=0, dtype="float32", device="cpu", rope_theta=None, rope_scaling=None)
     raise UsageError(f"ADAPTER_DIR {str(adapter)!r} does not say where its base model is: no train_args.json of an "
@@ -130,8 +183,8 @@ def _merged(base, adapter: Path, recipe: dict, shown: str):
 def _merge(args: argparse.Namespace) -> int:
     """``oomb merge``: every check first; then the merged model and tokenizer are written to a temporary folder
     beside --output-dir and moved into place."""
-    adapter = _adapter_dir(args.adapter_dir)
-    out = _output_dir(args.output_dir, adapter)
+    adapter = _adapter_dir(args.adapter_dir, args)
+    out = _output_dir(args.output_dir, adapter, args)
     recipe = _base_recipe(adapter)
     from transformers.utils import logging as hf_logging
 

@@ -3,6 +3,8 @@ its tokenizer, and bad input is one line, exit 2, nothing written."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -90,6 +92,25 @@ def test_bad_merge_input_is_one_line_exit_2_nothing_written(tmp_path, capsys):
     _refused(["merge", adapter, "--output-dir", tmp_path / "busy"], capsys, tmp_path, "exists and is not empty")
     _refused(["merge", adapter, "--output-dir", adapter], capsys, tmp_path, "exists and is not empty")
     _refused(["merge", adapter], capsys, tmp_path, "oomb merge needs --output-dir")
+    (tmp_path / "file").write_text("mine")
+    (tmp_path / "out.yaml").write_text(f"output:\n  dir: {tmp_path / 'file'}\n")
+    _refused(["merge", adapter, "--config", tmp_path / "out.yaml"], capsys, tmp_path, "output.dir (in ")
+    # A hand-edited or corrupt train_args.json or adapter_config.json is named as such (a ValueError traceback,
+    # 'no train_args.json of an oomb run' or 'pass an adapter trained on that base model' before).
+    args_file, config_file = adapter / "train_args.json", adapter / "adapter_config.json"
+    args_text, config_text = args_file.read_text(), config_file.read_text()
+    for key, value, said in (("seed", "abc", 'has seed "abc", not an integer'), ("device", "gpu", 'has device "gpu"'),
+                             ("rope_scaling_dict", [1], "has rope_scaling_dict [1]"), ("model", 7, "has model 7")):
+        args_file.write_text(args_text.replace('"oomb_version"', f'"{key}": {json.dumps(value)}, "oomb_version"', 1))
+        assert json.loads(args_file.read_text())[key] == value
+        _refused(["merge", adapter, *out], capsys, tmp_path, f"train_args.json {said}")
+    for text in ('{"seed": 0,', "[1, 2]"):
+        args_file.write_text(text)
+        _refused(["merge", adapter, *out], capsys, tmp_path, "train_args.json is corrupt")
+    args_file.write_text(args_text)
+    config_file.write_text('{"peft_type": "LORA",')
+    _refused(["merge", adapter, *out], capsys, tmp_path, "adapter_config.json is corrupt (not valid JSON")
+    config_file.write_text(config_text)
     assert not (tmp_path / "merged").exists()
     # An empty --output-dir is used.
     assert run_cli(["merge", adapter, "--output-dir", tmp_path / "empty"]) == 0
