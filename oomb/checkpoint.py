@@ -197,8 +197,10 @@ def _finish(root: Path, tmp: Path, step: int, state: dict, scheduler, fingerprin
         state = dict(state, scheduler=scheduler.state_dict() if scheduler is not None else None, extra=extra or {})
         torch.save(state, tmp / _STATE)
         files = {}
+        mode = 0o666 & ~_umask()
         for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
             name = f.relative_to(tmp).as_posix()
+            os.chmod(f, mode)  # as open() makes a file: safetensors writes its file 0600
             _fsync_file(f)
             files[name] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
         meta = {"format": _FORMAT, "step": step, "fingerprint": fingerprint, "files": files, **meta_extra}
@@ -318,6 +320,34 @@ def read_settings(path: str | Path, key: str = "settings") -> dict[str, Any] | N
     return settings if isinstance(settings, dict) else None
 
 
+def _has_its_files(path: Path) -> bool:
+    """Whether the checkpoint folder ``path`` has a readable meta.json and every file it lists at its size (cheap:
+    no file is hashed; loading it verifies the hashes)."""
+    try:
+        meta = json.loads((path / _META).read_text())
+        files = meta["files"]
+        return meta.get("format") == _FORMAT and all(
+            (path / name).is_file() and (path / name).stat().st_size == info["bytes"] for name, info in files.items())
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
+        return False
+
+
+def _elsewhere(path: Path) -> str:
+    """The fix of a damaged checkpoint ``path``: resume from the newest earlier checkpoint beside it that has all its
+    files (named as ``path`` is, relative or not), in a new output folder, so that nothing is deleted or
+    replaced; else restore the damaged file or start a new run."""
+    import shlex
+
+    earlier = [p for p in _complete_checkpoints(path.parent) if p.name < path.name and _has_its_files(p)]
+    if not earlier:
+        return ("no earlier checkpoint of this run is intact: restore the file from a copy, or start a new run in "
+                "another --output-dir (this checkpoint is left as it is)")
+    shown = [shlex.quote(str(path.parent / p.name)) for p in reversed(earlier[-2:])]
+    also = f" (or the one before it, {shown[1]})" if len(shown) > 1 else ""
+    return (f"resume from the earlier checkpoint with --resume {shown[0]}{also} and a new --output-dir (this "
+            "checkpoint and its folder are left as they are)")
+
+
 def _read_meta(path: Path) -> dict[str, Any]:
     meta_path = path / _META
     if not meta_path.is_file():
@@ -328,9 +358,9 @@ def _read_meta(path: Path) -> dict[str, Any]:
     try:
         meta = json.loads(meta_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{meta_path} is corrupt ({exc}); resume from another checkpoint") from exc
+        raise CheckpointError(f"{meta_path} is corrupt ({exc}); {_elsewhere(path)}") from exc
     if not isinstance(meta, dict) or meta.get("format") != _FORMAT or "files" not in meta:
-        raise CheckpointError(f"{meta_path} is not an oomb checkpoint of format {_FORMAT}; resume from another checkpoint")
+        raise CheckpointError(f"{meta_path} is not an oomb checkpoint of format {_FORMAT}; {_elsewhere(path)}")
     files, step = meta.get("files"), meta.get("step")
     damaged = None
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
@@ -345,16 +375,19 @@ def _read_meta(path: Path) -> dict[str, Any]:
     elif any(Path(name).is_absolute() or ".." in Path(name).parts for name in files):
         damaged = "it names files outside the checkpoint folder"
     if damaged is not None:
-        raise CheckpointError(f"{meta_path} is damaged ({damaged}); resume from another checkpoint")
+        raise CheckpointError(f"{meta_path} is damaged ({damaged}); {_elsewhere(path)}")
     for name, info in files.items():
         f = path / name
         if not f.is_file():
-            raise CheckpointError(f"{f} is missing; the checkpoint is incomplete — resume from another checkpoint")
-        if f.stat().st_size != info["bytes"] or _sha256(f) != info["sha256"]:
-            raise CheckpointError(
-                f"{f} is corrupt or truncated ({f.stat().st_size} bytes, expected {info['bytes']}, or a checksum "
-                f"mismatch); resume from another checkpoint"
-            )
+            raise CheckpointError(f"{f} is missing: the checkpoint is incomplete; {_elsewhere(path)}")
+        size = f.stat().st_size
+        if size < info["bytes"]:
+            raise CheckpointError(f"{f} is truncated ({size} of its {info['bytes']} bytes); {_elsewhere(path)}")
+        if size > info["bytes"]:
+            raise CheckpointError(f"{f} is corrupt ({size} bytes, {info['bytes']} written); {_elsewhere(path)}")
+        if _sha256(f) != info["sha256"]:
+            raise CheckpointError(f"{f} is corrupt (its size is right but its SHA-256 checksum is not the one "
+                                  f"{_META} records); {_elsewhere(path)}")
     return meta
 
 
@@ -400,7 +433,7 @@ def load_checkpoint(
     try:
         weights = load_file(str(path / _WEIGHTS))
     except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
-        raise CheckpointError(f"{path / _WEIGHTS} cannot be read ({exc}); resume from another checkpoint") from exc
+        raise CheckpointError(f"{path / _WEIGHTS} cannot be read ({exc}); {_elsewhere(path)}") from exc
     params = _trainable(model)
     if set(weights) != set(params):
         missing, unexpected = sorted(set(params) - set(weights))[:3], sorted(set(weights) - set(params))[:3]
@@ -429,7 +462,7 @@ def _trainer_state(path: Path) -> dict:
     try:
         return torch.load(path / _STATE, map_location="cpu", weights_only=False)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means a bad file
-        raise CheckpointError(f"{path / _STATE} cannot be read ({exc}); resume from another checkpoint") from exc
+        raise CheckpointError(f"{path / _STATE} cannot be read ({exc}); {_elsewhere(path)}") from exc
 
 
 def _checked_meta(path: Path, fingerprint: dict[str, Any], sharded: bool) -> dict[str, Any]:

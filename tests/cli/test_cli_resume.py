@@ -108,6 +108,12 @@ def test_resume_refuses_other_settings_and_corrupt_checkpoints(tmp_path, text_fi
     # --resume in a directory without checkpoints
     assert run_cli(["train", "--data", text_file, *FAST, "--output-dir", tmp_path / "new", "--resume"]) == 2
     assert "no checkpoints" in capsys.readouterr().err
+    # a checkpoint path that is not there, or a file: said so
+    assert run_cli([*argv, "--resume", tmp_path / "nope"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{tmp_path / 'nope'} does not exist; pass 'latest' or a checkpoint folder" in err
+    assert run_cli([*argv, "--resume", text_file]) == 2
+    assert "is a file, not a checkpoint folder" in capsys.readouterr().err
     # a truncated file: named
     ckpt = out / "checkpoints" / "step-00000002"
     weights = ckpt / "trainable.safetensors"
@@ -115,7 +121,7 @@ def test_resume_refuses_other_settings_and_corrupt_checkpoints(tmp_path, text_fi
     before = (out / "log.jsonl").read_bytes()
     assert run_cli([*argv, "--resume"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and str(weights) in err
+    assert err.count("\n") == 1 and f"{weights} is truncated (100 of its " in err, err
     assert (out / "log.jsonl").read_bytes() == before
     # a partial checkpoint (no meta.json): named
     (ckpt / "meta.json").unlink()
@@ -153,7 +159,7 @@ def test_resume_from_a_damaged_meta_json_exits_2_with_one_line(tmp_path, text_fi
     before = (out / "log.jsonl").read_bytes()
     assert run_cli([*argv, "--resume"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and str(meta_path) in err and "resume from another checkpoint" in err, err
+    assert err.count("\n") == 1 and str(meta_path) in err and "no earlier checkpoint of this run is intact" in err, err
     assert "Traceback" not in err
     assert (out / "log.jsonl").read_bytes() == before
 

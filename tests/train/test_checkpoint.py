@@ -69,7 +69,7 @@ def test_corrupt_and_partial_checkpoints_are_named(tmp_path):
     weights = path / "trainable.safetensors"
     data = weights.read_bytes()
     weights.write_bytes(data[: len(data) // 2])
-    with pytest.raises(CheckpointError, match="trainable.safetensors is corrupt or truncated"):
+    with pytest.raises(CheckpointError, match="trainable.safetensors is truncated"):
         load_checkpoint(path, _model(), None, None, FP)
     os.remove(path / "meta.json")
     with pytest.raises(CheckpointError, match="meta.json is missing"):
@@ -90,9 +90,60 @@ def test_a_damaged_meta_json_is_named(tmp_path, edit, fragment):
     path = save_checkpoint(tmp_path, 1, _model(), None, None, FP)
     meta = json.loads((path / "meta.json").read_text())
     (path / "meta.json").write_text(json.dumps(edit(meta)))
-    with pytest.raises(CheckpointError, match=r"meta\.json .*; resume from another checkpoint") as info:
+    with pytest.raises(CheckpointError, match=r"meta\.json .*; no earlier checkpoint of this run is intact") as info:
         load_checkpoint(path, _model(), None, None, FP)
     assert fragment in str(info.value)
+
+
+def test_a_damaged_file_is_called_truncated_or_corrupt_and_the_earlier_checkpoints_are_named(tmp_path):
+    """A flipped byte was 'corrupt or truncated (N bytes, expected N, or a checksum mismatch)'; now a file of the
+    right size is a checksum mismatch, a shorter one truncated, and the fix names the newest earlier checkpoints
+    that have all their files. Nothing of the damaged checkpoint is deleted or rewritten."""
+    model = _model()
+    first, second, third = (save_checkpoint(tmp_path, s, model, None, None, FP, keep_last=3) for s in (1, 2, 3))
+    state = third / "trainer_state.pt"
+    good = state.read_bytes()
+    flipped = bytearray(good)
+    flipped[len(good) // 2] ^= 1
+
+    def refusal(data: bytes) -> str:
+        state.write_bytes(data)
+        with pytest.raises(CheckpointError) as info:
+            load_checkpoint(third, _model(), None, None, FP)
+        assert state.read_bytes() == data and (third / "meta.json").is_file()
+        return str(info.value)
+
+    err = refusal(bytes(flipped))
+    assert "trainer_state.pt is corrupt (its size is right but its SHA-256 checksum is not" in err, err
+    assert f"--resume {second} (or the one before it, {first}) and a new --output-dir" in err, err
+    assert "truncated" not in err and "bytes" not in err
+    err = refusal(good[:100])
+    assert f"trainer_state.pt is truncated (100 of its {len(good)} bytes)" in err and f"--resume {second} " in err
+    assert "corrupt" not in err
+    err = refusal(good + b"x")
+    assert f"is corrupt ({len(good) + 1} bytes, {len(good)} written)" in err, err
+    (second / "trainable.safetensors").write_bytes(b"x")  # the earlier ones are named only with all their files
+    err = refusal(bytes(flipped))
+    assert f"--resume {first} and a new --output-dir" in err and str(second) not in err, err
+    (first / "meta.json").unlink()
+    err = refusal(bytes(flipped))
+    assert "no earlier checkpoint of this run is intact: restore the file from a copy" in err, err
+
+
+def test_checkpoint_files_get_the_mode_open_gives(tmp_path):
+    """trainable.safetensors was written 0600 (safetensors' own mode) beside 0644 files: every file of a checkpoint
+    gets 0666 less the umask, as open() gives."""
+    old = os.umask(0o022)
+    try:
+        path = save_checkpoint(tmp_path / "a", 1, _model(), None, None, FP)
+        os.umask(0o027)
+        other = save_checkpoint(tmp_path / "b", 1, _model(), None, None, FP)
+    finally:
+        os.umask(old)
+    for folder, mode in ((path, 0o644), (other, 0o640)):
+        modes = {f.name: f.stat().st_mode & 0o777 for f in folder.iterdir()}
+        assert set(modes) == {"meta.json", "trainable.safetensors", "trainer_state.pt"}
+        assert set(modes.values()) == {mode}, modes
 
 
 def test_a_different_run_is_refused_with_the_reason(tmp_path):
