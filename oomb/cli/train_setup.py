@@ -68,7 +68,9 @@ def _resume_checkpoint(args: argparse.Namespace, out: Path, dtype, world_size: i
         raise UsageError(f"--resume latest: {ckpt_root} holds no complete checkpoint", "start without --resume (with --overwrite)")
     if not path.is_dir():
         latest = find_latest(ckpt_root) if ckpt_root.is_dir() else None
-        raise UsageError(f"--resume {args.resume}: {path} is not a checkpoint folder",
+        what = ("does not exist" if not path.exists() else "is a file, not a checkpoint folder" if path.is_file()
+                else "is not a checkpoint folder")
+        raise UsageError(f"--resume {args.resume}: {path} {what}",
                          "pass 'latest' or a checkpoint folder" + (f" such as {latest}" if latest is not None else
                                                                    f" (step-NNNNNNNN under {ckpt_root})"))
     saved = read_settings(path, "fingerprint")
