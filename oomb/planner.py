@@ -270,6 +270,16 @@ def _count(n: int) -> str:
 
 
 
+def _need_and_free(need: int, free: int) -> tuple[str, str]:
+    """``need`` and ``free`` bytes as GiB with as many decimals (2 to 6) as it takes for them to read differently
+    where they differ (0.50 and 0.50 read as enough memory); in bytes past that."""
+    for digits in range(2, 7):
+        a, b = f"{need / GiB:.{digits}f}", f"{free / GiB:.{digits}f}"
+        if a != b or need == free:
+            return f"{a} GiB", f"{b} GiB"
+    return f"{need:,} bytes", f"{free:,} bytes"
+
+
 def _grown_with_context(act: dict[str, int], short: tuple, gpu_budget: int) -> list[str]:
     """The GPU rows of ``act`` (one chunk's activations and temporaries at the planned context) that grow with the
     context, by name, where they are why the fixed GPU part does not fit: ``short`` (``(parts, bytes)`` of the
@@ -531,6 +541,12 @@ def plan(
     grown = _grown_with_context(act, fixed_for(min(seq_len, chunk_size), save), gpu_budget) if fixed > gpu_budget else []
     if machine.gpu_total_bytes == 0:
         problems = ["no CUDA GPU is visible: plan for one with plan(..., machine=Machine(...))"]
+    elif gpu_budget == 0:
+        # The reserve alone takes all the free memory: no setting of the run fits, only a GPU with more memory.
+        problems = [f"the GPU's {machine.gpu_free_bytes / GiB:.2f} GiB of free memory is no more than the "
+                    f"{reserve / GiB:.2f} GiB reserve a plan keeps free (for the CUDA allocator and libraries: 2 GiB "
+                    f"or 3% of the GPU{', more with sparse attention' if sparse is not None else ''}), so nothing is "
+                    f"left for the run and no setting fits; use a GPU with more than {reserve / GiB:.2f} GiB free"]
     elif grown:
         # One chunk's context would fit: what does not is what grows with the context (not the weights and states,
         # which LoRA would shrink).
@@ -541,13 +557,15 @@ def plan(
                 and kwargs["attention_backend"] != "triton"):  # (a whole plan only where the KV store could fit)
             if plan(**dict(kwargs, attention_backend="triton")).fits:
                 fix += ", or use attention_backend='triton' (its attention temporaries do not grow with the context)"
+        need, free = _need_and_free(fixed, gpu_budget)
         problems = [f"at {seq_len:,} tokens one chunk's {' and '.join(grown)} grow with the context: with the weights, "
-                    f"gradients, optimizer states and activations they need {fixed / GiB:.2f} GiB but "
-                    f"{gpu_budget / GiB:.2f} GiB of GPU memory is free (after a {reserve / GiB:.1f} GiB reserve), and the "
+                    f"gradients, optimizer states and activations they need {need} but "
+                    f"{free} of GPU memory is free (after a {reserve / GiB:.1f} GiB reserve), and the "
                     f"KV store needs {L * n * pb / GiB:,.2f} GiB on top (GPU and host); {fix}"]
     elif fixed > gpu_budget:
-        problems.insert(0, f"weights, gradients, optimizer states and one chunk's activations need {fixed / GiB:.2f} GiB "
-                           f"but {gpu_budget / GiB:.2f} GiB of GPU memory is free (after a {reserve / GiB:.1f} GiB reserve); "
+        need, free = _need_and_free(fixed, gpu_budget)
+        problems.insert(0, f"weights, gradients, optimizer states and one chunk's activations need {need} "
+                           f"but {free} of GPU memory is free (after a {reserve / GiB:.1f} GiB reserve); "
                            "use LoRA, checkpoint_layers or a smaller chunk_size, or shorten the context")
     longest = max(longest_gpu, longest_off)
     if 0 < longest < seq_len:  # a message that says to shorten the context says to how much

@@ -7,6 +7,7 @@ plan and a training run given the same flags or the same ``--config`` file descr
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 from .checks import (
@@ -110,7 +111,11 @@ def _plan(args: argparse.Namespace) -> int:
     for line in (note, shard_note, warning):
         if line:
             print(line, file=sys.stderr)
-    print(_flag_names(p.table()))  # the planner speaks in config fields; the command line in flags
+    text = _flag_names(p.table())  # the planner speaks in config fields; the command line in flags
+    if args.gpu_gib is not None:  # the GPU is the one --gpu-gib describes
+        text = re.sub(r"use a GPU with more than ([\d.]+) GiB free", r"pass a --gpu-gib above \1 (a GPU with more free "
+                      r"memory)", text)
+    print(text)
     if p.fits:  # a refused plan has said what is wrong with the budget already
         offloads = bool(p.tiering.offload)
         _warn_if_offload_moves_nothing(args, p.shape.num_layers)

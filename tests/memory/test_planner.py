@@ -255,6 +255,31 @@ def test_plan_subcommand(capsys):
     assert "DOES NOT FIT" in capsys.readouterr().out
 
 
+def test_a_gpu_no_larger_than_the_reserve_fits_no_setting_and_need_and_free_read_differently(capsys):
+    """--gpu-gib 1 said '0.00 GiB ... free (after a 2.0 GiB reserve); use --lora-rank, ...', a fix that cannot help;
+    --gpu-gib 2.5 said 'need 0.50 GiB but 0.50 GiB ... is free'."""
+    base = ["plan", "--model", "tiny", "--seq-len", "4096", "--host-gib", "1"]
+    for gib in ("1", "2"):
+        assert run_plan(_parsed([*base, "--gpu-gib", gib])) == 1
+        verdict = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("DOES NOT FIT"))
+        assert verdict == (f"DOES NOT FIT: the GPU's {float(gib):.2f} GiB of free memory is no more than the 2.00 GiB "
+                           "reserve a plan keeps free (for the CUDA allocator and libraries: 2 GiB or 3% of the GPU), "
+                           "so nothing is left for the run and no setting fits; pass a --gpu-gib above 2.00 (a GPU "
+                           "with more free memory)"), verdict
+    assert run_plan(_parsed([*base, "--gpu-gib", "2.5"])) == 1
+    verdict = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("DOES NOT FIT"))
+    need, free = re.search(r"need ([\d.]+) GiB but ([\d.]+) GiB of GPU memory is free", verdict).groups()
+    assert float(need) > float(free) == 0.5, verdict
+    from oomb.planner import _need_and_free
+
+    assert _need_and_free(GiB // 2 + 1, GiB // 2) == (f"{GiB // 2 + 1:,} bytes", f"{GiB // 2:,} bytes")
+    assert _need_and_free(GiB, GiB) == ("1.00 GiB", "1.00 GiB")
+    assert _need_and_free(3 * GiB, GiB) == ("3.00 GiB", "1.00 GiB")
+    p = plan("tiny", 4096, machine=Machine(gpu_free_bytes=GiB, gpu_total_bytes=GiB, host_available_bytes=GiB,
+                                           host_total_bytes=GiB))  # the library says it in its own words
+    assert p.problems[0].endswith("no setting fits; use a GPU with more than 2.00 GiB free"), p.problems
+
+
 def test_train_arguments_map_to_a_plan_and_engine_settings():
     base = ["train", "--output-dir", "unused", "--model", "qwen2.5-7b", "--seq-len", str(1 << 20), "--chunk-size", "4096",
             "--lora-rank", "16"]
