@@ -17,6 +17,25 @@ from .resume import _resume_command
 from .signals import _StartupSignals
 from .train_setup import _LONG_WARMUP, _setup
 
+
+def _parameter_count(model) -> int:
+    """Parameters of ``model`` as it runs, each counted once: a tied weight once, and of a module peft trains a
+    copy of (``modules_to_save``: --train-embeddings-norms) the copy alone, not the frozen original it keeps beside
+    it (unless something else, e.g. a tied output head, still uses that original)."""
+    seen: set[int] = set()
+    total = 0
+    stack = [model]
+    while stack:
+        m = stack.pop()
+        for p in m.parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel()
+        stack.extend(c for name, c in m.named_children()
+                     if not (name == "original_module" and hasattr(m, "modules_to_save")))
+    return total
+
+
 def _step_error(exc) -> _RunError:
     """The one-line message of a failed training step (:class:`oomb.train.StepError`), with its fix in flags."""
     step, kind = exc.step, exc.kind
@@ -89,6 +108,7 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
     from tqdm.auto import tqdm
 
     from ..checkpoint import GracefulStop, find_latest, rng_state, save_checkpoint
+    from ..data.stats import counted
     from ..distributed import global_sum
     from ..train import SequenceStream, StepError, StepLog, StepStopped, TensorBoardLog, Trainer, warmup_steps
 
@@ -118,7 +138,7 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
     # --output-dir is new; with --overwrite, the earlier run stays in .oomb-replaced).
     signals.check()
     n_trainable = sum(p.numel() for p in params)
-    n_total = sum(p.numel() for p in model.parameters())
+    n_total = _parameter_count(model)
     warmup = warmup_steps(args.steps, args.warmup_steps)
     if main_rank and args.warmup_steps is not None and args.warmup_steps >= args.steps:
         print(f"oomb: note: --warmup-steps {args.warmup_steps} >= --steps {args.steps}: the learning rate never "
@@ -132,10 +152,10 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
     K, W = args.grad_accum, ctx.world_size
     stream = SequenceStream(sequences)
     if main_rank:
-        ranks = f"; {W} ranks" if W > 1 else ""
+        ranks = f"; {W:,} ranks" if W > 1 else ""
         print(
             f"oomb: {args.model} ({n_total / 1e6:.1f}M parameters, {n_trainable / 1e6:.2f}M trainable, {str(dtype).replace('torch.', '')}, {device}); "
-            f"{sequences.stats.tokens:,} tokens -> {len(sequences)} sequence{'s' if len(sequences) != 1 else ''} of {args.seq_len}; {K * W} per step{ranks}; chunk {args.chunk_size}{' (> --seq-len: one chunk per sequence)' if args.chunk_size > args.seq_len else ''}, page {args.page_size}; "
+            f"{sequences.stats.tokens:,} tokens -> {counted(len(sequences), 'sequence')} of {args.seq_len:,}; {K * W:,} per step{ranks}; chunk {args.chunk_size:,}{' (> --seq-len: one chunk per sequence)' if args.chunk_size > args.seq_len else ''}, page {args.page_size:,}; "
             f"log: {log_path}",
             file=sys.stderr,
         )
@@ -143,7 +163,8 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
         print(f"oomb: {run['store_summary']}", file=sys.stderr)
         drawn = (args.steps - start_step) * K * W
         if drawn > len(sequences):
-            print(f"oomb: note: {args.steps - start_step} steps x {K * W} sequences = {drawn} sequences from {len(sequences)}: "
+            print(f"oomb: note: {counted(args.steps - start_step, 'step')} x {counted(K * W, 'sequence')} = "
+                  f"{counted(drawn, 'sequence')} from {len(sequences):,}: "
                   f"the data is repeated (~{drawn / len(sequences):.1f} passes); more data or fewer --steps avoids it",
                   file=sys.stderr)
 
@@ -190,7 +211,7 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
                     import signal as _signal
 
                     name = _signal.Signals(stop.requested).name
-                    dropped = f"its {record.sequences_done} of {record.sequences} sequences done were dropped"
+                    dropped = f"its {record.sequences_done:,} of {counted(record.sequences, 'sequence')} done were dropped"
                     if path is None:
                         print(f"oomb: stopped by {name} during step {step} ({dropped}); no step had completed, so nothing "
                               "was saved; to start again, run the same command with --overwrite", file=sys.stderr)
@@ -210,7 +231,7 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
                         peak = record.peak_memory_bytes
                         mem = "" if peak is None else f"  peak {peak / 2**30:.2f} GiB"
                         kept = f"  kept graphs {record.kept_graphs}" if record.kept_graphs else ""
-                        tqdm.write(f"step {step:>5}/{args.steps}  loss {record.loss:.4f}  {record.tokens_per_s:,.0f} tok/s  "
+                        tqdm.write(f"step {step:>5,}/{args.steps:,}  loss {record.loss:.4f}  {record.tokens_per_s:,.0f} tok/s  "
                                    f"{record.seconds:.2f} s  lr {record.lr:.2e}{mem}{kept}", file=sys.stdout)
                 if args.save_every and step % args.save_every == 0 and step < args.steps:
                     checkpoint(step)

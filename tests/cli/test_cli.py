@@ -991,7 +991,23 @@ def test_repeated_data_is_noted(tmp_path, text_file, capsys):
     """More sequences drawn than the data holds: said once, with the number of passes."""
     assert run_cli(["train", "--data", text_file, "--output-dir", tmp_path / "run", *FAST, "--steps", "40"]) == 0
     err = capsys.readouterr().err
-    assert "the data is repeated" in err and "40 steps x 1 sequences = 40 sequences from" in err
+    assert "the data is repeated" in err and "40 steps x 1 sequence = 40 sequences from" in err
+
+
+def test_the_parameter_count_holds_each_parameter_once():
+    """The start line's count: a tied weight once, and of the embeddings and norms --train-embeddings-norms trains
+    (peft keeps a frozen original beside each trained copy) only the copy, as the model runs."""
+    from oomb.cli.train import _parameter_count
+    from oomb.models.lora import apply_lora
+    from oomb.models.presets import build_model
+
+    base = build_model("tiny", device="cpu")
+    n = sum(p.numel() for p in base.parameters())
+    assert _parameter_count(base) == n
+    model = apply_lora(base, 4, train_embeddings_norms=True)
+    adapter = sum(p.numel() for name, p in model.named_parameters() if "lora_" in name)
+    assert adapter > 0 and sum(p.numel() for p in model.parameters()) > n + adapter  # the originals and their copies
+    assert _parameter_count(model) == n + adapter
 
 
 def _help_entries(text):
