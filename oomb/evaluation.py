@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from .config import OOMBConfig, SparseConfig
+from .data.stats import counted
 from .sparse_quality import check_budgets, engines_by_budget
 
 __all__ = ["EvalReport", "EvalRow", "evaluate_windows", "token_windows"]
@@ -45,14 +46,16 @@ def token_windows(tokens: np.ndarray, seq_len: int, num_windows: int | None = No
         raise ValueError(f"seq_len is {seq_len}; a window needs at least 2 tokens (one input, one target)")
     available = n // seq_len
     if available == 0:
-        raise ValueError(f"the data has {n} tokens, fewer than one window of seq_len {seq_len}; give more text or pass seq_len {n} or less")
+        raise ValueError(f"the data has {counted(n, 'token')}, fewer than one window of seq_len {seq_len:,}; give more "
+                         f"text or pass seq_len {n} or less")
     if num_windows is None:
         num_windows = available
     if num_windows < 1:
         raise ValueError(f"num_windows is {num_windows}; pass 1 or more")
     if num_windows > available:
         raise ValueError(
-            f"num_windows is {num_windows} but the data ({n} tokens) holds {available} window(s) of seq_len {seq_len}; "
+            f"num_windows is {num_windows:,} but the data ({counted(n, 'token')}) holds {counted(available, 'window')} of "
+            f"seq_len {seq_len:,}; "
             f"pass num_windows {available} or less, or a smaller seq_len"
         )
     return [torch.from_numpy(np.ascontiguousarray(tokens[i * seq_len : (i + 1) * seq_len], dtype=np.int64)).view(1, -1)

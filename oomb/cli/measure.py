@@ -43,6 +43,11 @@ def _check_budgets_see_a_past(args: argparse.Namespace) -> None:
                          "drop budget 0, or keep sink or local pages")
 
 
+def _all_past_pages(n: int) -> str:
+    """'all 12 past pages', or 'the 1 past page' (the budgets' notes)."""
+    return "the 1 past page" if n == 1 else f"all {n:,} past pages"
+
+
 def _note_dense_budgets(args: argparse.Namespace, budgets: Sequence[int], result: str) -> None:
     """Note on stderr the budgets that hold every past page of the last chunk (there sparse is dense)."""
     past_pages = _last_chunk_past_pages(args.seq_len, args.chunk_size, args.page_size)
@@ -50,7 +55,7 @@ def _note_dense_budgets(args: argparse.Namespace, budgets: Sequence[int], result
     if dense_budgets:
         print(
             f"oomb: note: budget {', '.join(map(str, dense_budgets))} + --sink-pages {args.sink_pages} + --local-pages "
-            f"{args.local_pages} covers all {past_pages} past pages of the last chunk, so sparse equals dense there ({result}); "
+            f"{args.local_pages} covers {_all_past_pages(past_pages)} of the last chunk, so sparse equals dense there ({result}); "
             "measure with a longer --seq-len or a smaller --page-size",
             file=sys.stderr,
         )
@@ -102,6 +107,7 @@ def _eval(args: argparse.Namespace) -> int:
     _check_json_arg(args, _EVAL_REPORT_KEYS, "eval")
     import torch
 
+    from ..data.stats import counted
     from ..evaluation import evaluate_windows
 
     device, dtype = _resolve_device_dtype(args)
@@ -112,10 +118,11 @@ def _eval(args: argparse.Namespace) -> int:
     n, S = int(tokens.shape[0]), args.seq_len
     available = n // S
     if available == 0:
-        raise UsageError(f"the data has {n:,} tokens, fewer than one window of --seq-len {S}", f"pass --seq-len {n} or less, or more text as --data")
+        raise UsageError(f"the data has {counted(n, 'token')}, fewer than one window of --seq-len {S:,}", f"pass --seq-len {n} or less, or more text as --data")
     if args.num_windows is not None and args.num_windows > available:
         raise UsageError(
-            f"--num-windows is {args.num_windows} but the data ({n:,} tokens) holds {available} window(s) of --seq-len {S}",
+            f"--num-windows is {args.num_windows:,} but the data ({counted(n, 'token')}) holds "
+            f"{counted(available, 'window')} of --seq-len {S:,}",
             f"pass --num-windows {available} or less, or a smaller --seq-len",
         )
     count = args.num_windows if args.num_windows is not None else min(available, _EVAL_MAX_WINDOWS)
@@ -124,10 +131,10 @@ def _eval(args: argparse.Namespace) -> int:
     windows = token_windows(tokens, S, count)
     model = _load_model(args, tokens, device, dtype, "eval")
     _warn_if_offload_moves_nothing(args, model.config.num_hidden_layers)
-    capped = "" if args.num_windows is not None or count == available else f" (of {available}; --num-windows {available} for all)"
+    capped = "" if args.num_windows is not None or count == available else f" (of {available:,}; --num-windows {available} for all)"
     print(
         f"oomb: eval {args.model} ({str(dtype).replace('torch.', '')}, {device}); tokenizer {tokenizer_path or 'bundled'}; "
-        f"{n:,} tokens -> {count} window(s) of {S}{capped}; chunk {args.chunk_size}, page {args.page_size}; "
+        f"{counted(n, 'token')} -> {counted(count, 'window')} of {S:,}{capped}; chunk {args.chunk_size:,}, page {args.page_size:,}; "
         f"modes: dense{''.join(f', sparse {b}' for b in budgets)}",
         file=sys.stderr,
     )
@@ -207,7 +214,7 @@ def _bench(args: argparse.Namespace) -> int:
     backend = resolve_backend(args.attention_backend, device)
     _warn_if_gpu_saved_attention_on_cpu(args, device)
     print(f"oomb bench: {args.model} ({sum(p.numel() for p in model.parameters()) / 1e6:,.1f}M parameters, "
-          f"{str(dtype).replace('torch.', '')}) on {device}; oomb: chunk {args.chunk_size}, page {args.page_size}, "
+          f"{str(dtype).replace('torch.', '')}) on {device}; oomb: chunk {args.chunk_size:,}, page {args.page_size:,}, "
           f"attention {backend}, save-attention {args.save_attention}"
           f"{', checkpoint-layers (attention ' + args.checkpoint_attention + ')' if args.checkpoint_layers else ''}"
           f"{', fused glue ' + cfg.fused_glue + ' (hf too)' if cfg.fused_glue != 'none' else ''}"

@@ -62,7 +62,9 @@ def _eval_retrieval(args: argparse.Namespace, budgets: list[int]) -> int:
     import numpy as np
     import torch
 
+    from ..data.stats import counted
     from ..retrieval import build_prompts, evaluate_retrieval
+    from .measure import _all_past_pages
 
     tokenizer_path = _measure_tokenizer_path(args)
     tokenizer = _load_tokenizer(args, tokenizer_path)
@@ -79,9 +81,10 @@ def _eval_retrieval(args: argparse.Namespace, budgets: list[int]) -> int:
     cfg = args.job.engine if budgets else args.job.engine.dense()
     print(
         f"oomb: eval --task {args.task} {args.model} ({str(dtype).replace('torch.', '')}, {device}); tokenizer "
-        f"{tokenizer_path or 'bundled'}; {len(prompts)} prompt(s): {len(lengths)} length(s) x {len(depths)} depth(s) x "
-        f"{args.trials} trial(s){f', {args.needles} needles each' if args.needles > 1 else ''}; chunk {args.chunk_size}, "
-        f"page {args.page_size}; modes: dense{''.join(f', sparse {b}' for b in budgets)}",
+        f"{tokenizer_path or 'bundled'}; {counted(len(prompts), 'prompt')}: {counted(len(lengths), 'length')} x "
+        f"{counted(len(depths), 'depth')} x {counted(args.trials, 'trial')}"
+        f"{f', {args.needles} needles each' if args.needles > 1 else ''}; chunk {args.chunk_size:,}, "
+        f"page {args.page_size:,}; modes: dense{''.join(f', sparse {b}' for b in budgets)}",
         file=sys.stderr,
     )
     try:
@@ -91,7 +94,7 @@ def _eval_retrieval(args: argparse.Namespace, budgets: list[int]) -> int:
                                         f"{t.depth:g}%, trial {t.trial}): {'exact' if t.exact else 'missed'}, "
                                         f"answer log-prob {t.logprob:.3f}", file=sys.stderr, flush=True))
     except torch.OutOfMemoryError as exc:
-        raise _RunError(f"out of GPU memory scoring a {max(lengths)}-token prompt",
+        raise _RunError(f"out of GPU memory scoring a {max(lengths):,}-token prompt",
                         "use a smaller --chunk-size or --offload on (see 'oomb plan')") from exc
     except ValueError as exc:
         raise _usage_from(exc, "see 'oomb eval --help'") from exc
@@ -100,7 +103,7 @@ def _eval_retrieval(args: argparse.Namespace, budgets: list[int]) -> int:
     dense_budgets = [b for b in budgets if b + args.sink_pages + args.local_pages >= past_pages]
     if dense_budgets:
         print(f"oomb: note: budget {', '.join(map(str, dense_budgets))} + --sink-pages {args.sink_pages} + --local-pages "
-              f"{args.local_pages} covers all {past_pages} past pages of the last chunk of the longest prompt, so sparse "
+              f"{args.local_pages} covers {_all_past_pages(past_pages)} of the last chunk of the longest prompt, so sparse "
               "equals dense there; measure with longer --lengths or a smaller --page-size", file=sys.stderr)
     if args.json is not None:
         data = report.to_dict()

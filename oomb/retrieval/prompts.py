@@ -27,6 +27,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..data.stats import counted
+
 __all__ = ["TASKS", "RetrievalPrompt", "build_prompts", "check_digits", "needle_prompt", "passkey_prompt"]
 
 TASKS = ("passkey", "needle")
@@ -150,8 +152,8 @@ class PromptTooShort(ValueError):
     "question and answer"."""
 
     def __init__(self, length: int, fixed: int, what: str) -> None:
-        super().__init__(f"length {length} is too short for a {what}, question and answer take "
-                         f"{fixed} tokens before any haystack; pass lengths of {fixed + 1} or more")
+        super().__init__(f"length {length:,} is too short for a {what}, question and answer take "
+                         f"{fixed:,} tokens before any haystack; pass lengths of {fixed + 1} or more")
         self.length, self.fixed, self.what = length, fixed, what
 
 
@@ -230,7 +232,7 @@ def needle_prompt(tokenizer, tokens: np.ndarray, length: int, depth: float, tria
     fixed = len(head) + sum(map(len, sentences)) + len(question) + len(answer)
     room = length - fixed  # text tokens
     if room < 1:
-        raise PromptTooShort(length, fixed, f"needle prompt: its {needles} needle sentence{'s' if needles > 1 else ''}")
+        raise PromptTooShort(length, fixed, f"needle prompt: its {counted(needles, 'needle sentence')}")
     n = int(tokens.shape[0])
     if n < 1:
         raise ValueError("the text has no tokens; give some text to hide the needles in")

@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..data.stats import counted
+
 __all__ = ["RetrievalReport", "RetrievalRow", "RetrievalTrial"]
 
 
@@ -100,7 +102,7 @@ class RetrievalReport:
         head = "| depth \\ length | " + " | ".join(f"{n:,}" for n in self.lengths) + " |"
         rule = "|---:|" + "---:|" * len(self.lengths)
         for row in self.rows:
-            what = f"{self.task}, {row.name}: exact match over {self.trials} trial(s) per cell"
+            what = f"{self.task}, {row.name}: exact match over {counted(self.trials, 'trial')} per cell"
             lines = [f"**{what}** ({row.seconds:.1f} s)", "", head, rule]
             for depth, accs in zip(self.depths, self.grid(row)):
                 lines.append(f"| {_depth(depth)} | " + " | ".join(f"{100 * a:.0f}%" for a in accs) + " |")

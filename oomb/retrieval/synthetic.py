@@ -40,6 +40,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..data.stats import counted
 from .prompts import INTRO, WORDS, PromptTooShort, _bos, _encode, _filler, _place, _question, _value, check_digits, \
     needle_prompt, passkey_prompt
 
@@ -121,7 +122,7 @@ def _row(task: str, tokenizer, length: int, depth: float, trial: int, seed: int,
                                        needles)
         except PromptTooShort as exc:
             need = exc.fixed + extra
-            raise ValueError(f"length {length} is too short for a {exc.what}, question, answer and EOS take {need} "
+            raise ValueError(f"length {length:,} is too short for a {exc.what}, question, answer and EOS take {need:,} "
                              f"tokens before any haystack; pass lengths of {need + 1} or more") from exc
         ids = prompt.input_ids.tolist()
         # Special tokens inside (the EOS between the text's documents) stay as their text, which encodes back to them.
@@ -131,7 +132,7 @@ def _row(task: str, tokenizer, length: int, depth: float, trial: int, seed: int,
         if got == length:
             return {"prompt": question, "completion": answer, "task": task, "length": length, "depth": depth,
                     "answer": prompt.answer}
-    raise ValueError(f"none of {_TRIES} {task} prompts of {length} tokens re-encodes to {length} tokens with this "
+    raise ValueError(f"none of {_TRIES} {task} prompts of {length:,} tokens re-encodes to {length:,} tokens with this "
                      "tokenizer (their decoded text tokenises differently); pass other lengths, or another tokenizer")
 
 
@@ -156,7 +157,7 @@ def _keyvalue_draw(tokenizer, length: int, depth: float, rng: np.random.Generato
     fixed = len(head) + sum(map(len, sentences)) + sum(len(q) + len(a) for q, a in qa) + 1  # + EOS
     room = length - fixed
     if room < 1:
-        raise PromptTooShort(length, fixed - 1, f"keyvalue row: its intro, pass key and {needles} secret sentences")
+        raise PromptTooShort(length, fixed - 1, f"keyvalue row: its intro, pass key and {counted(needles, 'secret sentence')}")
     filler, starts = _filler(tokenizer, room)
     filler = filler[:room]
     inner = [p for p in starts if p <= room] or [0]
@@ -189,8 +190,8 @@ def _keyvalue_row(tokenizer, length: int, depth: float, trial: int, seed: int, n
         try:
             parts, passkey, values = _keyvalue_draw(tokenizer, length, depth, rng, needles)
         except PromptTooShort as exc:
-            raise ValueError(f"length {length} is too short for a {exc.what}, their questions and answers and the EOS "
-                             f"take {exc.fixed + 1} tokens before any filler; pass lengths of {exc.fixed + 2} or more, "
+            raise ValueError(f"length {length:,} is too short for a {exc.what}, their questions and answers and the EOS "
+                             f"take {exc.fixed + 1:,} tokens before any filler; pass lengths of {exc.fixed + 2} or more, "
                              "or fewer needles") from exc
         segments = [{"text": tokenizer.decode(ids), "label": label} for ids, label in parts]
         want = [t for ids, _ in parts for t in ids]
@@ -199,7 +200,7 @@ def _keyvalue_row(tokenizer, length: int, depth: float, trial: int, seed: int, n
         if got.tolist() == want + eos and len(got) == length:
             return {"segments": segments, "task": "keyvalue", "length": length, "depth": depth, "answer": passkey,
                     "answers": values}
-    raise ValueError(f"none of {_TRIES} keyvalue rows of {length} tokens re-encodes to the same tokens with this "
+    raise ValueError(f"none of {_TRIES} keyvalue rows of {length:,} tokens re-encodes to the same tokens with this "
                      "tokenizer (their decoded text tokenises differently); pass other lengths, or another tokenizer")
 
 

@@ -127,7 +127,7 @@ def test_windows_are_consecutive_deterministic_and_capped(tmp_path, text_file, t
 
     monkeypatch.setattr(cli, "_EVAL_MAX_WINDOWS", 2)
     a = run_eval(tmp_path, ["--data", text_file, *SMALL], "a.json")
-    assert f"2 window(s) of {S} (of {available}; --num-windows {available} for all)" in capsys.readouterr().err
+    assert f"2 windows of {S} (of {available}; --num-windows {available} for all)" in capsys.readouterr().err
     assert a["num_windows"] == 2 and a["window_starts"] == [0, S]
     # the same windows again: identical losses; --num-windows 1 gives the first of them
     b = run_eval(tmp_path, ["--data", text_file, *SMALL], "b.json")
@@ -161,8 +161,23 @@ def test_json_replaces_only_an_earlier_eval_report(tmp_path, text_file, capsys):
 def test_token_windows_refuses_too_little_data():
     with pytest.raises(ValueError, match="fewer than one window"):
         token_windows(np.arange(10), 11)
-    with pytest.raises(ValueError, match="holds 2 window"):
+    with pytest.raises(ValueError, match=r"the data \(10 tokens\) holds 2 windows of seq_len 5"):
         token_windows(np.arange(10), 5, 3)
+    with pytest.raises(ValueError, match="holds 1 window of seq_len 6"):
+        token_windows(np.arange(10), 6, 2)
+    with pytest.raises(ValueError, match="the data has 1,500 tokens, fewer than one window of seq_len 2,000"):
+        token_windows(np.arange(1500), 2000)
+
+
+def test_the_dense_budget_note_counts_past_pages_in_their_number(capsys):
+    from types import SimpleNamespace
+
+    from oomb.cli.measure import _note_dense_budgets
+
+    for seq_len, said in ((128, "covers the 1 past page of the last chunk"), (64 * 1002, "covers all 1,001 past pages")):
+        args = SimpleNamespace(seq_len=seq_len, chunk_size=64, page_size=64, sink_pages=1, local_pages=8)
+        _note_dense_budgets(args, [5000], "same loss")
+        assert said in capsys.readouterr().err
 
 
 def test_bad_eval_input_exits_2_with_one_line(tmp_path, text_file, tokens, capsys):

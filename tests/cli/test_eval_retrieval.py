@@ -22,6 +22,8 @@ def test_passkey_on_a_preset_writes_the_table_json_and_heatmap(tmp_path, capsys)
     out, err = capsys.readouterr()
     data = json.loads(js.read_text())
     assert png.read_bytes()[:8] == PNG and "wrote the heatmap" in err
+    assert "12 prompts: 2 lengths x 3 depths x 2 trials; chunk 64, page 16" in err
+    assert "**passkey, dense: exact match over 2 trials per cell**" in out
     assert (data["task"], data["lengths"], data["depths"], data["trials"]) == ("passkey", [96, 160], [0.0, 50.0, 100.0], 2)
     assert [r["mode"] for r in data["rows"]] == ["dense", "sparse"] and data["rows"][1]["budget"] == 2
     for row in data["rows"]:

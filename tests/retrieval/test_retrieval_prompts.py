@@ -282,6 +282,9 @@ def test_a_keyvalue_row_asks_every_key_and_trains_exactly_its_answers(tok, tmp_p
 def test_a_keyvalue_row_too_short_or_with_too_many_needles_is_refused(tok):
     with pytest.raises(ValueError, match=r"pass lengths of (\d+) or more, or fewer needles") as info:
         retrieval_rows("keyvalue", tok, [100], 1, needles=5)
+    assert "its intro, pass key and 5 secret sentences," in info.value.args[0]
+    with pytest.raises(ValueError, match="its intro, pass key and 1 secret sentence,"):
+        retrieval_rows("keyvalue", tok, [40], 1, needles=1)
     need = int(info.value.args[0].split("pass lengths of ")[1].split()[0])
     assert len(retrieval_rows("keyvalue", tok, [need], 1, needles=5)) == 1
     with pytest.raises(ValueError, match="pass 0 to 30 secret sentences"):

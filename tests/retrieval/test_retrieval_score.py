@@ -89,6 +89,10 @@ def test_the_report_table_json_and_heatmap(tok, tmp_path):
     grid = report.grid(row)
     assert grid[0] == [1.0, 0.0] and grid[1] == [0.5, 0.0] and grid[2] == [0.0, 0.0]
     lines = report.table().splitlines()
+    assert lines[0].startswith("**passkey, dense: exact match over 2 trials per cell**")
+    report.trials = 1
+    assert report.table().splitlines()[0].startswith("**passkey, dense: exact match over 1 trial per cell**")
+    report.trials = 2
     assert "| depth \\ length | 100 | 150 |" in lines
     assert "| 0% | 100% | 0% |" in lines and "| 50% | 50% | 0% |" in lines and "| **all** | 50% | 0% |" in lines
     data = report.to_dict()
