@@ -153,6 +153,15 @@ def test_oomb_data_shows_the_mask_and_writes_the_histogram(tmp_path, capsys):
     capsys.readouterr()
     assert run_cli(["data", "--data", path, "--chat-template", PLAIN, "--seq-len", "64", "--output", notes]) == 2
     assert "is not a PNG" in capsys.readouterr().err and notes.read_text() == "mine"
+    # the histogram is a PNG: hist.jpg would hold PNG bytes under a JPEG name, so it is refused; no suffix is taken
+    jpg = tmp_path / "hist.jpg"
+    assert run_cli(["data", "--data", path, "--chat-template", PLAIN, "--seq-len", "64", "--output", jpg]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"oomb: error: --output {str(jpg)!r} ends in .jpg, but the histogram is written as a PNG image only; "
+                   "pass a path ending in .png, e.g. --output hist.png") and not jpg.exists()
+    bare = tmp_path / "hist"
+    assert run_cli(["data", "--data", path, "--chat-template", PLAIN, "--seq-len", "64", "--output", bare]) == 0
+    assert bare.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_a_chatml_end_of_turn_that_is_plain_text_is_shown_trained_with_one_warning(tmp_path, capsys):

@@ -92,6 +92,11 @@ def test_bad_retrieval_input_gets_one_line(tmp_path, capsys):
     _check_refused(run_cli(["eval", "--task", "passkey", "--json", other]), capsys, "is not an earlier")
     _check_refused(run_cli(["eval", "--task", "passkey", "--heatmap", other]), capsys, "is not a PNG image")
     assert other.read_text() == '{"mine": 1}'
+    # the heatmap is a PNG: a path with another image suffix is refused before anything runs
+    for name in ("heat.jpg", "heat.svg"):
+        _check_refused(run_cli(["eval", "--task", "passkey", "--heatmap", tmp_path / name]), capsys,
+                       f"ends in .{name[5:]}, but the heatmap is written as a PNG image only; pass a path ending in .png")
+        assert not (tmp_path / name).exists()
     # a loss report and a retrieval report do not replace each other
     loss = tmp_path / "loss.json"
     assert run_cli(["eval", "--seq-len", "64", "--num-windows", "1", *SMALL, "--json", loss]) == 0
