@@ -47,7 +47,8 @@ def read_chat_template(path: str | None) -> str | None:
     JSON object with a ``chat_template`` key); None: None.
 
     Raises:
-        DataError: the file cannot be read or holds no template.
+        DataError: the file cannot be read, holds no template, or its template does not compile (a Jinja syntax
+            error).
     """
     if path is None:
         return None
@@ -72,7 +73,25 @@ def read_chat_template(path: str | None) -> str | None:
     if not text.strip():
         raise DataError(f"{{chat_template}} {path!r} is empty", "set {chat_template} to a Jinja chat template file",
                         setting="chat_template")
+    _check_compiles(text, path)
     return text
+
+
+def _check_compiles(template: str, path: str) -> None:
+    """Refuse a chat template that Jinja cannot compile (a syntax error), naming the file and the line, before any
+    row is rendered with it."""
+    try:
+        from jinja2 import TemplateSyntaxError
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # another transformers: the first render says what is wrong
+        return
+    try:
+        _compile_jinja_template(template)
+    except TemplateSyntaxError as exc:
+        msg = " ".join(str(exc.message or exc).split())
+        raise DataError(f"{{chat_template}} {path!r} is not a valid Jinja template (line {exc.lineno}: {msg})",
+                        "fix the template's syntax, or set {chat_template} to another template file",
+                        setting="chat_template") from exc
 
 
 def check_messages(messages, where: str) -> None:
