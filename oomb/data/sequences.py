@@ -104,7 +104,7 @@ class TokenSequences:
         if not 0 <= i < self.num_sequences:
             raise IndexError(i)
         chunk = self.tokens[i * self.seq_len : (i + 1) * self.seq_len]
-        return torch.from_numpy(np.ascontiguousarray(chunk)).view(1, -1)
+        return torch.from_numpy(np.array(chunk, dtype=np.int64)).view(1, -1)  # a copy: the stream may be a read-only map
 
     def order(self, epoch: int) -> np.ndarray:
         """The seeded permutation of sequence indices for ``epoch`` (0-based)."""
