@@ -68,7 +68,8 @@ class Packer:
         self._used = 0
         self._seqs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self.lengths: list[int] = []
-        self.n = dict(examples=0, tokens=0, trained=0, padding=0, split=0, dropped=0, dropped_tokens=0, sequences=0)
+        self.n = dict(examples=0, tokens=0, trained=0, padding=0, split=0, dropped=0, dropped_tokens=0, sequences=0,
+                      split_unused=0)
 
     # ---- input
 
@@ -93,10 +94,10 @@ class Packer:
                 if mask[a + 1: a + self.S].any():
                     self._emit(ids[a: a + self.S], mask[a: a + self.S], [0, self.S])
                 else:
-                    self.n["dropped_tokens"] += self.S
+                    self.n["split_unused"] += self.S
             ids, mask = ids[whole:], mask[whole:]
             if ids.shape[0] < 2 or not mask[1:].any():
-                self.n["dropped_tokens"] += int(ids.shape[0])
+                self.n["split_unused"] += int(ids.shape[0])
                 return
         if self._used + ids.shape[0] > self.S:
             self._flush()
@@ -151,7 +152,8 @@ class Packer:
         n = self.n
         return DataStats(format=self.fmt, examples=n["examples"], tokens=n["tokens"], sequences=n["sequences"],
                          seq_len=self.S, trained_tokens=n["trained"], padding=n["padding"], split_examples=n["split"],
-                         dropped_examples=n["dropped"], dropped_tokens=n["dropped_tokens"])
+                         dropped_examples=n["dropped"], dropped_tokens=n["dropped_tokens"],
+                         split_unused_tokens=n["split_unused"])
 
     def finish(self, seed: int) -> "PackedSequences":
         """The packed sequences (served in the order of ``seed``); with a ``shard_dir``, also its manifest."""

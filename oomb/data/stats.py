@@ -23,7 +23,8 @@ class DataStats:
     (no loss). ``split_examples``: examples longer than ``seq_len`` cut over several sequences.
     ``dropped_examples`` / ``dropped_tokens``: examples left out (longer than ``seq_len`` with
     ``long_examples`` drop, or no trained token) and their tokens, plus the tail of a text stream shorter than
-    one sequence.
+    one sequence. ``split_unused_tokens``: tokens of the pieces of split examples left out because none of their
+    tokens is trained (e.g. the prompt-only start of a long chat), not counted in ``dropped_tokens``.
     """
 
     format: str
@@ -36,6 +37,7 @@ class DataStats:
     split_examples: int
     dropped_examples: int
     dropped_tokens: int
+    split_unused_tokens: int = 0
 
     @property
     def trained_share(self) -> float:
@@ -53,7 +55,9 @@ class DataStats:
                  f"{self.trained_tokens:,} trained tokens ({100 * self.trained_share:.1f}%)",
                  f"{self.padding:,} padding"]
         if self.split_examples:
-            parts.append(f"{self.split_examples:,} split over sequences")
+            unused = (f" ({self.split_unused_tokens:,} tokens of their pieces without a trained token left out)"
+                      if self.split_unused_tokens else "")
+            parts.append(f"{counted(self.split_examples, what)} split over sequences{unused}")
         if self.dropped_examples:
             parts.append(f"{counted(self.dropped_examples, what)} dropped ({self.dropped_tokens:,} tokens)")
         elif self.dropped_tokens:
