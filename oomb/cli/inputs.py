@@ -98,7 +98,8 @@ def _measure_tokenizer_path(args: argparse.Namespace) -> str | None:
 
 
 def _load_tokens(args: argparse.Namespace, tokenizer_path: str | None):
-    """The --data token stream of grad-error and eval: int64 ``[N]``, EOS between documents."""
+    """The --data token stream of grad-error, eval and ``data --make needle``: int64 ``[N]``, EOS between
+    documents; the data read as ``oomb train`` reads text (:func:`oomb.data.load_documents`)."""
     from ..data import (
         BUNDLED_CORPUS,
         DataError,
@@ -107,9 +108,13 @@ def _load_tokens(args: argparse.Namespace, tokenizer_path: str | None):
         tokenize_documents,
     )
 
+    command = getattr(args, "command", None)
+    reader = f"'oomb {command}{' --make needle' if command == 'data' else ''}'" if command else "this command"
     try:
         tokenizer = load_tokenizer(tokenizer_path)
-        return tokenize_documents(load_documents(args.data), tokenizer, cache=args.data is None or Path(args.data).resolve() == BUNDLED_CORPUS)
+        docs = load_documents(args.data, getattr(args, "text_field", "text"), getattr(args, "data_split", "train"),
+                              reader)
+        return tokenize_documents(docs, tokenizer, cache=args.data is None or Path(args.data).resolve() == BUNDLED_CORPUS)
     except DataError as exc:
         raise _data_usage_error(args, exc) from exc
 

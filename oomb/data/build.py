@@ -29,10 +29,10 @@ from .errors import DataError
 from .packing import PackedSequences, Packer
 from .sequences import TextSequences
 from .sources import Rows, data_fingerprint, open_rows
-from .text import BUNDLED_CORPUS, Document, cache_dir, tokenize_documents
+from .text import BUNDLED_CORPUS, Document, cache_dir, cache_folder, tokenize_documents
 from .tokenizer import tokenizer_digest
 
-__all__ = ["build_training_data", "detect_format"]
+__all__ = ["build_training_data", "detect_format", "load_documents"]
 
 _FORMATS = ("messages", "prompt-completion", "segments", "text")
 
@@ -80,9 +80,21 @@ def _refuse_mixed(rows: Rows, fmt: str, text_field: str, i: int, row: dict) -> N
     if first is None:
         return
     (a, fa), (b, fb) = sorted([(first, fmt), (i, other)])
-    raise DataError(f"{rows.name!r} mixes row formats: row {a} is a {fa} row, row {b} a {fb} row",
+    raise DataError(f"{rows.name!r} mixes row formats: {rows.number(a)} is a {fa} row, {rows.number(b)} a {fb} row",
                     f"the rows of one --data are read in one format: put the {fa} rows and the {fb} rows in files of "
                     "their own and train on one, or write all rows in one format")
+
+
+def _not_a_string(rows: Rows, i: int, row: dict, field: str, flag: bool = True) -> DataError:
+    """The DataError of row ``i`` whose ``field`` is no string: missing (a JSON row without it reads as None) or
+    of another type; ``flag``: the command has --text-field."""
+    other = ", or pass --text-field NAME" if flag else ""
+    if row.get(field) is None:
+        has = ", ".join(k for k, v in row.items() if v is not None) or "none"
+        return DataError(f"{rows.where(i)} has no {field!r} field (its fields: {has})",
+                         f"write a string {field!r} in every row{other}")
+    return DataError(f"{rows.where(i)}: {field!r} is {type(row[field]).__name__}, not a string",
+                     f"write each row's {field!r} as a string{other}")
 
 
 def _texts(rows: Rows, field: str):
@@ -90,14 +102,49 @@ def _texts(rows: Rows, field: str):
         _refuse_mixed(rows, "text", field, i, row)
         text = row.get(field)
         if not isinstance(text, str):
-            raise DataError(f"{rows.name} row {i}: {field!r} is {type(text).__name__}, not a string",
-                            f"write each row's {field!r} as a string, or pass --text-field NAME")
+            raise _not_a_string(rows, i, row, field)
         if text.strip():
             yield text
 
 
+def load_documents(path: str | os.PathLike | None = None, text_field: str = "text", split: str = "train",
+                   reader: str = "this command") -> list[Document]:
+    """The plain-text documents of the data at ``path`` (None: the bundled corpus), read as ``oomb train`` reads
+    text (:func:`~oomb.data.sources.open_rows`): a text file or each ``.txt`` file of a folder is one document,
+    a row's ``text_field`` of json/jsonl, parquet, csv or arrow rows is one (``source``: ``file:line`` of a JSON
+    Lines file, else ``NAME row N``). Blank documents are dropped. ``reader`` names the command for messages.
+
+    Raises:
+        DataError: what :func:`open_rows` refuses; rows without ``text_field`` (chat rows: naming what they
+            are), a row whose field is not a string, or no non-blank text.
+    """
+    rows = open_rows(None if path is None else str(path), split)
+    if rows.plain:
+        return [Document(rows.where(i), r["text"]) for i, r in enumerate(rows)]
+    if text_field not in rows.columns:
+        fix = f"pass --data .txt files, or json/jsonl, parquet, csv or arrow rows with a {text_field!r} field"
+        try:
+            fmt = detect_format("auto", rows.columns, text_field, repr(rows.name))
+        except DataError:
+            raise DataError(f"{rows.name!r} has no {text_field!r} field, which {reader} reads (its fields: "
+                            f"{', '.join(rows.columns) or 'none'})", fix) from None
+        raise DataError(f"{rows.name!r} holds {fmt} rows, but {reader} reads plain text (the {text_field!r} field "
+                        "of each row, or .txt files)", fix)
+    docs = []
+    for i, row in enumerate(rows):
+        _refuse_mixed(rows, "text", text_field, i, row)
+        text = row.get(text_field)
+        if not isinstance(text, str):
+            raise _not_a_string(rows, i, row, text_field, flag=False)
+        if text.strip():
+            docs.append(Document(rows.where(i), text))
+    if not docs:
+        raise DataError(f"data {rows.name!r} is empty (no non-blank text)", "give it some text to read")
+    return docs
+
+
 def _key(cfg, tokenizer, template: str | None) -> str:
-    h = hashlib.sha256(b"oomb-packed-v1\0")
+    h = hashlib.sha256(b"oomb-packed-v2\0")
     h.update(data_fingerprint(cfg.path).encode())
     h.update(tokenizer_digest(tokenizer))
     opts = dict(split=cfg.split, format=cfg.format, text_field=cfg.text_field, template=template,
@@ -114,6 +161,7 @@ class _CacheFolder:
         self.tmp = self.final.with_name(f"{key}.tmp{os.getpid()}")
 
     def __enter__(self) -> Path:
+        cache_folder("packed")
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.tmp.mkdir(parents=True)
         return self.tmp
@@ -172,13 +220,12 @@ def _text_stream(cfg, rows: Rows, tokenizer, seed: int) -> TextSequences:
 def _examples(cfg, fmt: str, rows: Rows, tokenizer, template: str | None, loss_on: str, seen: dict):
     """(ids, labels) per row; ``seen['assistant']`` counts the rows with a trained turn."""
     for i, row in enumerate(rows):
-        where = f"{rows.name} row {i}"
+        where = rows.where(i)
         _refuse_mixed(rows, fmt, cfg.text_field, i, row)
         if fmt == "text":
             text = row.get(cfg.text_field)
             if not isinstance(text, str):
-                raise DataError(f"{where}: {cfg.text_field!r} is {type(text).__name__}, not a string",
-                                f"write each row's {cfg.text_field!r} as a string")
+                raise _not_a_string(rows, i, row, cfg.text_field)
             if not text.strip():
                 continue
             ids, labels = encode_text(tokenizer, text)

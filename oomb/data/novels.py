@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .text import load_documents
+from .build import load_documents
 
 __all__ = ["chat_novel_examples", "write_chat_novels"]
 

@@ -1,51 +1,106 @@
 """Where the rows come from: local files read with ``datasets`` (or the plain-text reader).
 
-* nothing: the bundled corpus; a ``.txt`` (or any other non-table) file, or a folder of ``.txt`` files (with
-  ``.jsonl`` beside them): :func:`oomb.data.text.load_documents`, one document per file (per line of a
-  ``.jsonl``), as one ``text`` column;
+* nothing: the bundled corpus; a ``.txt`` (or any other non-table) file: one document; a folder of ``.txt``
+  files (in subfolders too): one document per file, sorted by path (:func:`oomb.data.text.read_documents`),
+  as one ``text`` column;
 * a ``.json``/``.jsonl``, ``.parquet``, ``.csv`` or ``.arrow`` file: ``datasets.load_dataset`` with that
   builder (its one split is ``train``);
 * a folder written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``: ``datasets.load_from_disk``;
-* any other folder: ``datasets.load_dataset(folder)`` (the builder and the splits from its file names).
+* any other folder: ``datasets.load_dataset(folder)`` (every file in it and its subfolders; the builder and the
+  splits from the file names).
 
-With ``streaming`` the rows are read as they are used (``IterableDataset``) instead of into an Arrow table.
-``datasets`` keeps its own cache under :func:`oomb.data.text.cache_dir` ``/datasets``.
+A folder is read as one format: its data files (``.txt``, ``.json``/``.jsonl``, ``.parquet``, ``.csv``,
+``.arrow``; hidden ones and files of other suffixes are not data) are all of one, or it is refused naming what
+it holds. With ``streaming`` the rows are read as they are used (``IterableDataset``) instead of into an Arrow
+table. ``datasets`` keeps its own cache under :func:`oomb.data.text.cache_dir` ``/datasets``. A file that
+cannot be read is refused naming its first bad line where one can be found (not UTF-8, not JSON, a CSV line
+with more fields than its header), also where the rows are read one by one.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from .errors import DataError
-from .text import BUNDLED_CORPUS, cache_dir, load_documents
+from .stats import counted
+from .text import BUNDLED_CORPUS, cache_folder, not_utf8, read_documents
 
 __all__ = ["Rows", "open_rows", "data_fingerprint"]
 
 _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+_KINDS = {".txt": ".txt", ".json": ".json/.jsonl", ".jsonl": ".json/.jsonl", ".parquet": ".parquet", ".csv": ".csv",
+          ".arrow": ".arrow"}
+"""The data files of a folder, by suffix, and the format each is read as (one format per folder)."""
 
 
 @dataclass
 class Rows:
     """The rows of one split: ``columns`` (field names), ``rows`` (re-iterable dicts) and ``name`` (for
-    messages: ``'{name} row {i}'``); ``plain``: read by the plain-text reader (one ``text`` column)."""
+    messages: :meth:`where`); ``plain``: read by the plain-text reader (one ``text`` column, ``sources`` the file
+    of each row); ``path``: the data path (None: the bundled corpus); ``lines``: the JSON Lines file whose
+    non-blank lines the rows are (rows are then named by line)."""
 
     columns: list[str]
     rows: Any
     name: str
     streaming: bool = False
     plain: bool = False
+    path: Path | None = None
+    lines: Path | None = None
+    sources: list[str] | None = None
+    _line_numbers: list[int] | None = field(default=None, repr=False)
 
     def __iter__(self) -> Iterator[dict]:
-        return iter(self.rows)
+        """The rows; a file that turns out unreadable while they are read is refused (naming its bad line where
+        one is found) instead of failing with the reader's exception."""
+        it = iter(self.rows)
+        while True:
+            try:
+                row = next(it)
+            except StopIteration:
+                return
+            except DataError:
+                raise
+            except Exception as exc:  # pyarrow, pandas, UnicodeDecodeError, datasets' own errors
+                raise _unreadable(self.path, self.name, exc) from exc
+            yield row
+
+    def number(self, i: int) -> str:
+        """Row ``i`` (0-based) as a user counts it: ``line N`` of a JSON Lines file, else ``row N`` (1-based)."""
+        if self.lines is None:
+            return f"row {i + 1}"
+        if self._line_numbers is None:
+            self._line_numbers = _non_blank_lines(self.lines)
+        return f"line {self._line_numbers[i] if i < len(self._line_numbers) else i + 1}"
+
+    def where(self, i: int) -> str:
+        """Row ``i`` (0-based) for a message: ``FILE:LINE`` of a JSON Lines file (1-based), the file of a plain-text
+        document, else ``NAME row N`` (1-based)."""
+        if self.sources is not None and i < len(self.sources):
+            return self.sources[i]
+        n = self.number(i)
+        return f"{self.name}:{n[5:]}" if n.startswith("line ") else f"{self.name} {n}"
+
+
+def _non_blank_lines(path: Path) -> list[int]:
+    """The 1-based numbers of the non-blank lines of ``path`` (the rows of a JSON Lines file)."""
+    try:
+        with open(path, "rb") as f:
+            return [k for k, line in enumerate(f, start=1) if line.strip()]
+    except OSError:
+        return []
 
 
 def _documents(path) -> Rows:
-    docs = load_documents(path)
-    name = str(BUNDLED_CORPUS if path is None else path)
-    return Rows(["text"], [{"text": d.text} for d in docs], name, plain=True)
+    root = BUNDLED_CORPUS if path is None else Path(path).expanduser()
+    files = [root] if root.is_file() else _data_files(root)
+    docs = read_documents(files, root)
+    name = str(root)
+    return Rows(["text"], [{"text": d.text} for d in docs], name, plain=True, path=root,
+                sources=[d.source for d in docs])
 
 
 def _datasets():
@@ -60,9 +115,30 @@ def _datasets():
     return datasets
 
 
-def _one_line(exc: Exception) -> str:
-    text = " ".join(str(exc).split())
-    return text[:300] or type(exc).__name__
+def _one_line(exc: BaseException) -> str:
+    """The message of ``exc``'s first cause that says more than a wrapper (datasets' "An error occurred while
+    generating the dataset" hides the parser's error in its chain), on one line."""
+    seen, chain = set(), []
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        chain.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    for e in reversed(chain):  # the innermost cause first: the parser's own words
+        text = " ".join(str(e).split())
+        if text and "An error occurred while generating the dataset" not in text:
+            return text[:300]
+    return type(chain[0]).__name__ if chain else "unknown error"
+
+
+_READABLE = "pass --data json/jsonl, parquet, csv or text files, a folder of them, or a save_to_disk folder"
+
+
+def _unreadable(path: Path | None, name: str, exc: BaseException) -> DataError:
+    """The DataError of data at ``path`` that its reader failed on with ``exc``: its first bad line where one is
+    found (raised), else ``cannot read NAME (the reader's cause)``."""
+    if path is not None:
+        _first_bad_line(path)
+    return DataError(f"cannot read {name!r} ({_one_line(exc)})", _READABLE)
 
 
 def _split_of(obj, split: str, where: str):
@@ -89,9 +165,9 @@ def _blank(file: Path) -> bool:
         return False
 
 
-def _refuse_empty(path: Path) -> None:
-    """Raise the DataError of a data file, or a folder of data files, that holds no rows at all (datasets fails on
-    them with a bare StopIteration)."""
+def _refuse_empty(path: Path, files: list[Path]) -> None:
+    """Raise the DataError of a data file, or a folder of data files (``files``), that holds no rows at all
+    (datasets fails on them with a bare StopIteration)."""
     if path.is_file():
         if _blank(path):
             what = "is empty" if path.stat().st_size == 0 else "holds only blank lines"
@@ -101,24 +177,55 @@ def _refuse_empty(path: Path) -> None:
             raise DataError(f"{str(path)!r} holds no rows (the file {what})",
                             f"write the rows into it{how}, or pass --data a file with rows")
         return
-    files = [p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".") and p.suffix in _BUILDERS]
     if files and all(_blank(p) for p in files):
         names = ", ".join(sorted(p.name for p in files)[:3]) + (", ..." if len(files) > 3 else "")
         raise DataError(f"folder {str(path)!r} holds no rows (its data files are empty: {names})",
                         "write the rows into them, or pass --data a folder or file with rows")
 
 
-def _load(path: Path, split: str, streaming: bool):
+def _data_files(root: Path) -> list[Path]:
+    """The data files of the folder ``root`` and its subfolders, sorted by path: a suffix of ``_KINDS``, no part
+    of the path under ``root`` hidden."""
+    return sorted(p for p in root.rglob("*") if p.suffix in _KINDS and p.is_file()
+                  and not any(part.startswith(".") for part in p.relative_to(root).parts))
+
+
+def _folder_kind(root: Path, files: list[Path]) -> str:
+    """The one format of the data ``files`` of folder ``root`` (a ``_KINDS`` value).
+
+    Raises:
+        DataError: the folder holds no data file, or files of several formats (naming how many of each and one).
+    """
+    by_kind: dict[str, list[Path]] = {}
+    for f in files:
+        by_kind.setdefault(_KINDS[f.suffix], []).append(f)
+    if not by_kind:
+        raise DataError(f"folder {str(root)!r} holds no data file (.txt, .json/.jsonl, .parquet, .csv or .arrow)",
+                        "put the training data there, e.g. .txt files or .jsonl with a \"text\" field")
+    if len(by_kind) > 1:
+        found = ", ".join(f"{counted(len(v), k + ' file')} (e.g. {v[0].relative_to(root)})" for k, v in by_kind.items())
+        raise DataError(f"folder {str(root)!r} mixes data formats: {found}",
+                        "a folder is read in one format: move the files of the other formats to a folder of their "
+                        "own (or convert them), and pass --data that folder or one file")
+    return next(iter(by_kind))
+
+
+def _saved(path: Path) -> bool:
+    """Whether ``path`` is a folder written by ``save_to_disk``."""
+    return path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file())
+
+
+def _load(path: Path, split: str, streaming: bool, files: list[Path]):
     ds = _datasets()
-    cache = str(cache_dir() / "datasets")
     where = repr(str(path))
-    if not (path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file())):
-        _refuse_empty(path)
+    if not _saved(path):
+        _refuse_empty(path, files)
     try:
-        if path.is_dir() and ((path / "dataset_dict.json").is_file() or (path / "state.json").is_file()):
+        if _saved(path):
             loaded = ds.load_from_disk(str(path))
             data = _split_of(loaded, split, where)
             return data.to_iterable_dataset() if streaming else data
+        cache = str(cache_folder("datasets"))
         if path.is_dir():
             loaded = ds.load_dataset(str(path), cache_dir=cache, streaming=streaming)
         else:
@@ -130,11 +237,53 @@ def _load(path: Path, split: str, streaming: bool):
         if "corresponds to no data" in str(exc):  # how datasets says a split has no rows
             raise DataError(f"the split {split!r} of {where} has no rows",
                             "pass --data-split a split with rows, or other data") from exc
-        if path.is_file() and path.suffix in (".json", ".jsonl"):
-            _first_bad_json_line(path)
-        raise DataError(f"cannot read {where} ({_one_line(exc)})",
-                        "pass --data json/jsonl, parquet, csv or text files, a folder of them, or a save_to_disk folder") from exc
+        raise _unreadable(path, str(path), exc) from exc
     return _split_of(loaded, split, where)
+
+
+def _first_bad_line(path: Path) -> None:
+    """Raise the DataError of the first bad line of the JSON or CSV data at ``path`` (a file, or a folder's files,
+    where a reader refused it, to say where): a line that is not UTF-8, not a JSON object, or a CSV row of more
+    fields than its header."""
+    files = [path] if path.is_file() else _data_files(path) if path.is_dir() else []
+    for file in files:
+        if file.suffix in (".json", ".jsonl", ".csv"):
+            _first_non_utf8_line(file)
+            if file.suffix == ".csv":
+                _first_bad_csv_line(file)
+            else:
+                _first_bad_json_line(file)
+
+
+def _first_non_utf8_line(path: Path) -> None:
+    """Raise the DataError of the first line of ``path`` that is not UTF-8."""
+    try:
+        with open(path, "rb") as f:
+            for lineno, line in enumerate(f, start=1):
+                try:
+                    line.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise not_utf8(f"{path}:{lineno}", exc) from exc
+    except OSError:
+        return
+
+
+def _first_bad_csv_line(path: Path) -> None:
+    """Raise the DataError of the first row of a CSV file with more fields than its header line (what pandas
+    refuses)."""
+    import csv
+
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            reader = csv.reader(f)
+            header = next(reader, None)
+            for row in reader if header else ():
+                if len(row) > len(header):
+                    raise DataError(f"{path}:{reader.line_num} has {len(row)} fields but the header line has "
+                                    f"{len(header)} ({', '.join(header)})",
+                                    'quote a field that holds a comma ("a, b"), or fix the line')
+    except (OSError, UnicodeDecodeError, csv.Error):
+        return
 
 
 def _first_bad_json_line(path: Path) -> None:
@@ -157,22 +306,17 @@ def _first_bad_json_line(path: Path) -> None:
             raise DataError(f"{path}:{lineno} is not valid JSON ({exc.msg})",
                             'write one JSON object per line, e.g. {"text": "..."}') from exc
         if not isinstance(record, dict):
+            if lineno == 1 and path.suffix == ".json":
+                return  # maybe one JSON array of rows
             raise DataError(f"{path}:{lineno} is not a JSON object", 'write one JSON object per line, e.g. {"text": "..."}')
-
-
-def _plain_text(path: Path) -> bool:
-    if path.is_file():
-        return path.suffix not in _BUILDERS
-    files = [p for p in path.iterdir() if p.is_file() and not p.name.startswith(".")]
-    return any(p.suffix == ".txt" for p in files) and all(p.suffix in (".txt", ".jsonl") or p.suffix not in _BUILDERS
-                                                        for p in files)
 
 
 def open_rows(path: str | None, split: str = "train", streaming: bool = False) -> Rows:
     """The rows of ``split`` of the data at ``path`` (see the module).
 
     Raises:
-        DataError: the path does not exist, cannot be read, is an empty file or a folder of empty files, has no
+        DataError: the path does not exist, is a folder of no data file or of several formats, cannot be read
+            (naming the first bad line where one is found), is an empty file or a folder of empty files, has no
             such split (naming those it has), or the split has no rows.
     """
     if path is None:
@@ -183,25 +327,25 @@ def open_rows(path: str | None, split: str = "train", streaming: bool = False) -
     if not root.exists():
         raise DataError(f"data path {str(root)!r} does not exist",
                         "pass --data a text, json/jsonl, parquet or csv file, a folder of them, or a save_to_disk folder")
-    if root.is_dir() and not any(p.is_file() and not p.name.startswith(".") and (p.suffix in _BUILDERS or p.suffix == ".txt")
-                                 for p in root.rglob("*")):
-        raise DataError(f"folder {str(root)!r} holds no .txt or .jsonl file (nor json, parquet, csv or arrow)",
-                        "put the training data there, e.g. .txt files or .jsonl with a \"text\" field")
-    if _plain_text(root) and not (root.is_dir() and (root / "state.json").is_file()):
+    files = [] if root.is_file() or _saved(root) else _data_files(root)
+    if root.is_file() and root.suffix not in _BUILDERS or files and _folder_kind(root, files) == ".txt":
         if split != "train":
             raise DataError(f"{str(root)!r} is plain text, which has one split, not {split!r}",
                             "leave --data-split out (train)")
         return _documents(root)
-    data = _load(root, split, streaming)
+    if root.is_dir() and not _saved(root):
+        _folder_kind(root, files)  # refuses a folder of no data file
+    data = _load(root, split, streaming, files)
     name = str(root) if split == "train" else f"{root} [{split}]"
-    columns = list(data.column_names or [])
-    if not columns:  # a streamed json file names its columns with its first row
-        first = next(iter(data), None)
-        columns = list(first) if first is not None else []
-    if not streaming and len(data) == 0 or streaming and next(iter(data), None) is None:
+    lines = root if root.is_file() and root.suffix == ".jsonl" else None
+    rows = Rows(list(data.column_names or []), data, name, streaming, path=root, lines=lines)
+    first = next(iter(rows), None)
+    if not rows.columns and first is not None:  # a streamed json file names its columns with its first row
+        rows.columns = list(first)
+    if first is None:
         raise DataError(f"the split {split!r} of {str(root)!r} has no rows",
                         "pass --data-split a split with rows, or other data")
-    return Rows(columns, data, name, streaming)
+    return rows
 
 
 def data_fingerprint(path: str | None) -> str:

@@ -1,4 +1,4 @@
-"""Plain text: text files, a folder or JSON Lines -> documents -> one token stream.
+"""Plain text: text files -> documents -> one token stream; oomb's cache folder.
 
 Documents are tokenised with a local Hugging Face tokenizer (never fetched from
 a hub) and joined into one long token stream with the tokenizer's EOS token
@@ -11,7 +11,6 @@ it ships inside the package under ``oomb/resources/``.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +19,8 @@ import numpy as np
 
 from .errors import DataError
 
-__all__ = ["BUNDLED_CORPUS", "Document", "cache_dir", "load_documents", "tokenize_documents"]
+__all__ = ["BUNDLED_CORPUS", "Document", "cache_dir", "cache_folder", "not_utf8", "read_documents",
+           "tokenize_documents"]
 
 _RESOURCES = Path(__file__).resolve().parent.parent / "resources"
 BUNDLED_CORPUS = _RESOURCES / "austen"
@@ -35,61 +35,28 @@ class Document:
     text: str
 
 
+def not_utf8(where: str, exc: UnicodeDecodeError) -> DataError:
+    """The DataError of text at ``where`` (a file, or ``file:line``) that is not UTF-8."""
+    return DataError(f"{where} is not UTF-8 text ({exc.reason} at byte {exc.start})", "convert it to UTF-8")
+
+
 def _read_text(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
-        raise DataError(f"{path} is not UTF-8 text ({exc.reason} at byte {exc.start})", "convert it to UTF-8") from exc
+        raise not_utf8(str(path), exc) from exc
     except OSError as exc:
         raise DataError(f"cannot read {path} ({exc.strerror})", "check the path and its permissions") from exc
 
 
-def _read_jsonl(path: Path) -> list[Document]:
-    docs = []
-    for lineno, line in enumerate(_read_text(path).splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise DataError(f"{path}:{lineno} is not valid JSON ({exc.msg})", 'write one JSON object per line, e.g. {"text": "..."}') from exc
-        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-            raise DataError(f'{path}:{lineno} has no string "text" field', 'write one JSON object per line, e.g. {"text": "..."}')
-        docs.append(Document(f"{path}:{lineno}", record["text"]))
-    return docs
-
-
-def load_documents(path: str | os.PathLike | None = None) -> list[Document]:
-    """Read the documents of a text file, a ``.jsonl`` file or a folder.
-
-    Args:
-        path: a ``.jsonl`` file (one JSON object per line with a ``"text"``
-            field; each line is a document), any other file (read as UTF-8
-            text, one document), or a folder (every ``*.txt`` and ``*.jsonl``
-            file directly inside it, sorted by name). ``None``: the bundled corpus.
-
-    Returns:
-        The documents in order. Empty documents (only whitespace) are dropped.
+def read_documents(files: list[Path], root: Path) -> list[Document]:
+    """The plain-text reader: each of ``files`` (UTF-8 text) is one document; ``root`` (the file or folder the
+    user named) is named where no document has non-blank text. Blank documents are dropped.
 
     Raises:
-        DataError: the path does not exist, a folder holds no data file, a file
-            is not UTF-8 or not valid JSON Lines, or every document is empty.
+        DataError: a file is not UTF-8 or cannot be read, or every document is blank.
     """
-    root = BUNDLED_CORPUS if path is None else Path(path)
-    if not root.exists():
-        raise DataError(f"data path {str(root)!r} does not exist", "pass --data a text file, a .jsonl file or a folder of .txt files")
-    if root.is_dir():
-        files = sorted(p for p in root.iterdir() if p.is_file() and p.suffix in (".txt", ".jsonl"))
-        if not files:
-            raise DataError(f"folder {str(root)!r} holds no .txt or .jsonl file", "put the training text in .txt files (or .jsonl with a \"text\" field) there")
-    else:
-        files = [root]
-    docs: list[Document] = []
-    for file in files:
-        if file.suffix == ".jsonl":
-            docs.extend(_read_jsonl(file))
-        else:
-            docs.append(Document(str(file), _read_text(file)))
+    docs = [Document(str(f), _read_text(f)) for f in files]
     docs = [d for d in docs if d.text.strip()]
     if not docs:
         raise DataError(f"data {str(root)!r} is empty (no non-blank text)", "give it some text to train on")
@@ -100,6 +67,26 @@ def cache_dir() -> Path:
     """oomb's cache folder: ``$OOMB_CACHE_DIR``, else ``$XDG_CACHE_HOME/oomb``, else ``~/.cache/oomb``."""
     base = os.environ.get("OOMB_CACHE_DIR") or os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "oomb")
     return Path(base)
+
+
+def cache_folder(*parts: str) -> Path:
+    """The folder ``cache_dir()/parts``, made where missing.
+
+    Raises:
+        DataError: it cannot be made (the cache folder is a file, or not writable), naming the variable it came
+            from (OOMB_CACHE_DIR, XDG_CACHE_HOME) and what to set.
+    """
+    path = cache_dir().joinpath(*parts)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        base = cache_dir()
+        given = next((v for v in ("OOMB_CACHE_DIR", "XDG_CACHE_HOME") if os.environ.get(v)), None)
+        what = f"{given} {os.environ[given]!r}" if given else f"the cache folder {str(base)!r}"
+        reason = exc.strerror or type(exc).__name__
+        raise DataError(f"oomb's cache folder cannot be made in {what} ({reason}: {exc.filename or path})",
+                        "set OOMB_CACHE_DIR to a folder oomb may write to (made where missing)") from exc
+    return path
 
 
 def _cache_key(docs: list[Document], tokenizer) -> str:
@@ -118,7 +105,7 @@ def tokenize_documents(docs: list[Document], tokenizer, cache: bool = False) -> 
     """Tokenise ``docs`` into one stream, the tokenizer's EOS id between documents.
 
     Args:
-        docs: documents from :func:`load_documents`.
+        docs: documents (:func:`oomb.data.load_documents`).
         tokenizer: a Hugging Face tokenizer. No BOS/EOS is added inside a document.
         cache: keep the result as ``.npy`` in ``$OOMB_CACHE_DIR`` (default
             ``~/.cache/oomb``), keyed by a hash of the texts and the tokenizer;

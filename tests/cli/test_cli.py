@@ -238,7 +238,7 @@ def _bad_inputs(tmp_path, text_file):
     return [
         ("missing data", ["--data", tmp_path / "nope.txt"], "does not exist"),
         ("empty file", ["--data", empty], "is empty"),
-        ("folder without text", ["--data", empty_dir], "no .txt or .jsonl"),
+        ("folder without text", ["--data", empty_dir], "holds no data file"),
         ("bad jsonl", ["--data", bad_jsonl], "not valid JSON"),
         ("one token", ["--data", one_token, "--seq-len", "2"], "only 1 token"),
         ("shorter than seq-len", ["--data", text_file, "--seq-len", "100000", "--chunk-size", "64", "--page-size", "32"], "fewer than --seq-len 100,000"),

@@ -231,7 +231,7 @@ def test_token_ids_above_the_models_vocabulary_are_refused(tmp_path, capsys):
 @pytest.mark.parametrize("rows, flags, match", [
     ([{"body": "x", "id": 1}], [], "(its fields: body, id)"),
     ([{"messages": [{"role": "narrator", "content": "x"}, {"role": "assistant", "content": "y"}]}], ["--chat-template", PLAIN],
-     "row 0: message 0 has the unknown role 'narrator'"),
+     "d.jsonl:1: message 0 has the unknown role 'narrator'"),
     ([{"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "y"}]}], ["--chat-template", PLAIN],
      "message 0 (user) has content of type int, not a string"),
     ([{"messages": [{"role": "user", "content": "x"}]}] * 3, ["--chat-template", PLAIN], "no example of"),
@@ -276,12 +276,12 @@ MESSAGES_ROW = {"messages": [{"role": "user", "content": "hi"}, {"role": "assist
 
 
 @pytest.mark.parametrize("rows, flags, said", [
-    ([{"text": "hello there"}, MESSAGES_ROW], [], "row 0 is a text row, row 1 a messages row"),
+    ([{"text": "hello there"}, MESSAGES_ROW], [], "line 1 is a text row, line 2 a messages row"),
     ([MESSAGES_ROW, MESSAGES_ROW, {"text": "hello there"}], ["--chat-template", PLAIN],
-     "row 0 is a messages row, row 2 a text row"),
-    ([{"prompt": "a", "completion": "b"}, {"text": "hello there"}], [], "row 0 is a prompt-completion row, row 1 a text row"),
-    ([{"text": "hello there"}, MESSAGES_ROW], ["--data-format", "text"], "row 0 is a text row, row 1 a messages row"),
-    ([{"text": "hello there"}, MESSAGES_ROW], ["--streaming"], "row 0 is a text row, row 1 a messages row"),
+     "line 1 is a messages row, line 3 a text row"),
+    ([{"prompt": "a", "completion": "b"}, {"text": "hello there"}], [], "line 1 is a prompt-completion row, line 2 a text row"),
+    ([{"text": "hello there"}, MESSAGES_ROW], ["--data-format", "text"], "line 1 is a text row, line 2 a messages row"),
+    ([{"text": "hello there"}, MESSAGES_ROW], ["--streaming"], "line 1 is a text row, line 2 a messages row"),
 ])
 @pytest.mark.parametrize("command", ["data", "train"])
 def test_rows_of_several_formats_are_refused_naming_the_first_of_each(tmp_path, capsys, rows, flags, said, command):
@@ -336,3 +336,183 @@ def test_oomb_data_prints_a_config_that_reads_back(tmp_path, capsys):
     (tmp_path / "run.yaml").write_text(text)
     assert run_cli(["data", "--config", tmp_path / "run.yaml", "--print-config"]) == 0
     assert capsys.readouterr().out == text
+
+
+# ------------------------------------------------------------------ unreadable files, named by their bad line
+
+
+def _bad_files(tmp_path) -> dict[str, tuple[Path, str]]:
+    """name -> (file, what the one error line says)."""
+    nonutf8 = tmp_path / "nonutf8.jsonl"
+    nonutf8.write_bytes(b'{"text": "caf\xe9 au lait"}\n' * 20)
+    lines = [json.dumps(r) for r in chat_rows(50)]
+    lines[36] = lines[36][:30]
+    bad37 = tmp_path / "bad37.jsonl"
+    bad37.write_text("\n".join(lines) + "\n")
+    rows = ["text,label"] + [f"row {i},1" for i in range(60)]
+    rows[41] = "a,b,c,d,e"
+    badcsv = tmp_path / "badcsv.csv"
+    badcsv.write_text("\n".join(rows) + "\n")
+    latin_csv = tmp_path / "latin.csv"
+    latin_csv.write_bytes(b"text\n" + b"plain words here\n" * 5 + b"caf\xe9\n")
+    return {"nonutf8": (nonutf8, f"{nonutf8}:1 is not UTF-8 text"),
+            "bad37": (bad37, f"{bad37}:37 is not valid JSON"),
+            "badcsv": (badcsv, f"{badcsv}:42 has 5 fields but the header line has 2 (text, label)"),
+            "latin_csv": (latin_csv, f"{latin_csv}:7 is not UTF-8 text")}
+
+
+@pytest.mark.parametrize("name", ["nonutf8", "bad37", "badcsv", "latin_csv"])
+@pytest.mark.parametrize("streaming", [False, True])
+@pytest.mark.parametrize("command", ["data", "train"])
+def test_an_unreadable_file_is_refused_naming_its_bad_line(tmp_path, capsys, name, streaming, command):
+    path, said = _bad_files(tmp_path)[name]
+    flags = ["--chat-template", PLAIN] + (["--streaming"] if streaming else [])
+    line = refused([command, "--data", path, *flags, *FAST], capsys, tmp_path, said)
+    assert "Traceback" not in line and ("convert it to UTF-8" in line or "fix the line" in line
+                                        or "one JSON object per line" in line)
+
+
+@pytest.mark.parametrize("command", ["eval", "grad-error"])
+def test_eval_refuses_an_unreadable_file_naming_its_bad_line(tmp_path, capsys, command):
+    for path, said in _bad_files(tmp_path).values():
+        capsys.readouterr()
+        assert run_cli([command, "--data", path, "--seq-len", "16"]) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("oomb:")]
+        assert len(err) == 1 and said in err[0], err
+
+
+def test_a_cause_hidden_in_the_exception_chain_is_named():
+    from oomb.data.sources import _one_line
+
+    try:
+        try:
+            raise ValueError("Expected 2 fields in line 42, saw 5")
+        except ValueError as inner:
+            raise RuntimeError("An error occurred while generating the dataset") from inner
+    except RuntimeError as outer:
+        assert _one_line(outer) == "Expected 2 fields in line 42, saw 5"
+
+
+# ------------------------------------------------------------------ eval, grad-error and --make needle read what train reads
+
+
+def test_eval_reads_csv_and_json_rows_as_their_text_field(tmp_path, capsys):
+    import pandas as pd
+
+    frame = pd.DataFrame({"text": ["alpha, beta gamma " * 30, "delta " * 40], "n": [1, 2]})
+    frame.to_csv(tmp_path / "t.csv", index=False)
+    (tmp_path / "t.json").write_text(frame.to_json(orient="records"))
+    tok = load_tokenizer()
+    want = tokenize_documents(load_documents(tmp_path / "t.csv"), tok)
+    assert want.tolist() == tokenize_documents(load_documents(tmp_path / "t.json"), tok).tolist()
+    for name in ("t.csv", "t.json"):
+        capsys.readouterr()
+        assert run_cli(["eval", "--data", tmp_path / name, "--seq-len", "16", "--chunk-size", "16",
+                        "--page-size", "16"]) == 0
+        assert f"{len(want):,} tokens ->" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, reader", [(["eval"], "'oomb eval'"), (["grad-error"], "'oomb grad-error'"),
+                                          (["data", "--make", "needle"], "'oomb data --make needle'")])
+def test_chat_rows_are_refused_by_the_plain_text_commands_saying_what_they_read(tmp_path, capsys, argv, reader):
+    path = write_jsonl(tmp_path / "chat.jsonl", chat_rows(3))
+    capsys.readouterr()
+    assert run_cli([*argv, "--data", path, "--seq-len", "256", *(["--make-output", tmp_path / "n.jsonl"]
+                                                                  if "--make" in argv else [])]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("oomb:")]
+    assert len(err) == 1 and f"holds messages rows, but {reader} reads plain text" in err[0], err
+
+
+# ------------------------------------------------------------------ folders: one format, every file
+
+
+def test_a_folder_mixing_formats_is_refused_and_subfolders_are_read(tmp_path, capsys):
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    write_jsonl(mixed / "a.jsonl", [{"text": "some words here " * 20}] * 5)
+    (mixed / "b.csv").write_text("text\nhello there\n")
+    for command in ("data", "train"):
+        refused([command, "--data", mixed, *FAST], capsys, tmp_path,
+                "mixes data formats: 1 .json/.jsonl file (e.g. a.jsonl), 1 .csv file (e.g. b.csv)")
+    capsys.readouterr()
+    assert run_cli(["eval", "--data", mixed, "--seq-len", "16"]) == 2
+    assert "mixes data formats" in capsys.readouterr().err
+    nested = tmp_path / "nested"
+    (nested / "sub").mkdir(parents=True)
+    (nested / "top.txt").write_text("top words " * 40)
+    (nested / "sub" / "deep.txt").write_text("deep words\n" * 40)
+    tok = load_tokenizer()
+    data = build_training_data(DataConfig(path=str(nested), seq_len=16), tok)
+    assert data.stats.examples == 2  # a document per file, the subfolder's too
+
+
+# ------------------------------------------------------------------ settings blamed rightly
+
+
+def test_a_cache_folder_that_is_a_file_is_named_not_the_data(tmp_path, capsys, monkeypatch):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    monkeypatch.setenv("OOMB_CACHE_DIR", str(afile))
+    path = write_jsonl(tmp_path / "text.jsonl", [{"text": "some words here " * 20}] * 5)
+    for flags in ([], ["--streaming"]):
+        line = refused(["data", "--data", path, *flags, *FAST], capsys, tmp_path, f"OOMB_CACHE_DIR {str(afile)!r}")
+        assert "cannot read" not in line and "set OOMB_CACHE_DIR to a folder" in line
+
+
+def test_a_chat_template_that_does_not_compile_is_refused_before_any_row(tmp_path, capsys):
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}<|im_start|>{{ m.role } }}\n{{ m.content }}<|im_end|>\n{% endfor %}")
+    path = write_jsonl(tmp_path / "chat.jsonl", chat_rows(3))
+    line = refused(["data", "--data", path, "--chat-template", bad, *FAST], capsys, tmp_path,
+                   f"--chat-template {str(bad)!r} is not a valid Jinja template (line 1: unexpected '}}')")
+    assert "row" not in line and "chat.jsonl" not in line
+
+
+# ------------------------------------------------------------------ rows named as the user counts them
+
+
+def test_rows_are_named_by_line_in_json_lines_and_from_1_elsewhere(tmp_path, capsys):
+    rows = chat_rows(10) + [{"messages": [{"role": "narrator", "content": "x"}, {"role": "assistant", "content": "y"}]}]
+    path = write_jsonl(tmp_path / "wrongrole.jsonl", rows)
+    refused(["data", "--data", path, "--chat-template", PLAIN, *FAST], capsys, tmp_path,
+            f"{path}:11: message 0 has the unknown role 'narrator'")
+    import pandas as pd
+
+    pd.DataFrame({"text": ["fine words"] * 3 + [None]}).to_parquet(tmp_path / "p.parquet")
+    refused(["data", "--data", tmp_path / "p.parquet", *FAST], capsys, tmp_path,
+            f"{tmp_path / 'p.parquet'} row 4 has no 'text' field")
+    mixed = write_jsonl(tmp_path / "mixed.jsonl", [{"text": "fine words " * 20}, {"body": "no text"}])
+    refused(["data", "--data", mixed, *FAST], capsys, tmp_path, f"{mixed}:2 has no 'text' field (its fields: body)")
+
+
+# ------------------------------------------------------------------ what the data lines say
+
+
+def test_split_chats_say_their_untrained_pieces_were_left_out_not_a_tail(tmp_path, capsys):
+    rows = [{"messages": [{"role": "user", "content": "tell me " * (120 if i % 2 else 5)},
+                          {"role": "assistant", "content": f"answer {i}"}]} for i in range(10)]
+    path = write_jsonl(tmp_path / "somelong.jsonl", rows)
+    assert run_cli(["data", "--data", path, "--chat-template", PLAIN, "--seq-len", "128", "--long-examples", "split",
+                    "--output", tmp_path / "h.png"]) == 0
+    line = next(s for s in capsys.readouterr().out.splitlines() if s.startswith("oomb: data:"))
+    assert "5 examples split over sequences (" in line and "tokens of their pieces without a trained token left out" in line
+    assert "tail" not in line
+
+
+def test_a_streamed_text_sequence_is_a_writable_copy(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [{"text": f"line {i} " * 9} for i in range(50)])
+    data = build_training_data(DataConfig(path=str(path), seq_len=16, streaming=True), load_tokenizer())
+    assert not data.tokens.flags.writeable  # memory-mapped from the cache
+    ids = data[0].input_ids
+    assert ids.numpy().flags.writeable and not np.shares_memory(ids.numpy(), data.tokens)
+
+
+def test_the_sequence_line_has_thousands_separators(tmp_path, capsys):
+    path = tmp_path / "t.txt"
+    path.write_text("word " * 2600)
+    assert run_cli(["data", "--data", path, "--seq-len", "2", "--seed", "0", "--show-tokens", "4",
+                    "--output", tmp_path / "h.png"]) == 0
+    line = next(s for s in capsys.readouterr().out.splitlines() if s.startswith("oomb: sequence "))
+    first = int(line.split()[2].replace(",", ""))
+    assert first >= 1000, line  # a number that needs a separator
+    assert line.startswith(f"oomb: sequence {first:,} of 1,"), line

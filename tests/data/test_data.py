@@ -42,14 +42,65 @@ def test_text_file(tmp_path):
     assert [d.text for d in docs] == ["Hello there.\n"]
 
 
-def test_folder_reads_txt_and_jsonl_sorted_and_skips_other_files(tmp_path):
+def test_folder_reads_every_txt_file_recursively_one_document_each_and_skips_other_files(tmp_path):
     (tmp_path / "b.txt").write_text("second")
     (tmp_path / "a.txt").write_text("first")
-    (tmp_path / "c.jsonl").write_text(json.dumps({"text": "third"}) + "\n")
-    (tmp_path / "notes.csv").write_text("ignored")
+    (tmp_path / "README.md").write_text("not data")
+    (tmp_path / ".hidden.txt").write_text("hidden")
     (tmp_path / "sub").mkdir()
-    (tmp_path / "sub" / "x.txt").write_text("not recursive")
-    assert [d.text for d in load_documents(tmp_path)] == ["first", "second", "third"]
+    (tmp_path / "sub" / "x.txt").write_text("in a subfolder\nits second line")
+    docs = load_documents(tmp_path)
+    assert [d.text for d in docs] == ["first", "second", "in a subfolder\nits second line"]
+    assert docs[2].source == str(tmp_path / "sub" / "x.txt")
+    only_sub = tmp_path / "only"
+    (only_sub / "deep").mkdir(parents=True)
+    (only_sub / "deep" / "y.txt").write_text("line one\nline two\n")
+    assert [d.text for d in load_documents(only_sub)] == ["line one\nline two\n"]  # one document, not one per line
+
+
+@pytest.mark.parametrize("files, said", [
+    ({"a.jsonl": json.dumps({"text": "x"}) + "\n", "b.csv": "text\nx\n"},
+     "mixes data formats: 1 .json/.jsonl file (e.g. a.jsonl), 1 .csv file (e.g. b.csv)"),
+    ({"a.txt": "x", "b.json": json.dumps([{"text": "x"}])},
+     "mixes data formats: 1 .txt file (e.g. a.txt), 1 .json/.jsonl file (e.g. b.json)"),
+    ({"a.txt": "x", "sub/c.jsonl": json.dumps({"text": "x"}) + "\n"}, "1 .json/.jsonl file (e.g. sub/c.jsonl)"),
+])
+def test_a_folder_of_several_formats_is_refused_listing_them(tmp_path, files, said):
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    with pytest.raises(DataError, match="mixes data formats") as info:
+        load_documents(tmp_path)
+    assert said in info.value.problem and "one format" in info.value.fix
+
+
+def test_a_folder_of_jsonl_files_reads_its_subfolders_too(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "top"}) + "\n")
+    (tmp_path / "sub" / "b.jsonl").write_text(json.dumps({"text": "deep"}) + "\n")
+    assert sorted(d.text for d in load_documents(tmp_path)) == ["deep", "top"]
+
+
+@pytest.mark.parametrize("name", ["rows.csv", "rows.json", "rows.parquet"])
+def test_documents_of_csv_json_and_parquet_rows_are_their_text_fields(tmp_path, name):
+    import pandas as pd
+
+    frame = pd.DataFrame({"text": ["first row, with a comma", "second"], "n": [1, 2]})
+    path = tmp_path / name
+    {"csv": lambda: frame.to_csv(path, index=False), "parquet": lambda: frame.to_parquet(path),
+     "json": lambda: path.write_text(frame.to_json(orient="records"))}[name.split(".")[1]]()
+    docs = load_documents(path)
+    assert [d.text for d in docs] == ["first row, with a comma", "second"]
+    assert docs[1].source == f"{path} row 2"
+
+
+def test_documents_of_chat_rows_are_refused_saying_what_is_read(tmp_path):
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+    with pytest.raises(DataError) as info:
+        load_documents(path, reader="'oomb eval'")
+    assert "holds messages rows, but 'oomb eval' reads plain text" in info.value.problem
+    assert ".txt files" in info.value.fix
 
 
 def test_jsonl_one_document_per_line(tmp_path):
@@ -62,20 +113,22 @@ def test_jsonl_one_document_per_line(tmp_path):
 
 @pytest.mark.parametrize(
     "content, match",
-    [("{not json}\n", "not valid JSON"), (json.dumps({"body": "x"}) + "\n", 'no string "text"'), ("[1, 2]\n", 'no string "text"')],
+    [("{not json}\n", "bad.jsonl:1 is not valid JSON"), (json.dumps({"body": "x"}) + "\n", "has no 'text' field"),
+     ("[1, 2]\n", "bad.jsonl:1"),
+     (json.dumps({"text": "x"}) + "\n\n" + json.dumps({"body": "y"}) + "\n", "bad.jsonl:3 has no 'text' field")],
 )
 def test_bad_jsonl(tmp_path, content, match):
     f = tmp_path / "bad.jsonl"
     f.write_text(content)
     with pytest.raises(DataError, match=match) as info:
         load_documents(f)
-    assert "bad.jsonl:1" in info.value.problem and info.value.fix
+    assert "bad.jsonl" in info.value.problem and info.value.fix
 
 
 def test_missing_and_empty_data(tmp_path):
     with pytest.raises(DataError, match="does not exist"):
         load_documents(tmp_path / "nope.txt")
-    with pytest.raises(DataError, match="no .txt or .jsonl"):
+    with pytest.raises(DataError, match="holds no data file"):
         load_documents(tmp_path)
     (tmp_path / "blank.txt").write_text(" \n\n\t")
     with pytest.raises(DataError, match="empty"):
