@@ -162,6 +162,11 @@ def _warn_if_offload_segments_are_small(args: argparse.Namespace, offloads: bool
         f"{args.page_size})", stacklevel=2)
 
 
+def _all_past_pages(n: int) -> str:
+    """'all 12 past pages', or 'the 1 past page' (the notes on budgets that keep every page)."""
+    return "the 1 past page" if n == 1 else f"all {n:,} past pages"
+
+
 def _last_chunk_past_pages(seq_len: int, chunk_size: int, page_size: int) -> int:
     """Past pages of the last chunk (whole pages: --chunk-size is a multiple of --page-size), the most that any
     chunk's sparse selection chooses from."""
@@ -179,7 +184,7 @@ def _warn_if_sparse_is_dense(args: argparse.Namespace) -> None:
     if kept < past:
         return
     why = (f"--page-budget {args.page_budget} + --sink-pages {args.sink_pages} + --local-pages {args.local_pages} = "
-           f"{kept} pages cover all {past} past pages of the last chunk" if past else
+           f"{kept} pages cover {_all_past_pages(past)} of the last chunk" if past else
            f"the sequence is one chunk (--chunk-size {args.chunk_size}), which has no past page to choose from")
     flags = [f"--{n.replace('_', '-')}" for n in ("page_budget", "sink_pages", "local_pages") if getattr(args, n) > 0]
     smaller = " or ".join([", ".join(flags[:-1]), flags[-1]] if len(flags) > 1 else flags)

@@ -10,6 +10,7 @@ from .checks import (
     _check_backend_device,
     _check_fused_glue,
     _check_sparse_flags,
+    _all_past_pages,
     _last_chunk_past_pages,
     _resolve_device_dtype,
     _usage_from,
@@ -41,11 +42,6 @@ def _check_budgets_see_a_past(args: argparse.Namespace) -> None:
     if 0 in args.budgets and args.sink_pages + args.local_pages == 0:
         raise UsageError("--budgets 0 with --sink-pages 0 and --local-pages 0 attends to no past page",
                          "drop budget 0, or keep sink or local pages")
-
-
-def _all_past_pages(n: int) -> str:
-    """'all 12 past pages', or 'the 1 past page' (the budgets' notes)."""
-    return "the 1 past page" if n == 1 else f"all {n:,} past pages"
 
 
 def _note_dense_budgets(args: argparse.Namespace, budgets: Sequence[int], result: str) -> None:

@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from .checks import (
+    _all_past_pages,
     _check_backend_device,
     _last_chunk_past_pages,
     _resolve_device_dtype,
@@ -67,7 +68,6 @@ def _eval_retrieval(args: argparse.Namespace, budgets: list[int]) -> int:
 
     from ..data.stats import counted
     from ..retrieval import build_prompts, evaluate_retrieval
-    from .measure import _all_past_pages
 
     tokenizer_path = _measure_tokenizer_path(args)
     tokenizer = _load_tokenizer(args, tokenizer_path)
