@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 from typing import NoReturn
 
@@ -17,6 +18,15 @@ class UsageError(Exception):
 
 class _RunError(UsageError):
     """Training failed after it started (out of memory, diverged): one line, exit status 1."""
+
+
+def _named(args: argparse.Namespace | None, key: str, flag: str) -> str:
+    """How the user gave the setting ``key`` (``"output.dir"``): ``key (in FILE)`` where its value came from the
+    --config file, else ``flag``."""
+    config = getattr(args, "_config_file", None)
+    if config is not None and key in getattr(args, "_config_keys", ()):
+        return f"{key} (in {config})"
+    return flag
 
 
 def _one_line(text: str) -> str:

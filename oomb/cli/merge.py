@@ -11,17 +11,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from .errors import UsageError
+from .errors import UsageError, _named
 from .output import _check_writable_dir_path
-
-
-def _named(args: argparse.Namespace | None, key: str, flag: str) -> str:
-    """How the user gave the setting ``key`` (``"output.dir"``): ``key (in FILE)`` where its value came from the
-    --config file, else ``flag``."""
-    config = getattr(args, "_config_file", None)
-    if config is not None and key in getattr(args, "_config_keys", ()):
-        return f"{key} (in {config})"
-    return flag
 
 
 def _adapter_dir(given: str | None, args: argparse.Namespace | None = None) -> Path:

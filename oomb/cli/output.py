@@ -12,7 +12,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from .errors import UsageError
+from .errors import UsageError, _named
 
 
 def _is_within(path: Path, root: Path) -> bool:
@@ -214,18 +214,19 @@ def _check_output_dir(args: argparse.Namespace) -> Path:
                          "pass --output-dir DIR, a folder that is new or empty")
     if not str(args.output_dir).strip():
         raise UsageError("--output-dir is empty", "pass a directory path that is new or empty")
+    name = _named(args, "output.dir", "--output-dir")  # the subject of the refusals below
     out = Path(args.output_dir).expanduser().resolve()
     if out.exists() and not out.is_dir():
-        raise UsageError(f"--output-dir {args.output_dir!r} is a file", "pass a directory path that is new or empty")
+        raise UsageError(f"{name} {args.output_dir!r} is a file", "pass a directory path that is new or empty")
     _check_writable_dir_path("--output-dir", args.output_dir, out)
     if args.resume is not None:
         if args.resume == "latest" and not (out / "checkpoints").is_dir():
             replaced = _replaced_run_resume(out)
             if replaced is not None:
-                raise UsageError(f"--resume latest: --output-dir {args.output_dir!r} has no checkpoints folder: "
+                raise UsageError(f"--resume latest: {name} {args.output_dir!r} has no checkpoints folder: "
                                  f"{replaced[0]}", replaced[1])
             raise UsageError(
-                f"--resume: --output-dir {args.output_dir!r} has no checkpoints folder",
+                f"--resume: {name} {args.output_dir!r} has no checkpoints folder",
                 "pass the --output-dir of the run to continue, or start without --resume",
             )
         ckpt = Path(args.resume).expanduser().resolve() if args.resume != "latest" else None
@@ -258,7 +259,7 @@ def _check_output_dir(args: argparse.Namespace) -> Path:
                 and out.is_dir() and any(out.iterdir()):
             # Continuing there would mix two runs: its log.jsonl rewritten, its checkpoints pruned, its model replaced.
             raise UsageError(
-                f"--resume {args.resume!r} is not a checkpoint of --output-dir {args.output_dir!r} (it is in "
+                f"--resume {args.resume!r} is not a checkpoint of {name} {args.output_dir!r} (it is in "
                 f"{str(ckpt.parent)!r}) and that --output-dir is not empty: continuing there would mix two runs' "
                 "logs, checkpoints and models",
                 "pass the --output-dir the checkpoint belongs to, or a new or empty --output-dir to continue it there "
@@ -271,7 +272,7 @@ def _check_output_dir(args: argparse.Namespace) -> Path:
                 # Continuing here would train the later steps again: their checkpoints, log lines and saved model
                 # replaced (or pruned: two checkpoints are kept) without the user asking for it.
                 raise UsageError(
-                    f"--resume {args.resume!r} is not the newest checkpoint of --output-dir {args.output_dir!r} "
+                    f"--resume {args.resume!r} is not the newest checkpoint of {name} {args.output_dir!r} "
                     f"({', '.join(later)} {'come' if len(later) > 1 else 'comes'} after it): continuing there would "
                     "replace the later checkpoints, log lines and saved model",
                     f"continue it in a new folder (--output-dir NEW_DIR; {args.output_dir!r} is left as it is), "
@@ -286,7 +287,7 @@ def _check_output_dir(args: argparse.Namespace) -> Path:
             if not _looks_like_oomb_output(out):
                 # --overwrite replaces only an earlier oomb run: offering it here would only lead to its refusal.
                 raise UsageError(
-                    f"--output-dir {args.output_dir!r} exists, is not empty and holds no oomb run",
+                    f"{name} {args.output_dir!r} exists, is not empty and holds no oomb run",
                     "pass a new or empty --output-dir",
                 )
             foreign = _foreign_entries(out)
@@ -295,12 +296,12 @@ def _check_output_dir(args: argparse.Namespace) -> Path:
             latest = find_latest(out / "checkpoints") if (out / "checkpoints").is_dir() else None
             if latest is not None and not (out / "train_args.json").exists():
                 raise UsageError(
-                    f"--output-dir {args.output_dir!r} holds an oomb run that stopped before its end "
+                    f"{name} {args.output_dir!r} holds an oomb run that stopped before its end "
                     f"(last checkpoint {latest.name})",
                     f"pass --resume to continue it, {overwrite} to discard it, or a new directory",
                 )
             raise UsageError(
-                f"--output-dir {args.output_dir!r} exists and is not empty",
+                f"{name} {args.output_dir!r} exists and is not empty",
                 f"pass a new directory, or {overwrite} to replace the oomb run in it",
             )
         # Only an earlier oomb run is replaced: never the contents of some other folder (a source tree, ...).
@@ -321,7 +322,7 @@ def _check_output_dir(args: argparse.Namespace) -> Path:
         for p, what, any_depth in protected:
             if _is_within(p, out) and (any_depth or p == out or ours is None or p.relative_to(out).parts[0] in ours):
                 raise UsageError(
-                    f"--output-dir {args.output_dir!r} contains {str(p)!r} ({what}), which --overwrite would delete",
+                    f"{name} {args.output_dir!r} contains {str(p)!r} ({what}), which --overwrite would delete",
                     "pass an output directory of its own",
                 )
         _refuse_foreign_entries(out, args.output_dir)

@@ -386,3 +386,16 @@ def test_tokenizer_and_chat_template_from_a_file_are_named_as_its_keys(tmp_path,
     _refused(["data", "--data", rows, "--chat-template", tmp_path / "no-template.jinja", "--output", tmp_path / "h.png"],
              capsys, f"cannot read --chat-template '{tmp_path / 'no-template.jinja'}'", "set --chat-template to")
     assert not (tmp_path / "h.png").exists()
+
+
+def test_an_output_dir_from_the_file_is_named_as_its_key(tmp_path, capsys):
+    """A refusal of output.dir given in --config names that key and the file, not the --output-dir the user never
+    typed; the same folder given as --output-dir is named as the flag."""
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("the user's file\n")
+    f = tmp_path / "c.yaml"
+    f.write_text(f"output:\n  dir: {taken}\n")
+    _refused(["train", "--config", f], capsys, f"output.dir (in {f}) '{taken}' exists, is not empty")
+    _refused(["train", "--output-dir", taken], capsys, f"--output-dir '{taken}' exists, is not empty")
+    assert (taken / "notes.txt").read_text() == "the user's file\n"
