@@ -15,21 +15,12 @@ from .inputs import _check_png_path, _training_data
 DEFAULT_OUTPUT = "oomb-data-lengths.png"
 
 
-def _check_png_suffix(path: Path, given: str | None, flag: str, what: str) -> Path:
-    """``path`` (``flag given``), where ``what`` is written as a PNG: refused when it ends in another suffix
-    (hist.jpg would hold PNG bytes under a JPEG name); a name without a suffix is taken as it is."""
-    if given is not None and path.suffix and path.suffix.lower() != ".png":
-        raise UsageError(f"{flag} {given!r} ends in {path.suffix}, but {what} is written as a PNG image only",
-                         f"pass a path ending in .png, e.g. {flag} {path.with_suffix('.png').name}")
-    return path
-
-
 def _check_output(given: str | None) -> Path:
     """The PNG path: not a folder, in an existing folder we may write to, new, empty or a PNG (never another
     file), and ending in .png (or no suffix)."""
     path = Path(given or DEFAULT_OUTPUT).expanduser()
-    _check_png_path(path, f"--output {given!r}" if given else f"the histogram file {str(path)!r}", "--output")
-    return _check_png_suffix(path, given, "--output", "the histogram")
+    return _check_png_path(path, f"--output {given!r}" if given else f"the histogram file {str(path)!r}", "--output",
+                           "the histogram")
 
 
 def render_sequence(tokenizer, sample, limit: int, color: bool = False) -> str:

@@ -12,7 +12,6 @@ from .checks import (
     _resolve_device_dtype,
     _usage_from,
 )
-from .data import _check_png_suffix
 from .errors import UsageError, _RunError
 from .inputs import (
     _check_json_arg,
@@ -58,9 +57,7 @@ def _eval_retrieval(args: argparse.Namespace, budgets: list[int]) -> int:
                          "leave --data out, or pass --task needle to hide needles in that text")
     _check_backend_device(args)
     _check_json_arg(args, RETRIEVAL_REPORT_KEYS, "eval --task passkey|needle")
-    heatmap = _check_png_arg(args.heatmap, "--heatmap")
-    if heatmap is not None:
-        _check_png_suffix(heatmap, args.heatmap, "--heatmap", "the heatmap")
+    heatmap = _check_png_arg(args.heatmap, "--heatmap", "the heatmap")
     lengths = args.lengths or [args.seq_len]
     depths = [float(d) for d in (args.depths if args.depths is not None else DEFAULT_DEPTHS)]
     import numpy as np

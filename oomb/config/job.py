@@ -152,8 +152,8 @@ class DataConfig:
     """The training or evaluation text and how it becomes token sequences."""
 
     path: Optional[str] = field(default=None, metadata=flag("--data"))
-    """Local data: a text file (one document), a json/jsonl, parquet, csv or arrow file, a folder of .txt files
-    (each a document, with *.jsonl "text" rows beside them), another folder of data files, or a
+    """Local data: a text file (one document), a json/jsonl, parquet, csv or arrow file, a folder of data files
+    of one format (subfolders included; each .txt file one document; a folder mixing formats is refused), or a
     Dataset.save_to_disk folder (read with the datasets library); default: the bundled Austen corpus."""
 
     split: str = field(default="train", metadata=flag("--data-split"))

@@ -179,7 +179,7 @@ def _text_stream(cfg, rows: Rows, tokenizer, seed: int) -> TextSequences:
     if not rows.streaming:
         texts = list(_texts(rows, cfg.text_field))
         if not texts:
-            raise DataError(f"data {rows.name!r} is empty (no non-blank text)", "give it some text to train on")
+            raise DataError(f"data {rows.name!r} is empty (no non-blank text)", "pass --data a file or folder that holds text")
         cache = cfg.path is None or Path(cfg.path).resolve() == BUNDLED_CORPUS
         tokens = tokenize_documents([Document("", t) for t in texts], tokenizer, cache=cache)
         return TextSequences(tokens, cfg.seq_len, seed, eos, documents=len(texts), separator=tokenizer.eos_token_id)
@@ -207,7 +207,7 @@ def _text_stream(cfg, rows: Rows, tokenizer, seed: int) -> TextSequences:
                         docs += 1
                     batch = []
         if not docs:
-            raise DataError(f"data {rows.name!r} is empty (no non-blank text)", "give it some text to train on")
+            raise DataError(f"data {rows.name!r} is empty (no non-blank text)", "pass --data a file or folder that holds text")
         tokens = np.memmap(tmp / "tokens.bin", dtype=np.int64, mode="r", shape=(n,))
         np.save(tmp / "tokens.npy", tokens)
         del tokens

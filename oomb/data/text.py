@@ -59,7 +59,7 @@ def read_documents(files: list[Path], root: Path) -> list[Document]:
     docs = [Document(str(f), _read_text(f)) for f in files]
     docs = [d for d in docs if d.text.strip()]
     if not docs:
-        raise DataError(f"data {str(root)!r} is empty (no non-blank text)", "give it some text to train on")
+        raise DataError(f"data {str(root)!r} is empty (no non-blank text)", "pass --data a file or folder that holds text")
     return docs
 
 
