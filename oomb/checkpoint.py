@@ -35,6 +35,7 @@ import hashlib
 import json
 import os
 import random
+import shlex
 import shutil
 import signal
 import sys
@@ -336,8 +337,6 @@ def _elsewhere(path: Path) -> str:
     """The fix of a damaged checkpoint ``path``: resume from the newest earlier checkpoint beside it that has all its
     files (named as ``path`` is, relative or not), in a new output folder, so that nothing is deleted or
     replaced; else restore the damaged file or start a new run."""
-    import shlex
-
     earlier = [p for p in _complete_checkpoints(path.parent) if p.name < path.name and _has_its_files(p)]
     if not earlier:
         return ("no earlier checkpoint of this run is intact: restore the file from a copy, or start a new run in "

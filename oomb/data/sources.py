@@ -68,21 +68,26 @@ class Rows:
                 raise _unreadable(self.path, self.name, exc) from exc
             yield row
 
-    def number(self, i: int) -> str:
-        """Row ``i`` (0-based) as a user counts it: ``line N`` of a JSON Lines file, else ``row N`` (1-based)."""
+    def _line(self, i: int) -> int | None:
+        """The 1-based line of row ``i`` (0-based) in a JSON Lines file; None for other data."""
         if self.lines is None:
-            return f"row {i + 1}"
+            return None
         if self._line_numbers is None:
             self._line_numbers = _non_blank_lines(self.lines)
-        return f"line {self._line_numbers[i] if i < len(self._line_numbers) else i + 1}"
+        return self._line_numbers[i] if i < len(self._line_numbers) else i + 1
+
+    def number(self, i: int) -> str:
+        """Row ``i`` (0-based) as a user counts it: ``line N`` of a JSON Lines file, else ``row N`` (1-based)."""
+        line = self._line(i)
+        return f"row {i + 1}" if line is None else f"line {line}"
 
     def where(self, i: int) -> str:
         """Row ``i`` (0-based) for a message: ``FILE:LINE`` of a JSON Lines file (1-based), the file of a plain-text
         document, else ``NAME row N`` (1-based)."""
         if self.sources is not None and i < len(self.sources):
             return self.sources[i]
-        n = self.number(i)
-        return f"{self.name}:{n[5:]}" if n.startswith("line ") else f"{self.name} {n}"
+        line = self._line(i)
+        return f"{self.name} row {i + 1}" if line is None else f"{self.name}:{line}"
 
 
 def _non_blank_lines(path: Path) -> list[int]:
@@ -94,9 +99,9 @@ def _non_blank_lines(path: Path) -> list[int]:
         return []
 
 
-def _documents(path) -> Rows:
-    root = BUNDLED_CORPUS if path is None else Path(path).expanduser()
-    files = [root] if root.is_file() else _data_files(root)
+def _documents(root: Path, files: list[Path]) -> Rows:
+    """The plain-text rows of ``root``: the file itself, or the ``.txt`` ``files`` of the folder."""
+    files = [root] if root.is_file() else files
     docs = read_documents(files, root)
     name = str(root)
     return Rows(["text"], [{"text": d.text} for d in docs], name, plain=True, path=root,
@@ -322,19 +327,19 @@ def open_rows(path: str | None, split: str = "train", streaming: bool = False) -
     if path is None:
         if split != "train":
             raise DataError(f"the bundled corpus has one split, not {split!r}", "leave --data-split out (train)")
-        return _documents(None)
+        return _documents(BUNDLED_CORPUS, _data_files(BUNDLED_CORPUS))
     root = Path(path).expanduser()
     if not root.exists():
         raise DataError(f"data path {str(root)!r} does not exist",
                         "pass --data a text, json/jsonl, parquet or csv file, a folder of them, or a save_to_disk folder")
-    files = [] if root.is_file() or _saved(root) else _data_files(root)
-    if root.is_file() and root.suffix not in _BUILDERS or files and _folder_kind(root, files) == ".txt":
+    folder = root.is_dir() and not _saved(root)
+    files = _data_files(root) if folder else []
+    kind = _folder_kind(root, files) if folder else None  # refuses a folder of no data file, or of several formats
+    if root.is_file() and root.suffix not in _BUILDERS or kind == ".txt":
         if split != "train":
             raise DataError(f"{str(root)!r} is plain text, which has one split, not {split!r}",
                             "leave --data-split out (train)")
-        return _documents(root)
-    if root.is_dir() and not _saved(root):
-        _folder_kind(root, files)  # refuses a folder of no data file
+        return _documents(root, files)
     data = _load(root, split, streaming, files)
     name = str(root) if split == "train" else f"{root} [{split}]"
     lines = root if root.is_file() and root.suffix == ".jsonl" else None
