@@ -51,19 +51,19 @@ class RetrievalRow:
         """``"dense"`` or ``"sparse B"``."""
         return "dense" if self.budget is None else f"sparse {self.budget}"
 
-    def cell(self, length: int, depth: float) -> list[RetrievalTrial]:
-        """The trials of one (length, depth) cell."""
-        return [t for t in self.trials if t.length == length and t.depth == depth]
+    def cell(self, length: int | None, depth: float | None) -> list[RetrievalTrial]:
+        """The trials of one (length, depth) cell; None for either: every length or depth."""
+        return [t for t in self.trials if (length is None or t.length == length) and (depth is None or t.depth == depth)]
 
     def accuracy(self, length: int | None = None, depth: float | None = None) -> float:
         """Fraction of exact matches over the trials of that length and/or depth (all trials for None); nan if none."""
-        ts = [t for t in self.trials if (length is None or t.length == length) and (depth is None or t.depth == depth)]
+        ts = self.cell(length, depth)
         return sum(t.exact for t in ts) / len(ts) if ts else math.nan
 
     def mean_logprob(self, length: int | None = None, depth: float | None = None) -> float:
         """Mean answer log-probability (nats) over the trials of that length and/or depth (all for None); nan if
         none."""
-        ts = [t for t in self.trials if (length is None or t.length == length) and (depth is None or t.depth == depth)]
+        ts = self.cell(length, depth)
         return sum(t.logprob for t in ts) / len(ts) if ts else math.nan
 
 
