@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .checks import _check_vocab, _usage_from
 from .errors import UsageError
-from .inputs import _check_png_path, _training_data
+from .inputs import _check_data_exists, _check_png_path, _training_data
 
 DEFAULT_OUTPUT = "oomb-data-lengths.png"
 
@@ -132,6 +132,7 @@ def _data(args: argparse.Namespace) -> int:
     if args.make is not None:
         return _make(args)
     out = _check_output(args.output)
+    _check_data_exists(args)
     from .. import UnsupportedModelError
     from ..data.stats import counted
     from ..models.presets import UnknownModelError, load_config

@@ -101,6 +101,20 @@ def _measure_tokenizer_path(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _check_data_exists(args: argparse.Namespace) -> None:
+    """Refuse a --data path that does not exist before a command's heavy imports (torch and transformers take
+    seconds): the line reading the data would give."""
+    if getattr(args, "data", None) is None:
+        return
+    from ..data.errors import DataError
+    from ..data.sources import check_data_path
+
+    try:
+        check_data_path(args.data)
+    except DataError as exc:
+        raise _data_usage_error(args, exc) from exc
+
+
 def _load_tokens(args: argparse.Namespace, tokenizer_path: str | None):
     """The --data token stream of grad-error, eval and ``data --make needle``: int64 ``[N]``, EOS between
     documents; the data read as ``oomb train`` reads text (:func:`oomb.data.load_documents`)."""

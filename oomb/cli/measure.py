@@ -18,6 +18,7 @@ from .checks import (
     _warn_if_offload_moves_nothing,
 )
 from .inputs import (
+    _check_data_exists,
     _check_json_arg,
     _load_model,
     _load_tokens,
@@ -62,6 +63,7 @@ def _grad_error(args: argparse.Namespace) -> int:
     _check_backend_device(args)
     _check_budgets_see_a_past(args)
     _check_json_arg(args, _GRAD_ERROR_REPORT_KEYS, "grad-error")
+    _check_data_exists(args)
     from ..data import DataError, TokenSequences
     from ..sparse_quality import sparse_grad_error
 
@@ -101,6 +103,7 @@ def _eval(args: argparse.Namespace) -> int:
         return _eval_retrieval(args, budgets)
     _check_backend_device(args)
     _check_json_arg(args, _EVAL_REPORT_KEYS, "eval")
+    _check_data_exists(args)
     import torch
 
     from ..data.stats import counted

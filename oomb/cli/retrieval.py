@@ -14,6 +14,7 @@ from .checks import (
 )
 from .errors import UsageError, _RunError
 from .inputs import (
+    _check_data_exists,
     _check_json_arg,
     _check_png_arg,
     _data_usage_error,
@@ -58,6 +59,7 @@ def _eval_retrieval(args: argparse.Namespace, budgets: list[int]) -> int:
     _check_backend_device(args)
     _check_json_arg(args, RETRIEVAL_REPORT_KEYS, "eval --task passkey|needle")
     heatmap = _check_png_arg(args.heatmap, "--heatmap", "the heatmap")
+    _check_data_exists(args)
     lengths = args.lengths or [args.seq_len]
     depths = [float(d) for d in (args.depths if args.depths is not None else DEFAULT_DEPTHS)]
     import numpy as np

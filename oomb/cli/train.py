@@ -11,6 +11,7 @@ from pathlib import Path
 
 from .checks import _check_sizes, _resolve_device_dtype
 from .errors import UsageError, _one_line, _RunError
+from .inputs import _check_data_exists
 from .output import _LOSS_PNG, _REPLACED, _TENSORBOARD, _check_output_dir, _prepare_output, _save
 from .parser import _version
 from .resume import _resume_command
@@ -73,6 +74,7 @@ def _train(args: argparse.Namespace) -> int:
         except ImportError as exc:
             raise UsageError("--report-to tensorboard needs the tensorboard package", "pip install tensorboard") from exc
 
+    _check_data_exists(args)
     # Heavy imports only after the cheap checks.
     import torch
 

@@ -11,16 +11,45 @@ By default the bundled corpus (six Jane Austen novels, ~1.05M tokens) and the bu
 SentencePiece tokenizer are used; both ship inside the package under ``oomb/resources/``.
 """
 
-from .build import build_training_data, detect_format, load_documents
-from .errors import DataError
-from .packing import PackedSequences, pack
-from .sequences import Sample, TextSequences, TokenSequences, TrainingData, document_bounds
-from .stats import DataStats
-from .text import BUNDLED_CORPUS, Document, cache_dir, tokenize_documents
-from .tokenizer import BUNDLED_TOKENIZER, load_tokenizer
+from __future__ import annotations
 
-__all__ = [
-    "BUNDLED_CORPUS", "BUNDLED_TOKENIZER", "DataError", "DataStats", "Document", "PackedSequences", "Sample",
-    "TextSequences", "TokenSequences", "TrainingData", "build_training_data", "cache_dir", "detect_format",
-    "document_bounds", "load_documents", "load_tokenizer", "pack", "tokenize_documents",
-]
+import importlib
+from typing import TYPE_CHECKING
+
+_EXPORTS = {
+    "build_training_data": "build", "detect_format": "build", "load_documents": "build",
+    "DataError": "errors",
+    "PackedSequences": "packing", "pack": "packing",
+    "Sample": "sequences", "TextSequences": "sequences", "TokenSequences": "sequences", "TrainingData": "sequences",
+    "document_bounds": "sequences",
+    "DataStats": "stats",
+    "BUNDLED_CORPUS": "text", "Document": "text", "cache_dir": "text", "tokenize_documents": "text",
+    "BUNDLED_TOKENIZER": "tokenizer", "load_tokenizer": "tokenizer",
+}
+"""Name -> the submodule that defines it. The submodules are imported when a name is first asked for (PEP 562), so
+that ``oomb.data.errors`` or ``oomb.data.sources`` can be imported without torch: the command line checks a --data
+path before its heavy imports."""
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from .build import build_training_data, detect_format, load_documents
+    from .errors import DataError
+    from .packing import PackedSequences, pack
+    from .sequences import Sample, TextSequences, TokenSequences, TrainingData, document_bounds
+    from .stats import DataStats
+    from .text import BUNDLED_CORPUS, Document, cache_dir, tokenize_documents
+    from .tokenizer import BUNDLED_TOKENIZER, load_tokenizer
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # asked once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

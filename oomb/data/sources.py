@@ -28,7 +28,7 @@ from .errors import DataError
 from .stats import counted
 from .text import BUNDLED_CORPUS, cache_folder, not_utf8, read_documents
 
-__all__ = ["Rows", "open_rows", "data_fingerprint"]
+__all__ = ["Rows", "check_data_path", "data_fingerprint", "open_rows"]
 
 _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 _KINDS = {".txt": ".txt", ".json": ".json/.jsonl", ".jsonl": ".json/.jsonl", ".parquet": ".parquet", ".csv": ".csv",
@@ -316,6 +316,19 @@ def _first_bad_json_line(path: Path) -> None:
             raise DataError(f"{path}:{lineno} is not a JSON object", 'write one JSON object per line, e.g. {"text": "..."}')
 
 
+def check_data_path(path: str) -> Path:
+    """``path`` as a path (``~`` expanded), once it exists; reads nothing, and needs no torch.
+
+    Raises:
+        DataError: the path does not exist.
+    """
+    root = Path(path).expanduser()
+    if not root.exists():
+        raise DataError(f"data path {str(root)!r} does not exist",
+                        "pass --data a text, json/jsonl, parquet or csv file, a folder of them, or a save_to_disk folder")
+    return root
+
+
 def open_rows(path: str | None, split: str = "train", streaming: bool = False) -> Rows:
     """The rows of ``split`` of the data at ``path`` (see the module).
 
@@ -328,10 +341,7 @@ def open_rows(path: str | None, split: str = "train", streaming: bool = False) -
         if split != "train":
             raise DataError(f"the bundled corpus has one split, not {split!r}", "leave --data-split out (train)")
         return _documents(BUNDLED_CORPUS, _data_files(BUNDLED_CORPUS))
-    root = Path(path).expanduser()
-    if not root.exists():
-        raise DataError(f"data path {str(root)!r} does not exist",
-                        "pass --data a text, json/jsonl, parquet or csv file, a folder of them, or a save_to_disk folder")
+    root = check_data_path(path)
     folder = root.is_dir() and not _saved(root)
     files = _data_files(root) if folder else []
     kind = _folder_kind(root, files) if folder else None  # refuses a folder of no data file, or of several formats

@@ -314,6 +314,24 @@ def test_a_missing_data_path_from_a_config_file_names_the_key_and_the_file(tmp_p
     assert "data.path" not in line
 
 
+@pytest.mark.parametrize("argv", [
+    ["train", "--output-dir", "{tmp}/out"], ["eval"], ["eval", "--task", "needle"], ["grad-error"], ["data"],
+])
+def test_a_missing_data_path_is_refused_before_torch_is_imported(tmp_path, argv):
+    """The refusal takes a fraction of a second: the path is checked before the imports of torch and
+    transformers (seconds), with the line reading the data would give."""
+    import subprocess
+    import sys
+
+    argv = [a.format(tmp=tmp_path) for a in argv] + ["--data", str(tmp_path / "nothere.jsonl")]
+    code = ("import sys\nfrom oomb.cli import main\ntry:\n    main(%r)\nexcept SystemExit as exc:\n"
+            "    print(exc.code, sorted(m for m in ('torch', 'transformers') if m in sys.modules))" % argv)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    err = [line for line in done.stderr.splitlines() if line.startswith("oomb:")]
+    assert len(err) == 1 and f"data path {str(tmp_path / 'nothere.jsonl')!r} does not exist; pass --data" in err[0], done.stderr
+    assert done.stdout.split("\n")[0] == "2 []", (done.stdout, done.stderr)
+
+
 def test_the_novels_chat_set_asks_for_a_sentence_of_its_passage(tmp_path):
     from oomb.data.novels import write_chat_novels
 
