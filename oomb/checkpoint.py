@@ -50,6 +50,7 @@ __all__ = [
     "CheckpointError",
     "GracefulStop",
     "find_latest",
+    "intact_before",
     "is_checkpoint_meta",
     "load_checkpoint",
     "read_settings",
@@ -333,15 +334,23 @@ def _has_its_files(path: Path) -> bool:
         return False
 
 
+def intact_before(path: str | Path) -> list[Path]:
+    """The checkpoints beside ``path`` of earlier steps that have all their files (at their sizes; none is hashed),
+    newest first, each named as ``path`` is (relative or not)."""
+    path = Path(path)
+    return [path.parent / p.name for p in reversed(_complete_checkpoints(path.parent))
+            if p.name < path.name and _has_its_files(p)]
+
+
 def _elsewhere(path: Path) -> str:
     """The fix of a damaged checkpoint ``path``: resume from the newest earlier checkpoint beside it that has all its
     files (named as ``path`` is, relative or not), in a new output folder, so that nothing is deleted or
     replaced; else restore the damaged file or start a new run."""
-    earlier = [p for p in _complete_checkpoints(path.parent) if p.name < path.name and _has_its_files(p)]
+    earlier = intact_before(path)
     if not earlier:
         return ("no earlier checkpoint of this run is intact: restore the file from a copy, or start a new run in "
                 "another --output-dir (this checkpoint is left as it is)")
-    shown = [shlex.quote(str(path.parent / p.name)) for p in reversed(earlier[-2:])]
+    shown = [shlex.quote(str(p)) for p in earlier[:2]]
     also = f" (or the one before it, {shown[1]})" if len(shown) > 1 else ""
     return (f"resume from the earlier checkpoint with --resume {shown[0]}{also} and a new --output-dir (this "
             "checkpoint and its folder are left as they are)")

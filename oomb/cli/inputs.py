@@ -91,9 +91,15 @@ def _write_json(given: str, data: dict) -> None:
 
 
 def _measure_tokenizer_path(args: argparse.Namespace) -> str | None:
-    """--tokenizer, else the --model folder when it holds a tokenizer (an 'oomb train' output), else None (bundled)."""
+    """--tokenizer, else the --model folder when it holds a tokenizer (an 'oomb train' output), else the run's
+    tokenizer where --model is a checkpoint (:mod:`oomb.cli.checkpoint_model`), else None (bundled)."""
     if args.tokenizer is not None:
         return args.tokenizer
+    from .checkpoint_model import _checkpoint_to_read, _run_tokenizer
+
+    checkpoint = _checkpoint_to_read(args.model)
+    if checkpoint is not None:
+        return _run_tokenizer(checkpoint)
     from ..models.presets import _is_local_model_dir
 
     if _is_local_model_dir(args.model) and any(os.path.isfile(os.path.join(args.model, n)) for n in ("tokenizer.json", "tokenizer_config.json")):
@@ -185,9 +191,10 @@ def _merged_adapter(adapter: Path, device, dtype):
 
 
 def _load_model(args: argparse.Namespace, tokens, device, dtype, command: str):
-    """The --model of grad-error and eval (a preset seeded by --seed, a local folder, or a LoRA adapter folder of
-    'oomb train', merged into its base in memory), its config and vocabulary checked against ``tokens`` before any
-    weight is read (an adapter's after its base is built)."""
+    """The --model of grad-error and eval (a preset seeded by --seed, a local folder, a LoRA adapter folder of
+    'oomb train', merged into its base in memory, or a checkpoint of 'oomb train', see :mod:`.checkpoint_model`), its
+    config and vocabulary checked against ``tokens`` before any weight is read (an adapter's or a checkpoint's after
+    its model is built)."""
     import torch
 
     from .. import UnsupportedModelError
@@ -202,6 +209,13 @@ def _load_model(args: argparse.Namespace, tokens, device, dtype, command: str):
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
+    from .checkpoint_model import _checkpoint_model, _checkpoint_to_read
+
+    checkpoint = _checkpoint_to_read(args.model)
+    if checkpoint is not None:
+        model = _checkpoint_model(checkpoint, args.model, device, dtype)
+        _check_vocab(int(tokens.max()), _vocab_size(model), args.model)
+        return model
     folder = Path(args.model)
     if folder.is_dir() and (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
         model = _merged_adapter(folder, device, dtype)

@@ -204,11 +204,16 @@ _DESCRIPTIONS = {
         "load as they are. A preset base is drawn again from the run's --seed, --dtype and --device.",
     ),
 }
+_MEASURED_MODEL = ("a preset (random weights from --seed), a local Hugging Face model folder, an 'oomb train' output "
+                   "(a LoRA adapter is merged into its base), or an 'oomb train' checkpoint folder (or a run folder "
+                   "that stopped before saving its model: its latest checkpoint)")
 _HELP = {
-    "grad-error": {"--sink-pages": "sparse runs: first pages of the sequence always attended (attention sink); 0 allowed",
+    "grad-error": {"--model": _MEASURED_MODEL,
+                   "--sink-pages": "sparse runs: first pages of the sequence always attended (attention sink); 0 allowed",
                    "--local-pages": "sparse runs: latest past pages always attended; 0 allowed",
                    "--sparse-score": "sparse runs: page score (mean key, or Quest's min/max bound)"},
-    "eval": {"--sink-pages": "with --budgets: first pages of the sequence always attended (attention sink); 0 allowed",
+    "eval": {"--model": _MEASURED_MODEL,
+             "--sink-pages": "with --budgets: first pages of the sequence always attended (attention sink); 0 allowed",
              "--local-pages": "with --budgets: latest past pages always attended; 0 allowed",
              "--sparse-score": "with --budgets: page score (mean key, or Quest's min/max bound)"},
     "merge": {"--output-dir": "where the merged model and tokenizer go: a new or empty folder"},
@@ -216,7 +221,8 @@ _HELP = {
                          "'oomb train'); a plan needs no GPU on this machine, and a cpu run is refused (no GPU memory "
                          "to plan)"},
 }
-"""Where a field's docstring reads wrong for one command (eval and grad-error make their own sparse runs; merge
+"""Where a field's docstring reads wrong for one command (eval and grad-error read more kinds of model and make
+their own sparse runs; merge
 writes a model folder, not a training run's output; plan runs nothing)."""
 
 META_FLAGS = ("--help", "--version", "--config", "--print-config")

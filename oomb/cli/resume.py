@@ -109,6 +109,13 @@ def _resume_settings(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in _RESUME_SETTINGS}
 
 
+def _checkpoint_settings(args: argparse.Namespace, device) -> dict:
+    """meta.json's "settings" of every checkpoint: those --resume compares (``_RESUME_SETTINGS``) and the device
+    the run drew its weights on, which a LoRA checkpoint of a random preset is rebuilt on when it is read as a model
+    (:mod:`oomb.cli.checkpoint_model`); the device is not compared on --resume."""
+    return {**_resume_settings(args), "device": device.type}
+
+
 def _setting_text(name: str, value) -> str:
     if name == "sparse":
         return "--sparse" if value else "no --sparse"

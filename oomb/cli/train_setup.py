@@ -28,6 +28,7 @@ from .errors import UsageError, _one_line
 from .output import _broken_latest_pointer, _replaced_run_resume, _saved_model_of
 from .resume import (
     _check_resume_fingerprint,
+    _checkpoint_settings,
     _check_resume_settings,
     _fingerprint,
     _resume_settings,
@@ -270,6 +271,6 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         _warn_if_adamw_rounds_bf16_updates(args, dtype)
         _warn_if_offload_segments_are_small(args, getattr(store, "segment_pages", None) is not None)
     return dict(tokenizer=tokenizer, sequences=sequences, model=model, engine=engine, params=params, sharding=sharding,
-                optimizer=optimizer, fingerprint=fingerprint, settings=_resume_settings(args), start_step=start_step,
+                optimizer=optimizer, fingerprint=fingerprint, settings=_checkpoint_settings(args, device), start_step=start_step,
                 finished=finished,
                 store_summary=_store_summary(store, args.seq_len, args.page_size, t_reserve_s))

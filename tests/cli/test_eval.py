@@ -205,3 +205,34 @@ def test_bad_eval_input_exits_2_with_one_line(tmp_path, text_file, tokens, capsy
     if not torch.cuda.is_available():
         _check_refused(run_cli([*base, "--device", "cuda"]), capsys, "--device cuda")
         _check_refused(run_cli([*base, "--attention-backend", "triton"]), capsys, "--attention-backend triton")
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_a_checkpoint_reads_as_the_model_its_run_saved(tmp_path, text_file, capsys, lora):
+    """--model naming a checkpoint folder rebuilds the run's model (a preset drawn from the run's seed, the LoRA
+    adapter merged): its losses equal those of the model the run saved at the same step, exactly, and an earlier
+    step's differ; a run folder that holds no saved model is read at its latest checkpoint, with a note."""
+    import shutil
+
+    out = tmp_path / "run"
+    assert run_cli(["train", "--data", text_file, "--output-dir", out, "--seq-len", "128", "--chunk-size", "64",
+                    "--page-size", "32", "--steps", "2", "--save-every", "1", "--seed", "5", "--lr", "1e-2",
+                    "--no-progress", *(["--lora-rank", "4", "--train-embeddings-norms"] if lora else [])]) == 0
+    windows = ["--data", text_file, *SMALL, "--num-windows", "2"]
+    saved = run_eval(tmp_path, ["--model", out, *windows])["rows"][0]["window_losses"]
+    last = run_eval(tmp_path, ["--model", out / "checkpoints" / "step-00000002", *windows])["rows"][0]["window_losses"]
+    first = run_eval(tmp_path, ["--model", out / "checkpoints" / "step-00000001", *windows])["rows"][0]["window_losses"]
+    assert last == saved and first != saved
+    stopped = tmp_path / "stopped"
+    stopped.mkdir()
+    shutil.copytree(out / "checkpoints", stopped / "checkpoints")
+    capsys.readouterr()
+    assert run_eval(tmp_path, ["--model", stopped, *windows])["rows"][0]["window_losses"] == saved
+    assert f"oomb: note: {stopped} holds no saved model (its run stopped before the end): reading its latest " \
+           "checkpoint, step-00000002" in capsys.readouterr().err
+    weights = stopped / "checkpoints" / "step-00000002" / "trainable.safetensors"
+    size = weights.stat().st_size
+    weights.write_bytes(weights.read_bytes()[:100])
+    _check_refused(run_cli(["eval", "--model", stopped, *windows]), capsys,
+                   f"{weights} is truncated (100 of its {size} bytes); pass --model "
+                   f"{stopped / 'checkpoints' / 'step-00000001'}, the earlier checkpoint of its run")
