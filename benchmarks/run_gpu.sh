@@ -113,6 +113,8 @@ retrieval() {  # a 100M model trained from random weights on retrieval rows, per
   # and tokens/s of each run are then those of a shared GPU). Sizes come from the environment so that the same
   # script runs small on a CPU (RDEV=cpu RHIDDEN=64 ...). ROPT: the --optimizer of every stage; RSCHED its
   # --lr-schedule (cosine, the default; constant: no decay, which learnt stage A more slowly, docs/performance.md).
+  # Every stage keeps a checkpoint every RSAVE_EVERY steps (default 250), so that a stage cut short by the device
+  # time can still be read: `oomb eval --model` of its output folder reads the latest checkpoint.
   # The rows and each stage's model are kept under RWORK in folders named by a hash of their settings: a second
   # run on the same machine reuses what it can (RSTOP=a: stop after stage A, so that a later call goes on from it)
   # and redoes what a changed setting changes. `oomb train` reads the rows (JSON Lines) with the datasets library: where the
@@ -122,7 +124,7 @@ retrieval() {  # a 100M model trained from random weights on retrieval rows, per
   local alens=${RA_LENS:-"128 192 256 320 384 512"} blens=${RB_LENS:-"2048 4096 8192 16384 32000"}
   local a2lens=${RA2_LENS:-"512 768 1024 1536 2048"} a2steps=${RA2_STEPS:-600}
   local elens=${RE_LENS:-"4096 8192 16384 32768 65536"} aelens=${RA_ELENS-"512 768 2048 4096"}
-  local common="--device $dev --document-mask --long-examples drop --no-progress --seed 0 --log-every 50 ${ROPT:+--optimizer $ROPT} --lr-schedule ${RSCHED:-cosine}"
+  local common="--device $dev --document-mask --long-examples drop --no-progress --seed 0 --log-every 50 ${ROPT:+--optimizer $ROPT} --lr-schedule ${RSCHED:-cosine} --save-every ${RSAVE_EVERY:-250}"
   [ $# -gt 0 ] || set -- dense sparse64 sparse16
   for mode in "$@"; do
     case $mode in dense|sparse[0-9]*) ;; *) echo "retrieval: unknown mode $mode (dense, sparseB)" >&2; return 2;; esac
