@@ -390,7 +390,7 @@ def _read_meta(path: Path) -> dict[str, Any]:
             raise CheckpointError(f"{f} is missing: the checkpoint is incomplete; {_elsewhere(path)}")
         size = f.stat().st_size
         if size < info["bytes"]:
-            raise CheckpointError(f"{f} is truncated ({size} of its {info['bytes']} bytes); {_elsewhere(path)}")
+            raise CheckpointError(f"{f} is truncated ({size:,} of its {info['bytes']:,} bytes); {_elsewhere(path)}")
         if size > info["bytes"]:
             raise CheckpointError(f"{f} is corrupt ({size} bytes, {info['bytes']} written); {_elsewhere(path)}")
         if _sha256(f) != info["sha256"]:

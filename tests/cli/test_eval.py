@@ -234,5 +234,5 @@ def test_a_checkpoint_reads_as_the_model_its_run_saved(tmp_path, text_file, caps
     size = weights.stat().st_size
     weights.write_bytes(weights.read_bytes()[:100])
     _check_refused(run_cli(["eval", "--model", stopped, *windows]), capsys,
-                   f"{weights} is truncated (100 of its {size} bytes); pass --model "
+                   f"{weights} is truncated (100 of its {size:,} bytes); pass --model "
                    f"{stopped / 'checkpoints' / 'step-00000001'}, the earlier checkpoint of its run")

@@ -118,7 +118,7 @@ def test_a_damaged_file_is_called_truncated_or_corrupt_and_the_earlier_checkpoin
     assert f"--resume {second} (or the one before it, {first}) and a new --output-dir" in err, err
     assert "truncated" not in err and "bytes" not in err
     err = refusal(good[:100])
-    assert f"trainer_state.pt is truncated (100 of its {len(good)} bytes)" in err and f"--resume {second} " in err
+    assert f"trainer_state.pt is truncated (100 of its {len(good):,} bytes)" in err and f"--resume {second} " in err
     assert "corrupt" not in err
     err = refusal(good + b"x")
     assert f"is corrupt ({len(good) + 1} bytes, {len(good)} written)" in err, err
