@@ -124,10 +124,16 @@ def _setting_text(name: str, value) -> str:
 
 def _check_resume_settings(args: argparse.Namespace, saved: dict | None, path: Path) -> list[str]:
     """Refuse a --resume whose checkpoint was trained with other engine settings that change the training
-    (``_RESUME_SETTINGS``); return notes on the harmless differences (and on a checkpoint that recorded none)."""
+    (``_RESUME_SETTINGS``), or is a LoRA adapter on a random preset drawn on another device; return notes on the harmless differences (and on a checkpoint that recorded none)."""
     if saved is None:
         return [f"--resume: {path} records no engine settings (an older oomb wrote it): check that --sparse, "
                 "its options, --chunk-size and --page-size are the run's, as they are not checked"]
+    drawn_on = saved.get("device")
+    if drawn_on not in (None, args.device) and args.lora_rank > 0 and args.model in _preset_names():
+        raise UsageError(
+            f"--resume: {path} is a LoRA run on the random preset {args.model!r}, whose weights were drawn on "
+            f"{drawn_on}; drawn again on {args.device} they are other weights under the same adapter",
+            f"continue it with --device {drawn_on}")
     now = _resume_settings(args)
     sparse = bool(saved.get("sparse")) or args.sparse
     saved = {**_SAVED_DEFAULTS, **saved}

@@ -304,7 +304,8 @@ class OutputConfig:
     earlier checkpoint of the output dir only once the later ones are deleted). The model, seq_len, data,
     tokenizer, seed, LoRA settings, grad_accum, dtype, document_mask, RoPE settings, weight_decay, optimizer,
     sparse attention and its options (with it also chunk_size and page_size), the number of ranks and shard must
-    be those of the run; steps, lr, the schedule and max_grad_norm may change."""
+    be those of the run, and the device for a LoRA run on a random preset (it drew the preset's weights); steps,
+    lr, the schedule and max_grad_norm may change."""
 
     log_every: int = 1
     """Print a loss line every N steps (log.jsonl gets every step)."""

@@ -658,3 +658,34 @@ def test_a_ctrl_c_at_any_moment_of_the_command_prints_one_line(tmp_path, monkeyp
     )
     proc = _python(script, "--help", timeout=60, cwd=ROOT)
     assert proc.returncode == 130 and proc.stderr == "oomb: interrupted\n", (proc.returncode, proc.stderr)
+
+
+def test_resume_of_a_lora_preset_run_refuses_another_device(tmp_path, text_file, capsys):
+    """A LoRA adapter on a random preset trains on weights drawn on its run's device: drawn again on another
+    device they differ, and the adapter would silently continue on another base. Every checkpoint records its
+    device (here edited into a checkpoint of a run on cuda); a full fine-tune, whose checkpoint replaces every
+    weight, may move."""
+    out = tmp_path / "lora"
+    argv = ["train", "--data", text_file, *FAST, "--steps", "2", "--output-dir", out, "--lora-rank", "2"]
+    assert run_cli(argv) == 0
+    capsys.readouterr()
+    meta_file = out / "checkpoints" / "step-00000002" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    assert meta["settings"]["device"] == "cpu"
+    meta["settings"]["device"] = "cuda"
+    meta_file.write_text(json.dumps(meta))
+    before = _files(out)
+    assert run_cli([*argv[:-4], "--steps", "3", "--output-dir", out, "--lora-rank", "2", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is a LoRA run on the random preset 'tiny', whose weights were drawn on cuda; " \
+        "drawn again on cpu they are other weights under the same adapter; continue it with --device cuda" in err, err
+    assert _files(out) == before
+
+    full = tmp_path / "full"
+    fargv = ["train", "--data", text_file, *FAST, "--steps", "2", "--output-dir", full]
+    assert run_cli(fargv) == 0
+    meta_file = full / "checkpoints" / "step-00000002" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta["settings"]["device"] = "cuda"
+    meta_file.write_text(json.dumps(meta))
+    assert run_cli([*fargv[:-2], "--output-dir", full, "--steps", "3", "--resume"]) == 0
