@@ -102,8 +102,14 @@ def _base_recipe(adapter: Path) -> dict:
         if not isinstance(model, str) or not model.strip():
             raise UsageError(f"{file} has model {json.dumps(model)}, not a model name or folder: it was edited or is "
                              "damaged", f"set model back to the run's --model, or {_RESTORE_ARGS}")
-        if model not in PRESETS:  # a folder: the absolute path adapter_config.json records
-            model = base if isinstance(base, str) and os.path.isdir(base) else model
+        if model not in PRESETS:  # a folder: the absolute path adapter_config.json records (the run's own
+            # --model may be relative to where it ran, and read from here it could name another model)
+            if isinstance(base, str) and base.strip():
+                model = base
+            elif not os.path.isabs(model):
+                raise UsageError(f"{file} names the base model folder {model!r} relative to where its run started, "
+                                 "and adapter_config.json records no base_model_name_or_path",
+                                 "set base_model_name_or_path in adapter_config.json to the base model's absolute folder")
         return dict(model=model, seed=_recipe_value(train_args, file, "seed", 0),
                     dtype=_recipe_value(train_args, file, "dtype", "auto"),
                     device=_recipe_value(train_args, file, "device", "cpu"),
@@ -161,8 +167,21 @@ def _tokenizer(adapter: Path, recipe: dict):
 def _merged(base, adapter: Path, recipe: dict, shown: str):
     """``base`` with the LoRA adapter folder ``adapter`` merged into it; an adapter of another model is one
     UsageError naming ``shown`` (how the command's user gave the adapter) and the base."""
+    from safetensors import safe_open
+
     from ..models.lora import merge_adapter
 
+    weights = adapter / "adapter_model.safetensors"
+    if not weights.is_file():
+        raise UsageError(f"{shown} has no adapter_model.safetensors (the adapter's trained weights)",
+                         "restore it from a copy, or pass another adapter folder")
+    try:
+        with safe_open(str(weights), "pt") as f:
+            f.keys()
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise UsageError(f"{weights} cannot be read ({first}): it is truncated or corrupt",
+                         "restore it from a copy, or pass another adapter folder") from exc
     try:
         return merge_adapter(base, adapter)
     except (ValueError, KeyError, RuntimeError, OSError) as exc:  # an adapter of another model

@@ -61,6 +61,39 @@ def test_merge_rebuilds_a_folder_base_from_anywhere(tmp_path, monkeypatch):
                                rtol=1e-5, atol=1e-5)
 
 
+def test_a_moved_folder_base_is_refused_not_taken_from_the_current_folder(tmp_path, monkeypatch, capsys):
+    """The run's --model ./base, read from another folder that holds another ./base, is not that other model: the
+    base is the absolute folder adapter_config.json records, and where it has gone merge and eval refuse."""
+    torch.manual_seed(1)
+    for folder in ("work", "elsewhere"):
+        (tmp_path / folder).mkdir()
+        build_model("tiny-llama").save_pretrained(tmp_path / folder / "base")  # two different random models
+    monkeypatch.chdir(tmp_path / "work")
+    assert run_cli(["train", "--model", "./base", "--output-dir", "lora", *FAST, "--lora-rank", "2"]) == 0
+    (tmp_path / "work" / "base").rename(tmp_path / "work" / "base.moved")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    capsys.readouterr()
+    said = f"the adapter's base model folder {str(tmp_path / 'work' / 'base')!r} does not exist"
+    _refused(["merge", tmp_path / "work" / "lora", "--output-dir", "merged"], capsys, tmp_path, said)
+    _refused(["eval", "--model", tmp_path / "work" / "lora", "--seq-len", "64", "--chunk-size", "32",
+              "--page-size", "16", "--num-windows", "1"], capsys, tmp_path, said)
+
+
+def test_a_damaged_or_missing_adapter_file_is_one_line(tmp_path, capsys):
+    adapter = tmp_path / "lora"
+    assert run_cli(["train", "--output-dir", adapter, *FAST, "--steps", "1", "--lora-rank", "2"]) == 0
+    weights = adapter / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5000])
+    capsys.readouterr()
+    eval_argv = ["eval", "--model", adapter, "--seq-len", "64", "--chunk-size", "32", "--page-size", "16",
+                 "--num-windows", "1"]
+    for argv in (["merge", adapter, "--output-dir", tmp_path / "m"], eval_argv):
+        _refused(argv, capsys, tmp_path, f"{weights} cannot be read (")
+    weights.unlink()
+    for argv in (["merge", adapter, "--output-dir", tmp_path / "m"], eval_argv):
+        _refused(argv, capsys, tmp_path, "has no adapter_model.safetensors (the adapter's trained weights)")
+
+
 def _refused(argv, capsys, root, fragment):
     before = snapshot(root)
     assert run_cli(argv) == 2
