@@ -320,8 +320,11 @@ def check_data_path(path: str) -> Path:
     """``path`` as a path (``~`` expanded), once it exists; reads nothing, and needs no torch.
 
     Raises:
-        DataError: the path does not exist.
+        DataError: the path is empty (which would read the current folder) or does not exist.
     """
+    if not str(path).strip():
+        raise DataError(f"data path {str(path)!r} is empty",
+                        "pass --data (or data.path in --config) a file or folder, or leave it out for the bundled corpus")
     root = Path(path).expanduser()
     if not root.exists():
         raise DataError(f"data path {str(root)!r} does not exist",

@@ -332,6 +332,25 @@ def test_a_missing_data_path_is_refused_before_torch_is_imported(tmp_path, argv)
     assert done.stdout.split("\n")[0] == "2 []", (done.stdout, done.stderr)
 
 
+@pytest.mark.parametrize("command", ["data", "train", "eval"])
+def test_an_empty_data_path_is_refused_not_read_as_the_current_folder(tmp_path, capsys, monkeypatch, command):
+    (tmp_path / "notes.txt").write_text("private notes that are not training data\n" * 50)
+    monkeypatch.chdir(tmp_path)
+    extra = ["--output-dir", tmp_path / "out"] if command == "train" else []
+    for given in (["--data", ""], ["--config", _yaml(tmp_path, 'data:\n  path: ""\n')]):
+        capsys.readouterr()
+        assert run_cli([command, *given, *extra]) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+        assert len(err) == 1 and "data path '' is empty; pass --data (or data.path in --config) a file or folder" in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def _yaml(folder, text):
+    path = folder / "c.yaml"
+    path.write_text(text)
+    return path
+
+
 def test_the_novels_chat_set_asks_for_a_sentence_of_its_passage(tmp_path):
     from oomb.data.novels import write_chat_novels
 
