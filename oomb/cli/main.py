@@ -112,4 +112,8 @@ def _main(argv: Sequence[str] | None, signals: _StartupSignals) -> int:
             return _merge(args)
     except UsageError as exc:
         _fail(f"{exc.problem}; {exc.fix}", 1 if isinstance(exc, _RunError) else 2)
+    except PermissionError as exc:  # a file or folder of the user's that this user may not read (or write)
+        where = f" {exc.filename}" if exc.filename else ""
+        _fail(f"permission denied:{where} ({exc.strerror or exc}); give this user access to it (chmod, chown) or pass "
+              "another path", 2)
     parser.error(f"unknown command {command!r}")  # pragma: no cover - argparse rejects it first

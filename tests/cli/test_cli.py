@@ -1439,3 +1439,20 @@ def test_train_with_kept_graphs_logs_and_prints_them(tmp_path, text_file, capsys
         assert ("kept graphs 1" in printed) == (name == "kept"), printed
     assert [r["kept_graphs"] for r in runs["kept"]] == [1, 1] and [r["kept_graphs"] for r in runs["plain"]] == [0, 0]
     assert [r["loss"] for r in runs["kept"]] == [r["loss"] for r in runs["plain"]]
+
+
+def test_a_file_the_user_may_not_read_is_one_line_not_a_traceback(capsys, monkeypatch):
+    """A PermissionError anywhere in a command (a checkpoint, a data file or an output folder another user owns)
+    is one line naming the path, exit status 2."""
+    cli_main = sys.modules["oomb.cli.main"]  # the module (the package's attribute main is the function)
+
+    def denied(args):
+        raise PermissionError(13, "Permission denied", "/runs/x/checkpoints/step-00000004/trainable.safetensors")
+
+    monkeypatch.setattr(cli_main, "_eval", denied)
+    with pytest.raises(SystemExit) as exc:
+        main(["eval"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert err == ("oomb: error: permission denied: /runs/x/checkpoints/step-00000004/trainable.safetensors "
+                   "(Permission denied); give this user access to it (chmod, chown) or pass another path\n")
