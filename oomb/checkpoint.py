@@ -51,6 +51,7 @@ __all__ = [
     "GracefulStop",
     "find_latest",
     "intact_before",
+    "read_meta",
     "is_checkpoint_meta",
     "load_checkpoint",
     "read_settings",
@@ -310,6 +311,16 @@ def find_latest(root: str | Path) -> Path | None:
     return done[-1] if done else None
 
 
+def read_meta(path: str | Path) -> dict[str, Any]:
+    """The meta.json of the checkpoint folder ``path`` with its structure checked (format, step, file list, run
+    fingerprint); no other file is read (:func:`load_checkpoint` verifies them).
+
+    Raises:
+        CheckpointError: meta.json is missing, corrupt or damaged (naming the earlier intact checkpoints).
+    """
+    return _parse_meta(Path(path))
+
+
 def read_settings(path: str | Path, key: str = "settings") -> dict[str, Any] | None:
     """The ``settings`` (or, with ``key="fingerprint"``, the fingerprint) :func:`save_checkpoint` saved in the
     checkpoint folder ``path``, or None (none saved, e.g. by an older oomb, or a meta.json that cannot be read:
@@ -357,6 +368,15 @@ def _elsewhere(path: Path) -> str:
 
 
 def _read_meta(path: Path) -> dict[str, Any]:
+    """The meta.json of ``path``, its structure checked and every file it lists verified (size, SHA-256)."""
+    meta = _parse_meta(path)
+    _verify_files(path, meta["files"])
+    return meta
+
+
+def _parse_meta(path: Path) -> dict[str, Any]:
+    """The meta.json of ``path`` with its structure checked (format, step, file list, fingerprint); no file is
+    read but meta.json."""
     meta_path = path / _META
     if not meta_path.is_file():
         raise CheckpointError(
@@ -384,6 +404,12 @@ def _read_meta(path: Path) -> dict[str, Any]:
         damaged = "it names files outside the checkpoint folder"
     if damaged is not None:
         raise CheckpointError(f"{meta_path} is damaged ({damaged}); {_elsewhere(path)}")
+    if not any(name == _WEIGHTS or Path(name).parts[:1] == (_DCP,) for name in files):
+        raise CheckpointError(f"{meta_path} is damaged (its file list names no {_WEIGHTS}); {_elsewhere(path)}")
+    return meta
+
+
+def _verify_files(path: Path, files: dict[str, dict]) -> None:
     for name, info in files.items():
         f = path / name
         if not f.is_file():
@@ -396,7 +422,6 @@ def _read_meta(path: Path) -> dict[str, Any]:
         if _sha256(f) != info["sha256"]:
             raise CheckpointError(f"{f} is corrupt (its size is right but its SHA-256 checksum is not the one "
                                   f"{_META} records); {_elsewhere(path)}")
-    return meta
 
 
 def load_checkpoint(
@@ -407,6 +432,7 @@ def load_checkpoint(
     fingerprint: dict[str, Any],
     *,
     sharded: bool = False,
+    trainer_state: bool = True,
 ) -> tuple[int, dict[str, Any]]:
     """Verify and load a checkpoint into ``model``, ``optimizer`` and ``scheduler``.
 
@@ -414,6 +440,8 @@ def load_checkpoint(
         sharded: the model's parameters are FSDP2 shards (as in :func:`save_checkpoint`): every rank calls this
             (a collective); rank 0 verifies the files, every rank reads its shards (DCP). The checkpoint must be
             a sharded one of as many ranks.
+        trainer_state: False: the trainer state (optimizer, scheduler, ``extra``) is verified but not loaded
+            (reading the weights as a model); ``extra`` is then ``{}``.
 
     Returns:
         (step, extra): the completed step count and the ``extra`` dict given to save.
@@ -458,6 +486,8 @@ def load_checkpoint(
     with torch.no_grad():
         for name, p in params.items():
             p.copy_(weights[name].to(p.device, p.dtype))
+    if not trainer_state:
+        return int(meta["step"]), {}
     state = _trainer_state(path)
     if optimizer is not None and state.get("optimizer") is not None:
         optimizer.load_state_dict(state["optimizer"])

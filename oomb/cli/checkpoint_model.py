@@ -10,6 +10,7 @@ trainable weights are loaded after every file of the checkpoint is verified (siz
 
 from __future__ import annotations
 
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -18,26 +19,78 @@ from .errors import UsageError, _one_line
 
 
 def _checkpoint_to_read(model: str) -> Path | None:
-    """The checkpoint folder ``--model`` names, or the latest complete checkpoint of a run folder that holds no saved
-    model (no config.json, no adapter_config.json); None for anything else (a preset, a model or adapter folder)."""
+    """The checkpoint folder ``--model`` names (a folder with a meta.json beside a checkpoint's files, readable or
+    not: reading it names what is wrong), or the latest complete checkpoint of a run folder that holds no saved model
+    (no config.json, no adapter_config.json); None for anything else (a preset, a model or adapter folder)."""
     from ..checkpoint import find_latest, is_checkpoint_meta
 
     folder = Path(model).expanduser()
     if not folder.is_dir():
         return None
-    if is_checkpoint_meta(folder / "meta.json"):
+    if (folder / "meta.json").exists() and (is_checkpoint_meta(folder / "meta.json") or any(
+            (folder / name).exists() for name in ("trainable.safetensors", "trainer_state.pt", "dcp"))):
         return folder
     if (folder / "config.json").is_file() or (folder / "adapter_config.json").is_file():
         return None
     return find_latest(folder / "checkpoints") if (folder / "checkpoints").is_dir() else None
 
 
-def _run_tokenizer(checkpoint: Path) -> str | None:
-    """The --tokenizer of the checkpoint's run (None: the bundled one, as oomb train reads without --tokenizer)."""
-    from ..checkpoint import read_settings
+def _instead(checkpoint: Path) -> str:
+    """The fix of a checkpoint that cannot be read: its run's newest earlier checkpoint that has all its files."""
+    from ..checkpoint import intact_before
 
-    tokenizer = (read_settings(checkpoint, "fingerprint") or {}).get("tokenizer")
-    return tokenizer if isinstance(tokenizer, str) else None
+    earlier = intact_before(checkpoint)
+    if earlier:
+        return f"pass --model {shlex.quote(str(earlier[0]))}, the earlier checkpoint beside it, or restore the file"
+    return "restore the file from a copy, or pass the run's saved model"
+
+
+def _meta(checkpoint: Path) -> tuple[dict, dict]:
+    """(fingerprint, settings) of the checkpoint's meta.json, its structure checked.
+
+    Raises:
+        UsageError: meta.json is missing, corrupt or damaged, or holds the parameter shards of several ranks.
+    """
+    from ..checkpoint import CheckpointError, read_meta
+
+    try:
+        meta = read_meta(checkpoint)
+    except CheckpointError as exc:
+        problem = _one_line(exc).rpartition("; ")[0] or _one_line(exc)
+        raise UsageError(problem, _instead(checkpoint)) from exc
+    sharded = meta.get("sharded")
+    if isinstance(sharded, dict) and sharded.get("world_size"):
+        raise UsageError(f"{checkpoint} holds the parameter shards of {sharded['world_size']} ranks (--shard)",
+                         "finish the run with --resume under torchrun so that it saves its model, and pass that folder")
+    settings = meta.get("settings")
+    return meta.get("fingerprint") or {}, settings if isinstance(settings, dict) else {}
+
+
+def _checked(checkpoint: Path, key: str, value, ok: bool, want: str):
+    """``value`` where ``ok``, else the UsageError of a meta.json value a hand or a disk changed."""
+    if not ok:
+        raise UsageError(f"{checkpoint / 'meta.json'} has {key} {json.dumps(value)}, not {want}: it was edited or is "
+                         "damaged", _instead(checkpoint))
+    return value
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _run_tokenizer(checkpoint: Path) -> str | None:
+    """The --tokenizer of the checkpoint's run (None: the bundled one, as oomb train reads without --tokenizer).
+
+    Raises:
+        UsageError: meta.json cannot be read, or names a tokenizer folder that is not there.
+    """
+    meta, _ = _meta(checkpoint)
+    tokenizer = meta.get("tokenizer")
+    _checked(checkpoint, "tokenizer", tokenizer, tokenizer is None or isinstance(tokenizer, str), "a folder or null")
+    if tokenizer is not None and not Path(tokenizer).is_dir():
+        raise UsageError(f"the tokenizer folder of the checkpoint's run, {tokenizer!r}, does not exist",
+                         "put it back there, or pass --tokenizer the folder it is in now")
+    return tokenizer
 
 
 def _checkpoint_model(checkpoint: Path, given: str, device, dtype):
@@ -45,59 +98,78 @@ def _checkpoint_model(checkpoint: Path, given: str, device, dtype):
     where ``given`` is a run folder read at its latest checkpoint.
 
     Raises:
-        UsageError: the checkpoint holds the parameter shards of several ranks, names a base model that cannot be
-            built, or a file of it is missing, truncated or corrupt (naming the earlier checkpoints that are intact).
+        UsageError: meta.json is damaged or holds a value no run writes, the checkpoint holds the parameter shards
+            of several ranks, names a base model that cannot be built, or a file of it is missing, truncated or
+            corrupt (naming the earlier checkpoint that is intact).
     """
     import torch
 
-    from ..checkpoint import CheckpointError, intact_before, load_checkpoint, read_settings
+    from ..checkpoint import CheckpointError, load_checkpoint
+    from ..config import ModelConfig
     from ..models.hf import UnsupportedModelError
     from ..models.presets import PRESETS, UnknownModelError, build_model
 
-    meta = read_settings(checkpoint, "fingerprint") or {}
-    settings = read_settings(checkpoint) or {}
-    sharded = read_settings(checkpoint, "sharded")
-    if isinstance(sharded, dict) and sharded.get("world_size"):
-        raise UsageError(f"--model {given!r}: {checkpoint} holds the parameter shards of {sharded['world_size']} ranks "
-                         "(--shard)", "finish the run with --resume under torchrun so that it saves its model, and "
-                         "pass that folder")
-    base, lora_rank = meta.get("model"), int(meta.get("lora_rank") or 0)
-    if not isinstance(base, str) or not base:
-        raise UsageError(f"--model {given!r}: {checkpoint}/meta.json names no model", "pass a checkpoint oomb train wrote")
+    meta, settings = _meta(checkpoint)
+    base = meta.get("model")
+    _checked(checkpoint, "model", base, isinstance(base, str) and bool(base.strip()), "a model name or folder")
+    lora_rank = meta.get("lora_rank", 0)
+    _checked(checkpoint, "lora_rank", lora_rank, isinstance(lora_rank, int) and not isinstance(lora_rank, bool)
+             and lora_rank >= 0, "a rank of 0 or more")
+    seed = meta.get("seed", 0)
+    _checked(checkpoint, "seed", seed, isinstance(seed, int) and not isinstance(seed, bool), "an integer")
+    run_dtype = meta.get("dtype", "float32")
+    _checked(checkpoint, "dtype", run_dtype, run_dtype in ("float32", "bfloat16", "float16"), "float32 or bfloat16")
+    theta, scaling = meta.get("rope_theta"), meta.get("rope_scaling")
+    _checked(checkpoint, "rope_theta", theta, theta is None or (_number(theta) and theta > 0), "a positive number")
+    _checked(checkpoint, "rope_scaling", scaling, scaling is None or isinstance(scaling, dict), "a mapping")
+    alpha = meta.get("lora_alpha")
+    _checked(checkpoint, "lora_alpha", alpha, alpha is None or _number(alpha), "a number")
+    targets = meta.get("lora_targets", ModelConfig.lora_targets)
+    _checked(checkpoint, "lora_targets", targets, isinstance(targets, str) and bool(targets.strip()), "module names")
+    trained = meta.get("train_embeddings_norms", ModelConfig.train_embeddings_norms)
+    _checked(checkpoint, "train_embeddings_norms", trained, isinstance(trained, bool), "true or false")
     if base not in PRESETS and not Path(base).is_dir():
         raise UsageError(f"--model {given!r}: the base model folder of its run, {base!r}, does not exist",
-                         "put the base model back there, or pass the run's saved model instead")
-    # A preset's random weights are drawn again as the run drew them: same seed, same device, same dtype. A full
+                         "put the base model back there")
+    # A preset's random weights are drawn again as the run drew them: same seed, device and dtype. A full
     # fine-tune's checkpoint replaces every one of them; a LoRA adapter's keeps them.
-    run_device = settings.get("device", device.type) if base in PRESETS and lora_rank else device.type
+    run_device = device.type
+    if base in PRESETS and lora_rank:
+        if "device" in settings:
+            run_device = _checked(checkpoint, "device", settings["device"], settings["device"] in ("cpu", "cuda"),
+                                  "cpu or cuda")
+        else:
+            print(f"oomb: note: {checkpoint} does not record the device of its run, which drew the random preset "
+                  f"{base!r} under its LoRA adapter: drawn here on {device.type}, the same weights only if the run "
+                  "was on it too", file=sys.stderr)
     if run_device == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--model {given!r}: its base is the random preset of a run on cuda, whose weights only a CUDA "
                          "GPU draws again", "read it on a machine with a CUDA GPU (--device cuda)")
-    run_dtype = getattr(torch, str(meta.get("dtype", "float32")), torch.float32)
-    torch.manual_seed(int(meta.get("seed", 0)))
+    torch.manual_seed(seed)
     try:
-        model = build_model(base, dtype=run_dtype, device=run_device)
+        model = build_model(base, dtype=getattr(torch, run_dtype), device=run_device)
     except (UnknownModelError, UnsupportedModelError) as exc:
         raise UsageError(f"--model {given!r}: cannot build the base model of its run ({_one_line(exc)})",
-                         "pass the run's saved model instead") from exc
-    if meta.get("rope_theta") is not None or meta.get("rope_scaling"):
+                         "put the run's base model back where it was") from exc
+    if theta is not None or scaling:
         from ..models.rope import set_rope
 
-        set_rope(model, rope_theta=meta.get("rope_theta"), rope_scaling=meta.get("rope_scaling"))
+        try:
+            set_rope(model, rope_theta=theta, rope_scaling=scaling)
+        except ValueError as exc:
+            _checked(checkpoint, "rope_scaling", scaling, False, f"RoPE scaling this model takes ({_one_line(exc)})")
     if lora_rank:
-        from ..config import ModelConfig
-        from ..models.lora import apply_lora
+        from ..models.lora import LoraTargetError, apply_lora
 
-        model = apply_lora(model, lora_rank, meta.get("lora_alpha"), meta.get("lora_targets", ModelConfig.lora_targets),
-                           bool(meta.get("train_embeddings_norms", ModelConfig.train_embeddings_norms)))
+        try:
+            model = apply_lora(model, lora_rank, alpha, targets, trained)
+        except LoraTargetError as exc:
+            _checked(checkpoint, "lora_targets", targets, False, f"linear layers of the model ({_one_line(exc)})")
     try:
-        load_checkpoint(checkpoint, model, None, None, meta)
+        load_checkpoint(checkpoint, model, None, None, meta, trainer_state=False)
     except CheckpointError as exc:
         problem = _one_line(exc).rpartition("; ")[0] or _one_line(exc)
-        earlier = intact_before(checkpoint)
-        fix = (f"pass --model {shlex.quote(str(earlier[0]))}, the earlier checkpoint of its run, or restore the file"
-               if earlier else "restore the file from a copy, or pass the run's saved model")
-        raise UsageError(problem, fix) from exc
+        raise UsageError(problem, _instead(checkpoint)) from exc
     if Path(given).expanduser() != checkpoint:
         print(f"oomb: note: {given} holds no saved model (its run stopped before the end): reading its latest "
               f"checkpoint, {checkpoint.name}", file=sys.stderr)

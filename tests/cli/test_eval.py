@@ -235,4 +235,34 @@ def test_a_checkpoint_reads_as_the_model_its_run_saved(tmp_path, text_file, caps
     weights.write_bytes(weights.read_bytes()[:100])
     _check_refused(run_cli(["eval", "--model", stopped, *windows]), capsys,
                    f"{weights} is truncated (100 of its {size:,} bytes); pass --model "
-                   f"{stopped / 'checkpoints' / 'step-00000001'}, the earlier checkpoint of its run")
+                   f"{stopped / 'checkpoints' / 'step-00000001'}, the earlier checkpoint beside it")
+
+
+@pytest.mark.parametrize("edit, said", [
+    (lambda meta: "{\"format\": 1,", "meta.json is corrupt"),
+    (lambda meta: json.dumps([meta]), "is not an oomb checkpoint of format 1"),
+    (lambda meta: json.dumps({**meta, "files": {}}), "its file list names no trainable.safetensors"),
+    (lambda meta: json.dumps({**meta, "fingerprint": {**meta["fingerprint"], "seed": "x"}}), 'has seed "x", not an integer'),
+    (lambda meta: json.dumps({**meta, "fingerprint": {**meta["fingerprint"], "dtype": "int64"}}), 'has dtype "int64"'),
+    (lambda meta: json.dumps({**meta, "fingerprint": {**meta["fingerprint"], "lora_rank": -3}}), "has lora_rank -3"),
+    (lambda meta: json.dumps({**meta, "fingerprint": {**meta["fingerprint"], "rope_theta": "big"}}), 'has rope_theta "big"'),
+    (lambda meta: json.dumps({**meta, "fingerprint": {**meta["fingerprint"], "lora_rank": 2, "lora_targets": "foo_proj"}}),
+     'has lora_targets "foo_proj", not linear layers of the model'),
+    (lambda meta: json.dumps({**meta, "fingerprint": {**meta["fingerprint"], "tokenizer": "/nowhere/tok"}}),
+     "the tokenizer folder of the checkpoint's run, '/nowhere/tok', does not exist; put it back there"),
+])
+def test_a_damaged_or_edited_checkpoint_meta_is_one_line_naming_the_earlier_checkpoint(tmp_path, text_file, capsys,
+                                                                                         edit, said):
+    out = tmp_path / "run"
+    assert run_cli(["train", "--data", text_file, "--output-dir", out, "--seq-len", "128", "--chunk-size", "64",
+                    "--page-size", "32", "--steps", "2", "--save-every", "1", "--no-progress"]) == 0
+    meta_file = out / "checkpoints" / "step-00000002" / "meta.json"
+    meta_file.write_text(edit(json.loads(meta_file.read_text())))
+    capsys.readouterr()
+    status = run_cli(["eval", "--model", meta_file.parent, "--data", text_file, *SMALL, "--num-windows", "1"])
+    _check_refused(status, capsys, said)
+    if "tokenizer" not in said:
+        assert capsys.readouterr().err == ""
+        assert run_cli(["eval", "--model", meta_file.parent, "--data", text_file, *SMALL, "--num-windows", "1"]) == 2
+        assert f"pass --model {out / 'checkpoints' / 'step-00000001'}, the earlier checkpoint beside it" in \
+            capsys.readouterr().err
