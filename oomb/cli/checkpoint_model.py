@@ -21,7 +21,12 @@ from .errors import UsageError, _one_line
 def _checkpoint_to_read(model: str) -> Path | None:
     """The checkpoint folder ``--model`` names (a folder with a meta.json beside a checkpoint's files, readable or
     not: reading it names what is wrong), or the latest complete checkpoint of a run folder that holds no saved model
-    (no config.json, no adapter_config.json); None for anything else (a preset, a model or adapter folder)."""
+    (no config.json, no adapter_config.json) or of its checkpoints folder; None for anything else (a preset, a
+    model or adapter folder).
+
+    Raises:
+        UsageError: ``--model`` is a run folder that holds neither a saved model nor a complete checkpoint.
+    """
     from ..checkpoint import find_latest, is_checkpoint_meta
 
     folder = Path(model).expanduser()
@@ -32,7 +37,17 @@ def _checkpoint_to_read(model: str) -> Path | None:
         return folder
     if (folder / "config.json").is_file() or (folder / "adapter_config.json").is_file():
         return None
-    return find_latest(folder / "checkpoints") if (folder / "checkpoints").is_dir() else None
+    for root in (folder / "checkpoints", folder):  # a run folder, or its checkpoints folder
+        latest = find_latest(root) if root.is_dir() else None
+        if latest is not None:
+            return latest
+    from .output import _looks_like_oomb_output
+
+    if _looks_like_oomb_output(folder):
+        raise UsageError(f"--model {model!r} is the output folder of an oomb train run that stopped before it saved its "
+                         "model or a complete checkpoint", "train it again (--save-every N keeps checkpoints on the way), "
+                         "or pass a model folder or a preset")
+    return None
 
 
 def _instead(checkpoint: Path) -> str:
@@ -171,8 +186,8 @@ def _checkpoint_model(checkpoint: Path, given: str, device, dtype):
         problem = _one_line(exc).rpartition("; ")[0] or _one_line(exc)
         raise UsageError(problem, _instead(checkpoint)) from exc
     if Path(given).expanduser() != checkpoint:
-        print(f"oomb: note: {given} holds no saved model (its run stopped before the end): reading its latest "
-              f"checkpoint, {checkpoint.name}", file=sys.stderr)
+        print(f"oomb: note: {given} holds no saved model: reading its latest checkpoint, {checkpoint.name}",
+              file=sys.stderr)
     if lora_rank:
         model = model.merge_and_unload()
     return model.to(device=device, dtype=dtype)

@@ -228,8 +228,16 @@ def test_a_checkpoint_reads_as_the_model_its_run_saved(tmp_path, text_file, caps
     shutil.copytree(out / "checkpoints", stopped / "checkpoints")
     capsys.readouterr()
     assert run_eval(tmp_path, ["--model", stopped, *windows])["rows"][0]["window_losses"] == saved
-    assert f"oomb: note: {stopped} holds no saved model (its run stopped before the end): reading its latest " \
-           "checkpoint, step-00000002" in capsys.readouterr().err
+    assert f"oomb: note: {stopped} holds no saved model: reading its latest checkpoint, step-00000002" in \
+        capsys.readouterr().err
+    assert run_eval(tmp_path, ["--model", out / "checkpoints", *windows])["rows"][0]["window_losses"] == saved
+    killed = tmp_path / "killed"  # a run stopped before its first checkpoint: only its log
+    killed.mkdir()
+    shutil.copy(out / "log.jsonl", killed / "log.jsonl")
+    capsys.readouterr()
+    _check_refused(run_cli(["eval", "--model", killed, *windows]), capsys,
+                   "is the output folder of an oomb train run that stopped before it saved its model or a complete "
+                   "checkpoint; train it again")
     weights = stopped / "checkpoints" / "step-00000002" / "trainable.safetensors"
     size = weights.stat().st_size
     weights.write_bytes(weights.read_bytes()[:100])
