@@ -112,7 +112,7 @@ def _resume_settings(args: argparse.Namespace) -> dict:
 def _checkpoint_settings(args: argparse.Namespace, device) -> dict:
     """meta.json's "settings" of every checkpoint: those --resume compares (``_RESUME_SETTINGS``) and the device
     the run drew its weights on, which a LoRA checkpoint of a random preset is rebuilt on when it is read as a model
-    (:mod:`oomb.cli.checkpoint_model`); the device is not compared on --resume."""
+    (:mod:`oomb.cli.checkpoint_model`) and which --resume compares for such a run only."""
     return {**_resume_settings(args), "device": device.type}
 
 
