@@ -51,6 +51,7 @@ __all__ = [
     "GracefulStop",
     "find_latest",
     "intact_before",
+    "is_checkpoint_folder",
     "is_checkpoint_meta",
     "load_checkpoint",
     "read_meta",
@@ -297,6 +298,15 @@ def is_checkpoint_meta(path: str | Path) -> bool:
     except (OSError, UnicodeDecodeError, ValueError):
         return False
     return isinstance(meta, dict) and _META_KEYS <= meta.keys()
+
+
+def is_checkpoint_folder(path: str | Path) -> bool:
+    """Whether the folder ``path`` is an oomb checkpoint, whole or damaged: a meta.json that oomb wrote, or any
+    meta.json beside a checkpoint's weights or trainer state (reading it then names what is wrong). Cheap: no file
+    is verified."""
+    path = Path(path)
+    return (path / _META).exists() and (is_checkpoint_meta(path / _META) or any(
+        (path / name).exists() for name in (_WEIGHTS, _STATE, _DCP)))
 
 
 def find_latest(root: str | Path) -> Path | None:

@@ -27,13 +27,12 @@ def _checkpoint_to_read(model: str) -> Path | None:
     Raises:
         UsageError: ``--model`` is a run folder that holds neither a saved model nor a complete checkpoint.
     """
-    from ..checkpoint import find_latest, is_checkpoint_meta
+    from ..checkpoint import find_latest, is_checkpoint_folder
 
     folder = Path(model).expanduser()
     if not folder.is_dir():
         return None
-    if (folder / "meta.json").exists() and (is_checkpoint_meta(folder / "meta.json") or any(
-            (folder / name).exists() for name in ("trainable.safetensors", "trainer_state.pt", "dcp"))):
+    if is_checkpoint_folder(folder):
         return folder
     if (folder / "config.json").is_file() or (folder / "adapter_config.json").is_file():
         return None

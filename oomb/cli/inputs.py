@@ -183,10 +183,12 @@ def _data_setting(args: argparse.Namespace, name: str, file: bool = True) -> str
 def _merged_adapter(adapter: Path, device, dtype):
     """A LoRA adapter folder (an 'oomb train --lora-rank' output) merged into its base in memory, as 'oomb merge'
     rebuilds and merges it, then moved to ``device`` and ``dtype``."""
-    from .merge import _base_recipe, _build_base, _merged
+    from .merge import _base_recipe, _build_base, _check_adapter_weights, _merged
 
+    shown = f"the adapter {str(adapter)!r}"
     recipe = _base_recipe(adapter)
-    merged = _merged(_build_base(recipe), adapter, recipe, f"the adapter {str(adapter)!r}")
+    _check_adapter_weights(adapter, shown)
+    merged = _merged(_build_base(recipe), adapter, recipe, shown)
     return merged.to(device=device, dtype=dtype)
 
 

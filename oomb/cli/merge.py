@@ -164,12 +164,10 @@ def _tokenizer(adapter: Path, recipe: dict):
     return None
 
 
-def _merged(base, adapter: Path, recipe: dict, shown: str):
-    """``base`` with the LoRA adapter folder ``adapter`` merged into it; an adapter of another model is one
-    UsageError naming ``shown`` (how the command's user gave the adapter) and the base."""
+def _check_adapter_weights(adapter: Path, shown: str) -> None:
+    """Refuse an adapter folder whose adapter_model.safetensors is missing or unreadable (truncated, corrupt) before
+    its base is built; ``shown``: how the command's user gave the adapter. Only the file's header is read."""
     from safetensors import safe_open
-
-    from ..models.lora import merge_adapter
 
     weights = adapter / "adapter_model.safetensors"
     if not weights.is_file():
@@ -182,6 +180,13 @@ def _merged(base, adapter: Path, recipe: dict, shown: str):
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise UsageError(f"{weights} cannot be read ({first}): it is truncated or corrupt",
                          "restore it from a copy, or pass another adapter folder") from exc
+
+
+def _merged(base, adapter: Path, recipe: dict, shown: str):
+    """``base`` with the LoRA adapter folder ``adapter`` merged into it; an adapter of another model is one
+    UsageError naming ``shown`` (how the command's user gave the adapter) and the base."""
+    from ..models.lora import merge_adapter
+
     try:
         return merge_adapter(base, adapter)
     except (ValueError, KeyError, RuntimeError, OSError) as exc:  # an adapter of another model
@@ -196,6 +201,7 @@ def _merge(args: argparse.Namespace) -> int:
     adapter = _adapter_dir(args.adapter_dir, args)
     out = _output_dir(args.output_dir, adapter, args)
     recipe = _base_recipe(adapter)
+    _check_adapter_weights(adapter, f"ADAPTER_DIR {str(adapter)!r}")
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
