@@ -89,6 +89,10 @@ def _histogram(path: Path, lengths, seq_len: int, title: str) -> None:
 def _make(args: argparse.Namespace) -> int:
     """``oomb data --make passkey|needle|keyvalue``: write synthetic retrieval rows (JSON Lines) for
     ``oomb train --data``."""
+    if args.make in ("passkey", "keyvalue") and args.data is not None:
+        raise UsageError(f"--data is not read by --make {args.make} (its haystack is fixed filler text)",
+                         "leave --data out, or pass --make needle to hide needles in that text")
+    _check_data_exists(args)
     from ..data.stats import counted
     from ..retrieval import is_retrieval_jsonl, retrieval_rows, write_retrieval_jsonl
     from .inputs import _load_tokens
@@ -106,9 +110,6 @@ def _make(args: argparse.Namespace) -> int:
     if path.exists() and not is_retrieval_jsonl(path):
         raise UsageError(f"{shown} exists and is not an earlier 'oomb data --make' file, so writing would destroy it",
                          "pass --make-output a new file path, or delete that file first if it is not needed")
-    if args.make in ("passkey", "keyvalue") and args.data is not None:
-        raise UsageError(f"--data is not read by --make {args.make} (its haystack is fixed filler text)",
-                         "leave --data out, or pass --make needle to hide needles in that text")
     tokenizer = _load_tokenizer(args, args.tokenizer)
     _check_digits(tokenizer)
     tokens = _load_tokens(args, args.tokenizer) if args.make == "needle" else None

@@ -4,31 +4,38 @@
 (:mod:`~oomb.retrieval.report`); and a generator of retrieval training text (:mod:`~oomb.retrieval.synthetic`).
 """
 
-from .prompts import (
-    TASKS,
-    RetrievalPrompt,
-    build_prompts,
-    check_digits,
-    needle_prompt,
-    passkey_prompt,
-)
-from .report import RetrievalReport, RetrievalRow, RetrievalTrial
-from .score import evaluate_retrieval, score_prompt
-from .synthetic import is_retrieval_jsonl, retrieval_rows, write_retrieval_jsonl
+from __future__ import annotations
 
-__all__ = [
-    "TASKS",
-    "RetrievalPrompt",
-    "RetrievalReport",
-    "RetrievalRow",
-    "RetrievalTrial",
-    "build_prompts",
-    "check_digits",
-    "evaluate_retrieval",
-    "is_retrieval_jsonl",
-    "needle_prompt",
-    "passkey_prompt",
-    "retrieval_rows",
-    "score_prompt",
-    "write_retrieval_jsonl",
-]
+import importlib
+from typing import TYPE_CHECKING
+
+_EXPORTS = {
+    "TASKS": "prompts", "RetrievalPrompt": "prompts", "build_prompts": "prompts", "check_digits": "prompts",
+    "needle_prompt": "prompts", "passkey_prompt": "prompts",
+    "RetrievalReport": "report", "RetrievalRow": "report", "RetrievalTrial": "report",
+    "evaluate_retrieval": "score", "score_prompt": "score",
+    "is_retrieval_jsonl": "synthetic", "retrieval_rows": "synthetic", "write_retrieval_jsonl": "synthetic",
+}
+"""Name -> the submodule that defines it. The submodules are imported when a name is first asked for (PEP 562), so
+that writing rows (``oomb data --make``) does not import the engine that scoring needs."""
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from .prompts import TASKS, RetrievalPrompt, build_prompts, check_digits, needle_prompt, passkey_prompt
+    from .report import RetrievalReport, RetrievalRow, RetrievalTrial
+    from .score import evaluate_retrieval, score_prompt
+    from .synthetic import is_retrieval_jsonl, retrieval_rows, write_retrieval_jsonl
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value  # asked once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

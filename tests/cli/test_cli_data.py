@@ -316,6 +316,7 @@ def test_a_missing_data_path_from_a_config_file_names_the_key_and_the_file(tmp_p
 
 @pytest.mark.parametrize("argv", [
     ["train", "--output-dir", "{tmp}/out"], ["eval"], ["eval", "--task", "needle"], ["grad-error"], ["data"],
+    ["data", "--make", "needle", "--make-output", "{tmp}/rows.jsonl"],
 ])
 def test_a_missing_data_path_is_refused_before_torch_is_imported(tmp_path, argv):
     """The refusal takes a fraction of a second: the path is checked before the imports of torch and
