@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from ..png import png_metadata
 from .checks import _check_vocab, _usage_from
 from .errors import UsageError
 from .inputs import _check_data_exists, _check_png_path, _training_data
@@ -16,11 +17,11 @@ DEFAULT_OUTPUT = "oomb-data-lengths.png"
 
 
 def _check_output(given: str | None) -> Path:
-    """The PNG path: not a folder, in an existing folder we may write to, new, empty or a PNG (never another
-    file), and ending in .png (or no suffix)."""
+    """The PNG path: not a folder, in an existing folder we may write to, new, empty or an earlier histogram (never
+    another file or picture), and ending in .png (or no suffix)."""
     path = Path(given or DEFAULT_OUTPUT).expanduser()
     return _check_png_path(path, f"--output {given!r}" if given else f"the histogram file {str(path)!r}", "--output",
-                           "the histogram")
+                           "the histogram", "histogram")
 
 
 def render_sequence(tokenizer, sample, limit: int, color: bool = False) -> str:
@@ -78,7 +79,7 @@ def _histogram(path: Path, lengths, seq_len: int, title: str) -> None:
     fig.tight_layout()
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.png")
     try:
-        fig.savefig(tmp, format="png")
+        fig.savefig(tmp, format="png", metadata=png_metadata("histogram"))
         os.replace(tmp, path)
     finally:
         plt.close(fig)

@@ -54,10 +54,11 @@ def _check_json_arg(args: argparse.Namespace, report_keys: frozenset, command: s
 _PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def _check_png_path(path: Path, shown: str, flag: str, what: str) -> Path:
-    """A PNG output ``path`` (named ``shown`` in messages, set by ``flag``; ``what`` is the picture) can be written:
-    not a folder, in an existing folder we may write to, new, empty or a PNG (never another file), and ending in
-    .png or in no suffix (hist.jpg would hold PNG bytes under a JPEG name)."""
+def _check_png_path(path: Path, shown: str, flag: str, what: str, kind: str) -> Path:
+    """A PNG output ``path`` (named ``shown`` in messages, set by ``flag``; ``what`` is the picture, of
+    :data:`oomb.png.KINDS` ``kind``) can be written: not a folder, in an existing folder we may write to, new, empty
+    or an earlier oomb picture of the same kind (never another file, nor another picture: a run's loss curve, a
+    photo), and ending in .png or in no suffix (hist.jpg would hold PNG bytes under a JPEG name)."""
     if path.is_dir():
         raise UsageError(f"{shown} is a folder", f"pass a file path, e.g. {flag} plot.png")
     if not path.resolve().parent.is_dir():
@@ -69,17 +70,23 @@ def _check_png_path(path: Path, shown: str, flag: str, what: str) -> Path:
             if f.read(8) != _PNG:
                 raise UsageError(f"{shown} exists and is not a PNG image, so writing would destroy it",
                                  f"pass {flag} a new file path, or delete that file first if it is not needed")
+        from ..png import png_kind
+
+        if png_kind(path) != kind:
+            raise UsageError(f"{shown} exists and is not an earlier oomb {what[4:] if what.startswith('the ') else what} "
+                             "(a PNG that another command or program wrote), so writing would destroy it",
+                             f"pass {flag} a new file path, or delete that file first if it is not needed")
     if path.suffix and path.suffix.lower() != ".png":
         raise UsageError(f"{shown} ends in {path.suffix}, but {what} is written as a PNG image only",
                          f"pass a path ending in .png, e.g. {flag} {path.with_suffix('.png').name}")
     return path
 
 
-def _check_png_arg(given: str | None, flag: str, what: str) -> Path | None:
+def _check_png_arg(given: str | None, flag: str, what: str, kind: str) -> Path | None:
     """``flag PATH`` (a PNG to write) checked by :func:`_check_png_path`; None when not given."""
     if given is None:
         return None
-    return _check_png_path(Path(given).expanduser(), f"{flag} {given!r}", flag, what)
+    return _check_png_path(Path(given).expanduser(), f"{flag} {given!r}", flag, what, kind)
 
 
 def _write_json(given: str, data: dict) -> None:

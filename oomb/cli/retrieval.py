@@ -58,7 +58,7 @@ def _eval_retrieval(args: argparse.Namespace, budgets: list[int]) -> int:
                          "leave --data out, or pass --task needle to hide needles in that text")
     _check_backend_device(args)
     _check_json_arg(args, RETRIEVAL_REPORT_KEYS, "eval --task passkey|needle")
-    heatmap = _check_png_arg(args.heatmap, "--heatmap", "the heatmap")
+    heatmap = _check_png_arg(args.heatmap, "--heatmap", "the heatmap", "heatmap")
     _check_data_exists(args)
     lengths = args.lengths or [args.seq_len]
     depths = [float(d) for d in (args.depths if args.depths is not None else DEFAULT_DEPTHS)]

@@ -423,8 +423,8 @@ class EvalConfig:
 
     heatmap: Optional[str] = field(default=None, metadata=flag("--heatmap", metavar="PATH"))
     """Also draw the retrieval results as a PNG heatmap (depth x length, one column per mode: exact-match accuracy
-    above, mean answer log-probability below) to PATH (new, or an earlier PNG: any other existing file is
-    refused)."""
+    above, mean answer log-probability below) to PATH (new, or an earlier oomb heatmap: any other existing file, a run's loss.png
+    or another program's image among them, is refused)."""
 
     @_in("eval")
     def __post_init__(self) -> None:
@@ -525,8 +525,8 @@ class DataReportConfig:
     """``oomb data``: where the length histogram goes and how much of the first sequence is shown."""
 
     output: Optional[str] = field(default=None, metadata=flag("--output", metavar="PATH"))
-    """Write the histogram of example lengths (tokens) as a PNG to PATH (new, or an earlier PNG: any other
-    existing file is refused); default: oomb-data-lengths.png in the current folder."""
+    """Write the histogram of example lengths (tokens) as a PNG to PATH (new, or an earlier oomb histogram:
+    any other existing file, another picture among them, is refused); default: oomb-data-lengths.png in the current folder."""
 
     show_tokens: int = 400
     """Print at most this many tokens of the first sequence training reads (0: all of it)."""

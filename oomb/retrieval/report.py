@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..data.stats import counted
+from ..png import png_metadata
 
 __all__ = ["RetrievalReport", "RetrievalRow", "RetrievalTrial"]
 
@@ -172,7 +173,7 @@ class RetrievalReport:
         fig.colorbar(images[1], ax=list(axes[1]), label="answer log-prob (nats)")
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.png")
         try:
-            fig.savefig(tmp, format="png", bbox_inches="tight")
+            fig.savefig(tmp, format="png", bbox_inches="tight", metadata=png_metadata("heatmap"))
             os.replace(tmp, path)
         finally:
             plt.close(fig)

@@ -6,6 +6,8 @@ import json
 import os
 from pathlib import Path
 
+from ..png import png_metadata
+
 __all__ = ["plot_log", "read_log"]
 
 
@@ -50,6 +52,6 @@ def plot_log(log_path: str | os.PathLike, png_path: str | os.PathLike) -> bool:
     fig.tight_layout()
     png_path = Path(png_path)
     tmp = png_path.with_name(f".{png_path.name}.tmp")
-    fig.savefig(tmp, format="png")
+    fig.savefig(tmp, format="png", metadata=png_metadata("loss"))
     os.replace(tmp, png_path)
     return True

@@ -164,6 +164,33 @@ def test_oomb_data_shows_the_mask_and_writes_the_histogram(tmp_path, capsys):
     assert bare.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_png_that_is_not_an_earlier_histogram_is_kept(tmp_path, capsys):
+    """--output replaces an earlier histogram, never another PNG: a photo, a run's loss curve, a heatmap."""
+    from PIL import Image
+
+    from oomb.png import png_kind
+    from oomb.train.plot import plot_log
+
+    path = write_jsonl(tmp_path / "chat.jsonl", chat_rows())
+    argv = ["data", "--data", path, "--chat-template", PLAIN, "--seq-len", "64", "--output"]
+    photo = tmp_path / "photo.png"
+    Image.new("RGB", (10, 10)).save(photo)
+    (tmp_path / "log.jsonl").write_text('{"step": 1, "loss": 3.0, "tokens_per_s": 10.0}\n')
+    loss = tmp_path / "loss.png"
+    assert plot_log(tmp_path / "log.jsonl", loss) and png_kind(loss) == "loss"
+    for other in (photo, loss):
+        before = other.read_bytes()
+        capsys.readouterr()
+        assert run_cli([*argv, other]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err == (f"oomb: error: --output {str(other)!r} exists and is not an earlier oomb histogram (a PNG that "
+                       "another command or program wrote), so writing would destroy it; pass --output a new file path, "
+                       "or delete that file first if it is not needed")
+        assert other.read_bytes() == before
+    hist = tmp_path / "hist.png"
+    assert run_cli([*argv, hist]) == 0 and png_kind(hist) == "histogram"
+
+
 def test_a_chatml_end_of_turn_that_is_plain_text_is_shown_trained_with_one_warning(tmp_path, capsys):
     """The bundled tokenizer has no <|im_end|> special token; the marker is inside the trained [[...]] span and
     one warning line says it is plain text."""

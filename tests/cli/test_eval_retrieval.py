@@ -22,6 +22,9 @@ def test_passkey_on_a_preset_writes_the_table_json_and_heatmap(tmp_path, capsys)
     out, err = capsys.readouterr()
     data = json.loads(js.read_text())
     assert png.read_bytes()[:8] == PNG and "wrote the heatmap" in err
+    from oomb.png import png_kind
+
+    assert png_kind(png) == "heatmap"  # a later --heatmap may replace it; another PNG is refused (test_bad_input...)
     assert "12 prompts: 2 lengths x 3 depths x 2 trials; chunk 64, page 16" in err
     assert "**passkey, dense: exact match over 2 trials per cell**" in out
     assert (data["task"], data["lengths"], data["depths"], data["trials"]) == ("passkey", [96, 160], [0.0, 50.0, 100.0], 2)
@@ -92,6 +95,15 @@ def test_bad_retrieval_input_gets_one_line(tmp_path, capsys):
     _check_refused(run_cli(["eval", "--task", "passkey", "--json", other]), capsys, "is not an earlier")
     _check_refused(run_cli(["eval", "--task", "passkey", "--heatmap", other]), capsys, "is not a PNG image")
     assert other.read_text() == '{"mine": 1}'
+    # a PNG that is not an earlier heatmap (here: a photo) is kept
+    from PIL import Image
+
+    photo = tmp_path / "loss.png"
+    Image.new("RGB", (8, 8)).save(photo)
+    before = photo.read_bytes()
+    _check_refused(run_cli(["eval", "--task", "passkey", "--heatmap", photo]), capsys,
+                   "exists and is not an earlier oomb heatmap (a PNG that another command or program wrote)")
+    assert photo.read_bytes() == before
     # the heatmap is a PNG: a path with another image suffix is refused before anything runs
     for name in ("heat.jpg", "heat.svg"):
         _check_refused(run_cli(["eval", "--task", "passkey", "--heatmap", tmp_path / name]), capsys,
