@@ -18,14 +18,15 @@ from pathlib import Path
 from .errors import UsageError, _one_line
 
 
-def _checkpoint_to_read(model: str) -> Path | None:
+def _checkpoint_to_read(model: str, flag: str = "--model") -> Path | None:
     """The checkpoint folder ``--model`` names (a folder with a meta.json beside a checkpoint's files, readable or
     not: reading it names what is wrong), or the latest complete checkpoint of a run folder that holds no saved model
     (no config.json, no adapter_config.json) or of its checkpoints folder; None for anything else (a preset, a
     model or adapter folder).
 
     Raises:
-        UsageError: ``--model`` is a run folder that holds neither a saved model nor a complete checkpoint.
+        UsageError: ``--model`` is a run folder that holds neither a saved model nor a complete checkpoint (named
+            as ``flag``, the command's name for the argument).
     """
     from ..checkpoint import find_latest, is_checkpoint_folder
 
@@ -43,7 +44,7 @@ def _checkpoint_to_read(model: str) -> Path | None:
     from .output import _looks_like_oomb_output
 
     if _looks_like_oomb_output(folder):
-        raise UsageError(f"--model {model!r} is the output folder of an oomb train run that stopped before it saved its "
+        raise UsageError(f"{flag} {model!r} is the output folder of an oomb train run that stopped before it saved its "
                          "model or a complete checkpoint", "train it again (--save-every N keeps checkpoints on the way), "
                          "or pass a model folder or a preset")
     return None
@@ -55,7 +56,7 @@ def _instead(checkpoint: Path) -> str:
 
     earlier = intact_before(checkpoint)
     if earlier:
-        return f"pass --model {shlex.quote(str(earlier[0]))}, the earlier checkpoint beside it, or restore the file"
+        return f"pass the earlier checkpoint beside it, {shlex.quote(str(earlier[0]))}, or restore the file"
     return "restore the file from a copy, or pass the run's saved model"
 
 
@@ -107,9 +108,9 @@ def _run_tokenizer(checkpoint: Path) -> str | None:
     return tokenizer
 
 
-def _checkpoint_model(checkpoint: Path, given: str, device, dtype):
-    """The model of ``checkpoint`` (``given``: how --model named it), on ``device`` in ``dtype``; a note on stderr
-    where ``given`` is a run folder read at its latest checkpoint.
+def _checkpoint_model(checkpoint: Path, given: str, device, dtype, flag: str = "--model"):
+    """The model of ``checkpoint`` (``given``: how the argument ``flag`` named it), on ``device`` in ``dtype``; a
+    note on stderr where ``given`` is a run folder read at its latest checkpoint.
 
     Raises:
         UsageError: meta.json is damaged or holds a value no run writes, the checkpoint holds the parameter shards
@@ -143,7 +144,7 @@ def _checkpoint_model(checkpoint: Path, given: str, device, dtype):
     trained = meta.get("train_embeddings_norms", ModelConfig.train_embeddings_norms)
     _checked(checkpoint, "train_embeddings_norms", trained, isinstance(trained, bool), "true or false")
     if base not in PRESETS and not Path(base).is_dir():
-        raise UsageError(f"--model {given!r}: the base model folder of its run, {base!r}, does not exist",
+        raise UsageError(f"{flag} {given!r}: the base model folder of its run, {base!r}, does not exist",
                          "put the base model back there")
     # A preset's random weights are drawn again as the run drew them: same seed, device and dtype. A full
     # fine-tune's checkpoint replaces every one of them; a LoRA adapter's keeps them.
@@ -157,13 +158,13 @@ def _checkpoint_model(checkpoint: Path, given: str, device, dtype):
                   f"{base!r} under its LoRA adapter: drawn here on {device.type}, the same weights only if the run "
                   "was on it too", file=sys.stderr)
     if run_device == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"--model {given!r}: its base is the random preset of a run on cuda, whose weights only a CUDA "
+        raise UsageError(f"{flag} {given!r}: its base is the random preset of a run on cuda, whose weights only a CUDA "
                          "GPU draws again", "read it on a machine with a CUDA GPU (--device cuda)")
     torch.manual_seed(seed)
     try:
         model = build_model(base, dtype=getattr(torch, run_dtype), device=run_device)
     except (UnknownModelError, UnsupportedModelError) as exc:
-        raise UsageError(f"--model {given!r}: cannot build the base model of its run ({_one_line(exc)})",
+        raise UsageError(f"{flag} {given!r}: cannot build the base model of its run ({_one_line(exc)})",
                          "put the run's base model back where it was") from exc
     if theta is not None or scaling:
         from ..models.rope import set_rope

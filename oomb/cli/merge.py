@@ -195,9 +195,60 @@ def _merged(base, adapter: Path, recipe: dict, shown: str):
                          "pass an adapter trained on that base model") from exc
 
 
+def _write_model(model, tokenizer, out: Path) -> None:
+    """``model`` (and ``tokenizer`` where not None) written to a temporary folder beside ``out`` and moved into
+    place, so that ``out`` is whole or absent."""
+    from ..models.saving import save_tokenizer
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.oomb-merge-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        model.save_pretrained(str(tmp))
+        if tokenizer is not None:
+            save_tokenizer(tokenizer, tmp)
+        if out.is_dir():
+            out.rmdir()  # checked empty
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _merge_checkpoint(args: argparse.Namespace, checkpoint: Path) -> int:
+    """``oomb merge CHECKPOINT``: the model of an ``oomb train`` checkpoint (a LoRA run's adapter merged into its
+    base; a full fine-tune's weights as they are), rebuilt as ``oomb eval --model CHECKPOINT`` rebuilds it, written
+    in its run's dtype with its run's tokenizer."""
+    import torch
+
+    from .checkpoint_model import _checkpoint_model, _meta, _run_tokenizer
+
+    out = _output_dir(args.output_dir, checkpoint.resolve(), args)
+    meta, _ = _meta(checkpoint)
+    tokenizer_folder = _run_tokenizer(checkpoint)
+    from transformers.utils import logging as hf_logging
+
+    from ..data import load_tokenizer
+
+    hf_logging.disable_progress_bar()
+    dtype = getattr(torch, meta.get("dtype", "float32"), torch.float32)  # checked by _checkpoint_model
+    model = _checkpoint_model(checkpoint, args.adapter_dir, torch.device("cpu"), dtype, "ADAPTER_DIR")
+    _write_model(model, load_tokenizer(tokenizer_folder), out)
+    what = f"its LoRA adapter merged into {meta['model']}" if meta.get("lora_rank") else "a full fine-tune"
+    print(f"oomb: wrote the model of checkpoint {checkpoint} ({what}) to {out}", file=sys.stderr)
+    return 0
+
+
 def _merge(args: argparse.Namespace) -> int:
     """``oomb merge``: every check first; then the merged model and tokenizer are written to a temporary folder
-    beside --output-dir and moved into place."""
+    beside --output-dir and moved into place. ADAPTER_DIR may also be an ``oomb train`` checkpoint folder, or a run
+    folder that stopped before saving its model (read at its latest complete checkpoint)."""
+    if args.adapter_dir is not None and str(args.adapter_dir).strip():
+        from .checkpoint_model import _checkpoint_to_read
+
+        checkpoint = _checkpoint_to_read(str(args.adapter_dir), "ADAPTER_DIR")
+        if checkpoint is not None:
+            return _merge_checkpoint(args, checkpoint)
     adapter = _adapter_dir(args.adapter_dir, args)
     out = _output_dir(args.output_dir, adapter, args)
     recipe = _base_recipe(adapter)
@@ -208,21 +259,7 @@ def _merge(args: argparse.Namespace) -> int:
     base = _build_base(recipe)
     tokenizer = _tokenizer(adapter, recipe)
     merged = _merged(base, adapter, recipe, f"ADAPTER_DIR {str(adapter)!r}")
-    from ..models.saving import save_tokenizer
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.oomb-merge-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
-        merged.save_pretrained(str(tmp))
-        if tokenizer is not None:
-            save_tokenizer(tokenizer, tmp)
-        if out.is_dir():
-            out.rmdir()  # checked empty
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    _write_model(merged, tokenizer, out)
     note = "" if tokenizer is not None else " (no tokenizer: neither the adapter nor its base folder has one)"
     print(f"oomb: merged {adapter} into {recipe['model']}; wrote {out}{note}", file=sys.stderr)
     return 0

@@ -201,7 +201,9 @@ _DESCRIPTIONS = {
         "Merge the LoRA adapter of ADAPTER_DIR (an 'oomb train --lora-rank' output, or a peft adapter folder naming a "
         "local base model) into its base model (peft's merge_and_unload) and write the merged model and the "
         "tokenizer to --output-dir, a folder AutoModelForCausalLM.from_pretrained and AutoTokenizer.from_pretrained "
-        "load as they are. A preset base is drawn again from the run's --seed, --dtype and --device.",
+        "load as they are. A preset base is drawn again from the run's --seed, --dtype and --device. ADAPTER_DIR may "
+        "also be an 'oomb train' checkpoint folder, or a run folder that stopped before saving its model (its latest "
+        "checkpoint): its model is written, a LoRA adapter merged into its base, a full fine-tune as it is.",
     ),
 }
 _MEASURED_MODEL = ("a preset (random weights from --seed), a local Hugging Face model folder, an 'oomb train' output "

@@ -598,7 +598,8 @@ class MergeConfig:
     adapter: Optional[str] = field(default=None, metadata=flag("adapter_dir", metavar="ADAPTER_DIR", positional=True))
     """A LoRA adapter folder: the --output-dir of an 'oomb train --lora-rank' run (its train_args.json says how
     to rebuild the base: the model folder, or the preset with the run's seed, dtype and device), or any peft
-    adapter folder whose adapter_config.json names a local base model folder."""
+    adapter folder whose adapter_config.json names a local base model folder; or an 'oomb train' checkpoint
+    folder (or a run folder that stopped before saving its model: its latest checkpoint), whose model is written."""
 
     @_in("merge")
     def __post_init__(self) -> None:

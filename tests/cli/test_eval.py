@@ -242,8 +242,8 @@ def test_a_checkpoint_reads_as_the_model_its_run_saved(tmp_path, text_file, caps
     size = weights.stat().st_size
     weights.write_bytes(weights.read_bytes()[:100])
     _check_refused(run_cli(["eval", "--model", stopped, *windows]), capsys,
-                   f"{weights} is truncated (100 of its {size:,} bytes); pass --model "
-                   f"{stopped / 'checkpoints' / 'step-00000001'}, the earlier checkpoint beside it")
+                   f"{weights} is truncated (100 of its {size:,} bytes); pass the earlier checkpoint beside it, "
+                   f"{stopped / 'checkpoints' / 'step-00000001'}, or restore the file")
 
 
 @pytest.mark.parametrize("edit, said", [
@@ -272,5 +272,5 @@ def test_a_damaged_or_edited_checkpoint_meta_is_one_line_naming_the_earlier_chec
     if "tokenizer" not in said:
         assert capsys.readouterr().err == ""
         assert run_cli(["eval", "--model", meta_file.parent, "--data", text_file, *SMALL, "--num-windows", "1"]) == 2
-        assert f"pass --model {out / 'checkpoints' / 'step-00000001'}, the earlier checkpoint beside it" in \
+        assert f"pass the earlier checkpoint beside it, {out / 'checkpoints' / 'step-00000001'}, or restore" in \
             capsys.readouterr().err

@@ -4,6 +4,7 @@ its tokenizer, and bad input is one line, exit 2, nothing written."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -148,3 +149,37 @@ def test_bad_merge_input_is_one_line_exit_2_nothing_written(tmp_path, capsys):
     # An empty --output-dir is used.
     assert run_cli(["merge", adapter, "--output-dir", tmp_path / "empty"]) == 0
     assert (tmp_path / "empty" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_a_checkpoint_is_written_as_the_model_its_run_saved(tmp_path, capsys, lora):
+    """ADAPTER_DIR may be a checkpoint folder, or a run folder that stopped before saving its model: the
+    checkpoint's model (a LoRA adapter merged into its base, or a full fine-tune's weights) is written with the
+    run's tokenizer; at the final step it computes what the run's saved model computes."""
+    run = tmp_path / "run"
+    argv = ["train", "--output-dir", run, *FAST, "--steps", "3", "--save-every", "1"]
+    assert run_cli([*argv, *(["--lora-rank", "2", "--seed", "2"] if lora else [])]) == 0
+    if lora:
+        torch.manual_seed(2)
+        want = _adapter_logits(build_model("tiny"), run, IDS)
+    else:
+        want = _logits(AutoModelForCausalLM.from_pretrained(run), IDS)
+    capsys.readouterr()
+    final = run / "checkpoints" / "step-00000003"
+    assert run_cli(["merge", final, "--output-dir", tmp_path / "m3"]) == 0
+    err = capsys.readouterr().err
+    assert f"wrote the model of checkpoint {final} ({'its LoRA adapter merged into tiny' if lora else 'a full fine-tune'})" in err
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "m3")
+    assert not any("lora" in k for k in merged.state_dict())
+    torch.testing.assert_close(_logits(merged, IDS), want, rtol=1e-5, atol=1e-5)
+    text = TEXT[:300]
+    assert AutoTokenizer.from_pretrained(tmp_path / "m3")(text)["input_ids"] == load_tokenizer(None)(text)["input_ids"]
+    # a run stopped before saving its model: its latest checkpoint, with a note; an earlier step differs
+    for name in ("adapter_config.json", "adapter_model.safetensors", "config.json", "model.safetensors"):
+        (run / name).unlink(missing_ok=True)
+    shutil.rmtree(final)
+    assert run_cli(["merge", run, "--output-dir", tmp_path / "m2"]) == 0
+    assert "holds no saved model: reading its latest checkpoint, step-00000002" in capsys.readouterr().err
+    assert not torch.allclose(_logits(AutoModelForCausalLM.from_pretrained(tmp_path / "m2"), IDS), want)
+    # the output folder is checked first: a non-empty one is refused, nothing written
+    _refused(["merge", run, "--output-dir", tmp_path / "m2"], capsys, tmp_path, "exists and is not empty")
