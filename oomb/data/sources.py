@@ -225,6 +225,10 @@ def _load(path: Path, split: str, streaming: bool, files: list[Path]):
     where = repr(str(path))
     if not _saved(path):
         _refuse_empty(path, files)
+    csv_files = [path] if path.suffix == ".csv" and path.is_file() else [f for f in files if f.suffix == ".csv"]
+    for file in csv_files:  # pandas would read a longer first row's leading fields as an index
+        _first_bad_csv_line(file, first_row_only=True)
+    options = {"index_col": False} if csv_files else {}  # no implicit index: no field leaves its column
     try:
         if _saved(path):
             loaded = ds.load_from_disk(str(path))
@@ -232,10 +236,10 @@ def _load(path: Path, split: str, streaming: bool, files: list[Path]):
             return data.to_iterable_dataset() if streaming else data
         cache = str(cache_folder("datasets"))
         if path.is_dir():
-            loaded = ds.load_dataset(str(path), cache_dir=cache, streaming=streaming)
+            loaded = ds.load_dataset(str(path), cache_dir=cache, streaming=streaming, **options)
         else:
             loaded = ds.load_dataset(_BUILDERS[path.suffix], data_files={"train": [str(path)]}, cache_dir=cache,
-                                     streaming=streaming)
+                                     streaming=streaming, **options)
     except DataError:
         raise
     except Exception as exc:  # datasets raises many kinds (ValueError, DatasetGenerationError, ArrowInvalid, ...)
@@ -273,20 +277,24 @@ def _first_non_utf8_line(path: Path) -> None:
         return
 
 
-def _first_bad_csv_line(path: Path) -> None:
-    """Raise the DataError of the first row of a CSV file with more fields than its header line (what pandas
-    refuses)."""
+def _first_bad_csv_line(path: Path, first_row_only: bool = False) -> None:
+    """Raise the DataError of the first row of a CSV file with more fields than its header line (a later row:
+    what pandas refuses; the first row: what pandas would read with its leading fields as an index, or, with
+    ``index_col=False``, cut to the header's fields). ``first_row_only``: look at the first row after the header
+    only (blank lines are skipped, as pandas skips them)."""
     import csv
 
     try:
         with open(path, newline="", encoding="utf-8") as f:
             reader = csv.reader(f)
-            header = next(reader, None)
-            for row in reader if header else ():
+            header = next((row for row in reader if row), None)
+            for row in (row for row in reader if row) if header else ():
                 if len(row) > len(header):
                     raise DataError(f"{path}:{reader.line_num} has {len(row)} fields but the header line has "
                                     f"{len(header)} ({', '.join(header)})",
                                     'quote a field that holds a comma ("a, b"), or fix the line')
+                if first_row_only:
+                    return
     except (OSError, UnicodeDecodeError, csv.Error):
         return
 

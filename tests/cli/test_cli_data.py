@@ -420,13 +420,16 @@ def _bad_files(tmp_path) -> dict[str, tuple[Path, str]]:
     badcsv.write_text("\n".join(rows) + "\n")
     latin_csv = tmp_path / "latin.csv"
     latin_csv.write_bytes(b"text\n" + b"plain words here\n" * 5 + b"caf\xe9\n")
+    commas = tmp_path / "commas.csv"  # every row one field too many: pandas would take the first as an index
+    commas.write_text("text,source\n" + "".join(f"Dear Sir{i}, the weather today is fine,web\n" for i in range(40)))
     return {"nonutf8": (nonutf8, f"{nonutf8}:1 is not UTF-8 text"),
             "bad37": (bad37, f"{bad37}:37 is not valid JSON"),
             "badcsv": (badcsv, f"{badcsv}:42 has 5 fields but the header line has 2 (text, label)"),
+            "commas": (commas, f"{commas}:2 has 3 fields but the header line has 2 (text, source)"),
             "latin_csv": (latin_csv, f"{latin_csv}:7 is not UTF-8 text")}
 
 
-@pytest.mark.parametrize("name", ["nonutf8", "bad37", "badcsv", "latin_csv"])
+@pytest.mark.parametrize("name", ["nonutf8", "bad37", "badcsv", "latin_csv", "commas"])
 @pytest.mark.parametrize("streaming", [False, True])
 @pytest.mark.parametrize("command", ["data", "train"])
 def test_an_unreadable_file_is_refused_naming_its_bad_line(tmp_path, capsys, name, streaming, command):

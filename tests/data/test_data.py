@@ -94,6 +94,23 @@ def test_documents_of_csv_json_and_parquet_rows_are_their_text_fields(tmp_path, 
     assert docs[1].source == f"{path} row 2"
 
 
+@pytest.mark.parametrize("folder", [False, True])
+def test_a_csv_whose_first_row_has_more_fields_than_its_header_is_refused_naming_it(tmp_path, folder):
+    (tmp_path / "a.csv").write_text('text,source\n"one, two",web\n')
+    bad = tmp_path / "b.csv"
+    bad.write_text("text,source\n\n" + "Dear Sir, the weather is fine,web\n" * 3)
+    with pytest.raises(DataError) as info:
+        load_documents(tmp_path if folder else bad)
+    assert info.value.problem == f"{bad}:3 has 3 fields but the header line has 2 (text, source)"
+    assert "quote a field that holds a comma" in info.value.fix
+
+
+def test_csv_rows_shorter_than_the_header_keep_every_field_in_its_column(tmp_path):
+    path = tmp_path / "short.csv"
+    path.write_text("text,source\nonly text\nmore text,web\n")
+    assert [d.text for d in load_documents(path)] == ["only text", "more text"]
+
+
 def test_documents_of_chat_rows_are_refused_saying_what_is_read(tmp_path):
     path = tmp_path / "chat.jsonl"
     path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
