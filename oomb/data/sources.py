@@ -14,7 +14,8 @@ A folder is read as one format: its data files (``.txt``, ``.json``/``.jsonl``, 
 it holds. With ``streaming`` the rows are read as they are used (``IterableDataset``) instead of into an Arrow
 table. ``datasets`` keeps its own cache under :func:`oomb.data.text.cache_dir` ``/datasets``. A file that
 cannot be read is refused naming its first bad line where one can be found (not UTF-8, not JSON, a CSV line
-with more fields than its header), also where the rows are read one by one.
+with more fields than its header), also where the rows are read one by one; JSON rows that are not objects (an
+array of strings or numbers, which datasets would read as a ``text`` field) are refused naming the first.
 """
 
 from __future__ import annotations
@@ -301,7 +302,8 @@ def _first_bad_csv_line(path: Path, first_row_only: bool = False) -> None:
 
 def _first_bad_json_line(path: Path) -> None:
     """Raise the DataError of the first line of a JSON Lines file that is not a JSON object (where datasets
-    refused the file, to say where)."""
+    refused the file, to say where), or of a ``.json`` file that is not an array of objects (naming the first
+    row that is not one)."""
     import json
 
     try:
@@ -315,13 +317,64 @@ def _first_bad_json_line(path: Path) -> None:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
             if lineno == 1 and path.suffix == ".json":
-                return  # maybe one JSON document over many lines
+                _first_non_object_row(path, peek=False)  # maybe one JSON document over many lines
+                return
             raise DataError(f"{path}:{lineno} is not valid JSON ({exc.msg})",
                             'write one JSON object per line, e.g. {"text": "..."}') from exc
         if not isinstance(record, dict):
             if lineno == 1 and path.suffix == ".json":
-                return  # maybe one JSON array of rows
-            raise DataError(f"{path}:{lineno} is not a JSON object", 'write one JSON object per line, e.g. {"text": "..."}')
+                _first_non_object_row(path, peek=False)  # maybe one JSON array of rows
+                return
+            raise DataError(f"{path}:{lineno} is {_json_value(record)}, but the rows must be JSON objects",
+                            'write one JSON object per line, e.g. {"text": "..."}, {"messages": [...]} or '
+                            '{"prompt": "...", "completion": "..."}')
+
+
+_OBJECT_ROWS = ('write each row as a JSON object, e.g. {"text": "..."}, {"messages": [...]} or '
+                '{"prompt": "...", "completion": "..."}')
+
+
+def _json_value(value: Any) -> str:
+    """A JSON value for a message: ``the number 1``, ``the string "a"``, ``the array [1, 2]``, ``null``..."""
+    import json
+
+    shown = json.dumps(value, ensure_ascii=False)
+    shown = shown if len(shown) <= 40 else shown[:37] + "..."
+    kind = ("" if value is None or isinstance(value, bool) else "the number " if isinstance(value, (int, float))
+            else "the string " if isinstance(value, str) else "the array " if isinstance(value, list) else "")
+    return kind + shown
+
+
+def _first_non_object_row(path: Path, peek: bool = True) -> None:
+    """Raise the DataError of a ``.json`` file that is an array with an element that is not an object (datasets
+    reads an array of strings or numbers as the rows of a ``text`` field it names itself), naming the first such
+    element as ``row N``, or of one that is a single JSON value other than an object or array; a ``.jsonl`` file
+    is named by its first line that is not an object. ``peek``: read the file only where it starts with an array
+    whose first element is not an object."""
+    import json
+
+    try:
+        if peek:
+            with open(path, "rb") as f:
+                start = f.read(1 << 16).decode("utf-8", errors="ignore").lstrip("\ufeff \t\r\n")
+            if not start.startswith("[") or start[1:].lstrip()[:1] in ("{", "]", ""):
+                return
+        text = path.read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError):
+        return
+    if path.suffix == ".jsonl":
+        _first_bad_json_line(path)
+        return
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return
+    if isinstance(value, list):
+        k, item = next(((k, v) for k, v in enumerate(value, start=1) if not isinstance(v, dict)), (0, None))
+        if k:
+            raise DataError(f"{path} row {k} is {_json_value(item)}, but the rows must be JSON objects", _OBJECT_ROWS)
+    elif not isinstance(value, dict):
+        raise DataError(f"{path} is {_json_value(value)}, but it must hold rows that are JSON objects", _OBJECT_ROWS)
 
 
 def check_data_path(path: str) -> Path:
@@ -368,6 +421,10 @@ def open_rows(path: str | None, split: str = "train", streaming: bool = False) -
     first = next(iter(rows), None)
     if not rows.columns and first is not None:  # a streamed json file names its columns with its first row
         rows.columns = list(first)
+    if rows.columns == ["text"]:  # the column datasets names for a JSON array of strings or numbers
+        for file in [root] if root.is_file() else files:
+            if file.suffix in (".json", ".jsonl"):
+                _first_non_object_row(file)
     if first is None:
         raise DataError(f"the split {split!r} of {str(root)!r} has no rows",
                         "pass --data-split a split with rows, or other data")

@@ -449,6 +449,15 @@ def test_eval_refuses_an_unreadable_file_naming_its_bad_line(tmp_path, capsys, c
         assert len(err) == 1 and said in err[0], err
 
 
+@pytest.mark.parametrize("command", ["data", "train"])
+def test_a_json_array_of_numbers_is_refused_saying_the_rows_must_be_objects(tmp_path, capsys, command):
+    path = tmp_path / "arr.json"
+    path.write_text("[1,2,3]\n")
+    line = refused([command, "--data", path, *FAST], capsys, tmp_path,
+                   f"{path} row 1 is the number 1, but the rows must be JSON objects")
+    assert '{"messages": [...]}' in line and "'text' is int" not in line
+
+
 def test_a_cause_hidden_in_the_exception_chain_is_named():
     from oomb.data.sources import _one_line
 

@@ -142,6 +142,24 @@ def test_bad_jsonl(tmp_path, content, match):
     assert "bad.jsonl" in info.value.problem and info.value.fix
 
 
+@pytest.mark.parametrize("content, said", [
+    ("[1,2,3]\n", "rows.json row 1 is the number 1, but the rows must be JSON objects"),
+    ('[\n  "one",\n  "two"\n]\n', 'rows.json row 1 is the string "one", but the rows must be JSON objects'),
+    ('[{"text": "one"}, [2]]', "rows.json row 2 is the array [2], but the rows must be JSON objects"),
+    ('"one"', 'rows.json is the string "one", but it must hold rows that are JSON objects'),
+])
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_json_file_whose_rows_are_not_objects_is_refused_saying_what_a_row_is(tmp_path, content, said, streaming):
+    from oomb.data.sources import open_rows
+
+    path = tmp_path / "rows.json"
+    path.write_text(content)
+    with pytest.raises(DataError) as info:
+        open_rows(str(path), streaming=streaming)
+    assert info.value.problem == f"{tmp_path}/{said}"
+    assert '{"text": "..."}, {"messages": [...]} or {"prompt": "...", "completion": "..."}' in info.value.fix
+
+
 def test_missing_and_empty_data(tmp_path):
     with pytest.raises(DataError, match="does not exist"):
         load_documents(tmp_path / "nope.txt")
