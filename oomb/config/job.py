@@ -167,7 +167,8 @@ class DataConfig:
     messages, prompt-completion, segments, text."""
 
     text_field: str = "text"
-    """The field holding the text of a text row."""
+    """The field holding the text of a text row; with format auto, a field other than text that the rows lack is
+    refused (rows of another format are not read in its place)."""
 
     chat_template: Optional[str] = field(default=None, metadata=flag("--chat-template", metavar="PATH"))
     """A Jinja chat template file (or a JSON file with a "chat_template" key) to render messages with, instead

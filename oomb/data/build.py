@@ -39,14 +39,21 @@ _FORMATS = ("messages", "prompt-completion", "segments", "text")
 
 def detect_format(fmt: str, columns: list[str], text_field: str, name: str) -> str:
     """The row format: ``fmt`` unless "auto", else the first of messages, prompt-completion, segments, text
-    whose fields the rows have.
+    whose fields the rows have. A ``text_field`` other than ``text`` is one the user named: with "auto" the rows
+    must have it (else they would be read in another format, the field named for nothing).
 
     Raises:
-        DataError: the rows lack the fields of the format (naming the fields they have).
+        DataError: the rows lack the fields of the format, or the named ``text_field`` (naming the fields they
+            have).
     """
     need = {"messages": ["messages"], "prompt-completion": ["prompt", "completion"], "segments": ["segments"],
             "text": [text_field]}
     found = ", ".join(columns) or "none"
+    if fmt == "auto" and text_field != "text" and text_field not in columns:
+        other = next((f for f in _FORMATS[:-1] if all(c in columns for c in need[f])), None)
+        read = f", or leave --text-field out to read these {other} rows" if other else ""
+        raise DataError(f"{name} has no {text_field!r} field, which --text-field names (its fields: {found})",
+                        f"pass --text-field the field that holds the text{read}")
     if fmt != "auto":
         missing = [c for c in need[fmt] if c not in columns]
         if missing:

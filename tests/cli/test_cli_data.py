@@ -13,7 +13,7 @@ import pytest
 
 from oomb.cli import main
 from oomb.config import DataConfig
-from oomb.data import BUNDLED_TOKENIZER, TokenSequences, build_training_data, load_documents, load_tokenizer, tokenize_documents
+from oomb.data import BUNDLED_TOKENIZER, DataError, TokenSequences, build_training_data, load_documents, load_tokenizer, tokenize_documents
 
 TEMPLATES = Path(__file__).parent.parent / "data" / "chat_templates"
 PLAIN = str(TEMPLATES / "plain.jinja")
@@ -232,6 +232,28 @@ def _tokenizer_folder(tmp_path, name, keep=("tokenizer_config.json",)):
 def test_a_tokenizer_folder_without_a_vocabulary_is_refused(tmp_path, capsys, command):
     folder = _tokenizer_folder(tmp_path, "tok")
     refused([command, "--tokenizer", folder, *FAST], capsys, tmp_path, "has no vocabulary")
+
+
+@pytest.mark.parametrize("command", ["train", "data"])
+def test_a_text_field_the_rows_lack_is_refused_rather_than_reading_another_format(tmp_path, capsys, command):
+    rows = [{"prompt": f"question {i} " * 5, "completion": f"answer {i} " * 5} for i in range(20)]
+    path = write_jsonl(tmp_path / "pc.jsonl", rows)
+    line = refused([command, "--data", path, "--text-field", "body", "--chat-template", PLAIN, *FAST], capsys,
+                   tmp_path, f"'{path}' has no 'body' field, which --text-field names (its fields: prompt, completion)")
+    assert "leave --text-field out to read these prompt-completion rows" in line
+    write_jsonl(path, [{**r, "body": r["prompt"] + r["completion"]} for r in rows])
+    capsys.readouterr()
+    assert run_cli([command, "--data", path, "--text-field", "body", "--chat-template", PLAIN, *FAST,
+                    *(["--output-dir", tmp_path / "ok"] if command == "train" else ["--output", tmp_path / "ok.png"])]) == 0
+
+
+def test_a_named_text_field_that_no_format_matches_says_which_fields_the_rows_have(tmp_path):
+    path = write_jsonl(tmp_path / "notes.jsonl", [{"title": "a", "note": "some words " * 20}] * 5)
+    with pytest.raises(DataError) as info:
+        build_training_data(DataConfig(path=str(path), text_field="body", seq_len=32), load_tokenizer())
+    assert info.value.problem == f"'{path}' has no 'body' field, which --text-field names (its fields: title, note)"
+    assert info.value.fix == "pass --text-field the field that holds the text"
+    build_training_data(DataConfig(path=str(path), text_field="note", seq_len=32), load_tokenizer())
 
 
 def test_a_tokenizer_with_too_few_tokens_is_refused(tmp_path, capsys):
