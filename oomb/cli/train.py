@@ -184,111 +184,118 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
     first_loss = last_loss = None
     saved_at = start_step
     t_start = time.perf_counter()
-    if log is not None:
-        log.open()
-    if board is not None:
-        board.open()
-    try:
-        what = "this step (with --grad-accum: this sequence)" if K > 1 and not ctx.enabled else "this step"
-        notice = (
-            f"oomb: {{name}} received: finishing {what}, then saving a "
-            "checkpoint and stopping (send it again to stop at once WITHOUT saving)"
-        ) if main_rank else None
-        with GracefulStop(notice=notice) as stop, tqdm(total=args.steps, initial=start_step, desc="train", unit="step", disable=not show, file=sys.stderr) as bar:
-            # GracefulStop takes the signals over from _StartupSignals: on exit it restores the handlers from before
-            # oomb's (a Ctrl-C while the model is saved interrupts it), and a signal since the check above stops the
-            # run after its first step, as any signal during training does.
-            stop.take_over(signals.previous, signals.signum)
-            for step in range(start_step + 1, args.steps + 1):
-                step_rng = rng_state() if K > 1 and not ctx.enabled else None  # the state a mid-step stop saves
-                try:
-                    record = trainer.step(step, should_stop=lambda: stop.requested is not None)
-                except StepError as exc:
-                    raise _step_error(exc) from exc
-                if isinstance(record, StepStopped):
-                    # A signal during a long accumulation stopped the step at a sequence boundary: its gradients
-                    # are dropped; the model and optimizer are those after step - 1, which a resume re-runs.
-                    done = step - 1
-                    path = checkpoint(done, step_rng) if done > saved_at else (find_latest(ckpt_root) if done > 0 else None)
-                    import signal as _signal
-
-                    name = _signal.Signals(stop.requested).name
-                    dropped = f"its {record.sequences_done:,} of {counted(record.sequences, 'sequence')} done were dropped"
-                    if path is None:
-                        print(f"oomb: stopped by {name} during step {step} ({dropped}); no step had completed, so nothing "
-                              "was saved; to start again, run the same command with --overwrite", file=sys.stderr)
-                    else:
-                        print(f"oomb: stopped by {name} during step {step} ({dropped}); checkpoint {path} (after step "
-                              f"{done}); to continue, run {_resume_command(args._argv)}", file=sys.stderr)
-                    return 0
-                first_loss = record.loss if first_loss is None else first_loss
-                last_loss = record.loss
-                if main_rank:
-                    log.write(record.to_json())
-                    if board is not None:
-                        board.write(record.to_json())
-                    bar.set_postfix(loss=f"{record.loss:.3f}", tok_s=f"{record.tokens_per_s:.0f}")
-                    bar.update(1)
-                    if step % args.log_every == 0 or step == args.steps:
-                        peak = record.peak_memory_bytes
-                        mem = "" if peak is None else f"  peak {peak / 2**30:.2f} GiB"
-                        kept = f"  kept graphs {record.kept_graphs}" if record.kept_graphs else ""
-                        tqdm.write(f"step {step:>5,}/{args.steps:,}  loss {record.loss:.4f}  {record.tokens_per_s:,.0f} tok/s  "
-                                   f"{record.seconds:.2f} s  lr {record.lr:.2e}{mem}{kept}", file=sys.stdout)
-                if args.save_every and step % args.save_every == 0 and step < args.steps:
-                    checkpoint(step)
-                    saved_at = step
-                requested = stop.requested is not None
-                if ctx.enabled:
-                    requested = global_sum(1.0 if requested else 0.0, device) > 0
-                if requested and step < args.steps:
-                    path = checkpoint(step) if saved_at != step else (find_latest(ckpt_root) if main_rank else None)
-                    if main_rank:
+    what = "this step (with --grad-accum: this sequence)" if K > 1 and not ctx.enabled else "this step"
+    notice = (
+        f"oomb: {{name}} received: finishing {what}, then saving a "
+        "checkpoint and stopping (send it again to stop at once WITHOUT saving)"
+    ) if main_rank else None
+    # GracefulStop takes the signals over from _StartupSignals until the run has saved its model (a signal after the
+    # last step waits for the final checkpoint and model instead of killing the save); a signal since the check
+    # above stops the run after its first step, as any signal during training does. On exit it restores the
+    # handlers from before oomb's.
+    with GracefulStop(notice=notice) as stop:
+        stop.take_over(signals.previous, signals.signum)
+        if log is not None:
+            log.open()
+        if board is not None:
+            board.open()
+        try:
+            with tqdm(total=args.steps, initial=start_step, desc="train", unit="step", disable=not show, file=sys.stderr) as bar:
+                for step in range(start_step + 1, args.steps + 1):
+                    step_rng = rng_state() if K > 1 and not ctx.enabled else None  # the state a mid-step stop saves
+                    try:
+                        record = trainer.step(step, should_stop=lambda: stop.requested is not None)
+                    except StepError as exc:
+                        raise _step_error(exc) from exc
+                    if isinstance(record, StepStopped):
+                        # A signal during a long accumulation stopped the step at a sequence boundary: its gradients
+                        # are dropped; the model and optimizer are those after step - 1, which a resume re-runs.
+                        done = step - 1
+                        path = checkpoint(done, step_rng) if done > saved_at else (find_latest(ckpt_root) if done > 0 else None)
                         import signal as _signal
 
-                        name = _signal.Signals(stop.requested).name if stop.requested else "a signal on another rank"
-                        how = (
-                            f"run {_resume_command(args._argv)}" if not ctx.enabled
-                            else f"run the same torchrun command with the oomb arguments {_resume_command(args._argv)[5:]}"
-                        )
-                        print(f"oomb: stopped by {name} after step {step}; checkpoint {path}; to continue, {how}", file=sys.stderr)
-                    return 0
-    finally:
-        if log is not None:
-            log.close()
-            if board is not None:
-                board.close()
-            _draw_loss_png(log_path, out / _LOSS_PNG)
+                        name = _signal.Signals(stop.requested).name
+                        dropped = f"its {record.sequences_done:,} of {counted(record.sequences, 'sequence')} done were dropped"
+                        if path is None:
+                            print(f"oomb: stopped by {name} during step {step} ({dropped}); no step had completed, so nothing "
+                                  "was saved; to start again, run the same command with --overwrite", file=sys.stderr)
+                        else:
+                            print(f"oomb: stopped by {name} during step {step} ({dropped}); checkpoint {path} (after step "
+                                  f"{done}); to continue, run {_resume_command(args._argv)}", file=sys.stderr)
+                        return 0
+                    first_loss = record.loss if first_loss is None else first_loss
+                    last_loss = record.loss
+                    if main_rank:
+                        log.write(record.to_json())
+                        if board is not None:
+                            board.write(record.to_json())
+                        bar.set_postfix(loss=f"{record.loss:.3f}", tok_s=f"{record.tokens_per_s:.0f}")
+                        bar.update(1)
+                        if step % args.log_every == 0 or step == args.steps:
+                            peak = record.peak_memory_bytes
+                            mem = "" if peak is None else f"  peak {peak / 2**30:.2f} GiB"
+                            kept = f"  kept graphs {record.kept_graphs}" if record.kept_graphs else ""
+                            tqdm.write(f"step {step:>5,}/{args.steps:,}  loss {record.loss:.4f}  {record.tokens_per_s:,.0f} tok/s  "
+                                       f"{record.seconds:.2f} s  lr {record.lr:.2e}{mem}{kept}", file=sys.stdout)
+                    if args.save_every and step % args.save_every == 0 and step < args.steps:
+                        checkpoint(step)
+                        saved_at = step
+                    requested = stop.requested is not None
+                    if ctx.enabled:
+                        requested = global_sum(1.0 if requested else 0.0, device) > 0
+                    if requested and step < args.steps:
+                        path = checkpoint(step) if saved_at != step else (find_latest(ckpt_root) if main_rank else None)
+                        if main_rank:
+                            import signal as _signal
 
-    checkpoint(args.steps)
-    state_dict = None
-    if sharding is not None:  # every rank sends its shards; rank 0 gets the whole model (or adapter) on the CPU
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+                            name = _signal.Signals(stop.requested).name if stop.requested else "a signal on another rank"
+                            how = (
+                                f"run {_resume_command(args._argv)}" if not ctx.enabled
+                                else f"run the same torchrun command with the oomb arguments {_resume_command(args._argv)[5:]}"
+                            )
+                            print(f"oomb: stopped by {name} after step {step}; checkpoint {path}; to continue, {how}", file=sys.stderr)
+                        return 0
+        finally:
+            if log is not None:
+                log.close()
+                if board is not None:
+                    board.close()
+                _draw_loss_png(log_path, out / _LOSS_PNG)
 
-        state_dict = get_model_state_dict(model, options=StateDictOptions(
-            full_state_dict=True, cpu_offload=True, ignore_frozen_params=args.lora_rank > 0))
-        if args.lora_rank == 0:
-            # A tied weight (the output head of a model that ties it to the input embeddings) gathers as a copy of
-            # its own; the model is written with it once, under the first name, as an unsharded model's save does.
-            # (peft picks an adapter's tensors by name, tied or not.)
-            first = {name for name, _ in model.named_parameters()}
-            for name, _ in model.named_parameters(remove_duplicate=False):
-                if name not in first:
-                    state_dict.pop(name, None)
-    if main_rank:
-        train_args = {k: v for k, v in vars(args).items() if k not in ("command", "job") and not k.startswith("_")}
-        train_args.update(oomb_version=_version(), num_tokens=int(sequences.stats.tokens), num_sequences=len(sequences), world_size=W)
-        from ..data.chat import read_chat_template
+        checkpoint(args.steps)
+        state_dict = None
+        if sharding is not None:  # every rank sends its shards; rank 0 gets the whole model (or adapter) on the CPU
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        template = read_chat_template(args.job.data.chat_template)
-        if template is not None:  # saved with the model: what it was trained on is what it is prompted with
-            tokenizer.chat_template = template
-        saved = _save(model, tokenizer, out, lora=args.lora_rank > 0, train_args=train_args, state_dict=state_dict)
-        shutil.rmtree(out / _REPLACED, ignore_errors=True)  # the run --overwrite replaced: this one is saved now
-        elapsed = time.perf_counter() - t_start
-        losses = f"loss {first_loss:.4f} -> {last_loss:.4f}" if first_loss is not None else "no steps left to train"
-        print(
-            f"oomb: done in {elapsed:.1f} s; {losses}; saved {', '.join(n for n in saved if n.endswith('.safetensors'))} to {out}",
-            file=sys.stderr,
-        )
+            state_dict = get_model_state_dict(model, options=StateDictOptions(
+                full_state_dict=True, cpu_offload=True, ignore_frozen_params=args.lora_rank > 0))
+            if args.lora_rank == 0:
+                # A tied weight (the output head of a model that ties it to the input embeddings) gathers as a copy of
+                # its own; the model is written with it once, under the first name, as an unsharded model's save does.
+                # (peft picks an adapter's tensors by name, tied or not.)
+                first = {name for name, _ in model.named_parameters()}
+                for name, _ in model.named_parameters(remove_duplicate=False):
+                    if name not in first:
+                        state_dict.pop(name, None)
+        if main_rank:
+            train_args = {k: v for k, v in vars(args).items() if k not in ("command", "job") and not k.startswith("_")}
+            train_args.update(oomb_version=_version(), num_tokens=int(sequences.stats.tokens), num_sequences=len(sequences), world_size=W)
+            from ..data.chat import read_chat_template
+
+            template = read_chat_template(args.job.data.chat_template)
+            if template is not None:  # saved with the model: what it was trained on is what it is prompted with
+                tokenizer.chat_template = template
+            saved = _save(model, tokenizer, out, lora=args.lora_rank > 0, train_args=train_args, state_dict=state_dict)
+            shutil.rmtree(out / _REPLACED, ignore_errors=True)  # the run --overwrite replaced: this one is saved now
+            elapsed = time.perf_counter() - t_start
+            losses = f"loss {first_loss:.4f} -> {last_loss:.4f}" if first_loss is not None else "no steps left to train"
+            print(
+                f"oomb: done in {elapsed:.1f} s; {losses}; saved {', '.join(n for n in saved if n.endswith('.safetensors'))} to {out}",
+                file=sys.stderr,
+            )
+            if stop.requested is not None:
+                import signal as _signal
+
+                print(f"oomb: {_signal.Signals(stop.requested).name} came after the last step: the run finished its final "
+                      "checkpoint and model first; nothing is left to do", file=sys.stderr)
     return 0

@@ -689,3 +689,58 @@ def test_resume_of_a_lora_preset_run_refuses_another_device(tmp_path, text_file,
     meta["settings"]["device"] = "cuda"
     meta_file.write_text(json.dumps(meta))
     assert run_cli([*fargv[:-2], "--output-dir", full, "--steps", "3", "--resume"]) == 0
+
+
+@pytest.mark.parametrize("where", ["checkpoint", "model"])
+def test_sigterm_after_the_last_step_lets_the_final_save_finish(tmp_path, text_file, capsys, where):
+    """SIGTERM while the last step's checkpoint or the model is written: the save finishes (it killed the process
+    there, losing the run), the run exits 0 as a stop during training does, and --resume has nothing left to do."""
+    out = tmp_path / "run"
+    argv = ["train", "--data", str(text_file), *FAST, "--steps", "2", "--output-dir", str(out)]
+    script = (
+        "import os, signal, sys\n"
+        "import oomb.checkpoint, oomb.cli.train\n"
+        "from oomb.cli import main\n"
+        "real_checkpoint, real_save = oomb.checkpoint.save_checkpoint, oomb.cli.train._save\n"
+        "def save_checkpoint(root, step, *a, **k):\n"
+        f"    if {where!r} == 'checkpoint' and step == 2:\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return real_checkpoint(root, step, *a, **k)\n"
+        "def save(*a, **k):\n"
+        f"    if {where!r} == 'model':\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return real_save(*a, **k)\n"
+        "oomb.checkpoint.save_checkpoint, oomb.cli.train._save = save_checkpoint, save\n"
+        f"sys.exit(main({argv!r}))\n"
+    )
+    proc = _python(script)
+    assert proc.returncode == 0, (proc.returncode, proc.stderr[-2000:])
+    assert "SIGTERM received" in proc.stderr and "SIGTERM came after the last step" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert (out / "checkpoints" / "step-00000002" / "meta.json").is_file()
+    assert (out / "model.safetensors").is_file() and (out / "train_args.json").is_file()
+    assert not list(out.glob(".oomb-save-*"))
+    assert [s for s, _ in losses(out)] == [1, 2]
+    capsys.readouterr()
+    assert run_cli([*argv, "--resume"]) == 0
+    assert "no steps left to train" in capsys.readouterr().err
+
+
+def test_ctrl_c_while_the_loss_is_plotted_lets_the_final_save_finish(tmp_path, text_file, capsys, monkeypatch):
+    """SIGINT while loss.png is drawn after the last step: the final checkpoint and model are still written (the
+    default handler interrupted the run there, before either), exit 0."""
+    import oomb.cli.train
+
+    real = oomb.cli.train._draw_loss_png
+
+    def draw(*a, **k):
+        signal.raise_signal(signal.SIGINT)
+        return real(*a, **k)
+
+    monkeypatch.setattr(oomb.cli.train, "_draw_loss_png", draw)
+    out = tmp_path / "run"
+    assert run_cli(["train", "--data", text_file, *FAST, "--steps", "2", "--output-dir", out]) == 0
+    err = capsys.readouterr().err
+    assert "SIGINT received" in err and "SIGINT came after the last step" in err, err
+    assert (out / "checkpoints" / "step-00000002" / "meta.json").is_file() and (out / "model.safetensors").is_file()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
