@@ -53,6 +53,32 @@ def _step_error(exc) -> _RunError:
     return _RunError(f"step {step} failed: {_one_line(exc.detail)}", "check the data")
 
 
+def _write_failure(exc: BaseException) -> str | None:
+    """Why writing a file of the run failed, for the one-line error (e.g. "the disk is full (No space left on
+    device)"), where ``exc`` is what a write raises: an OSError, safetensors' SafetensorError, the RuntimeError of
+    torch.save's writer, or the CheckpointError that carries a rank 0's write error to every rank of a sharded save.
+    None where ``exc`` is anything else (raised as it is)."""
+    import errno
+
+    from safetensors import SafetensorError
+
+    from ..checkpoint import CheckpointError
+
+    text = _one_line(exc)
+    if isinstance(exc, RuntimeError) and not ("inline_container" in text or "PytorchStreamWriter" in text):
+        return None
+    if not isinstance(exc, (OSError, SafetensorError, RuntimeError, CheckpointError)):
+        return None
+    code = exc.errno if isinstance(exc, OSError) else None
+    if code == errno.ENOSPC or "No space left on device" in text or "os error 28" in text:
+        return "the disk is full (No space left on device)"
+    if code == errno.EDQUOT or "Disk quota exceeded" in text or "os error 122" in text:
+        return "the disk quota is exceeded (Disk quota exceeded)"
+    if isinstance(exc, OSError) and exc.strerror:
+        return f"{exc.strerror}{f' ({exc.filename})' if exc.filename else ''}"
+    return text if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {text}"
+
+
 def _draw_loss_png(log_path: Path, png: Path) -> None:
     """loss.png from the records of ``log_path`` (after a resume in the same folder every step from the first; in a
     new folder only the steps trained there, its log starting after the checkpoint); a failure is a note, never the
@@ -170,12 +196,31 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
                   f"the data is repeated (~{drawn / len(sequences):.1f} passes); more data or fewer --steps avoids it",
                   file=sys.stderr)
 
+    def _unwritten(problem: str) -> UsageError:
+        """The error of a file of the run that cannot be written: the fix continues from the newest checkpoint."""
+        latest = find_latest(ckpt_root) if main_rank or sharding is not None else None
+        resume = _resume_command(args._argv)
+        if latest is None:
+            return UsageError(f"{problem}; no checkpoint was saved",
+                              "free space on that disk and run the same command with --overwrite, or pass another "
+                              "--output-dir")
+        return UsageError(f"{problem}; the checkpoint {latest.name} is complete",
+                          f"free space on that disk and continue with {resume}, or continue in another --output-dir "
+                          f"with --resume {latest}")
+
     def checkpoint(step: int, rng: dict | None = None) -> Path | None:
         if not main_rank and sharding is None:
             return None
         extra = {"rng": rng if rng is not None else rng_state(), "step": step, "sequences_per_step": K * W}
-        return save_checkpoint(ckpt_root, step, model, optimizer, None, run["fingerprint"], extra, keep_last=2,
-                               settings=run["settings"], sharded=sharding is not None)
+        try:
+            return save_checkpoint(ckpt_root, step, model, optimizer, None, run["fingerprint"], extra, keep_last=2,
+                                   settings=run["settings"], sharded=sharding is not None)
+        except Exception as exc:
+            why = _write_failure(exc)
+            if why is None:
+                raise
+            # save_checkpoint removed its unfinished folder: the checkpoints there are complete ones.
+            raise _unwritten(f"the checkpoint of step {step} cannot be written to {ckpt_root}: {why}") from exc
 
     model.train()
     trainer = Trainer(engine, optimizer, stream, args.job.train, params=params, dist=ctx, device=device,
@@ -226,7 +271,11 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
                     first_loss = record.loss if first_loss is None else first_loss
                     last_loss = record.loss
                     if main_rank:
-                        log.write(record.to_json())
+                        try:
+                            log.write(record.to_json())
+                        except OSError as exc:
+                            why = _write_failure(exc)
+                            raise _unwritten(f"step {step} cannot be written to {log_path}: {why}") from exc
                         if board is not None:
                             board.write(record.to_json())
                         bar.set_postfix(loss=f"{record.loss:.3f}", tok_s=f"{record.tokens_per_s:.0f}")
@@ -285,7 +334,15 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
             template = read_chat_template(args.job.data.chat_template)
             if template is not None:  # saved with the model: what it was trained on is what it is prompted with
                 tokenizer.chat_template = template
-            saved = _save(model, tokenizer, out, lora=args.lora_rank > 0, train_args=train_args, state_dict=state_dict)
+            try:
+                saved = _save(model, tokenizer, out, lora=args.lora_rank > 0, train_args=train_args, state_dict=state_dict)
+            except Exception as exc:
+                why = _write_failure(exc)
+                if why is None:
+                    raise
+                # _save removed its temporary folder; the checkpoint of --steps is complete, and a --resume of it
+                # writes the model.
+                raise _unwritten(f"the trained model cannot be written to {out}: {why}") from exc
             shutil.rmtree(out / _REPLACED, ignore_errors=True)  # the run --overwrite replaced: this one is saved now
             elapsed = time.perf_counter() - t_start
             losses = f"loss {first_loss:.4f} -> {last_loss:.4f}" if first_loss is not None else "no steps left to train"

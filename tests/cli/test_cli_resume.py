@@ -744,3 +744,72 @@ def test_ctrl_c_while_the_loss_is_plotted_lets_the_final_save_finish(tmp_path, t
     assert "SIGINT received" in err and "SIGINT came after the last step" in err, err
     assert (out / "checkpoints" / "step-00000002" / "meta.json").is_file() and (out / "model.safetensors").is_file()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def _disk_full(kind: str) -> Exception:
+    """What a write raises on a full disk: safetensors' error, or the OSError of a plain write."""
+    import errno
+
+    from safetensors import SafetensorError
+
+    if kind == "safetensors":
+        return SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "oserror"])
+def test_a_full_disk_exits_2_with_one_line_and_keeps_the_checkpoints(tmp_path, text_file, capsys, monkeypatch, kind):
+    """A checkpoint, then the model, that cannot be written for a full disk: one line naming the folder, the full
+    disk and the fix, exit 2 (it was a traceback, exit 1); the earlier checkpoint stays the newest complete one, no
+    unfinished folder is left, and --resume then continues and writes the model."""
+    import oomb.checkpoint
+    import transformers.modeling_utils
+
+    from oomb.checkpoint import find_latest
+
+    out = tmp_path / "run"
+    argv = ["train", "--data", text_file, *FAST, "--steps", "3", "--save-every", "1", "--output-dir", out]
+    real = oomb.checkpoint.save_file
+    calls = []
+
+    def save_file(tensors, filename, *a, **k):
+        calls.append(filename)
+        if len(calls) == 2:  # the checkpoint of step 2: a part written, then the disk is full
+            with open(filename, "wb") as f:
+                f.write(b"\0" * 100)
+            raise _disk_full(kind)
+        return real(tensors, filename, *a, **k)
+
+    monkeypatch.setattr(oomb.checkpoint, "save_file", save_file)
+    capsys.readouterr()
+    assert run_cli(argv) == 2
+    err = capsys.readouterr().err
+    line = err.splitlines()[-1]
+    assert line.startswith("oomb: error: ") and "Traceback" not in err, err
+    assert f"the checkpoint of step 2 cannot be written to {out / 'checkpoints'}: the disk is full" in line, line
+    assert "the checkpoint step-00000001 is complete" in line and "free space" in line and "--output-dir" in line
+    assert "--resume latest" in line
+    assert sorted(os.listdir(out / "checkpoints")) == ["latest", "step-00000001"]
+    assert find_latest(out / "checkpoints").name == "step-00000001"
+
+    monkeypatch.setattr(oomb.checkpoint, "save_file", real)
+    real_model = transformers.modeling_utils.safe_save_file
+
+    def safe_save_file(tensors, filename, *a, **k):
+        with open(filename, "wb") as f:
+            f.write(b"\0" * 100)
+        raise _disk_full(kind)
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", safe_save_file)
+    assert run_cli([*argv, "--resume"]) == 2
+    err = capsys.readouterr().err
+    line = err.splitlines()[-1]
+    assert line.startswith("oomb: error: ") and "Traceback" not in err, err
+    assert f"the trained model cannot be written to {out}: the disk is full" in line, line
+    assert "the checkpoint step-00000003 is complete" in line and "--resume latest" in line
+    assert not list(out.glob(".oomb-save-*")) and not (out / "model.safetensors").exists()
+    assert find_latest(out / "checkpoints").name == "step-00000003"
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", real_model)
+    assert run_cli([*argv, "--resume"]) == 0
+    assert (out / "model.safetensors").is_file() and [s for s, _ in losses(out)] == [1, 2, 3]
