@@ -407,10 +407,39 @@ def _prepare_output(out: Path, overwrite: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
 
+_SAVE_DIR_PREFIX = ".oomb-save-"
+"""The temporary folder :func:`_save` writes the model into, followed by the pid of the process writing it."""
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this machine (one of another user's counts; so does a zombie)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: another user's process
+        return True
+    return True
+
+
+def _remove_dead_saves(out: Path) -> None:
+    """Delete the temporary folders of :func:`_save` in ``out`` whose process is gone (one killed while it saved:
+    nothing in it was moved into ``out``). A folder whose pid is alive (another process saving there), or whose name
+    holds no pid, is kept."""
+    for p in out.glob(f"{_SAVE_DIR_PREFIX}*"):
+        pid = p.name[len(_SAVE_DIR_PREFIX):]
+        if not (pid.isdigit() and int(pid) > 0) or int(pid) == os.getpid() or _pid_alive(int(pid)):
+            continue
+        if p.is_dir() and not p.is_symlink():
+            shutil.rmtree(p, ignore_errors=True)
+
+
 def _save(model, tokenizer, out: Path, lora: bool, train_args: dict, state_dict: dict | None = None) -> list[str]:
     """Write model (or adapter) + tokenizer + train_args.json to a temp dir in ``out``, then move them in;
-    ``state_dict``: the weights to write instead of the model's own (a sharded model's, gathered)."""
-    tmp = out / f".oomb-save-{os.getpid()}"
+    ``state_dict``: the weights to write instead of the model's own (a sharded model's, gathered). The temp dirs
+    that killed saves left in ``out`` are removed first (:func:`_remove_dead_saves`)."""
+    _remove_dead_saves(out)
+    tmp = out / f"{_SAVE_DIR_PREFIX}{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()

@@ -813,3 +813,25 @@ def test_a_full_disk_exits_2_with_one_line_and_keeps_the_checkpoints(tmp_path, t
     monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", real_model)
     assert run_cli([*argv, "--resume"]) == 0
     assert (out / "model.safetensors").is_file() and [s for s, _ in losses(out)] == [1, 2, 3]
+
+
+def test_a_save_removes_the_temporary_folders_of_killed_saves_only(tmp_path, text_file, capsys):
+    """.oomb-save-PID folders that a save killed mid-way left in the output folder are removed by the next save there
+    (they stayed after a --resume); the one of a live process, which may be saving, is kept."""
+    out = tmp_path / "run"
+    argv = ["train", "--data", text_file, *FAST, "--steps", "1", "--output-dir", out]
+    assert run_cli(argv) == 0
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    alive = subprocess.Popen(["sleep", "120"])
+    try:
+        for pid in (gone.pid, alive.pid):
+            (out / f".oomb-save-{pid}").mkdir()
+            (out / f".oomb-save-{pid}" / "model.safetensors").write_bytes(b"\0" * 100)
+        capsys.readouterr()
+        assert run_cli([*argv[:-4], "--steps", "2", "--output-dir", out, "--resume"]) == 0
+        assert not (out / f".oomb-save-{gone.pid}").exists()
+        assert (out / f".oomb-save-{alive.pid}" / "model.safetensors").is_file()
+    finally:
+        alive.kill()
+        alive.wait()
