@@ -208,6 +208,31 @@ def _check_writable_dir_path(flag: str, given: str, path: Path) -> None:
         ) from exc
 
 
+def _check_checkpoints_writable(out: Path, name: str, given: str) -> None:
+    """Refuse a --resume whose output folder ``out`` has a checkpoints/ folder that cannot be written (read-only,
+    immutable, another user's), before a step is trained (the run failed at its first checkpoint, its log already
+    past the newest one). Probes as :func:`_check_writable_dir_path` does; nothing else is written. ``name``: how the
+    user gave the output folder (``given``)."""
+    import tempfile
+
+    ckpts = out / _CHECKPOINTS
+    if not ckpts.is_dir():
+        return
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".oomb-probe-", dir=ckpts))
+    except OSError as exc:
+        from ..checkpoint import find_latest
+
+        latest = find_latest(ckpts)
+        elsewhere = (f", or continue in a new folder with --resume {shlex.quote(str(latest))} --output-dir NEW_DIR"
+                     if latest is not None else "")
+        raise UsageError(
+            f"{name} {given!r}: its checkpoints folder {str(ckpts)!r} cannot be written ({exc.strerror or exc}), "
+            "so the run could save no checkpoint",
+            f"make it writable (chmod u+w; chattr -i where it is immutable){elsewhere}",
+        ) from exc
+
+
 def _check_output_dir(args: argparse.Namespace) -> Path:
     if args.output_dir is None:
         raise UsageError("oomb train needs --output-dir (or output.dir in --config FILE)",
@@ -220,6 +245,7 @@ def _check_output_dir(args: argparse.Namespace) -> Path:
         raise UsageError(f"{name} {args.output_dir!r} is a file", "pass a directory path that is new or empty")
     _check_writable_dir_path("--output-dir", args.output_dir, out)
     if args.resume is not None:
+        _check_checkpoints_writable(out, name, args.output_dir)
         if args.resume == "latest" and not (out / "checkpoints").is_dir():
             replaced = _replaced_run_resume(out)
             if replaced is not None:

@@ -835,3 +835,30 @@ def test_a_save_removes_the_temporary_folders_of_killed_saves_only(tmp_path, tex
     finally:
         alive.kill()
         alive.wait()
+
+
+def test_resume_into_a_read_only_checkpoints_folder_is_refused_before_training(tmp_path, text_file, capsys):
+    """--resume where checkpoints/ cannot be written: exit 2 with one line before any step (it trained a step, then
+    failed at its checkpoint with log.jsonl past the newest checkpoint); nothing in the folder changes."""
+    out = tmp_path / "run"
+    argv = ["train", "--data", text_file, *FAST, "--steps", "2", "--save-every", "1", "--output-dir", out]
+    assert run_cli(argv) == 0
+    ckpts = out / "checkpoints"
+    before = _files(out)
+    if os.geteuid() == 0:  # root writes into a folder without write permission: make it immutable instead
+        if subprocess.run(["chattr", "+i", str(ckpts)], capture_output=True).returncode != 0:
+            pytest.skip("running as root where chattr +i is not available")
+        undo = ["chattr", "-i", str(ckpts)]
+    else:
+        ckpts.chmod(0o555)
+        undo = ["chmod", "755", str(ckpts)]
+    try:
+        capsys.readouterr()
+        assert run_cli([*argv[:-6], "--steps", "4", "--save-every", "1", "--output-dir", out, "--resume"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("oomb: error: "), err
+        assert f"its checkpoints folder {str(ckpts)!r} cannot be written" in err and "chmod u+w" in err, err
+        assert f"--resume {ckpts / 'step-00000002'} --output-dir NEW_DIR" in err, err
+        assert _files(out) == before
+    finally:
+        subprocess.run(undo, check=True)
