@@ -18,7 +18,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-__all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_MODEL_TYPES", "UnsupportedModelError", "check_model_supported", "install"]
+__all__ = ["ATTN_IMPLEMENTATION", "SUPPORTED_MODEL_TYPES", "UnsupportedModelError", "check_model_config", "check_model_supported",
+           "install"]
 
 ATTN_IMPLEMENTATION = "oomb"
 SUPPORTED_MODEL_TYPES = ("qwen2", "llama", "mistral", "qwen3")
@@ -69,18 +70,18 @@ def _model_config(model: torch.nn.Module):
     return config
 
 
-def check_model_supported(model: torch.nn.Module) -> None:
-    """Raise :class:`UnsupportedModelError` unless oomb can train ``model`` exactly.
+def check_model_config(config: Any) -> None:
+    """Raise :class:`UnsupportedModelError` unless oomb can train a model of the transformers ``config``.
 
-    Supported: decoder-only causal LMs of the families Qwen2/Qwen2.5, Llama 2/3 (any HF rope
-    scaling), Mistral and Qwen3 with full (not sliding-window) attention and no attention dropout.
+    The checks of :func:`check_model_supported` that need no model (its type, sliding-window attention,
+    attention dropout), so that ``oomb plan``, ``oomb train`` and :class:`oomb.Engine` refuse a model for the
+    same reason in the same words.
     """
-    config = _model_config(model)
     model_type = getattr(config, "model_type", None)
     if getattr(config, "is_encoder_decoder", False) or model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
-            f"model type {model_type!r} is not supported (encoder-only and encoder-decoder models have no causal "
-            f"KV recurrence); use one of: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"model type {model_type!r} is not supported (oomb's engine plugs into the attention of the Qwen2/2.5, "
+            f"Llama 2/3, Mistral and Qwen3 implementations only); use a model of type {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     layer_types = getattr(config, "layer_types", None) or []
     if getattr(config, "sliding_window", None) is not None or "sliding_attention" in layer_types:
@@ -92,6 +93,16 @@ def check_model_supported(model: torch.nn.Module) -> None:
         raise UnsupportedModelError(
             f"attention_dropout={config.attention_dropout} is not supported; set config.attention_dropout=0"
         )
+
+
+def check_model_supported(model: torch.nn.Module) -> None:
+    """Raise :class:`UnsupportedModelError` unless oomb can train ``model`` exactly.
+
+    Supported: decoder-only causal LMs of the families Qwen2/Qwen2.5, Llama 2/3 (any HF rope
+    scaling), Mistral and Qwen3 with full (not sliding-window) attention and no attention dropout
+    (:func:`check_model_config` of its config), with an LM head.
+    """
+    check_model_config(_model_config(model))
     if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
         raise UnsupportedModelError(f"{type(model).__name__} has no LM head; pass a *ForCausalLM model")
 

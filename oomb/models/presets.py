@@ -196,17 +196,14 @@ def load_config(name_or_path: str) -> PretrainedConfig:
 def check_config_supported(config: PretrainedConfig) -> None:
     """Raise ``oomb.UnsupportedModelError`` if the engine cannot train a model of ``config``.
 
-    Runs the engine's own check on a model built on the meta device (no memory,
-    no weights), so a large unsupported checkpoint is refused before it is read.
+    Runs the engine's own checks, :func:`oomb.models.hf.check_model_config` and then
+    :func:`oomb.models.hf.check_model_supported` on a model built on the meta device (no memory,
+    no weights), so a large unsupported checkpoint is refused before it is read, in the words
+    :class:`oomb.Engine` uses.
     """
-    from .hf import SUPPORTED_MODEL_TYPES, UnsupportedModelError, check_model_supported
+    from .hf import check_model_config, check_model_supported
 
-    model_type = getattr(config, "model_type", None)
-    if getattr(config, "is_encoder_decoder", False) or model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"model type {model_type!r} is not supported (oomb's engine plugs into the attention of the Qwen2/2.5, "
-            f"Llama 2/3, Mistral and Qwen3 implementations only); use a model of type {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+    check_model_config(config)  # before building: a model type transformers cannot build as a causal LM is named
     with torch.device("meta"):
         meta_model = AutoModelForCausalLM.from_config(config)
     check_model_supported(meta_model)

@@ -363,6 +363,24 @@ def test_unsupported_architectures():
         Engine(qwen)
 
 
+def test_engine_and_cli_give_one_reason_for_a_decoder_of_another_family():
+    """GPT-2 is decoder-only: the Engine said 'encoder-only and encoder-decoder models have no causal KV
+    recurrence' where the CLI's check (oomb.models.presets.check_config_supported) named the supported families;
+    both raise the same message."""
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    from oomb.models.presets import check_config_supported
+
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=VOCAB)
+    with pytest.raises(UnsupportedModelError) as engine_error:
+        Engine(AutoModelForCausalLM.from_config(config), OOMBConfig(chunk_size=128, page_size=64))
+    with pytest.raises(UnsupportedModelError) as cli_error:
+        check_config_supported(config)
+    assert str(engine_error.value) == str(cli_error.value)
+    assert "model type 'gpt2' is not supported" in str(engine_error.value)
+    assert "encoder" not in str(engine_error.value)
+
+
 def test_generation_still_works_after_wrapping():
     model = tiny("qwen2").eval()
     Engine(model, engine_config(chunk_size=8, page_size=4))
