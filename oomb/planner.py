@@ -381,9 +381,21 @@ def plan(
 
     Returns:
         :class:`MemoryPlan`; ``plan.fits`` / ``plan.check()`` say whether it fits.
+
+    Raises:
+        oomb.UnsupportedModelError: ``model`` (not a :class:`ModelShape`) is one :class:`oomb.Engine` refuses
+            (:func:`oomb.models.hf.check_model_config`).
     """
     kwargs = dict(locals())  # the arguments, to plan an alternative the verdict may suggest
-    shape = model if isinstance(model, ModelShape) else ModelShape.from_config(model)
+    if isinstance(model, ModelShape):
+        shape = model
+    else:
+        from .models.hf import check_model_config
+        from .models.presets import load_config
+
+        config = load_config(model) if isinstance(model, str) else model
+        check_model_config(config)  # a model the engine refuses has no plan
+        shape = ModelShape.from_config(config)
     name = model if isinstance(model, str) else shape.model_type
     dtype = parse_dtype(dtype)
     if seq_len < 2 or chunk_size <= 0 or page_size <= 0 or chunk_size % page_size:

@@ -78,14 +78,21 @@ def _machine(args: argparse.Namespace):
 def _plan(args: argparse.Namespace) -> int:
     """``oomb plan``: print the predicted memory of a run on a GPU (``--device`` is cuda unless the file or the flag
     says cpu, which is refused: a CPU run has no GPU memory or pinned tier to plan); 0 if it fits, 1 if not, 2 on
-    bad input (a setting that fits no machine included: one line, no table, no note or warning). A --seq-len beyond the model's
-    max_position_embeddings is warned about on stderr (as ``oomb train`` does)."""
+    bad input (a model ``oomb train`` refuses and a setting that fits no machine included: one line, no table, no
+    note or warning). A --seq-len beyond the model's max_position_embeddings is warned about on stderr (as
+    ``oomb train`` does)."""
+    from .. import UnsupportedModelError
+
     try:
         from ..config import resolve_dtype
         from ..models.limits import context_length_warning, lora_rank_problem
-        from ..models.presets import load_config
+        from ..models.presets import check_config_supported, load_config
 
         config = load_config(args.model)  # an unknown model is the first thing to say
+        try:
+            check_config_supported(config)  # then a model oomb train refuses, in its words
+        except UnsupportedModelError as exc:
+            raise _usage_from(exc, "use a Qwen2/2.5, Llama 2/3, Mistral or Qwen3 causal LM (see 'oomb plan --help')") from exc
         lora_problem = lora_rank_problem(config, args.lora_rank, args.model)
         if lora_problem:
             raise ValueError("; ".join(lora_problem))

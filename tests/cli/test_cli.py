@@ -225,6 +225,15 @@ def encoder_model(tmp_path):
     return d
 
 
+@pytest.fixture
+def gpt2_model(tmp_path):
+    from transformers import GPT2Config
+
+    d = tmp_path / "gpt2"
+    GPT2Config(n_layer=2, n_embd=64, n_head=2).save_pretrained(d)
+    return d
+
+
 def _bad_inputs(tmp_path, text_file):
     """(name, extra argv, fragment the message must contain). Each run also gets --overwrite."""
     empty = tmp_path / "empty.txt"
@@ -328,6 +337,24 @@ def test_bad_models_exit_2_and_touch_nothing(request, tmp_path, text_file, capsy
     status = run_cli(["train", "--data", text_file, "--model", model_dir, "--output-dir", out, "--overwrite", *FAST])
     _check_refused(status, capsys, fragment)
     assert snapshot(out) == {"keep.txt": b"keep", "log.jsonl": OOMB_LOG_LINE.encode()}
+
+
+@pytest.mark.parametrize(
+    "model_fixture, fragment",
+    [("gpt2_model", "model type 'gpt2'"), ("encoder_model", "model type 'bert'"), ("sliding_window_model", "sliding")],
+)
+def test_plan_refuses_the_models_train_refuses_in_its_words(request, tmp_path, text_file, capsys, model_fixture,
+                                                            fragment):
+    """A plan and a training run given the same flags describe the same run: a model ``oomb train`` refuses (a
+    decoder of another family, an encoder, sliding-window attention) gets no memory plan (GPT-2 had a traceback,
+    the others 'fits'), but train's exit-2 line."""
+    model_dir = request.getfixturevalue(model_fixture)
+    capsys.readouterr()
+    planned = _check_refused(run_cli(["plan", "--model", model_dir, "--gpu-gib", "10", "--host-gib", "10"]), capsys,
+                             fragment)
+    trained = _check_refused(run_cli(["train", "--data", text_file, "--model", model_dir, "--output-dir",
+                                      tmp_path / "run", *FAST]), capsys, fragment)
+    assert planned == trained.replace("oomb train --help", "oomb plan --help")
 
 
 def test_non_empty_output_dir_needs_overwrite(tmp_path, text_file, capsys):

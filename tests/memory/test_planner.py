@@ -369,6 +369,23 @@ def test_plan_warns_when_the_length_exceeds_the_model_s_positions(tmp_path, caps
     assert context_length_warning(cfg, 8192, "m") is None and context_length_warning(cfg, 8193, "m") is not None
 
 
+@pytest.mark.parametrize("config", [
+    dict(model_type="gpt2", n_layer=2, n_embd=64, n_head=2),
+    dict(model_type="mistral", vocab_size=1000, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+         num_attention_heads=4, num_key_value_heads=2, sliding_window=128),
+], ids=["gpt2", "sliding-window"])
+def test_plan_refuses_a_model_the_engine_refuses(config):
+    """plan() of a model :class:`oomb.Engine` refuses raises its UnsupportedModelError (GPT-2 was an AttributeError
+    on intermediate_size, a sliding-window Mistral a plan that fits)."""
+    from transformers import AutoConfig
+
+    from oomb import UnsupportedModelError
+
+    cfg = AutoConfig.for_model(**config)
+    with pytest.raises(UnsupportedModelError, match="model type 'gpt2'|sliding-window"):
+        plan(cfg, 4096, machine=H200)
+
+
 def test_sparse_offload_never_counts_saved_attention():
     """Sparse offload stages whole layers, where the engine does not use saved attention outputs: the plan drops them
     with that reason, also when the run does not fit either way (it used to count 198 GiB of them then) and when
