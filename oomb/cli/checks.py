@@ -162,6 +162,22 @@ def _warn_if_offload_segments_are_small(args: argparse.Namespace, offloads: bool
         f"{args.page_size})", stacklevel=2)
 
 
+def _warn_if_warmup_outlasts_the_run(args: argparse.Namespace) -> None:
+    """Warn when --warmup-steps is longer than the run (--steps): the learning rate is still rising at the last
+    step, so it peaks at ``lr * steps / warmup_steps`` and never reaches --lr (train). A warning, not a refusal:
+    the schedule is well defined, and a short trial run of a long run's settings (--steps 2 over its --config
+    file) is a run worth starting."""
+    warmup, steps = args.warmup_steps, args.steps
+    if warmup is None or warmup <= steps:
+        return
+    peak = args.lr * steps / warmup
+    after = " (nor does the cosine decay start)" if args.lr_schedule == "cosine" else ""
+    warnings.warn(
+        f"--warmup-steps {warmup:,} is longer than the run (--steps {steps:,}): the learning rate is still warming up "
+        f"at the last step, so it peaks at {peak:.3g} ({steps:,}/{warmup:,} of --lr {args.lr:g}) and never reaches "
+        f"--lr{after}; pass --warmup-steps {steps:,} or fewer, or leave it out (10% of --steps)", stacklevel=2)
+
+
 def _all_past_pages(n: int) -> str:
     """'all 12 past pages', or 'the 1 past page' (the notes on budgets that keep every page)."""
     return "the 1 past page" if n == 1 else f"all {n:,} past pages"

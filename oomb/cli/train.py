@@ -168,9 +168,6 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
     n_trainable = sum(p.numel() for p in params)
     n_total = _parameter_count(model)
     warmup = warmup_steps(args.steps, args.warmup_steps)
-    if main_rank and args.warmup_steps is not None and args.warmup_steps >= args.steps:
-        print(f"oomb: note: --warmup-steps {args.warmup_steps} >= --steps {args.steps}: the learning rate never "
-              f"reaches --lr {args.lr:g}", file=sys.stderr)
     if main_rank and args.warmup_steps is None and warmup > _LONG_WARMUP:
         # --steps 99999999999999999999 (a run to stop with Ctrl-C) warmed up at a learning rate of ~0 for as long as
         # anyone could run it

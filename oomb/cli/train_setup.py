@@ -22,6 +22,7 @@ from .checks import (
     _warn_if_offload_segments_are_small,
     _warn_if_segment_pages_unused,
     _warn_if_sparse_is_dense,
+    _warn_if_warmup_outlasts_the_run,
 )
 from .inputs import _training_data, _vocab_size
 from .errors import UsageError, _one_line
@@ -270,6 +271,7 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         _warn_if_gpu_saved_attention_on_cpu(args, device)
         _warn_if_adamw_rounds_bf16_updates(args, dtype)
         _warn_if_offload_segments_are_small(args, getattr(store, "segment_pages", None) is not None)
+        _warn_if_warmup_outlasts_the_run(args)
     return dict(tokenizer=tokenizer, sequences=sequences, model=model, engine=engine, params=params, sharding=sharding,
                 optimizer=optimizer, fingerprint=fingerprint, settings=_checkpoint_settings(args, device), start_step=start_step,
                 finished=finished,

@@ -245,7 +245,8 @@ class TrainConfig:
     """After the warm-up: cosine decay to 10% of lr at the last step, or a constant lr."""
 
     warmup_steps: Optional[int] = None
-    """Linear warm-up steps (both schedules); default: 10% of steps (noted above 10,000)."""
+    """Linear warm-up steps (both schedules); default: 10% of steps (noted above 10,000). Longer than steps: a
+    warning, as the lr then peaks below lr at the last step."""
 
     max_grad_norm: float = 1.0
     """Clip the gradient norm to this (0: no clipping)."""

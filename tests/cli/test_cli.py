@@ -1009,9 +1009,24 @@ def test_sparse_with_only_sink_and_local_pages_is_allowed(tmp_path, text_file, c
     assert run_cli(["train", "--data", text_file, "--output-dir", out, *FAST, "--steps", "1", "--sparse", "--page-budget", "0"]) == 0
 
 
-def test_warmup_longer_than_the_run_is_noted(tmp_path, text_file, capsys):
-    assert run_cli(["train", "--data", text_file, "--output-dir", tmp_path / "run", *FAST, "--steps", "1", "--warmup-steps", "5"]) == 0
-    assert "--warmup-steps 5 >= --steps 1: the learning rate never reaches --lr" in capsys.readouterr().err
+def test_warmup_longer_than_the_run_is_a_warning_that_names_the_peak_lr(tmp_path, text_file, capsys):
+    """A warm-up longer than the run leaves the learning rate rising at the last step: a warning (as oomb's other
+    warnings) names the lr it peaks at. A warm-up as long as the run reaches --lr at its last step: nothing to
+    say (it was noted as 'never reaches --lr')."""
+    config = tmp_path / "run.yaml"
+    config.write_text("train: {steps: 2, warmup_steps: 50, lr: 0.003}\n")
+    fast = [a for a in FAST if a != "--steps" and a != "2"]
+    assert run_cli(["train", "--config", config, "--data", text_file, "--output-dir", tmp_path / "run", *fast]) == 0
+    err = capsys.readouterr().err
+    assert ("oomb: warning: --warmup-steps 50 is longer than the run (--steps 2): the learning rate is still warming "
+            "up at the last step, so it peaks at 0.00012 (2/50 of --lr 0.003) and never reaches --lr (nor does the "
+            "cosine decay start); pass --warmup-steps 2 or fewer, or leave it out (10% of --steps)") in err, err
+    lrs = [json.loads(line)["lr"] for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert lrs == pytest.approx([0.00006, 0.00012])
+    assert run_cli(["train", "--data", text_file, "--output-dir", tmp_path / "run", "--overwrite", *FAST,
+                    "--warmup-steps", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "--warmup-steps" not in err and "never reaches" not in err, err
 
 
 def test_repeated_data_is_noted(tmp_path, text_file, capsys):
