@@ -259,8 +259,9 @@ class OOMBConfig:
     none (a warning says why, once per engine)."""
 
     keep_graphs_max: Optional[int] = None
-    """With keep_graphs 'auto': keep at most this many chunks' graphs (0 or more; never more than the chunks
-    before the last). None: as many as fit on CUDA, and none on the CPU, which has no free GPU memory to read."""
+    """With keep_graphs 'auto' (refused without it): keep at most this many chunks' graphs (0 or more; never more
+    than the chunks before the last). None: as many as fit on CUDA, and none on the CPU, which has no free GPU
+    memory to read."""
 
     fused_glue: FusedGlue = "none"
     """The memory-bound work around the GEMMs: 'none' (the model's own PyTorch code: the exact reference path) or
@@ -328,6 +329,11 @@ class OOMBConfig:
                 "checkpoint_attention", "{checkpoint_attention} chooses what the rerun of a checkpointed layer does, "
                 "and without {checkpoint_layers} no layer is checkpointed", "enable {checkpoint_layers}, or leave "
                 "{checkpoint_attention} out", section="engine")
+        if self.keep_graphs_max is not None and self.keep_graphs != "auto":
+            raise ConfigError(
+                "keep_graphs_max", "{keep_graphs_max} caps the chunk graphs {keep_graphs} auto keeps, and "
+                f"{{keep_graphs}} is {literal(self.keep_graphs)}, which keeps none", "pass {keep_graphs} auto, or "
+                "leave {keep_graphs_max} out", section="engine")
         if self.attention_block_size % self.page_size != 0:  # reference blocks are whole pages
             self.attention_block_size = -(-self.attention_block_size // self.page_size) * self.page_size
 

@@ -273,6 +273,9 @@ def _bad_inputs(tmp_path, text_file):
          "e.g. 'type=llama3,factor=8,low_freq_factor=1,high_freq_factor=4,original_max_position_embeddings=8192'"),
         ("negative page budget", ["--data", text_file, "--sparse", "--page-budget", "-1"], "--page-budget is -1"),
         ("triton on cpu", ["--data", text_file, "--attention-backend", "triton"], "GPU only"),
+        ("graph cap without keep-graphs auto", ["--data", text_file, "--keep-graphs-max", "2"],
+         "--keep-graphs-max caps the chunk graphs --keep-graphs auto keeps, and --keep-graphs is 'off', which keeps "
+         "none; pass --keep-graphs auto, or leave --keep-graphs-max out"),
         ("no cuda", ["--data", text_file, "--device", "cuda"], "no CUDA GPU"),
     ]
 

@@ -125,8 +125,7 @@ def test_where_no_graph_is_kept():
     ids = torch.randint(0, VOCAB, (1, 24))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        for cfg in (dict(chunk_size=8), dict(chunk_size=8, keep_graphs_max=2),
-                    dict(chunk_size=24, keep_graphs="auto", keep_graphs_max=3)):
+        for cfg in (dict(chunk_size=8), dict(chunk_size=24, keep_graphs="auto", keep_graphs_max=3)):
             out, _ = _step(model, ids, page_size=4, **cfg)
             assert out.kept_graphs == 0, cfg
     for cfg, why in ((dict(), "no --keep-graphs-max on the CPU"),
@@ -146,6 +145,16 @@ def test_config_refuses_bad_values():
         OOMBConfig(keep_graphs="auto", keep_graphs_max=-1)
     with pytest.raises(ConfigError, match="keep_graphs is 'on'; pass one of 'off', 'auto'"):
         OOMBConfig(keep_graphs="on")
+
+
+def test_keep_graphs_max_without_keep_graphs_auto_is_refused():
+    """A cap on the graphs keep_graphs 'auto' keeps, with keep_graphs 'off', was ignored without a word (as
+    checkpoint_attention without checkpoint_layers is not): the configuration refuses it, naming both fixes."""
+    with pytest.raises(ConfigError, match="keep_graphs_max caps the chunk graphs keep_graphs auto keeps, and "
+                                          "keep_graphs is 'off', which keeps none; pass keep_graphs auto, or leave "
+                                          "keep_graphs_max out"):
+        OOMBConfig(keep_graphs_max=2)
+    assert OOMBConfig(keep_graphs="auto", keep_graphs_max=2).keep_graphs_max == 2
 
 
 def test_graph_budget_counts_what_fits():
