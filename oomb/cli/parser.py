@@ -173,8 +173,10 @@ _DESCRIPTIONS = {
         "held-out loss or passkey / needle retrieval at long context, dense and with sparse attention",
         "Evaluate the mean token loss of a model on consecutive, non-overlapping --seq-len token windows of the data, "
         "in file order (not shuffled: two runs read the same tokens), once with dense attention and once per sparse "
-        "page budget. Prints a Markdown table (loss, perplexity, change vs dense, tokens, seconds); nothing is "
-        "trained or written, except --json. Pass held-out text as --data: the default is the training corpus.",
+        "page budget. Prints a Markdown table (loss, perplexity, change vs dense, tokens, seconds). With --task "
+        "passkey or needle: exact-match accuracy and answer log-probability of a retrieval prompt at each --depths "
+        "and --lengths instead. Nothing is trained, and nothing is written but the --json report and, for "
+        "retrieval, the --heatmap PNG. Pass held-out text as --data: the default is the training corpus.",
     ),
     "bench": (
         "time one training step of oomb next to plain Hugging Face training",

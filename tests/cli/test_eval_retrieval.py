@@ -204,3 +204,11 @@ def test_grad_error_of_a_lora_output_folder_is_that_of_its_merged_model(tmp_path
     assert run_cli(["grad-error", "--model", tmp_path / "merged", *grid, "--json", tmp_path / "b.json"]) == 0
     a, b = (json.loads((tmp_path / n).read_text())["rel_error_all"]["1"] for n in ("a.json", "b.json"))
     assert a > 0 and a == pytest.approx(b, rel=1e-6)
+
+
+def test_eval_help_names_every_file_eval_writes(capsys):
+    """`oomb eval --help` said 'nothing is trained or written, except --json', and --heatmap writes a PNG too."""
+    assert run_cli(["eval", "--help"]) == 0
+    description = " ".join(capsys.readouterr().out.split("\n\n")[1].split())
+    written = next(s for s in description.split(". ") if "written" in s)
+    assert "--json" in written and "--heatmap" in written, description
