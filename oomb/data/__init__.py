@@ -13,8 +13,9 @@ SentencePiece tokenizer are used; both ship inside the package under ``oomb/reso
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from ..lazy import lazy_exports
 
 _EXPORTS = {
     "build_training_data": "build", "detect_format": "build", "load_documents": "build",
@@ -42,14 +43,4 @@ if TYPE_CHECKING:
     from .tokenizer import BUNDLED_TOKENIZER, load_tokenizer
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value  # asked once
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

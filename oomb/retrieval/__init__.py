@@ -6,8 +6,9 @@
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from ..lazy import lazy_exports
 
 _EXPORTS = {
     "TASKS": "prompts", "RetrievalPrompt": "prompts", "build_prompts": "prompts", "check_digits": "prompts",
@@ -28,14 +29,4 @@ if TYPE_CHECKING:
     from .synthetic import is_retrieval_jsonl, retrieval_rows, write_retrieval_jsonl
 
 
-def __getattr__(name: str):
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value  # asked once
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
