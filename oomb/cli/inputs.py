@@ -73,7 +73,7 @@ def _check_png_path(path: Path, shown: str, flag: str, what: str, kind: str) -> 
         from ..png import png_kind
 
         if png_kind(path) != kind:
-            raise UsageError(f"{shown} exists and is not an earlier oomb {what[4:] if what.startswith('the ') else what} "
+            raise UsageError(f"{shown} exists and is not an earlier oomb {kind} "
                              "(a PNG that another command or program wrote), so writing would destroy it",
                              f"pass {flag} a new file path, or delete that file first if it is not needed")
     if path.suffix and path.suffix.lower() != ".png":

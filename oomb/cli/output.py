@@ -184,14 +184,21 @@ def _refuse_foreign_entries(out: Path, given: str) -> None:
         )
 
 
-def _check_writable_dir_path(flag: str, given: str, path: Path) -> None:
-    """``path`` (a directory to create or use) can be made: its nearest existing ancestor is a writable directory.
+def _probe_writable(folder: Path) -> None:
+    """Create and remove an empty temporary directory in ``folder`` (os.access is not enough for root, or on
+    /proc-like file systems); nothing else is written.
 
-    Probes by creating and removing an empty temporary directory there (os.access is not enough for root,
-    or on /proc-like file systems); nothing else is written.
+    Raises:
+        OSError: ``folder`` cannot be written.
     """
     import tempfile
 
+    os.rmdir(tempfile.mkdtemp(prefix=".oomb-probe-", dir=folder))
+
+
+def _check_writable_dir_path(flag: str, given: str, path: Path) -> None:
+    """``path`` (a directory to create or use) can be made: its nearest existing ancestor is a writable directory
+    (probed with :func:`_probe_writable`)."""
     ancestor = path
     while not ancestor.exists():
         if ancestor.parent == ancestor:
@@ -200,7 +207,7 @@ def _check_writable_dir_path(flag: str, given: str, path: Path) -> None:
     if not ancestor.is_dir():
         raise UsageError(f"{flag} {given!r}: {str(ancestor)!r} is a file, not a folder", f"pass a {flag} whose parent folders are folders")
     try:
-        os.rmdir(tempfile.mkdtemp(prefix=".oomb-probe-", dir=ancestor))
+        _probe_writable(ancestor)
     except OSError as exc:
         raise UsageError(
             f"{flag} {given!r}: cannot create folders in {str(ancestor)!r} ({exc.strerror or exc})",
@@ -211,15 +218,13 @@ def _check_writable_dir_path(flag: str, given: str, path: Path) -> None:
 def _check_checkpoints_writable(out: Path, name: str, given: str) -> None:
     """Refuse a --resume whose output folder ``out`` has a checkpoints/ folder that cannot be written (read-only,
     immutable, another user's), before a step is trained (the run failed at its first checkpoint, its log already
-    past the newest one). Probes as :func:`_check_writable_dir_path` does; nothing else is written. ``name``: how the
+    past the newest one). Probes with :func:`_probe_writable`; nothing else is written. ``name``: how the
     user gave the output folder (``given``)."""
-    import tempfile
-
     ckpts = out / _CHECKPOINTS
     if not ckpts.is_dir():
         return
     try:
-        os.rmdir(tempfile.mkdtemp(prefix=".oomb-probe-", dir=ckpts))
+        _probe_writable(ckpts)
     except OSError as exc:
         from ..checkpoint import find_latest
 

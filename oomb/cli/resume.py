@@ -124,7 +124,8 @@ def _setting_text(name: str, value) -> str:
 
 def _check_resume_settings(args: argparse.Namespace, saved: dict | None, path: Path) -> list[str]:
     """Refuse a --resume whose checkpoint was trained with other engine settings that change the training
-    (``_RESUME_SETTINGS``), or is a LoRA adapter on a random preset drawn on another device; return notes on the harmless differences (and on a checkpoint that recorded none)."""
+    (``_RESUME_SETTINGS``), or is a LoRA adapter on a random preset drawn on another device; return notes on the
+    harmless differences (and on a checkpoint that recorded none)."""
     if saved is None:
         return [f"--resume: {path} records no engine settings (an older oomb wrote it): check that --sparse, "
                 "its options, --chunk-size and --page-size are the run's, as they are not checked"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -254,9 +255,7 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
                         # are dropped; the model and optimizer are those after step - 1, which a resume re-runs.
                         done = step - 1
                         path = checkpoint(done, step_rng) if done > saved_at else (find_latest(ckpt_root) if done > 0 else None)
-                        import signal as _signal
-
-                        name = _signal.Signals(stop.requested).name
+                        name = signal.Signals(stop.requested).name
                         dropped = f"its {record.sequences_done:,} of {counted(record.sequences, 'sequence')} done were dropped"
                         if path is None:
                             print(f"oomb: stopped by {name} during step {step} ({dropped}); no step had completed, so nothing "
@@ -292,9 +291,7 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
                     if requested and step < args.steps:
                         path = checkpoint(step) if saved_at != step else (find_latest(ckpt_root) if main_rank else None)
                         if main_rank:
-                            import signal as _signal
-
-                            name = _signal.Signals(stop.requested).name if stop.requested else "a signal on another rank"
+                            name = signal.Signals(stop.requested).name if stop.requested else "a signal on another rank"
                             how = (
                                 f"run {_resume_command(args._argv)}" if not ctx.enabled
                                 else f"run the same torchrun command with the oomb arguments {_resume_command(args._argv)[5:]}"
@@ -348,8 +345,6 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
                 file=sys.stderr,
             )
             if stop.requested is not None:
-                import signal as _signal
-
-                print(f"oomb: {_signal.Signals(stop.requested).name} came after the last step: the run finished its final "
+                print(f"oomb: {signal.Signals(stop.requested).name} came after the last step: the run finished its final "
                       "checkpoint and model first; nothing is left to do", file=sys.stderr)
     return 0

@@ -326,12 +326,13 @@ def _first_bad_json_line(path: Path) -> None:
                 _first_non_object_row(path, peek=False)  # maybe one JSON array of rows
                 return
             raise DataError(f"{path}:{lineno} is {_json_value(record)}, but the rows must be JSON objects",
-                            'write one JSON object per line, e.g. {"text": "..."}, {"messages": [...]} or '
-                            '{"prompt": "...", "completion": "..."}')
+                            f"write one JSON object per line, e.g. {_ROW_EXAMPLES}")
 
 
-_OBJECT_ROWS = ('write each row as a JSON object, e.g. {"text": "..."}, {"messages": [...]} or '
-                '{"prompt": "...", "completion": "..."}')
+_ROW_EXAMPLES = '{"text": "..."}, {"messages": [...]} or {"prompt": "...", "completion": "..."}'
+"""The row formats, as JSON objects, that the fix of a row that is not an object names."""
+
+_OBJECT_ROWS = f"write each row as a JSON object, e.g. {_ROW_EXAMPLES}"
 
 
 def _json_value(value: Any) -> str:
@@ -359,11 +360,11 @@ def _first_non_object_row(path: Path, peek: bool = True) -> None:
                 start = f.read(1 << 16).decode("utf-8", errors="ignore").lstrip("\ufeff \t\r\n")
             if not start.startswith("[") or start[1:].lstrip()[:1] in ("{", "]", ""):
                 return
+        if path.suffix == ".jsonl":
+            _first_bad_json_line(path)
+            return
         text = path.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError):
-        return
-    if path.suffix == ".jsonl":
-        _first_bad_json_line(path)
         return
     try:
         value = json.loads(text)
