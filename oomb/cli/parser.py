@@ -279,7 +279,7 @@ def _job_config(command: str, argv: Sequence[str], config_file: str | None):
     try:
         job = job_from_values(command, given, file_values)
     except ConfigError as exc:
-        from_file = f"{exc.section}.{exc.key}" in file_keys and not any(
+        from_file = exc.from_file or f"{exc.section}.{exc.key}" in file_keys and not any(
             ff.dest in given for ff in command_fields(command) if ff.section == exc.section and ff.name == exc.key)
 
         told: set[str] = set()

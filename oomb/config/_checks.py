@@ -66,43 +66,51 @@ def power_of_two(key: str, value: Any, lo: int, hi: int) -> None:
 
 
 def types(obj: Any) -> None:
-    """Each field of dataclass ``obj`` holds a value of its declared type, checked before any range or relation
-    check, so that a value of the wrong kind is told as such. Types checked: ``int`` (not bool), ``float`` (an int
-    too), ``bool``, ``str``, a ``Literal`` (:func:`choice`), and ``Optional`` and ``List`` of those; fields of
-    other types (sections) are left to their own checks.
+    """Each field of dataclass ``obj`` holds a value of its declared type (:func:`field_type`), checked before any
+    range or relation check, so that a value of the wrong kind is told as such.
+
+    Raises:
+        ConfigError: what :func:`field_type` raises, for the first field of the wrong type.
+    """
+    for f in dataclasses.fields(obj):
+        field_type(type(obj), f, getattr(obj, f.name))
+
+
+def field_type(cls: type, f: dataclasses.Field, value: Any) -> None:
+    """``value`` is of the declared type of field ``f`` of dataclass ``cls``. Types checked: ``int`` (not bool),
+    ``float`` (an int too), ``bool``, ``str``, a ``Literal`` (:func:`choice`), and ``Optional`` and ``List`` of
+    those; fields of other types (sections) are left to their own checks.
 
     Raises:
         ConfigError: ``"{key} is 'abc'"; "it takes an integer (e.g. {key} 2048)"``: what the field takes, with
             its default as the example (none for a bool; "or leave it out" where the default is None).
     """
-    for f in dataclasses.fields(obj):
-        tp = _hints(type(obj)).get(f.name)
-        value = getattr(obj, f.name)
-        optional = False
-        if get_origin(tp) in _UNIONS:
-            args = [a for a in get_args(tp) if a is not type(None)]
-            if len(args) != 1:
-                continue
-            tp, optional = args[0], True
-            if value is None:
-                continue
-        if get_origin(tp) is Literal:
-            choice(f.name, value, get_args(tp))
-            continue
-        item = get_args(tp)[0] if get_origin(tp) is list else None
-        what = _TAKES.get(item if item is not None else tp)
-        if what is None or _fits(value, tp):
-            continue
-        if item is not None:
-            what = f"a list of {_PLURAL[item]}"
-        factory = f.default_factory
-        default = factory() if factory is not dataclasses.MISSING else f.default  # type: ignore[misc]
-        if default is None or default is dataclasses.MISSING or default == [] or tp is bool:
-            example = ", or leave it out" if optional else ""
-        else:
-            shown = " ".join(map(_shown, default)) if isinstance(default, list) else _shown(default)
-            example = f" (e.g. {{{f.name}}} {shown})"
-        raise ConfigError(f.name, f"{{{f.name}}} is {literal(value)}", f"it takes {what}{example}")
+    tp = _hints(cls).get(f.name)
+    optional = False
+    if get_origin(tp) in _UNIONS:
+        args = [a for a in get_args(tp) if a is not type(None)]
+        if len(args) != 1:
+            return
+        tp, optional = args[0], True
+        if value is None:
+            return
+    if get_origin(tp) is Literal:
+        choice(f.name, value, get_args(tp))
+        return
+    item = get_args(tp)[0] if get_origin(tp) is list else None
+    what = _TAKES.get(item if item is not None else tp)
+    if what is None or _fits(value, tp):
+        return
+    if item is not None:
+        what = f"a list of {_PLURAL[item]}"
+    factory = f.default_factory
+    default = factory() if factory is not dataclasses.MISSING else f.default  # type: ignore[misc]
+    if default is None or default is dataclasses.MISSING or default == [] or tp is bool:
+        example = ", or leave it out" if optional else ""
+    else:
+        shown = " ".join(map(_shown, default)) if isinstance(default, list) else _shown(default)
+        example = f" (e.g. {{{f.name}}} {shown})"
+    raise ConfigError(f.name, f"{{{f.name}}} is {literal(value)}", f"it takes {what}{example}")
 
 
 _UNIONS = (typing.Union, getattr(types_, "UnionType", typing.Union))

@@ -26,6 +26,9 @@ class ConfigError(ValueError):
         section: the section of ``key`` (``"engine"``, ``"engine.sparse"``, ``"train"``, ...), set by the
             section that raised it.
 
+    ``from_file`` is True for a configuration file's value refused although a flag overrides it (the file is
+    told, not the flag).
+
     ``str(error)`` renders the placeholders as field names: ``"problem; fix"``.
     """
 
@@ -34,6 +37,7 @@ class ConfigError(ValueError):
         self.problem = problem
         self.fix = fix
         self.section = section
+        self.from_file = False
         super().__init__(self.render(lambda name: name))
 
     def render(self, name: Callable[[str], str]) -> str:

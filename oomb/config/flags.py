@@ -21,6 +21,7 @@ import typing
 from dataclasses import dataclass, fields
 from typing import Any, Literal, get_args, get_origin
 
+from . import _checks as check
 from .engine import KernelConfig, OffloadConfig, OOMBConfig, SparseConfig
 from .errors import ConfigError
 from .job import (BenchConfig, DataConfig, DataMakeConfig, DataReportConfig, EvalConfig, GradErrorConfig, JobConfig, MergeConfig,
@@ -266,6 +267,7 @@ def job_from_values(command: str, given: dict[str, Any], file_values: dict[str, 
         ff = by_dest[dest]
         if ff.section == "engine" and ff.name == "sparse":
             continue
+        _check_overridden(file_values, ff)
         values.setdefault(ff.section, {})[ff.name] = value
     sparse_on = given["sparse"] if has_toggle and "sparse" in given else sparse_in_file or not has_toggle
     if not has_toggle and not any(ff.section == "engine.sparse" for ff in by_dest.values()):
@@ -288,6 +290,23 @@ def job_from_values(command: str, given: dict[str, Any], file_values: dict[str, 
     engine = OOMBConfig(**values.pop("engine", {}), sparse=sparse, offload=offload, kernels=kernels)
     built = {s: SECTIONS[s](**v) for s, v in values.items() if s in SECTIONS}
     return JobConfig(engine=engine, **built)
+
+
+def _check_overridden(file_values: dict[str, dict[str, Any]], ff: FlagField) -> None:
+    """The file's value of the setting flag ``ff`` overrides is still of its field's type: a file that a run with the
+    flag accepts is not refused only when the flag is left out.
+
+    Raises:
+        ConfigError: the file's value is of the wrong type (``from_file`` set, ``section`` the flag's).
+    """
+    section = file_values.get(ff.section)
+    if not isinstance(section, dict) or ff.name not in section:
+        return
+    try:
+        check.field_type(SECTIONS[ff.section], _field(SECTIONS[ff.section], ff.name), section[ff.name])
+    except ConfigError as exc:
+        exc.section, exc.from_file = ff.section, True
+        raise
 
 
 def _field(cls: type, name: str) -> dataclasses.Field:

@@ -249,6 +249,21 @@ def test_a_value_of_the_wrong_type_is_told_as_such(tmp_path, capsys, command, te
     _refused([command, "--config", f, "--print-config"], capsys, told.format(f=f))
 
 
+@pytest.mark.parametrize("text, flags, told", [
+    ("train: {steps: abc}", ["--steps", "2"], "train.steps (in {f}) is 'abc'; it takes an integer (e.g. train.steps 30)"),
+    ("engine: {chunk_size: big}", ["--chunk-size", "64"],
+     "engine.chunk_size (in {f}) is 'big'; it takes an integer (e.g. engine.chunk_size 4096)"),
+    ("engine: {sparse: {page_budget: [1]}}", ["--sparse", "--page-budget", "8"],
+     "engine.sparse.page_budget (in {f}) is [1]; it takes an integer"),
+])
+def test_a_files_value_of_the_wrong_type_is_told_when_a_flag_overrides_it(tmp_path, capsys, text, flags, told):
+    """A file whose value is of the wrong type is refused also when a flag overrides that value: otherwise the file
+    works with the flag and fails the day the flag is left out."""
+    f = tmp_path / "bad.yaml"
+    f.write_text(text + "\n")
+    _refused(["train", "--config", f, *flags, "--print-config"], capsys, told.format(f=f))
+
+
 def test_python_configs_check_types_first():
     from oomb.config import DataConfig
 
