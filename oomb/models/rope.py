@@ -82,7 +82,8 @@ def set_rope(model: torch.nn.Module, rope_theta: float | None = None, rope_scali
     Args:
         model: the model; its config and rotary embedding modules are updated.
         rope_theta: new RoPE base frequency, or None to keep it.
-        rope_scaling: ``{"rope_type": ..., "factor": ..., ...}`` as transformers defines it, or None.
+        rope_scaling: ``{"rope_type": ..., "factor": ..., ...}`` as transformers defines it (``type`` is read
+            as ``rope_type``), or None.
             ``max_position_embeddings`` in it (optional) also sets the config's.
 
     Returns:
@@ -101,6 +102,8 @@ def set_rope(model: torch.nn.Module, rope_theta: float | None = None, rope_scali
         params["rope_theta"] = float(rope_theta)
     if rope_scaling:
         scaling = dict(rope_scaling)
+        if "type" in scaling:  # transformers' older spelling of rope_type, as parse_rope_scaling reads it
+            scaling.setdefault("rope_type", scaling.pop("type"))
         max_pos = scaling.pop("max_position_embeddings", None)
         rope_type = scaling.get("rope_type", params.get("rope_type", "default"))
         if rope_type not in ROPE_TYPES:

@@ -60,7 +60,14 @@ def test_set_rope_then_chunked_training_is_exact():
     (dict(rope_scaling={"rope_type": "llama3", "factor": 8}), "needs low_freq_factor"),
     (dict(rope_scaling={"rope_type": "linear", "factor": 0}), "factor must be > 0"),
     (dict(rope_scaling={"rope_type": "linear", "factor": 0.5}), "factor must be >= 1"),
+    (dict(rope_scaling={"type": "bogus"}), "rope type 'bogus' is not supported"),  # the older key is read too
 ])
 def test_set_rope_bad_input(kwargs, match):
     with pytest.raises(ValueError, match=match):
         set_rope(tiny("qwen2"), **kwargs)
+
+
+def test_set_rope_reads_the_older_type_key():
+    """``{"type": "linear", ...}`` (transformers' older spelling) scales as ``{"rope_type": "linear", ...}``."""
+    a, b = tiny("qwen2"), tiny("qwen2")
+    assert set_rope(a, rope_scaling={"type": "linear", "factor": 4}) == set_rope(b, rope_scaling={"rope_type": "linear", "factor": 4})
