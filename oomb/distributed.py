@@ -25,8 +25,8 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistributedContext", "RankFailedError", "agree_ok", "all_reduce_gradients", "clip_grad_norm", "global_sum",
-           "init_from_env"]
+__all__ = ["DistributedContext", "RankFailedError", "agree_ok", "all_reduce_gradients", "clip_grad_norm", "global_any",
+           "global_sum", "init_from_env"]
 
 
 class RankFailedError(RuntimeError):
@@ -87,6 +87,18 @@ def global_sum(value: int | float, device: torch.device) -> float:
     t = torch.tensor([float(value)], dtype=torch.float64, device=device)
     dist.all_reduce(t)
     return t.item()
+
+
+def global_any(flags, device: torch.device) -> list[bool]:
+    """For each of ``flags`` (a sequence of bools), whether it is true on any rank: one all-reduce of
+    ``len(flags)`` numbers, which every rank calls at the same point with as many flags (``flags`` as they are
+    when not distributed)."""
+    flags = [bool(f) for f in flags]
+    if not (dist.is_available() and dist.is_initialized()):
+        return flags
+    t = torch.tensor([1.0 if f else 0.0 for f in flags], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [v > 0 for v in t.tolist()]
 
 
 def agree_ok(ok: bool, device: torch.device, message: str = "") -> None:

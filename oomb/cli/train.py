@@ -4,6 +4,7 @@ messages)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
 import signal
 import sys
@@ -80,6 +81,37 @@ def _write_failure(exc: BaseException) -> str | None:
     return text if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {text}"
 
 
+def _rank0_failed() -> UsageError:
+    """The error of a rank other than 0 where rank 0 failed to write a file of the run (exit status 2)."""
+    return UsageError("rank 0 failed to write the run's files (its error is printed above)", "all ranks stopped")
+
+
+@contextlib.contextmanager
+def _rank0_writes(ctx, device):
+    """Around the files that rank 0 alone writes under torchrun (the output folder, the log, the model, a checkpoint
+    without --shard): every rank enters it at the same point, and at its end takes part in one all-reduce of one
+    number, so that an exception of rank 0 inside it (a full disk: its one-line error) stops every other rank too,
+    with exit status 2 and :func:`_rank0_failed`'s line, instead of leaving them in their next collective until its
+    timeout. Rank 0 raises its own exception. Outside torchrun it does nothing."""
+    from ..distributed import RankFailedError, agree_ok
+
+    if not ctx.enabled:
+        yield
+        return
+    try:
+        yield
+    except Exception:
+        try:
+            agree_ok(False, device)
+        except Exception:  # noqa: BLE001 - the rank's own error is the one to report
+            pass
+        raise
+    try:
+        agree_ok(True, device)
+    except RankFailedError as exc:
+        raise _rank0_failed() from exc
+
+
 def _draw_loss_png(log_path: Path, png: Path) -> None:
     """loss.png from the records of ``log_path`` (after a resume in the same folder every step from the first; in a
     new folder only the steps trained there, its log starting after the checkpoint); a failure is a note, never the
@@ -138,7 +170,7 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
 
     from ..checkpoint import GracefulStop, find_latest, rng_state, save_checkpoint
     from ..data.stats import counted
-    from ..distributed import global_sum
+    from ..distributed import global_any
     from ..train import SequenceStream, StepError, StepLog, StepStopped, TensorBoardLog, Trainer, warmup_steps
 
     tokenizer, sequences, model, engine = run["tokenizer"], run["sequences"], run["model"], run["engine"]
@@ -157,12 +189,13 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
             print(f"oomb: done: no steps left to train (the checkpoint is at --steps {args.steps} and {out} holds its "
                   "saved model); nothing was written", file=sys.stderr)
         return 0
-    if main_rank:
-        # ---- every check passed: from here on we write.
-        _prepare_output(out, args.overwrite)
-        log = StepLog(log_path, start_step)  # a resumed run drops the steps after its checkpoint: trained again
-        if args.report_to == "tensorboard":
-            board = TensorBoardLog(out / _TENSORBOARD, start_step)
+    with _rank0_writes(ctx, device):
+        if main_rank:
+            # ---- every check passed: from here on we write.
+            _prepare_output(out, args.overwrite)
+            log = StepLog(log_path, start_step)  # a resumed run drops the steps after its checkpoint: trained again
+            if args.report_to == "tensorboard":
+                board = TensorBoardLog(out / _TENSORBOARD, start_step)
     # A signal while the output was prepared: stop before training. The same command runs again (an empty
     # --output-dir is new; with --overwrite, the earlier run stays in .oomb-replaced).
     signals.check()
@@ -206,9 +239,7 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
                           f"free space on that disk and continue with {resume}, or continue in another --output-dir "
                           f"with --resume {latest}")
 
-    def checkpoint(step: int, rng: dict | None = None) -> Path | None:
-        if not main_rank and sharding is None:
-            return None
+    def save(step: int, rng: dict | None) -> Path:
         extra = {"rng": rng if rng is not None else rng_state(), "step": step, "sequences_per_step": K * W}
         try:
             return save_checkpoint(ckpt_root, step, model, optimizer, None, run["fingerprint"], extra, keep_last=2,
@@ -219,6 +250,15 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
                 raise
             # save_checkpoint removed its unfinished folder: the checkpoints there are complete ones.
             raise _unwritten(f"the checkpoint of step {step} cannot be written to {ckpt_root}: {why}") from exc
+
+    def checkpoint(step: int, rng: dict | None = None) -> Path | None:
+        """The checkpoint of ``step``, written by rank 0 alone (every rank learns whether it was:
+        :func:`_rank0_writes`), or with --shard by every rank (a collective save that fails on every rank where
+        rank 0's write fails); its folder, None on a rank that writes none. Every rank calls it at the same step."""
+        if sharding is not None:
+            return save(step, rng)
+        with _rank0_writes(ctx, device):
+            return save(step, rng) if main_rank else None
 
     model.train()
     trainer = Trainer(engine, optimizer, stream, args.job.train, params=params, dist=ctx, device=device,
@@ -238,10 +278,11 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
     # handlers from before oomb's.
     with GracefulStop(notice=notice) as stop:
         stop.take_over(signals.previous, signals.signum)
-        if log is not None:
-            log.open()
-        if board is not None:
-            board.open()
+        with _rank0_writes(ctx, device):
+            if log is not None:
+                log.open()
+            if board is not None:
+                board.open()
         try:
             with tqdm(total=args.steps, initial=start_step, desc="train", unit="step", disable=not show, file=sys.stderr) as bar:
                 for step in range(start_step + 1, args.steps + 1):
@@ -266,12 +307,13 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
                         return 0
                     first_loss = record.loss if first_loss is None else first_loss
                     last_loss = record.loss
+                    unlogged = None  # rank 0: the OSError of writing this step's record to log.jsonl
                     if main_rank:
                         try:
                             log.write(record.to_json())
                         except OSError as exc:
-                            why = _write_failure(exc)
-                            raise _unwritten(f"step {step} cannot be written to {log_path}: {why}") from exc
+                            unlogged = exc
+                    if main_rank and unlogged is None:
                         if board is not None:
                             board.write(record.to_json())
                         bar.set_postfix(loss=f"{record.loss:.3f}", tok_s=f"{record.tokens_per_s:.0f}")
@@ -282,12 +324,17 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
                             kept = f"  kept graphs {record.kept_graphs}" if record.kept_graphs else ""
                             tqdm.write(f"step {step:>5,}/{args.steps:,}  loss {record.loss:.4f}  {record.tokens_per_s:,.0f} tok/s  "
                                        f"{record.seconds:.2f} s  lr {record.lr:.2e}{mem}{kept}", file=sys.stdout)
+                    requested, log_failed = stop.requested is not None, unlogged is not None
+                    if ctx.enabled:  # the step's one all-reduce of the CLI: a signal on any rank, rank 0's log write
+                        requested, log_failed = global_any([requested, log_failed], device)
+                    if unlogged is not None:
+                        why = _write_failure(unlogged)
+                        raise _unwritten(f"step {step} cannot be written to {log_path}: {why}") from unlogged
+                    if log_failed:
+                        raise _rank0_failed()
                     if args.save_every and step % args.save_every == 0 and step < args.steps:
                         checkpoint(step)
                         saved_at = step
-                    requested = stop.requested is not None
-                    if ctx.enabled:
-                        requested = global_sum(1.0 if requested else 0.0, device) > 0
                     if requested and step < args.steps:
                         path = checkpoint(step) if saved_at != step else (find_latest(ckpt_root) if main_rank else None)
                         if main_rank:
@@ -320,31 +367,32 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
                 for name, _ in model.named_parameters(remove_duplicate=False):
                     if name not in first:
                         state_dict.pop(name, None)
-        if main_rank:
-            train_args = {k: v for k, v in vars(args).items() if k not in ("command", "job") and not k.startswith("_")}
-            train_args.update(oomb_version=_version(), num_tokens=int(sequences.stats.tokens), num_sequences=len(sequences), world_size=W)
-            from ..data.chat import read_chat_template
+        with _rank0_writes(ctx, device):
+            if main_rank:
+                train_args = {k: v for k, v in vars(args).items() if k not in ("command", "job") and not k.startswith("_")}
+                train_args.update(oomb_version=_version(), num_tokens=int(sequences.stats.tokens), num_sequences=len(sequences), world_size=W)
+                from ..data.chat import read_chat_template
 
-            template = read_chat_template(args.job.data.chat_template)
-            if template is not None:  # saved with the model: what it was trained on is what it is prompted with
-                tokenizer.chat_template = template
-            try:
-                saved = _save(model, tokenizer, out, lora=args.lora_rank > 0, train_args=train_args, state_dict=state_dict)
-            except Exception as exc:
-                why = _write_failure(exc)
-                if why is None:
-                    raise
-                # _save removed its temporary folder; the checkpoint of --steps is complete, and a --resume of it
-                # writes the model.
-                raise _unwritten(f"the trained model cannot be written to {out}: {why}") from exc
-            shutil.rmtree(out / _REPLACED, ignore_errors=True)  # the run --overwrite replaced: this one is saved now
-            elapsed = time.perf_counter() - t_start
-            losses = f"loss {first_loss:.4f} -> {last_loss:.4f}" if first_loss is not None else "no steps left to train"
-            print(
-                f"oomb: done in {elapsed:.1f} s; {losses}; saved {', '.join(n for n in saved if n.endswith('.safetensors'))} to {out}",
-                file=sys.stderr,
-            )
-            if stop.requested is not None:
-                print(f"oomb: {signal.Signals(stop.requested).name} came after the last step: the run finished its final "
-                      "checkpoint and model first; nothing is left to do", file=sys.stderr)
+                template = read_chat_template(args.job.data.chat_template)
+                if template is not None:  # saved with the model: what it was trained on is what it is prompted with
+                    tokenizer.chat_template = template
+                try:
+                    saved = _save(model, tokenizer, out, lora=args.lora_rank > 0, train_args=train_args, state_dict=state_dict)
+                except Exception as exc:
+                    why = _write_failure(exc)
+                    if why is None:
+                        raise
+                    # _save removed its temporary folder; the checkpoint of --steps is complete, and a --resume of it
+                    # writes the model.
+                    raise _unwritten(f"the trained model cannot be written to {out}: {why}") from exc
+                shutil.rmtree(out / _REPLACED, ignore_errors=True)  # the run --overwrite replaced: this one is saved now
+                elapsed = time.perf_counter() - t_start
+                losses = f"loss {first_loss:.4f} -> {last_loss:.4f}" if first_loss is not None else "no steps left to train"
+                print(
+                    f"oomb: done in {elapsed:.1f} s; {losses}; saved {', '.join(n for n in saved if n.endswith('.safetensors'))} to {out}",
+                    file=sys.stderr,
+                )
+                if stop.requested is not None:
+                    print(f"oomb: {signal.Signals(stop.requested).name} came after the last step: the run finished its final "
+                          "checkpoint and model first; nothing is left to do", file=sys.stderr)
     return 0
