@@ -168,7 +168,8 @@ class DataConfig:
 
     text_field: str = "text"
     """The field holding the text of a text row; with format auto, a field other than text that the rows lack is
-    refused (rows of another format are not read in its place)."""
+    refused (rows of another format are not read in its place). Plain text (a .txt file, a folder of them, the
+    bundled corpus) has no fields: it reads as the one field text, and naming another is refused."""
 
     chat_template: Optional[str] = field(default=None, metadata=flag("--chat-template", metavar="PATH"))
     """A Jinja chat template file (or a JSON file with a "chat_template" key) to render messages with, instead

@@ -104,6 +104,22 @@ def _not_a_string(rows: Rows, i: int, row: dict, field: str, flag: bool = True) 
                      f"write each row's {field!r} as a string{other}")
 
 
+def _refuse_field_of_plain_text(rows: Rows, text_field: str, path) -> None:
+    """Refuse a ``text_field`` other than ``text`` for plain-text rows (``rows.plain``: a text file, a folder of
+    .txt files, the bundled corpus at ``path`` None), which have no fields to name: their one column is ``text``,
+    and any other name would be ignored. (``text`` is also the default: naming it changes nothing.)
+
+    Raises:
+        DataError: ``text_field`` is not ``text`` (its setting: ``text_field``).
+    """
+    if not rows.plain or text_field == "text":
+        return
+    shown = "the bundled corpus" if path is None else repr(rows.name)
+    raise DataError(f"{{text_field}} {text_field!r} names a field, but {shown} is plain text, which has no fields",
+                    "leave {text_field} out, or pass json/jsonl, parquet, csv or arrow rows with a "
+                    f"{text_field!r} field", setting="text_field")
+
+
 def _texts(rows: Rows, field: str):
     for i, row in enumerate(rows):
         _refuse_mixed(rows, "text", field, i, row)
@@ -122,10 +138,12 @@ def load_documents(path: str | os.PathLike | None = None, text_field: str = "tex
     Lines file, else ``NAME row N``). Blank documents are dropped. ``reader`` names the command for messages.
 
     Raises:
-        DataError: what :func:`open_rows` refuses; rows without ``text_field`` (chat rows: naming what they
-            are), a row whose field is not a string, or no non-blank text.
+        DataError: what :func:`open_rows` refuses; a ``text_field`` other than ``text`` for plain text, which has
+            no fields; rows without ``text_field`` (chat rows: naming what they are), a row whose field is not a
+            string, or no non-blank text.
     """
     rows = open_rows(None if path is None else str(path), split)
+    _refuse_field_of_plain_text(rows, text_field, path)
     if rows.plain:
         return [Document(rows.where(i), r["text"]) for i, r in enumerate(rows)]
     if text_field not in rows.columns:
@@ -265,15 +283,13 @@ def build_training_data(cfg, tokenizer, seed: int = 0):
     served in the order of ``seed``: a :class:`TextSequences` or a :class:`PackedSequences`.
 
     Raises:
-        DataError: unreadable or empty data or split, rows without the expected fields, rows of several formats
+        DataError: unreadable or empty data or split, a ``text_field`` other than ``text`` for plain text (which
+            has no fields), rows without the expected fields, rows of several formats
             (naming the first row of each), a bad message, no chat template for messages, no example with an
             assistant turn, ``loss_on`` assistant for text, or less data than one sequence.
     """
     rows = open_rows(cfg.path, cfg.split, cfg.streaming)
-    if rows.plain:  # text files: their text, whatever text_field names
-        from dataclasses import replace
-
-        cfg = replace(cfg, text_field="text")
+    _refuse_field_of_plain_text(rows, cfg.text_field, cfg.path)
     fmt = detect_format(cfg.format, rows.columns, cfg.text_field, repr(rows.name))
     if fmt == "text" and cfg.loss_on == "assistant":
         raise DataError(f"--loss-on assistant needs messages, prompt/completion or segments rows, but {rows.name!r} is text",

@@ -256,6 +256,46 @@ def test_a_named_text_field_that_no_format_matches_says_which_fields_the_rows_ha
     build_training_data(DataConfig(path=str(path), text_field="note", seq_len=32), load_tokenizer())
 
 
+@pytest.mark.parametrize("command", ["train", "data"])
+def test_a_text_field_named_for_plain_text_is_refused_not_ignored(tmp_path, capsys, command):
+    """.txt files (one, or a folder of them) have no fields: --text-field NAME other than text is refused in one line
+    naming the flag (or the --config file's key), where it used to be ignored and the text read anyway."""
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for i in range(3):
+        (folder / f"{i}.txt").write_text(f"document {i} " * 40)
+    for data in (folder / "0.txt", folder):
+        line = refused([command, "--data", data, "--text-field", "body", *FAST], capsys, tmp_path,
+                       f"--text-field 'body' names a field, but '{data}' is plain text, which has no fields; leave "
+                       "--text-field out, or pass json/jsonl, parquet, csv or arrow rows with a 'body' field")
+    config = tmp_path / "c.yaml"
+    config.write_text("data:\n  text_field: body\n")
+    line = refused([command, "--config", config, "--data", folder, *FAST], capsys, tmp_path,
+                   f"data.text_field (in {config}) 'body' names a field")
+    assert "leave data.text_field out" in line
+    # text, the default, is the one field plain text reads as: naming it changes nothing
+    assert run_cli([command, "--data", folder, "--text-field", "text", *FAST,
+                    *(["--output-dir", tmp_path / "ok"] if command == "train" else ["--output", tmp_path / "ok.png"])]) == 0
+
+
+def test_the_library_refuses_a_text_field_for_plain_text_too(tmp_path):
+    path = tmp_path / "a.txt"
+    path.write_text("some words " * 40)
+    tok = load_tokenizer()
+    for read in (lambda field: build_training_data(DataConfig(path=str(path), text_field=field, seq_len=32), tok),
+                 lambda field: load_documents(path, field),
+                 lambda field: build_training_data(DataConfig(text_field=field, seq_len=32), tok)):
+        with pytest.raises(DataError) as info:
+            read("body")
+        assert info.value.setting == "text_field"
+        assert info.value.problem.startswith("text_field 'body' names a field, but ")
+        assert info.value.problem.endswith(" is plain text, which has no fields")
+        assert info.value.fix == "leave text_field out, or pass json/jsonl, parquet, csv or arrow rows with a 'body' field"
+        read("text")
+    with pytest.raises(DataError, match="the bundled corpus is plain text"):
+        load_documents(None, "body")
+
+
 def test_a_tokenizer_with_too_few_tokens_is_refused(tmp_path, capsys):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
