@@ -14,7 +14,7 @@ from pathlib import Path
 from .checks import _check_sizes, _resolve_device_dtype
 from .errors import UsageError, _one_line, _RunError
 from .inputs import _check_data_exists
-from .output import _LOSS_PNG, _REPLACED, _TENSORBOARD, _check_output_dir, _prepare_output, _save
+from .output import _LOSS_PNG, _REPLACED, _TENSORBOARD, _locked_output_dir, _prepare_output, _save
 from .parser import _version
 from .resume import _resume_command
 from .signals import _StartupSignals
@@ -126,7 +126,15 @@ def _draw_loss_png(log_path: Path, png: Path) -> None:
 
 def _train(args: argparse.Namespace) -> int:
     _check_sizes(args)
-    out = _check_output_dir(args)
+    # Locked before its contents are checked: a second run into the folder is refused before it changes anything
+    # there, and what this run removes there (leftovers of killed runs, an --overwrite's earlier run) is no other
+    # live run's.
+    with _locked_output_dir(args) as out:
+        return _train_into(args, out)
+
+
+def _train_into(args: argparse.Namespace, out: Path) -> int:
+    """``oomb train`` into its checked output folder ``out``, which this process holds locked where it writes it."""
     if args.report_to == "tensorboard":
         try:
             import tensorboard  # noqa: F401 - torch.utils.tensorboard needs it

@@ -862,3 +862,152 @@ def test_resume_into_a_read_only_checkpoints_folder_is_refused_before_training(t
         assert _files(out) == before
     finally:
         subprocess.run(undo, check=True)
+
+
+# ---------------------------------------------------------------- the output folder's lock
+
+_HOLD_LOCK = (
+    "import fcntl, json, os, signal, socket, sys\n"
+    "fd = os.open(os.path.join(sys.argv[1], '.oomb-lock'), os.O_RDWR | os.O_CREAT, 0o666)\n"
+    "fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)\n"
+    "os.write(fd, json.dumps({'pid': os.getpid(), 'host': socket.gethostname(),\n"
+    "                         'command': 'oomb train --output-dir ' + sys.argv[1]}).encode())\n"
+    "if sys.argv[2] == 'die':\n"
+    "    os.kill(os.getpid(), signal.SIGKILL)\n"
+    "print('locked', flush=True)\n"
+    "sys.stdin.read()\n"
+)
+"""Holds the lock of the output folder argv[1] as a running ``oomb train`` does (its pid, host and command in the
+file) until its stdin closes; with argv[2] == 'die', is killed while it holds it."""
+
+
+def _hold_lock(out, then="wait"):
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD_LOCK, str(out), then], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    if then == "die":
+        assert proc.wait(timeout=60) == -signal.SIGKILL
+    else:
+        assert proc.stdout.readline() == "locked\n"
+    return proc
+
+
+def test_a_run_into_a_folder_another_run_writes_is_refused_and_changes_nothing(tmp_path, text_file, capsys):
+    """While a live run holds the output folder's lock, a second oomb train into it -- a new run, --resume or
+    --overwrite -- exits 2 with one line naming the folder, the holder's pid and the fix, and changes nothing there:
+    the unfinished checkpoint and model the live run is writing stay (a --resume deleted them as a killed run's
+    debris, an --overwrite moved them away). Once the holder is gone, the run goes ahead."""
+    out = tmp_path / "run"
+    argv = ["train", "--data", text_file, *FAST, "--steps", "2", "--save-every", "1", "--output-dir", out]
+    assert run_cli(argv) == 0
+    holder = _hold_lock(out)
+    try:
+        being_written = out / "checkpoints" / ".tmp-step-00000003-k2j4x9"
+        being_written.mkdir()
+        (being_written / "trainable.safetensors").write_bytes(b"\0" * 100)
+        (out / f".oomb-save-{holder.pid}").mkdir()
+        (out / f".oomb-save-{holder.pid}" / "model.safetensors").write_bytes(b"\0" * 100)
+        before = _files(out)
+        capsys.readouterr()
+        for extra in (["--resume", "latest", "--steps", "3"], ["--overwrite"], ["--resume"], []):
+            assert run_cli([*argv, *extra]) == 2, extra
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and err.startswith("oomb: error: "), err
+            assert f"--output-dir {str(out)!r} is being written by another oomb train (pid {holder.pid}: " in err, err
+            assert f"wait for it to end or stop it (kill {holder.pid}), or pass another --output-dir" in err, err
+            assert _files(out) == before, extra
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    assert run_cli([*argv[:-6], "--steps", "3", "--save-every", "1", "--output-dir", out, "--resume"]) == 0
+    assert [s for s, _ in losses(out)] == [1, 2, 3]
+    assert sorted(os.listdir(out / "checkpoints")) == ["latest", "step-00000002", "step-00000003"]
+    assert not (out / ".oomb-lock").exists() and not list(out.glob(".oomb-save-*"))
+
+
+def test_a_lock_left_by_a_killed_run_does_not_block(tmp_path, text_file, capsys):
+    """The lock file of a run that was killed (SIGKILL) stays, but its lock went with the process: a new run, an
+    --overwrite and a --resume go ahead as if the file were not there (it is neither an entry that makes the
+    folder non-empty nor one --overwrite names as kept), and each removes it as it ends. A read-only folder with
+    such a file is refused as read-only."""
+    out = tmp_path / "run"
+    out.mkdir()
+    _hold_lock(out, "die")
+    argv = ["train", "--data", text_file, *FAST, "--steps", "1", "--output-dir", out]
+    assert run_cli(argv) == 0
+    assert not (out / ".oomb-lock").exists()
+    for extra in (["--overwrite"], ["--steps", "2", "--resume"]):
+        _hold_lock(out, "die")
+        capsys.readouterr()
+        assert run_cli([*argv, *extra]) == 0, extra
+        err = capsys.readouterr().err
+        assert ".oomb-lock" not in err and not (out / ".oomb-lock").exists(), err
+        assert not (out / ".oomb-replaced").exists()
+    assert [s for s, _ in losses(out)] == [1, 2]
+
+    _hold_lock(out, "die")
+    before = _files(out)
+    if os.geteuid() == 0:  # root writes into a folder without write permission: make it immutable instead
+        if subprocess.run(["chattr", "+i", str(out)], capture_output=True).returncode != 0:
+            pytest.skip("running as root where chattr +i is not available")
+        undo = ["chattr", "-i", str(out)]
+    else:
+        out.chmod(0o555)
+        undo = ["chmod", "755", str(out)]
+    try:
+        capsys.readouterr()
+        assert run_cli([*argv, "--steps", "3", "--resume"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"cannot create folders in {str(out)!r}" in err, err
+        assert _files(out) == before
+    finally:
+        subprocess.run(undo, check=True)
+
+
+def test_a_run_holds_its_output_folder_locked_from_before_it_writes_until_it_ends(tmp_path, text_file, capsys,
+                                                                                    monkeypatch):
+    """The lock is held, with this process's pid and command in its file, when the run prepares the folder (where
+    --overwrite moves an earlier run and a checkpoint removes debris) and when it saves the model (where the
+    temporary folders of killed saves are removed); at the end it is released and its file deleted, so a --resume
+    goes ahead. Without fcntl (Windows) the run trains unlocked."""
+    import fcntl
+
+    import oomb.cli.train
+
+    out = tmp_path / "run"
+    argv = ["train", "--data", text_file, *FAST, "--steps", "1", "--output-dir", out]
+    seen = []
+
+    def held(where):
+        fd = os.open(out / ".oomb-lock", os.O_RDONLY)
+        try:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+        holder = json.loads((out / ".oomb-lock").read_text())
+        assert holder["pid"] == os.getpid() and holder["command"].startswith("oomb train --data "), holder
+        seen.append(where)
+
+    def wrap(name):
+        real = getattr(oomb.cli.train, name)
+
+        def wrapped(*a, **k):
+            held(name)
+            return real(*a, **k)
+
+        monkeypatch.setattr(oomb.cli.train, name, wrapped)
+
+    wrap("_prepare_output")
+    wrap("_save")
+    assert run_cli(argv) == 0
+    assert seen == ["_prepare_output", "_save"]
+    assert not (out / ".oomb-lock").exists()
+    assert run_cli([*argv, "--steps", "2", "--resume"]) == 0
+    assert seen == ["_prepare_output", "_save"] * 2 and not (out / ".oomb-lock").exists()
+    assert [s for s, _ in losses(out)] == [1, 2]
+
+    monkeypatch.undo()
+    monkeypatch.setitem(sys.modules, "fcntl", None)  # import fcntl raises ImportError, as on Windows
+    capsys.readouterr()
+    assert run_cli([*argv, "--steps", "3", "--resume"]) == 0
+    assert "lock" not in capsys.readouterr().err and not (out / ".oomb-lock").exists()
