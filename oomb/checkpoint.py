@@ -21,7 +21,9 @@ fsync'ed, ``meta.json`` is written last, and only then is the folder renamed
 into place and ``latest`` replaced (``os.replace``: atomic on POSIX). A process
 killed at any point leaves the previous checkpoint complete and ``latest``
 pointing at it; the debris of the interrupted write is removed by the next save.
-Older checkpoints are deleted only after the new one is in place.
+Older checkpoints are deleted only after the new one is in place. One process
+writes a checkpoints folder at a time (``oomb train`` holds its output folder
+locked for that): every unfinished folder there is taken for such debris.
 
 Loading verifies sizes and SHA-256 sums, so a truncated or corrupt file is
 reported by name instead of loading garbage, and it refuses a checkpoint whose
@@ -152,7 +154,8 @@ def save_checkpoint(
     """Write a complete checkpoint of ``step`` under ``root`` atomically; return its folder.
 
     Args:
-        root: the checkpoints folder (created if missing).
+        root: the checkpoints folder (created if missing), which this run alone writes: the unfinished
+            ``.tmp-step-*`` folders in it are removed as the debris of killed writes.
         step: optimizer steps completed.
         model: its trainable parameters are saved (all of them, or only a LoRA adapter's).
         optimizer, scheduler: their ``state_dict()`` (either may be None).
@@ -183,7 +186,7 @@ def save_checkpoint(
 
 def _new_tmp(root: Path, step: int) -> Path:
     """A new hidden folder for the checkpoint of ``step`` under ``root`` (created; the debris of writes that were
-    killed removed)."""
+    killed removed: every unfinished folder there, this run being ``root``'s only writer)."""
     root.mkdir(parents=True, exist_ok=True)
     for debris in root.glob(f".tmp-{_PREFIX}*"):  # left by a process killed mid-write
         shutil.rmtree(debris, ignore_errors=True)
