@@ -1011,3 +1011,25 @@ def test_a_run_holds_its_output_folder_locked_from_before_it_writes_until_it_end
     capsys.readouterr()
     assert run_cli([*argv, "--steps", "3", "--resume"]) == 0
     assert "lock" not in capsys.readouterr().err and not (out / ".oomb-lock").exists()
+
+
+
+def test_torchrun_into_a_folder_another_run_writes_is_refused_by_rank_0(tmp_path, text_file):
+    """Under torchrun rank 0 alone takes the lock (the other ranks write only inside the folder it holds): into a
+    folder another run holds, rank 0 refuses with the one line naming the holder, and nothing there changes."""
+    import random
+
+    out = tmp_path / "run"
+    out.mkdir()
+    holder = _hold_lock(out)
+    try:
+        before = _files(out)
+        res = _torchrun(["train", "--data", text_file, *FAST, "--steps", "1", "--output-dir", out], tmp_path,
+                        random.randint(20000, 40000))
+        errors = [line for line in res.stderr.splitlines() if line.startswith("oomb: error:")]
+        assert res.returncode != 0 and len(errors) == 1, res.stderr[-3000:]
+        assert f"is being written by another oomb train (pid {holder.pid}: " in errors[0], errors
+        assert _files(out) == before
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
