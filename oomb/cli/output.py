@@ -443,6 +443,7 @@ class _OutputLock:
                 self.release()
                 raise self._refusal(holder) from None
             except OSError as exc:
+                _remove_if_empty(fd, path)  # the file just made for the lock: no use unlocked
                 os.close(fd)
                 self._unlockable(exc)
                 return
@@ -534,6 +535,15 @@ class _OutputLock:
         self.fd = None
         print(f"oomb: note: {self.out} cannot be locked ({exc.strerror or exc}): a second oomb train into it would "
               "not be refused while this one runs", file=sys.stderr)
+
+
+def _remove_if_empty(fd: int, path: Path) -> None:
+    """Delete ``path``, the file open as ``fd``, where it is empty (no holder ever wrote into it)."""
+    try:
+        if os.fstat(fd).st_size == 0 and os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False)):
+            os.unlink(path)
+    except OSError:
+        pass
 
 
 def _writable_fd(fd: int) -> bool:

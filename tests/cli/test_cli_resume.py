@@ -968,7 +968,8 @@ def test_a_run_holds_its_output_folder_locked_from_before_it_writes_until_it_end
     """The lock is held, with this process's pid and command in its file, when the run prepares the folder (where
     --overwrite moves an earlier run and a checkpoint removes debris) and when it saves the model (where the
     temporary folders of killed saves are removed); at the end it is released and its file deleted, so a --resume
-    goes ahead. Without fcntl (Windows) the run trains unlocked."""
+    goes ahead. Without fcntl (Windows) the run trains unlocked; on a file system that refuses flock it does too,
+    with a note."""
     import fcntl
 
     import oomb.cli.train
@@ -1012,6 +1013,18 @@ def test_a_run_holds_its_output_folder_locked_from_before_it_writes_until_it_end
     assert run_cli([*argv, "--steps", "3", "--resume"]) == 0
     assert "lock" not in capsys.readouterr().err and not (out / ".oomb-lock").exists()
 
+    import errno
+
+    monkeypatch.undo()
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    assert run_cli([*argv, "--steps", "4", "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert f"oomb: note: {out} cannot be locked ({os.strerror(errno.ENOLCK)}): a second oomb train into it" in err, err
+    assert [s for s, _ in losses(out)] == [1, 2, 3, 4] and not (out / ".oomb-lock").exists()
 
 
 def test_torchrun_into_a_folder_another_run_writes_is_refused_by_rank_0(tmp_path, text_file):
