@@ -112,7 +112,8 @@ retrieval() {  # a 100M model trained from random weights on retrieval rows, per
   # RPARALLEL=1 runs the modes' stage B side by side on the one GPU (a 100M model leaves it mostly idle; the times
   # and tokens/s of each run are then those of a shared GPU). Sizes come from the environment so that the same
   # script runs small on a CPU (RDEV=cpu RHIDDEN=64 ...). ROPT: the --optimizer of every stage; RSCHED its
-  # --lr-schedule (cosine, the default; constant: no decay, which learnt stage A more slowly, docs/performance.md).
+  # --lr-schedule (cosine, the default; constant: no decay, which learnt stage A more slowly, docs/performance.md);
+  # RMIN_LR its --min-lr-factor (where the cosine ends, as a fraction of the stage's lr; default 0.1).
   # Every stage keeps a checkpoint every RSAVE_EVERY steps (default 250), so that a stage cut short by the device
   # time can still be read: `oomb eval --model` of its output folder reads the latest checkpoint.
   # The rows and each stage's model are kept under RWORK in folders named by a hash of their settings: a second
@@ -124,7 +125,7 @@ retrieval() {  # a 100M model trained from random weights on retrieval rows, per
   local alens=${RA_LENS:-"128 192 256 320 384 512"} blens=${RB_LENS:-"2048 4096 8192 16384 32000"}
   local a2lens=${RA2_LENS:-"512 768 1024 1536 2048"} a2steps=${RA2_STEPS:-600}
   local elens=${RE_LENS:-"4096 8192 16384 32768 65536"} aelens=${RA_ELENS-"512 768 2048 4096"}
-  local common="--device $dev --document-mask --long-examples drop --no-progress --seed 0 --log-every 50 ${ROPT:+--optimizer $ROPT} --lr-schedule ${RSCHED:-cosine} --save-every ${RSAVE_EVERY:-250}"
+  local common="--device $dev --document-mask --long-examples drop --no-progress --seed 0 --log-every 50 ${ROPT:+--optimizer $ROPT} --lr-schedule ${RSCHED:-cosine} ${RMIN_LR:+--min-lr-factor $RMIN_LR} --save-every ${RSAVE_EVERY:-250}"
   [ $# -gt 0 ] || set -- dense sparse64 sparse16
   for mode in "$@"; do
     case $mode in dense|sparse[0-9]*) ;; *) echo "retrieval: unknown mode $mode (dense, sparseB)" >&2; return 2;; esac
@@ -136,8 +137,8 @@ retrieval() {  # a 100M model trained from random weights on retrieval rows, per
   local model="RHIDDEN=${RHIDDEN:-768} RINTER=${RINTER:-2048} RLAYERS=${RLAYERS:-12} RHEADS=${RHEADS:-12}"
   local init=$W/init_$(key $model) short=$W/short_$(key $kind $aneed $alens $rows) mid=$W/mid_$(key $kind $aneed $a2lens $rows2)
   local long=$W/long_$(key $kind $bneed $blens ${RB_ROWS:-450})
-  local a=$W/a_$(key $model $kind $aneed $alens $rows $aseq $achunk $asteps ${RA_LR:-1e-3} ${ROPT:-} ${RSCHED:-cosine})
-  local a2=${a}_a2_$(key $a2lens $rows2 $a2steps ${RA2_LR:-5e-4})
+  local a=$W/a_$(key $model $kind $aneed $alens $rows $aseq $achunk $asteps ${RA_LR:-1e-3} ${ROPT:-} ${RSCHED:-cosine} ${RMIN_LR:-})
+  local a2=${a}_a2_$(key $a2lens $rows2 $a2steps ${RA2_LR:-5e-4} ${RMIN_LR:-})
   mkdir -p $short $mid $long
   i=0; for n in $aneed; do  # the files made side by side: the short rows are a folder of them
     seed=$((10 + i)); i=$((i + 1))
@@ -196,7 +197,7 @@ PY
   [ "${RSTOP:-}" = a ] && { echo "retrieval: stopped after stage A (RSTOP=a)"; return 0; }
   one() {
     local mode=$1 extra=""; case $mode in sparse*) extra="--sparse --page-budget ${mode#sparse}";; esac
-    local b=$W/b_${mode}_$(key $start $long $bseq $bsteps $chunk ${RB_LR:-5e-4}) t1=$(date +%s)
+    local b=$W/b_${mode}_$(key $start $long $bseq $bsteps $chunk ${RB_LR:-5e-4} ${RMIN_LR:-}) t1=$(date +%s)
     [ -f $b/model.safetensors ] || python3 -m oomb train --model $start --data $long $common $extra --seq-len $bseq \
       --chunk-size $chunk --steps $bsteps --lr ${RB_LR:-5e-4} --warmup-steps 10 --output-dir $b --overwrite
     cp $b/log.jsonl "$OUT/retrieval_train_b_$mode.jsonl"; local t2=$(date +%s)

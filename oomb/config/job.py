@@ -243,7 +243,10 @@ class TrainConfig:
     states and the update in host memory, the GPU keeps weights and gradients only."""
 
     lr_schedule: Literal["cosine", "constant"] = "cosine"
-    """After the warm-up: cosine decay to 10% of lr at the last step, or a constant lr."""
+    """After the warm-up: cosine decay to min_lr_factor x lr at the last step, or a constant lr."""
+
+    min_lr_factor: float = 0.1
+    """Where the cosine schedule ends, as a fraction of lr (0: at zero; 1: constant after the warm-up)."""
 
     warmup_steps: Optional[int] = None
     """Linear warm-up steps (both schedules); default: 10% of steps (noted above 10,000). Longer than steps: a
@@ -269,6 +272,12 @@ class TrainConfig:
         check.nonnegative_float("weight_decay", self.weight_decay, "pass 0 or a positive number")
         check.choice("optimizer", self.optimizer, OPTIMIZERS)
         check.choice("lr_schedule", self.lr_schedule, ("cosine", "constant"))
+        if not 0.0 <= self.min_lr_factor <= 1.0:
+            raise ConfigError("min_lr_factor", f"{{min_lr_factor}} is {self.min_lr_factor}",
+                              "pass a fraction of {lr} from 0 to 1, e.g. {min_lr_factor} 0.1")
+        if self.lr_schedule == "constant" and self.min_lr_factor != 0.1:
+            raise ConfigError("min_lr_factor", "{min_lr_factor} sets where the cosine schedule ends, but "
+                              "{lr_schedule} is constant", "leave {min_lr_factor} out, or pass {lr_schedule} cosine")
         if self.warmup_steps is not None:
             check.nonnegative_int("warmup_steps", self.warmup_steps, "steps")
         check.nonnegative_float("max_grad_norm", self.max_grad_norm, "pass 0 (no clipping) or a positive number")
@@ -308,7 +317,7 @@ class OutputConfig:
     tokenizer, seed, LoRA settings, grad_accum, dtype, document_mask, RoPE settings, weight_decay, optimizer,
     sparse attention and its options (with it also chunk_size and page_size), the number of ranks and shard must
     be those of the run, and the device for a LoRA run on a random preset (it drew the preset's weights); steps,
-    lr, the schedule and max_grad_norm may change."""
+    lr, the schedule (and min_lr_factor) and max_grad_norm may change."""
 
     log_every: int = 1
     """Print a loss line every N steps (log.jsonl gets every step)."""

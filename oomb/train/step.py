@@ -94,7 +94,7 @@ class Trainer:
         engine: an :class:`oomb.Engine` over the model being trained.
         optimizer: a ``torch.optim.Optimizer`` over ``params``.
         stream: the sequences, in run order.
-        train: the :class:`oomb.config.TrainConfig` (steps, grad_accum, lr, lr_schedule, warmup_steps,
+        train: the :class:`oomb.config.TrainConfig` (steps, grad_accum, lr, lr_schedule, min_lr_factor, warmup_steps,
             max_grad_norm).
         params: the trainable parameters (default: every parameter the optimizer holds).
         dist: the process group's :class:`~oomb.distributed.DistributedContext` (default: one process).
@@ -121,7 +121,7 @@ class Trainer:
     def lr(self, step: int) -> float:
         """The learning rate of ``step`` (from 1)."""
         t = self.train
-        return lr_at(step, lr=t.lr, steps=t.steps, warmup=self.warmup, schedule=t.lr_schedule)
+        return lr_at(step, lr=t.lr, steps=t.steps, warmup=self.warmup, schedule=t.lr_schedule, floor=t.min_lr_factor)
 
     def document_bounds(self, sample: Sample) -> torch.Tensor | None:
         """The ``cu_seqlens`` a sample trains with: its own, else (``document_mask``) a document ends after each

@@ -521,6 +521,33 @@ def test_learning_rate_schedule(steps, warmup):
     assert lrs[warmup:] == sorted(lrs[warmup:], reverse=True)
 
 
+@pytest.mark.parametrize("floor", [0.0, 0.05, 1.0])
+def test_the_cosine_schedule_ends_at_min_lr_factor(floor):
+    from oomb.train import lr_at
+
+    lrs = [lr_at(s, lr=2.0, steps=20, warmup=2, floor=floor) for s in range(1, 21)]
+    assert lrs[2] == pytest.approx(2.0) and lrs[-1] == pytest.approx(2.0 * floor)
+    assert all(2.0 * floor - 1e-12 <= lr <= 2.0 for lr in lrs[2:]) and lrs[2:] == sorted(lrs[2:], reverse=True)
+
+
+def test_min_lr_factor_reaches_the_run_and_is_checked(tmp_path, text_file, capsys):
+    """--min-lr-factor sets the last step's lr of a cosine run (log.jsonl); a factor outside [0, 1], or one given
+    with the constant schedule (which it would not change), is refused in one line."""
+    out = tmp_path / "run"
+    assert run_cli(["train", "--data", text_file, "--output-dir", out, *FAST, "--lr", "1e-3", "--warmup-steps", "0",
+                    "--min-lr-factor", "0"]) == 0
+    rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    lrs = [r["lr"] for r in rows if "lr" in r]
+    assert lrs[0] == pytest.approx(1e-3) and lrs[-1] == pytest.approx(0.0, abs=1e-12), lrs
+    for flags, told in ((["--min-lr-factor", "1.5"], "--min-lr-factor is 1.5; pass a fraction of --lr from 0 to 1"),
+                        (["--min-lr-factor", "0", "--lr-schedule", "constant"],
+                         "--min-lr-factor sets where the cosine schedule ends, but --lr-schedule is constant")):
+        capsys.readouterr()
+        assert run_cli(["train", "--data", text_file, "--output-dir", tmp_path / "x", *flags]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and told in err[0], err
+
+
 def test_a_diverging_run_stops_with_status_1_and_one_line(tmp_path, text_file, capsys):
     out = tmp_path / "run"
     status = run_cli(["train", "--data", text_file, "--output-dir", out, *FAST, "--lr", "1e30", "--warmup-steps", "0"])
