@@ -504,10 +504,25 @@ def _remove_dead_saves(out: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
+_OPTIONAL_OUTPUTS = ("README.md",)
+"""Files of a save the model does not need (peft's model card): not written over a file of that name that oomb did
+not write (a user's notes in the output folder)."""
+
+
+def _users_optional_outputs(out: Path) -> list[str]:
+    """The :data:`_OPTIONAL_OUTPUTS` that ``out`` holds and no earlier ``oomb train`` wrote (:func:`_oomb_outputs`;
+    a train_args.json that lists no outputs counts as having written all)."""
+    ours = _oomb_outputs(out)
+    if ours is None:
+        return []
+    return [n for n in _OPTIONAL_OUTPUTS if n not in ours and (out / n).exists()]
+
+
 def _save(model, tokenizer, out: Path, lora: bool, train_args: dict, state_dict: dict | None = None) -> list[str]:
     """Write model (or adapter) + tokenizer + train_args.json to a temp dir in ``out``, then move them in;
     ``state_dict``: the weights to write instead of the model's own (a sharded model's, gathered). The temp dirs
-    that killed saves left in ``out`` are removed first (:func:`_remove_dead_saves`)."""
+    that killed saves left in ``out`` are removed first (:func:`_remove_dead_saves`). A model card (README.md) is
+    not written over a README.md oomb did not write (:func:`_users_optional_outputs`): a note says so."""
     _remove_dead_saves(out)
     tmp = out / f"{_SAVE_DIR_PREFIX}{os.getpid()}"
     if tmp.exists():
@@ -522,6 +537,10 @@ def _save(model, tokenizer, out: Path, lora: bool, train_args: dict, state_dict:
         from ..models.saving import save_tokenizer
 
         save_tokenizer(tokenizer, tmp)  # after the model: AutoTokenizer's class depends on its config.json
+        for name in _users_optional_outputs(out):
+            (tmp / name).unlink(missing_ok=True)
+            print(f"oomb: note: kept {name} in {out}, which oomb did not write: the model card was not saved",
+                  file=sys.stderr)
         # The list of what this run wrote lets a later --overwrite delete exactly that (_oomb_outputs).
         train_args = dict(train_args, outputs=sorted(os.listdir(tmp) + ["train_args.json"]))
         (tmp / "train_args.json").write_text(json.dumps(train_args, indent=2) + "\n")

@@ -521,6 +521,25 @@ def test_learning_rate_schedule(steps, warmup):
     assert lrs[warmup:] == sorted(lrs[warmup:], reverse=True)
 
 
+def test_a_users_readme_in_the_output_folder_is_not_replaced_by_the_model_card(tmp_path, text_file, capsys):
+    """peft writes a model card (README.md) with a LoRA adapter: over a README.md the user keeps in the output folder
+    (kept by --overwrite, as everything oomb did not write) it is not written; where oomb wrote the card, it is."""
+    out = tmp_path / "run"
+    assert run_cli(["train", "--data", text_file, "--output-dir", out, *FAST]) == 0  # a full fine-tune: no card
+    (out / "README.md").write_text("my notes")
+    capsys.readouterr()
+    assert run_cli(["train", "--data", text_file, "--output-dir", out, "--overwrite", *FAST, "--lora-rank", "4"]) == 0
+    assert (out / "README.md").read_text() == "my notes" and (out / "adapter_model.safetensors").is_file()
+    assert f"kept README.md in {out}, which oomb did not write: the model card was not saved" in capsys.readouterr().err
+    assert "README.md" not in json.loads((out / "train_args.json").read_text())["outputs"]
+    card = tmp_path / "card"
+    assert run_cli(["train", "--data", text_file, "--output-dir", card, *FAST, "--lora-rank", "4"]) == 0
+    assert "README.md" in json.loads((card / "train_args.json").read_text())["outputs"]
+    (card / "README.md").write_text("stale card")  # oomb's own card is replaced by the next run's
+    assert run_cli(["train", "--data", text_file, "--output-dir", card, "--overwrite", *FAST, "--lora-rank", "4"]) == 0
+    assert (card / "README.md").read_text() != "stale card"
+
+
 @pytest.mark.parametrize("floor", [0.0, 0.05, 1.0])
 def test_the_cosine_schedule_ends_at_min_lr_factor(floor):
     from oomb.train import lr_at
