@@ -150,8 +150,11 @@ class Trainer:
             The step's :class:`StepRecord`, or :class:`StepStopped`.
 
         Raises:
+            ValueError: ``step`` is below 1.
             StepError: the step failed on this rank or another; every rank raises it.
         """
+        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+            raise ValueError(f"step is {step!r}: optimizer steps are counted from 1 (the first is trainer.step(1))")
         K, W = self.train.grad_accum, self.dist.world_size
         lr = self.lr(step)
         for group in self.optimizer.param_groups:

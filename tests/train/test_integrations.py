@@ -145,6 +145,8 @@ def test_oomb_trainer_normalises_by_the_step_targets_as_the_oomb_trainer_loop(tm
     opt = torch.optim.AdamW(ref_model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.0)
     train = TrainConfig(steps=STEPS, grad_accum=K, lr=3e-3, lr_schedule="constant", warmup_steps=0)
     loop = Trainer(Engine(ref_model, cfg), opt, SequenceStream(InOrder()), train)
+    with pytest.raises(ValueError, match=r"step is 0: optimizer steps are counted from 1"):
+        loop.step(0)  # refused before it changes anything: the losses below are those of a fresh loop
     ref_losses = [loop.step(s).loss for s in range(1, STEPS + 1)]
 
     torch.manual_seed(0)
