@@ -232,7 +232,7 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
         if drawn > len(sequences):
             print(f"oomb: note: {counted(args.steps - start_step, 'step')} x {counted(K * W, 'sequence')} = "
                   f"{counted(drawn, 'sequence')} from {len(sequences):,}: "
-                  f"the data is repeated (~{drawn / len(sequences):.1f} passes); more data or fewer --steps avoids it",
+                  f"the data is repeated (~{drawn / len(sequences):,.1f} passes); more data or fewer --steps avoids it",
                   file=sys.stderr)
 
     def _unwritten(problem: str) -> UsageError:
