@@ -131,6 +131,19 @@ def _warn_if_adamw_rounds_bf16_updates(args: argparse.Namespace, dtype) -> None:
         "rounding, same memory) or --dtype float32", stacklevel=2)
 
 
+def _warn_if_bf16_optimizer_has_float_weights(args: argparse.Namespace, dtype) -> None:
+    """Warn that --optimizer adamw-bf16 on weights that are not bfloat16 is plain AdamW: its stochastic rounding
+    is of bfloat16 weights (torchao's ``bf16_stochastic_round``), and a user asking for it expects them."""
+    import torch
+
+    if args.optimizer != "adamw-bf16" or dtype == torch.bfloat16:
+        return
+    name = str(dtype).replace("torch.", "")
+    warnings.warn(
+        f"--optimizer adamw-bf16 rounds bfloat16 weights stochastically, but the weights are {name}: it trains as "
+        "--optimizer adamw; pass --dtype bfloat16 for its bf16 weights, or --optimizer adamw", stacklevel=2)
+
+
 def _warn_if_gpu_saved_attention_on_cpu(args: argparse.Namespace, device) -> None:
     """Warn that --save-attention gpu on the CPU keeps the outputs in the CPU's memory (the compute device's, as
     SavedAttention does): the run works, but the flag asked for GPU memory (train and bench)."""

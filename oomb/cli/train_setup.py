@@ -16,6 +16,7 @@ from .checks import (
     _check_vocab,
     _usage_from,
     _warn_if_adamw_rounds_bf16_updates,
+    _warn_if_bf16_optimizer_has_float_weights,
     _warn_if_gpu_saved_attention_on_cpu,
     _warn_if_offload_moves_nothing,
     _warn_if_offload_on_keeps_every_page,
@@ -270,6 +271,7 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         _warn_if_sparse_is_dense(args)
         _warn_if_gpu_saved_attention_on_cpu(args, device)
         _warn_if_adamw_rounds_bf16_updates(args, dtype)
+        _warn_if_bf16_optimizer_has_float_weights(args, dtype)
         _warn_if_offload_segments_are_small(args, getattr(store, "segment_pages", None) is not None)
         _warn_if_warmup_outlasts_the_run(args)
     return dict(tokenizer=tokenizer, sequences=sequences, model=model, engine=engine, params=params, sharding=sharding,

@@ -1518,6 +1518,23 @@ def test_train_warns_that_adamw_rounds_away_bf16_updates(tmp_path, text_file, ca
         assert "rounds away" not in capsys.readouterr().err
 
 
+def test_adamw_bf16_on_float_weights_is_told_it_is_adamw():
+    """--optimizer adamw-bf16 rounds bfloat16 weights; on float32 weights (the CPU's default) it is plain AdamW, and
+    a warning says so (not for bfloat16 weights, not for another optimizer)."""
+    import argparse
+    import warnings
+
+    from oomb.cli.checks import _warn_if_bf16_optimizer_has_float_weights
+
+    with pytest.warns(UserWarning, match=r"adamw-bf16 rounds bfloat16 weights stochastically, but the weights are "
+                                         r"float32: it trains as --optimizer adamw"):
+        _warn_if_bf16_optimizer_has_float_weights(argparse.Namespace(optimizer="adamw-bf16"), torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _warn_if_bf16_optimizer_has_float_weights(argparse.Namespace(optimizer="adamw-bf16"), torch.bfloat16)
+        _warn_if_bf16_optimizer_has_float_weights(argparse.Namespace(optimizer="adamw"), torch.float32)
+
+
 def test_train_with_kept_graphs_logs_and_prints_them(tmp_path, text_file, capsys):
     """--keep-graphs auto with a cap on the CPU: each step keeps the chunks before the last (capped), log.jsonl and
     the step line say how many, and the losses are those of a run without it."""
