@@ -300,10 +300,11 @@ def _usage_from(exc: Exception, default_fix: str) -> UsageError:
     return UsageError(problem, fix if sep else default_fix)
 
 
-def _check_vocab(max_id: int, vocab: int, model_name: str) -> None:
+def _check_vocab(max_id: int, vocab: int, model_name: str, source: str = "the data has") -> None:
+    """Refuse token ids the model's embedding does not have; ``source`` names what holds them, with its verb."""
     if max_id >= vocab:
         raise UsageError(
-            f"the data has token id {max_id} but model {model_name!r} has a vocabulary of {vocab} ids",
+            f"{source} token id {max_id} but model {model_name!r} has a vocabulary of {vocab} ids",
             "use the tokenizer that belongs to the model (--tokenizer) or a model whose vocabulary covers it",
         )
 

@@ -199,11 +199,11 @@ def _merged_adapter(adapter: Path, device, dtype):
     return merged.to(device=device, dtype=dtype)
 
 
-def _load_model(args: argparse.Namespace, tokens, device, dtype, command: str):
+def _load_model(args: argparse.Namespace, tokens, device, dtype, command: str, source: str = "the data has"):
     """The --model of grad-error and eval (a preset seeded by --seed, a local folder, a LoRA adapter folder of
     'oomb train', merged into its base in memory, or a checkpoint of 'oomb train', see :mod:`.checkpoint_model`), its
     config and vocabulary checked against ``tokens`` before any weight is read (an adapter's or a checkpoint's after
-    its model is built)."""
+    its model is built; ``source`` names what holds ``tokens``, with its verb, for that refusal)."""
     import torch
 
     from .. import UnsupportedModelError
@@ -223,22 +223,22 @@ def _load_model(args: argparse.Namespace, tokens, device, dtype, command: str):
     checkpoint = _checkpoint_to_read(args.model)
     if checkpoint is not None:
         model = _checkpoint_model(checkpoint, args.model, device, dtype)
-        _check_vocab(int(tokens.max()), _vocab_size(model), args.model)
+        _check_vocab(int(tokens.max()), _vocab_size(model), args.model, source)
         return model
     folder = Path(args.model)
     if folder.is_dir() and (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
         model = _merged_adapter(folder, device, dtype)
-        _check_vocab(int(tokens.max()), _vocab_size(model), args.model)
+        _check_vocab(int(tokens.max()), _vocab_size(model), args.model, source)
         return model
     try:
         model_config = load_config(args.model)
         check_config_supported(model_config)
-        _check_vocab(int(tokens.max()), int(model_config.vocab_size), args.model)
+        _check_vocab(int(tokens.max()), int(model_config.vocab_size), args.model, source)
         torch.manual_seed(args.seed)
         model = build_model(args.model, dtype=dtype, device=device)
     except (UnknownModelError, UnsupportedModelError) as exc:
         raise _usage_from(exc, f"use a Qwen2/2.5, Llama 2/3, Mistral or Qwen3 causal LM (see 'oomb {command} --help')") from exc
-    _check_vocab(int(tokens.max()), _vocab_size(model), args.model)
+    _check_vocab(int(tokens.max()), _vocab_size(model), args.model, source)
     return model
 
 

@@ -79,7 +79,8 @@ def _eval_retrieval(args: argparse.Namespace, budgets: list[int]) -> int:
         raise _usage_from(exc, "see 'oomb eval --help'") from exc
     device, dtype = _resolve_device_dtype(args)
     max_id = np.array([max(int(p.input_ids.max()) for p in prompts)])
-    model = _load_model(args, max_id, device, dtype, "eval")
+    model = _load_model(args, max_id, device, dtype, "eval", f"the {args.task} prompts (tokenizer "
+                        f"{tokenizer_path or 'bundled'}) have")
     cfg = args.job.engine if budgets else args.job.engine.dense()
     print(
         f"oomb: eval --task {args.task} {args.model} ({str(dtype).replace('torch.', '')}, {device}); tokenizer "

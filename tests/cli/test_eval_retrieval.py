@@ -114,6 +114,14 @@ def test_bad_retrieval_input_gets_one_line(tmp_path, capsys):
     assert run_cli(["eval", "--seq-len", "64", "--num-windows", "1", *SMALL, "--json", loss]) == 0
     capsys.readouterr()
     _check_refused(run_cli(["eval", "--task", "passkey", "--json", loss]), capsys, "is not an earlier")
+    # a model whose vocabulary the prompts' token ids exceed: the prompts are named, not a --data passkey reads not
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    small = tmp_path / "small-vocab"
+    AutoModelForCausalLM.from_config(Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(small)
+    _check_refused(run_cli(["eval", "--task", "passkey", "--model", small, "--lengths", "256", *SMALL]), capsys,
+                   "the passkey prompts (tokenizer bundled) have token id")
 
 
 def test_oomb_data_make_writes_rows_oomb_train_reads(tmp_path, capsys):
