@@ -90,6 +90,9 @@ def _histogram(path: Path, lengths, seq_len: int, title: str) -> None:
 def _make(args: argparse.Namespace) -> int:
     """``oomb data --make passkey|needle|keyvalue``: write synthetic retrieval rows (JSON Lines) for
     ``oomb train --data``."""
+    if args.output is not None:
+        raise UsageError(f"--output names the length histogram of 'oomb data' without --make, which --make {args.make} "
+                         "does not draw", "leave --output out; --make-output names the rows file")
     if args.make in ("passkey", "keyvalue") and args.data is not None:
         raise UsageError(f"--data is not read by --make {args.make} (its haystack is fixed filler text)",
                          "leave --data out, or pass --make needle to hide needles in that text")

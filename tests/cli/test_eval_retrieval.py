@@ -142,6 +142,9 @@ def test_oomb_data_make_writes_rows_oomb_train_reads(tmp_path, capsys):
     other.write_text('{"text": "mine"}\n')
     _check_refused(run_cli(["data", "--make", "needle", "--make-output", other]), capsys, "is not an earlier 'oomb data --make' file")
     _check_refused(run_cli(["data", "--examples", "5"]), capsys, "--examples sets up synthetic rows but --make is not given")
+    _check_refused(run_cli(["data", "--make", "passkey", "--output", tmp_path / "h.png", "--make-output", tmp_path / "y.jsonl"]),
+                   capsys, "--output names the length histogram of 'oomb data' without --make")
+    assert not (tmp_path / "y.jsonl").exists()
     _check_refused(run_cli(["data", "--make", "passkey", "--make-lengths", "30", "--make-output", tmp_path / "x.jsonl"]),
                    capsys, "pass --make-lengths of")
 
