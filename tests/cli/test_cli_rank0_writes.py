@@ -11,15 +11,8 @@ import sys
 
 import pytest
 
-FAST = ["--seq-len", "64", "--chunk-size", "32", "--page-size", "16", "--no-progress"]
-TEXT = (
-    "It is a truth universally acknowledged, that a single man in possession of a good fortune, "
-    "must be in want of a wife. However little known the feelings or views of such a man may be "
-    "on his first entering a neighbourhood, this truth is so well fixed in the minds of the "
-    "surrounding families, that he is considered as the rightful property of some one or other "
-    "of their daughters.\n"
-) * 4
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.cli.test_cli_resume import FAST, ROOT, TEXT
+
 DRIVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rank0_write_driver.py")
 
 pytestmark = pytest.mark.slow  # two gloo processes
