@@ -31,6 +31,7 @@ from .config import OOMBConfig
 from .engine.engine import Engine
 from .engine.loss import IGNORE_INDEX, chunked_cross_entropy_sum
 from .models.fused_glue import FusedGlue
+from .memory import is_out_of_memory
 
 __all__ = ["SYSTEMS", "bench_rows", "bench_table", "hf_step", "measure"]
 
@@ -111,14 +112,6 @@ def _one(model, system: str, ids: torch.Tensor, config: OOMBConfig, steps: int, 
     return row
 
 
-def _out_of_memory(exc: BaseException) -> bool:
-    """A GPU out-of-memory, or a CPU allocation that failed (a RuntimeError from the CPU allocator)."""
-    if isinstance(exc, torch.OutOfMemoryError):
-        return True
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text)
-
-
 def bench_rows(
     model: torch.nn.Module,
     lengths: Sequence[int],
@@ -171,7 +164,7 @@ def bench_rows(
             try:
                 _one(model, system, tokens(warmup_len), config, 1, device)
             except (torch.OutOfMemoryError, RuntimeError) as exc:
-                if not _out_of_memory(exc):
+                if not is_out_of_memory(exc):
                     raise
             _clear(model, device)
         for T in map(int, lengths):
@@ -180,7 +173,7 @@ def bench_rows(
                 row.update(_one(model, system, tokens(T), config, steps, device))
                 row["tokens_per_s"] = T / row["seconds"]
             except (torch.OutOfMemoryError, RuntimeError) as exc:
-                if not _out_of_memory(exc):
+                if not is_out_of_memory(exc):
                     raise
                 row = dict(system=system, tokens=T, error="out of memory")
             _clear(model, device)

@@ -8,7 +8,7 @@ import warnings
 from typing import Sequence
 
 from .data import _data
-from .errors import UsageError, _fail, _RunError
+from .errors import UsageError, _allocation_refusal, _fail, _RunError
 from .measure import _bench, _eval, _grad_error
 from .parser import _build_parser, _job_config, _namespace
 from .plan import _plan
@@ -116,4 +116,9 @@ def _main(argv: Sequence[str] | None, signals: _StartupSignals) -> int:
         where = f" {exc.filename}" if exc.filename else ""
         _fail(f"permission denied:{where} ({exc.strerror or exc}); give this user access to it (chmod, chown) or pass "
               "another path", 2)
+    except RuntimeError as exc:  # an allocation the command did not expect to fail (the CPU allocator's error)
+        refusal = _allocation_refusal(exc)
+        if refusal is None:
+            raise
+        _fail(f"{refusal.problem}; {refusal.fix}", 2)
     parser.error(f"unknown command {command!r}")  # pragma: no cover - argparse rejects it first

@@ -43,7 +43,8 @@ def _step_error(exc) -> _RunError:
     """The one-line message of a failed training step (:class:`oomb.train.StepError`), with its fix in flags."""
     step, kind = exc.step, exc.kind
     if kind == "out_of_memory":
-        return _RunError(f"out of GPU memory at step {step}",
+        where = "host" if "can't allocate memory" in (exc.detail or "") else "GPU"
+        return _RunError(f"out of {where} memory at step {step}",
                          "use a smaller --chunk-size, --checkpoint-layers, --lora-rank or --offload on (see 'oomb plan')")
     if kind == "other_rank":
         return _RunError(f"step {step}: another rank failed (its error is printed above)", "all ranks stopped")

@@ -26,7 +26,7 @@ from .checks import (
     _warn_if_warmup_outlasts_the_run,
 )
 from .inputs import _training_data, _vocab_size
-from .errors import UsageError, _one_line
+from .errors import UsageError, _allocation_refusal, _one_line
 from .output import _broken_latest_pointer, _replaced_run_resume, _saved_model_of
 from .resume import (
     _check_resume_fingerprint,
@@ -224,6 +224,12 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
             f"the KV store for --seq-len {args.seq_len} does not fit in GPU memory",
             "use a shorter --seq-len, --offload on, --checkpoint-layers or --lora-rank (see 'oomb plan')",
         ) from exc
+    except RuntimeError as exc:  # the CPU allocator's error
+        refusal = _allocation_refusal(exc)
+        if refusal is None:
+            raise
+        raise UsageError(f"the KV store for --seq-len {args.seq_len} (pages of --page-size {args.page_size}): "
+                         f"{refusal.problem.partition(' for ')[0]}", refusal.fix) from exc
 
     t_reserve_s = time.perf_counter() - t_reserve
 

@@ -18,7 +18,7 @@ report. This package imports nothing above it (no engine, planner or CLI).
 
 from .optimizer import OPTIMIZER_NAMES, OptimizerBytes, optimizer_bytes, trainable_numels
 from .schedule import BufTag, SegmentSchedule, SegUse
-from .shape import GiB, Machine, ModelShape, dtype_size, host_memory, parse_dtype
+from .shape import GiB, Machine, ModelShape, dtype_size, host_memory, is_out_of_memory, parse_dtype
 from .sharding import SHARD_MODES, ShardBytes, collective_counts, shard_bytes, shard_traffic, unit_bytes
 from .step import (LORA_TARGETS, activation_bytes, base_gpu_bytes, page_bytes, saved_attention_bytes,
                    sparse_headroom_bytes, sparse_state_bytes)
@@ -34,7 +34,7 @@ __all__ = [
     "ShardBytes", "Tiering", "activation_bytes", "allocator_reserve_bytes", "base_gpu_bytes", "collective_counts",
     "choose_engine_tiering", "choose_staging_sets", "default_segment_pages", "dtype_size", "fit_tiering",
     "gpu_page_budget_problem",
-    "host_memory", "kv_stash_request_bytes", "kv_stash_reserve_bytes", "kv_stash_tiles", "min_gpu_pages",
+    "host_memory", "is_out_of_memory", "kv_stash_request_bytes", "kv_stash_reserve_bytes", "kv_stash_tiles", "min_gpu_pages",
     "offload_traffic", "optimizer_bytes", "page_bytes", "parse_dtype", "resident_pages_for_budget", "resolve_segment_pages",
     "saved_attention_bytes", "segment_traffic", "shard_bytes", "shard_traffic", "sparse_headroom_bytes",
     "sparse_state_bytes", "unit_bytes",

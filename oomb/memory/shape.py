@@ -157,6 +157,15 @@ class Machine:
         return cls(int(free), int(total), avail, host_total, name)
 
 
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` is an allocation that failed: ``torch.OutOfMemoryError`` (GPU), or the ``RuntimeError`` of
+    PyTorch's CPU allocator ("DefaultCPUAllocator: can't allocate memory") or of another "out of memory"."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("can't allocate memory" in text or "out of memory" in text)
+
+
 def host_memory() -> tuple[int, int]:
     """(available, total) host RAM in bytes (psutil, else /proc/meminfo)."""
     try:

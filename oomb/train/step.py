@@ -12,6 +12,7 @@ import torch
 
 from ..distributed import DistributedContext, RankFailedError, agree_ok, all_reduce_gradients, clip_grad_norm, global_sum
 from ..engine.engine import NO_TARGETS
+from ..memory import is_out_of_memory
 from .schedule import lr_at, warmup_steps
 from .sequences import Sample, SequenceStream, document_bounds
 
@@ -24,7 +25,7 @@ class StepError(RuntimeError):
     Attributes:
         step: the step (from 1).
         kind: ``"data"`` (the engine refused a sequence, e.g. a document too short to hold a target),
-            ``"out_of_memory"`` (the GPU ran out of memory), ``"other_rank"`` (another rank failed: its error
+            ``"out_of_memory"`` (an allocation failed: the GPU or host ran out of memory), ``"other_rank"`` (another rank failed: its error
             is reported there) or ``"non_finite"`` (the loss is NaN or infinite; ``loss`` holds it).
         detail: the underlying error's message ('' where there is none).
     """
@@ -192,7 +193,9 @@ class Trainer:
                 loss_sum += r.loss * r.num_valid_tokens
         except ValueError as exc:
             error = StepError(step, "data", str(exc))
-        except torch.OutOfMemoryError as exc:
+        except RuntimeError as exc:  # torch.OutOfMemoryError, or the CPU allocator's RuntimeError
+            if not is_out_of_memory(exc):
+                raise
             error = StepError(step, "out_of_memory", str(exc).splitlines()[0] if str(exc) else "")
         if self.sharding is not None:
             if error is not None:  # the other ranks are inside the step's collectives: no agreement can be reached

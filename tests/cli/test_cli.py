@@ -1181,6 +1181,50 @@ def test_a_cpu_run_larger_than_the_ram_is_refused_before_anything_is_built(tmp_p
     assert not out.exists()
 
 
+_CPU_ALLOC_ERROR = ("[enforce fail at alloc_cpu.cpp:127] data. DefaultCPUAllocator: can't allocate memory: you tried "
+                    "to allocate 107374182400 bytes. Error code 12 (Cannot allocate memory)")
+
+
+@pytest.mark.parametrize("command", ["train", "eval", "grad-error"])
+def test_a_host_allocation_failure_is_one_line_and_exit_2(tmp_path, text_file, capsys, monkeypatch, command):
+    """The CPU allocator's RuntimeError where the KV store is allocated is a refusal in one line naming the bytes
+    asked for and the sizes to lower (it was a traceback with exit status 1); train writes nothing."""
+    from oomb.engine.kv_store import PagedKVStore
+
+    def fail(self, *args, **kwargs):
+        raise RuntimeError(_CPU_ALLOC_ERROR)
+
+    monkeypatch.setattr(PagedKVStore, "__init__", fail)
+    out = tmp_path / "run"
+    extra = {"train": ["--output-dir", out, "--steps", "1", "--no-progress"], "eval": [], "grad-error": ["--budgets", "1"]}
+    sizes = ["--seq-len", "128", "--chunk-size", "64", "--page-size", "32"]
+    status = run_cli([command, "--data", text_file, *sizes, *extra[command]])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("oomb: error: ")]
+    assert status == 2 and len(errors) == 1 and "Traceback" not in err, err
+    line = errors[0]  # eval's line on what it evaluates comes before it
+    assert "could not allocate 100.0 GiB of host memory" in line and line == err.strip().splitlines()[-1]
+    assert "use a shorter --seq-len or a smaller --chunk-size or --page-size" in line
+    assert not out.exists()
+
+
+def test_a_host_allocation_failure_in_a_step_is_one_line_and_exit_1(tmp_path, text_file, capsys, monkeypatch):
+    """The CPU allocator's RuntimeError inside a training step ends the run as a GPU out-of-memory does: one line,
+    exit status 1 (it was a traceback)."""
+    from oomb import Engine
+
+    def fail(self, *args, **kwargs):
+        raise RuntimeError(_CPU_ALLOC_ERROR)
+
+    monkeypatch.setattr(Engine, "step", fail)
+    status = run_cli(["train", "--data", text_file, "--output-dir", tmp_path / "run", *FAST])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert status == 1, err
+    assert lines[-1].startswith("oomb: error: out of host memory at step 1; "), err
+    assert "Traceback" not in err
+
+
 def test_oomb_warnings_are_one_line_and_sparse_ignores_segment_pages(tmp_path, text_file, capsys):
     """oomb's own warnings print as one 'oomb: warning:' line (not Python's two lines naming the CLI's source);
     --offload-segment-pages with --sparse says it is not used (sparse offload stages whole layers), and so does
