@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from .checks import (
+    _check_cpu_kv_store,
     _check_cpu_memory,
     _check_cpu_offload_sizes,
     _check_fused_glue,
@@ -139,6 +140,7 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         _check_lora_targets(model_config, args)
     if device.type != "cuda":
         _check_cpu_memory(args, model_config, dtype)
+        _check_cpu_kv_store(args, model_config, dtype)
     _check_cpu_offload_sizes(args)
     from dataclasses import replace
 

@@ -1181,6 +1181,23 @@ def test_a_cpu_run_larger_than_the_ram_is_refused_before_anything_is_built(tmp_p
     assert not out.exists()
 
 
+def test_a_cpu_kv_store_larger_than_the_ram_is_refused_before_anything_is_written(tmp_path, text_file, capsys,
+                                                                                 monkeypatch):
+    """On the CPU the KV store is host memory that the OS hands out without refusing: a store (here one whole
+    65,536-token page per layer, 256 MiB) that does not fit in the available RAM next to the weights is refused in
+    one line naming both sizes and the fix, before the output folder is made (a 1M-token store started training
+    and grew until the process was killed)."""
+    import oomb.memory
+
+    monkeypatch.setattr(oomb.memory, "host_memory", lambda: (200 * 2**20, 64 * 2**30))
+    out = tmp_path / "run"
+    line = _check_refused(run_cli(["train", "--data", text_file, "--output-dir", out, "--seq-len", "128",
+                                   "--chunk-size", "65536", "--page-size", "65536", "--steps", "1", "--no-progress"]),
+                          capsys, "the KV store for --seq-len 128 needs 0.25 GiB of memory on the CPU")
+    assert "0.20 GiB is available" in line and "pass a --page-size (and --chunk-size) of at most --seq-len 128" in line
+    assert not out.exists()
+
+
 _CPU_ALLOC_ERROR = ("[enforce fail at alloc_cpu.cpp:127] data. DefaultCPUAllocator: can't allocate memory: you tried "
                     "to allocate 107374182400 bytes. Error code 12 (Cannot allocate memory)")
 
