@@ -60,10 +60,11 @@ def _check_cpu_memory(args: argparse.Namespace, model_config: object, dtype: "to
 
 def _check_cpu_kv_store(args: argparse.Namespace, model_config: object, dtype: "torch.dtype") -> None:
     """Refuse a CPU run whose KV store for --seq-len (every page in host memory: K, V, dK and dV of
-    ``ceil(seq_len / page_size)`` whole pages per layer), with the weights, gradients, optimizer states and one
-    chunk's activations as ``oomb plan`` counts them, exceeds the available RAM (:func:`oomb.memory.host_memory`),
-    before any weight is allocated. An allocation that large is not refused by the OS: the pages would be touched
-    step by step until the process is killed. Skipped where the available memory cannot be read."""
+    ``ceil(seq_len / page_size)`` whole pages per layer), with the weights, gradients and optimizer states as
+    ``oomb plan`` counts them, exceeds the available RAM (:func:`oomb.memory.host_memory`), before any weight is
+    allocated. An allocation that large is not refused by the OS: the pages would be touched step by step until the
+    process is killed. The activations are left out: the plan's count of them is a GPU's, and a run that fits
+    without them is not refused for an estimate. Skipped where the available memory cannot be read."""
     from ..memory import ModelShape, base_gpu_bytes, host_memory, optimizer_bytes, page_bytes
 
     try:
@@ -82,11 +83,11 @@ def _check_cpu_kv_store(args: argparse.Namespace, model_config: object, dtype: "
     shape = ModelShape.from_config(model_config)
     pages = -(-args.seq_len // args.page_size)
     store = shape.num_layers * pages * page_bytes(shape, args.page_size, dtype)
-    _, _, weights, grads, optim, act = base_gpu_bytes(
+    _, _, weights, grads, optim, _ = base_gpu_bytes(
         shape, args.seq_len, args.chunk_size, dtype, args.lora_rank, args.optimizer, args.checkpoint_layers, backend,
         cfg.attention_block_size, cfg.loss_chunk_size, args.grad_accum_dtype, args.lora_targets,
         args.train_embeddings_norms, cfg.checkpoint_attention == "keep")
-    rest = weights + grads + optim + act["total"] + optimizer_bytes(
+    rest = weights + grads + optim + optimizer_bytes(
         shape, dtype, args.lora_rank, args.optimizer, args.lora_targets, args.train_embeddings_norms).host
     if store + rest <= available:
         return
@@ -97,7 +98,7 @@ def _check_cpu_kv_store(args: argparse.Namespace, model_config: object, dtype: "
     raise UsageError(
         f"the KV store for --seq-len {args.seq_len:,} needs {store / 2**30:.2f} GiB of memory on the CPU "
         + (f"(one whole page of --page-size {args.page_size:,} tokens per layer) " if big_page else "")
-        + f"and the weights, gradients, optimizer states and activations {rest / 2**30:.2f} GiB more, but "
+        + f"and the weights, gradients and optimizer states {rest / 2**30:.2f} GiB more, but "
         f"{available / 2**30:.2f} GiB is available",
         (f"pass a --page-size (and --chunk-size) of at most --seq-len {args.seq_len}, " if big_page else f"use {shorter}, ")
         + "or --device cuda (with --offload on where the GPU is smaller)",
