@@ -14,6 +14,8 @@ directory holding a Hugging Face checkpoint.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -209,6 +211,52 @@ def check_config_supported(config: PretrainedConfig) -> None:
     check_model_supported(meta_model)
 
 
+_MISSING_NAMES_SHOWN = 3
+"""How many missing tensor names the refusal of a model folder with missing weights shows."""
+
+
+_LOAD_REPORT_LOGGER = logging.getLogger("transformers.modeling_utils")
+"""The logger that from_pretrained writes its per-tensor LOAD REPORT table (and its other warnings) to."""
+
+
+@contextlib.contextmanager
+def _held_load_report():
+    """Hold back what from_pretrained logs (its LOAD REPORT table among it) inside the block; yields the records.
+
+    A refused model folder then shows oomb's one line only; the caller re-emits the records otherwise.
+    """
+    held: list[logging.LogRecord] = []
+
+    def hold(record: logging.LogRecord) -> bool:
+        held.append(record)
+        return False
+
+    _LOAD_REPORT_LOGGER.addFilter(hold)
+    try:
+        yield held
+    finally:
+        _LOAD_REPORT_LOGGER.removeFilter(hold)
+
+
+def _refuse_missing_weights(path: str, loading_info: dict) -> None:
+    """Raise UnknownModelError if the weights of the folder ``path`` lack tensors the model needs.
+
+    ``loading_info`` is what ``from_pretrained(..., output_loading_info=True)`` returns; its
+    ``missing_keys`` leaves out what the model ties (an output layer shared with the input
+    embedding), so only tensors that would start from random values are counted. Tensors the
+    model does not use (``unexpected_keys``) are left to transformers' own warning.
+    """
+    missing = sorted(loading_info.get("missing_keys") or ())
+    if not missing:
+        return
+    shown = ", ".join(missing[:_MISSING_NAMES_SHOWN]) + (", ..." if len(missing) > _MISSING_NAMES_SHOWN else "")
+    raise UnknownModelError(
+        f"the weights of the model folder {path!r} lack {len(missing)} of the model's tensors ({shown}), which "
+        "would start from random values; re-save the complete model with save_pretrained, or copy the weight "
+        "files again if some are missing or cut short"
+    )
+
+
 def build_model(
     name_or_path: str,
     dtype: torch.dtype = torch.float32,
@@ -227,7 +275,8 @@ def build_model(
         depend on the global torch seed (``torch.manual_seed`` before calling).
 
     Raises:
-        UnknownModelError: neither a preset nor a readable local model directory.
+        UnknownModelError: neither a preset nor a readable local model directory, or a directory
+            whose weights lack tensors the model needs (tied ones aside).
         oomb.UnsupportedModelError: a model the engine cannot train (checked
             before any weight is read).
     """
@@ -236,7 +285,10 @@ def build_model(
     check_config_supported(config)
     if _is_local_model_dir(name_or_path):
         try:
-            model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, local_files_only=True)
+            with _held_load_report() as held:
+                model, loading_info = AutoModelForCausalLM.from_pretrained(
+                    name_or_path, dtype=dtype, local_files_only=True, output_loading_info=True
+                )
         except Exception as exc:  # OSError (no weights file), SafetensorError (truncated), ...
             reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             hint = ""
@@ -247,6 +299,9 @@ def build_model(
                 "A model folder needs config.json and the weights save_pretrained writes (model.safetensors, or "
                 "sharded files with their index); re-save the model, or copy the file again if it was cut short"
             ) from exc
+        _refuse_missing_weights(name_or_path, loading_info)
+        for record in held:  # complete weights: transformers' warnings (unused tensors, say) are shown as they would be
+            _LOAD_REPORT_LOGGER.handle(record)
         model.to(device)
     else:
         with device:

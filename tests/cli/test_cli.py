@@ -234,6 +234,26 @@ def gpt2_model(tmp_path):
     return d
 
 
+def test_a_model_folder_whose_weights_lack_tensors_is_refused_by_train_and_eval(tmp_path, text_file, capsys):
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    d = tmp_path / "two-layers"
+    cfg = LlamaConfig(vocab_size=32000, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, tie_word_embeddings=True)
+    LlamaForCausalLM(cfg).save_pretrained(d)
+    weights = d / "model.safetensors"
+    save_file({k: v for k, v in load_file(weights).items() if not k.startswith("model.layers.1.")}, weights, metadata={"format": "pt"})
+    capsys.readouterr()
+    out = tmp_path / "out"
+    line = _check_refused(run_cli(["train", "--data", text_file, "--model", d, "--output-dir", out, *FAST]), capsys,
+                          "lack 9 of the model's tensors (model.layers.1.")
+    assert str(d) in line and "re-save the complete model" in line
+    assert not out.exists() or not any(out.iterdir())
+    _check_refused(run_cli(["eval", "--model", d, "--data", text_file, "--seq-len", "128", "--chunk-size", "64",
+                            "--page-size", "32"]), capsys, "lack 9 of the model's tensors")
+
+
 def _bad_inputs(tmp_path, text_file):
     """(name, extra argv, fragment the message must contain). Each run also gets --overwrite."""
     empty = tmp_path / "empty.txt"

@@ -115,6 +115,40 @@ def test_local_directory_with_missing_or_truncated_weights_is_a_clear_error(tmp_
         build_model(str(tmp_path))
 
 
+def _drop_second_layer(folder):
+    from safetensors.torch import load_file, save_file
+
+    weights = folder / "model.safetensors"
+    kept = {k: v for k, v in load_file(weights).items() if not k.startswith("model.layers.1.")}
+    save_file(kept, weights, metadata={"format": "pt"})
+
+
+def test_local_directory_whose_weights_lack_tensors_is_refused(tmp_path):
+    """Tensors absent from the weights would start random: refused, naming the folder, the count and the first names."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=500, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=1, tie_word_embeddings=True)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path)
+    build_model(str(tmp_path))  # complete: the tied output layer, not in the file, is not missing
+    _drop_second_layer(tmp_path)
+    with pytest.raises(UnknownModelError, match=r"lack 9 of the model's tensors \(model\.layers\.1\.input_layernorm\.weight, "
+                       r".*, \.\.\.\).*re-save the complete model") as info:
+        build_model(str(tmp_path))
+    assert repr(str(tmp_path)) in str(info.value)
+
+
+def test_local_directory_with_an_unused_extra_tensor_still_loads(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    cfg = Qwen2Config(vocab_size=500, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    Qwen2ForCausalLM(cfg).save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    tensors = load_file(weights)
+    save_file({**tensors, "model.unused.weight": torch.zeros(3)}, weights, metadata={"format": "pt"})
+    assert torch.equal(build_model(str(tmp_path)).model.embed_tokens.weight, tensors["model.embed_tokens.weight"])
+
+
 def test_lora_adapter_folder_is_named_as_such(tmp_path):
     (tmp_path / "adapter_config.json").write_text("{}")
     (tmp_path / "adapter_model.safetensors").write_bytes(b"")
