@@ -607,6 +607,25 @@ def test_a_chat_template_that_does_not_compile_is_refused_before_any_row(tmp_pat
     assert "row" not in line and "chat.jsonl" not in line
 
 
+@pytest.mark.parametrize("command", ["data", "train"])
+def test_a_chat_template_with_text_rows_is_refused_and_a_missing_one_always(tmp_path, capsys, command):
+    """Text rows are not rendered, so a --chat-template with them is refused as --loss-on assistant is; a template
+    file that cannot be read is named as such, whatever the rows."""
+    import datasets
+
+    csv = tmp_path / "rows.csv"
+    datasets.Dataset.from_dict({"text": ["some words here " * 20] * 10}).to_csv(str(csv), index=False)
+    line = refused([command, "--data", csv, "--chat-template", PLAIN, *FAST], capsys, tmp_path,
+                   f"--chat-template renders messages and prompt/completion rows, but {str(csv)!r} is text")
+    assert "leave --chat-template out for text" in line
+    missing = tmp_path / "nope.jinja"
+    refused([command, "--data", csv, "--chat-template", missing, *FAST], capsys, tmp_path,
+            f"cannot read --chat-template {str(missing)!r}")
+    chats = write_jsonl(tmp_path / "chat.jsonl", chat_rows(3))
+    refused([command, "--data", chats, "--chat-template", missing, *FAST], capsys, tmp_path,
+            f"cannot read --chat-template {str(missing)!r}")
+
+
 # ------------------------------------------------------------------ rows named as the user counts them
 
 
