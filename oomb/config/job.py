@@ -135,8 +135,10 @@ class ModelConfig:
             if self.lora_rank == 0:
                 raise ConfigError("lora_alpha", "{lora_alpha} scales a LoRA adapter but {lora_rank} is 0 (a full fine-tune)",
                                   "set {lora_rank} R, or leave {lora_alpha} out")
-        if not isinstance(self.lora_targets, str) or not any(n.strip() for n in self.lora_targets.split(",")):
-            raise ConfigError("lora_targets", f"{{lora_targets}} is {literal(self.lora_targets)}",
+        if not isinstance(self.lora_targets, str) or not all(n.strip() for n in self.lora_targets.split(",")):
+            empty = isinstance(self.lora_targets, str) and any(n.strip() for n in self.lora_targets.split(","))
+            raise ConfigError("lora_targets", f"{{lora_targets}} is {literal(self.lora_targets)}"
+                              + (", which has an empty name" if empty else ""),
                               "pass module names separated by commas (e.g. q_proj,v_proj) or all-linear")
         check.boolean("train_embeddings_norms", self.train_embeddings_norms)
         if self.lora_rank == 0:

@@ -254,6 +254,16 @@ def test_a_model_folder_whose_weights_lack_tensors_is_refused_by_train_and_eval(
                             "--page-size", "32"]), capsys, "lack 9 of the model's tensors")
 
 
+@pytest.mark.parametrize("targets, said", [("q_proj,,k_proj", "'q_proj,,k_proj', which has an empty name"),
+                                           ("q_proj,", "'q_proj,', which has an empty name"), ("", "is ''")])
+def test_lora_targets_with_an_empty_name_are_refused(tmp_path, text_file, capsys, targets, said):
+    out = tmp_path / "out"
+    line = _check_refused(run_cli(["train", "--data", text_file, "--lora-rank", "2", "--lora-targets", targets,
+                                   "--output-dir", out, *FAST]), capsys, said)
+    assert "--lora-targets" in line and "pass module names separated by commas" in line
+    assert not out.exists()
+
+
 def _bad_inputs(tmp_path, text_file):
     """(name, extra argv, fragment the message must contain). Each run also gets --overwrite."""
     empty = tmp_path / "empty.txt"
