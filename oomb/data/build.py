@@ -96,6 +96,8 @@ def _not_a_string(rows: Rows, i: int, row: dict, field: str, flag: bool = True) 
     """The DataError of row ``i`` whose ``field`` is no string: missing (a JSON row without it reads as None) or
     of another type; ``flag``: the command has --text-field."""
     other = ", or pass --text-field NAME" if flag else ""
+    if row.get(field) is None and rows.written_null(i, field):
+        return DataError(f"{rows.where(i)}: {field!r} is null", f"write a string {field!r} in every row{other}")
     if row.get(field) is None:
         has = ", ".join(k for k, v in row.items() if v is not None) or "none"
         return DataError(f"{rows.where(i)} has no {field!r} field (its fields: {has})",

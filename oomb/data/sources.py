@@ -77,6 +77,22 @@ class Rows:
             self._line_numbers = _non_blank_lines(self.lines)
         return self._line_numbers[i] if i < len(self._line_numbers) else i + 1
 
+    def written_null(self, i: int, field: str) -> bool:
+        """Whether row ``i`` (0-based) of a JSON Lines file writes ``field`` as null (datasets reads a field a row
+        lacks as None too); False for other data or a line that cannot be read."""
+        import json
+
+        line = self._line(i)
+        if line is None:
+            return False
+        try:
+            with open(self.lines, encoding="utf-8") as f:
+                text = next(itertools.islice(f, line - 1, None), "")
+            row = json.loads(text)
+        except (OSError, UnicodeDecodeError, ValueError):
+            return False
+        return isinstance(row, dict) and field in row and row[field] is None
+
     def number(self, i: int) -> str:
         """Row ``i`` (0-based) as a user counts it: ``line N`` of a JSON Lines file, else ``row N`` (1-based)."""
         line = self._line(i)
@@ -245,8 +261,7 @@ def _load(path: Path, split: str, streaming: bool, files: list[Path]):
         raise
     except Exception as exc:  # datasets raises many kinds (ValueError, DatasetGenerationError, ArrowInvalid, ...)
         if "corresponds to no data" in str(exc):  # how datasets says a split has no rows
-            raise DataError(f"the split {split!r} of {where} has no rows",
-                            "pass --data-split a split with rows, or other data") from exc
+            raise _no_rows(path, split) from exc
         raise _unreadable(path, str(path), exc) from exc
     return _split_of(loaded, split, where)
 
@@ -427,9 +442,20 @@ def open_rows(path: str | None, split: str = "train", streaming: bool = False) -
             if file.suffix in (".json", ".jsonl"):
                 _first_non_object_row(file)
     if first is None:
-        raise DataError(f"the split {split!r} of {str(root)!r} has no rows",
-                        "pass --data-split a split with rows, or other data")
+        raise _no_rows(root, split)
     return rows
+
+
+def _no_rows(root: Path, split: str) -> DataError:
+    """The DataError of data at ``root`` that reads as no rows: a split of a saved dataset (another split may
+    have rows), else a file or folder of files whose one split is empty (a CSV header alone, empty JSON objects),
+    which no --data-split changes."""
+    if _saved(root):
+        return DataError(f"the split {split!r} of {str(root)!r} has no rows",
+                         "pass --data-split a split with rows, or other data")
+    what = "file holds" if root.is_file() else "folder's data files hold"
+    return DataError(f"{str(root)!r} holds no rows with any field (the {what} at most a CSV header line or "
+                     "empty JSON objects)", "write the rows into it, or pass other data")
 
 
 def data_fingerprint(path: str | None) -> str:

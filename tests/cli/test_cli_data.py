@@ -338,8 +338,12 @@ def test_an_empty_or_missing_split_is_refused(tmp_path, capsys):
     import datasets
 
     empty = tmp_path / "empty.csv"
-    empty.write_text("text\n")  # the header only: a split of no rows
-    refused(["data", "--data", empty, *FAST], capsys, tmp_path, "has no rows")
+    empty.write_text("text\n")  # the header only: no rows, which no --data-split changes
+    line = refused(["data", "--data", empty, *FAST], capsys, tmp_path, f"{str(empty)!r} holds no rows with any field")
+    assert "--data-split" not in line
+    objects = write_jsonl(tmp_path / "objects.jsonl", [{}, {}])
+    line = refused(["data", "--data", objects, *FAST], capsys, tmp_path, f"{str(objects)!r} holds no rows with any field")
+    assert "--data-split" not in line and "empty JSON objects" in line
     ds = datasets.Dataset.from_dict({"text": ["some words here"] * 5})
     datasets.DatasetDict({"train": ds, "test": ds.select([0])}).save_to_disk(str(tmp_path / "saved"))
     refused(["train", "--data", tmp_path / "saved", "--data-split", "validation", *FAST], capsys, tmp_path,
@@ -639,6 +643,8 @@ def test_rows_are_named_by_line_in_json_lines_and_from_1_elsewhere(tmp_path, cap
     pd.DataFrame({"text": ["fine words"] * 3 + [None]}).to_parquet(tmp_path / "p.parquet")
     refused(["data", "--data", tmp_path / "p.parquet", *FAST], capsys, tmp_path,
             f"{tmp_path / 'p.parquet'} row 4 has no 'text' field")
+    null = write_jsonl(tmp_path / "null.jsonl", [{"text": "fine words " * 20}, {"text": None}])
+    refused(["data", "--data", null, *FAST], capsys, tmp_path, f"{null}:2: 'text' is null")
     mixed = write_jsonl(tmp_path / "mixed.jsonl", [{"text": "fine words " * 20}, {"body": "no text"}])
     refused(["data", "--data", mixed, *FAST], capsys, tmp_path, f"{mixed}:2 has no 'text' field (its fields: body)")
 
