@@ -184,6 +184,13 @@ def load_config(name_or_path: str) -> PretrainedConfig:
                 f"model first ('oomb merge {path} --output-dir MERGED', or peft's merge_and_unload) and pass that "
                 "folder"
             )
+        if os.path.isfile(os.path.join(path, "meta.json")) and any(
+            os.path.exists(os.path.join(path, name)) for name in ("trainable.safetensors", "dcp")
+        ):
+            raise UnknownModelError(
+                f"{path!r} is an oomb training checkpoint, not a model folder (no config.json); write it as a model "
+                f"first ('oomb merge {path} --output-dir MODEL') and pass that folder"
+            )
         raise UnknownModelError(
             f"{path!r} is a directory without config.json; pass a Hugging Face model directory "
             f"(as written by save_pretrained) or one of the presets ({', '.join(PRESETS)})"

@@ -776,6 +776,16 @@ def test_a_bare_preset_name_means_the_preset_even_with_a_folder_of_that_name(tmp
     _check_refused(run_cli(["train", "--data", text_file, "--model", "./tiny", "--output-dir", tmp_path / "out2", *FAST]), capsys, "without config.json")
 
 
+def test_a_training_checkpoint_as_model_points_to_merge(tmp_path, text_file, capsys):
+    ckpt = tmp_path / "run" / "checkpoints" / "step-00000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / "meta.json").write_text(OOMB_META_JSON)
+    (ckpt / "trainable.safetensors").write_bytes(b"")
+    line = _check_refused(run_cli(["train", "--data", text_file, "--model", ckpt, "--output-dir", tmp_path / "out", *FAST]),
+                          capsys, "is an oomb training checkpoint")
+    assert f"oomb merge {ckpt} --output-dir MODEL" in line and "without config.json" not in line
+
+
 def test_model_help_says_a_preset_name_beats_a_folder(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--help"])
