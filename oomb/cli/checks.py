@@ -33,7 +33,7 @@ def _check_sparse_flags(args: argparse.Namespace, enabled: bool, enabler: str, n
 
 def _check_cpu_memory(args: argparse.Namespace, model_config: object, dtype: "torch.dtype") -> None:
     """Refuse a CPU run whose weights, gradients and optimizer states (and, for adamw-cpu, its copies) alone exceed
-    the available RAM (a lower bound: activations and the KV store come on top), before any weight is allocated."""
+    the available RAM, or do with its KV store (:func:`_check_cpu_kv_store`), before any weight is allocated."""
     from ..memory import ModelShape, base_gpu_bytes, host_memory, optimizer_bytes
 
     shape = ModelShape.from_config(model_config)
@@ -47,48 +47,28 @@ def _check_cpu_memory(args: argparse.Namespace, model_config: object, dtype: "to
 
     available = host_memory()[0]
     needed = need(args.lora_rank, args.lora_targets, args.train_embeddings_norms)
-    if needed <= available:
-        return
-    lora = not args.lora_rank and need(8) <= available
-    raise UsageError(
-        f"--model {args.model} ({n / 1e9:.2f}B parameters) needs at least {needed / 2**30:.1f} GiB of memory "
-        f"on the CPU for its weights, {'adapter ' if args.lora_rank else ''}gradients and optimizer states, but "
-        f"{available / 2**30:.1f} GiB is available",
-        (f"use --lora-rank 8 (~{need(8) / 2**30:.1f} GiB), " if lora else "use ") + "a smaller --model (e.g. tiny), or --device cuda",
-    )
+    if needed > available:
+        lora = not args.lora_rank and need(8) <= available
+        raise UsageError(
+            f"--model {args.model} ({n / 1e9:.2f}B parameters) needs at least {needed / 2**30:.1f} GiB of memory "
+            f"on the CPU for its weights, {'adapter ' if args.lora_rank else ''}gradients and optimizer states, but "
+            f"{available / 2**30:.1f} GiB is available",
+            (f"use --lora-rank 8 (~{need(8) / 2**30:.1f} GiB), " if lora else "use ") + "a smaller --model (e.g. tiny), or --device cuda",
+        )
+    _check_cpu_kv_store(args, shape, dtype, needed, available)
 
 
-def _check_cpu_kv_store(args: argparse.Namespace, model_config: object, dtype: "torch.dtype") -> None:
+def _check_cpu_kv_store(args: argparse.Namespace, shape, dtype: "torch.dtype", rest: int, available: int) -> None:
     """Refuse a CPU run whose KV store for --seq-len (every page in host memory: K, V, dK and dV of
-    ``ceil(seq_len / page_size)`` whole pages per layer), with the weights, gradients and optimizer states as
-    ``oomb plan`` counts them, exceeds the available RAM (:func:`oomb.memory.host_memory`), before any weight is
-    allocated. An allocation that large is not refused by the OS: the pages would be touched step by step until the
+    ``ceil(seq_len / page_size)`` whole pages per layer) does not fit in the ``available`` RAM beside the ``rest``
+    bytes of weights, gradients and optimizer states (:func:`_check_cpu_memory`'s count, as ``oomb plan`` counts
+    them). An allocation that large is not refused by the OS: the pages would be touched step by step until the
     process is killed. The activations are left out: the plan's count of them is a GPU's, and a run that fits
-    without them is not refused for an estimate. Skipped where the available memory cannot be read."""
-    from ..memory import ModelShape, base_gpu_bytes, host_memory, optimizer_bytes, page_bytes
+    without them is not refused for an estimate."""
+    from ..memory import page_bytes
 
-    try:
-        available = host_memory()[0]
-    except (OSError, KeyError, ValueError):
-        return
-    import torch
-
-    from ..ops.paged_attention import step_backend
-
-    cfg = args.job.engine
-    try:
-        backend = step_backend(cfg, torch.device("cpu"))
-    except ValueError:
-        backend = "torch"
-    shape = ModelShape.from_config(model_config)
     pages = -(-args.seq_len // args.page_size)
     store = shape.num_layers * pages * page_bytes(shape, args.page_size, dtype)
-    _, _, weights, grads, optim, _ = base_gpu_bytes(
-        shape, args.seq_len, args.chunk_size, dtype, args.lora_rank, args.optimizer, args.checkpoint_layers, backend,
-        cfg.attention_block_size, cfg.loss_chunk_size, args.grad_accum_dtype, args.lora_targets,
-        args.train_embeddings_norms, cfg.checkpoint_attention == "keep")
-    rest = weights + grads + optim + optimizer_bytes(
-        shape, dtype, args.lora_rank, args.optimizer, args.lora_targets, args.train_embeddings_norms).host
     if store + rest <= available:
         return
     per_token = store / (pages * args.page_size)

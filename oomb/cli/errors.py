@@ -33,10 +33,11 @@ def _one_line(text: str) -> str:
     return " ".join(str(text).split())
 
 
-def _allocation_refusal(exc: BaseException) -> UsageError | None:
+def _allocation_refusal(exc: BaseException, what: str = "for --seq-len, --chunk-size and --page-size") -> UsageError | None:
     """The one-line refusal of a memory allocation that failed before a command's work began (the CPU allocator's
     ``RuntimeError``, "DefaultCPUAllocator: can't allocate memory", or a GPU ``OutOfMemoryError`` no command caught),
-    naming the bytes asked for where PyTorch's message gives them; None for any other exception."""
+    naming the bytes asked for where PyTorch's message gives them and ``what`` they were for; None for any other
+    exception."""
     import re
 
     from ..memory import is_out_of_memory
@@ -46,7 +47,7 @@ def _allocation_refusal(exc: BaseException) -> UsageError | None:
     asked = re.search(r"allocate (\d+) bytes", str(exc))
     size = f" {int(asked.group(1)) / 2**30:,.1f} GiB" if asked else ""
     where = "host" if "can't allocate memory" in str(exc) else "GPU"
-    return UsageError(f"could not allocate{size} of {where} memory for --seq-len, --chunk-size and --page-size",
+    return UsageError(f"could not allocate{size} of {where} memory {what}",
                       "use a shorter --seq-len or a smaller --chunk-size or --page-size (a page or chunk is allocated "
                       "whole, even past the sequence's end), or a machine with more memory")
 

@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 from .checks import (
-    _check_cpu_kv_store,
     _check_cpu_memory,
     _check_cpu_offload_sizes,
     _check_fused_glue,
@@ -140,7 +139,6 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         _check_lora_targets(model_config, args)
     if device.type != "cuda":
         _check_cpu_memory(args, model_config, dtype)
-        _check_cpu_kv_store(args, model_config, dtype)
     _check_cpu_offload_sizes(args)
     from dataclasses import replace
 
@@ -227,11 +225,11 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
             "use a shorter --seq-len, --offload on, --checkpoint-layers or --lora-rank (see 'oomb plan')",
         ) from exc
     except RuntimeError as exc:  # the CPU allocator's error
-        refusal = _allocation_refusal(exc)
+        refusal = _allocation_refusal(
+            exc, f"for the KV store of --seq-len {args.seq_len} (pages of --page-size {args.page_size})")
         if refusal is None:
             raise
-        raise UsageError(f"the KV store for --seq-len {args.seq_len} (pages of --page-size {args.page_size}): "
-                         f"{refusal.problem.partition(' for ')[0]}", refusal.fix) from exc
+        raise refusal from exc
 
     t_reserve_s = time.perf_counter() - t_reserve
 
