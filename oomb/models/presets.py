@@ -168,6 +168,26 @@ def _is_local_model_dir(path: str) -> bool:
     return path not in PRESETS and os.path.isdir(path)
 
 
+def _training_output(path: str) -> tuple[str, str] | None:
+    """What the folder ``path`` (without config.json) is of an ``oomb train`` run, and the ``oomb train`` arguments
+    that continue that run, for a message: one checkpoint (``checkpoints/step-N``, whole or damaged), a run's
+    ``checkpoints`` folder, or a run folder that stopped before it saved its model (checkpoints only); None for
+    anything else."""
+    from pathlib import Path
+
+    from ..checkpoint import find_latest, is_checkpoint_folder
+
+    folder = Path(path)
+    if is_checkpoint_folder(folder):
+        return "an oomb training checkpoint", f"--resume {path}"
+    if find_latest(folder) is not None:
+        return "the checkpoints folder of an oomb training run", f"--output-dir {folder.parent} --resume"
+    if find_latest(folder / "checkpoints") is not None:
+        return ("an oomb training run that stopped before it saved its model (it holds checkpoints only)",
+                f"--output-dir {path} --resume")
+    return None
+
+
 def load_config(name_or_path: str) -> PretrainedConfig:
     """The transformers config of a preset or of a local model directory; no weights are read.
 
@@ -184,12 +204,13 @@ def load_config(name_or_path: str) -> PretrainedConfig:
                 f"model first ('oomb merge {path} --output-dir MERGED', or peft's merge_and_unload) and pass that "
                 "folder"
             )
-        if os.path.isfile(os.path.join(path, "meta.json")) and any(
-            os.path.exists(os.path.join(path, name)) for name in ("trainable.safetensors", "dcp")
-        ):
+        run = _training_output(path)
+        if run is not None:
+            what, resume = run
             raise UnknownModelError(
-                f"{path!r} is an oomb training checkpoint, not a model folder (no config.json); write it as a model "
-                f"first ('oomb merge {path} --output-dir MODEL') and pass that folder"
+                f"{path!r} is {what}, not a model folder (no config.json); write its model first "
+                f"('oomb merge {path} --output-dir MODEL') and pass that folder, or continue the run with "
+                f"'oomb train {resume}' and its other flags"
             )
         raise UnknownModelError(
             f"{path!r} is a directory without config.json; pass a Hugging Face model directory "

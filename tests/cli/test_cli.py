@@ -784,6 +784,24 @@ def test_a_training_checkpoint_as_model_points_to_merge(tmp_path, text_file, cap
     line = _check_refused(run_cli(["train", "--data", text_file, "--model", ckpt, "--output-dir", tmp_path / "out", *FAST]),
                           capsys, "is an oomb training checkpoint")
     assert f"oomb merge {ckpt} --output-dir MODEL" in line and "without config.json" not in line
+    assert f"'oomb train --resume {ckpt}'" in line
+
+
+def test_a_run_or_its_checkpoints_folder_as_model_points_to_merge_and_resume(tmp_path, text_file, capsys):
+    run = tmp_path / "run"
+    ckpt = run / "checkpoints" / "step-00000002"
+    ckpt.mkdir(parents=True)
+    (ckpt / "meta.json").write_text(OOMB_META_JSON)
+    (ckpt / "trainable.safetensors").write_bytes(b"")
+    (run / "checkpoints" / "latest").write_text(ckpt.name)
+    folder = run / "checkpoints"
+    line = _check_refused(run_cli(["train", "--data", text_file, "--model", folder, "--output-dir", tmp_path / "out",
+                                   *FAST]), capsys, f"{str(folder)!r} is the checkpoints folder of an oomb training run")
+    assert f"oomb merge {folder} --output-dir MODEL" in line and f"'oomb train --output-dir {run} --resume'" in line
+    assert "without config.json" not in line
+    line = _check_refused(run_cli(["plan", "--model", run, "--seq-len", "128"]), capsys,
+                          f"{str(run)!r} is an oomb training run that stopped before it saved its model")
+    assert f"oomb merge {run} --output-dir MODEL" in line and f"'oomb train --output-dir {run} --resume'" in line
 
 
 def test_model_help_says_a_preset_name_beats_a_folder(capsys):
