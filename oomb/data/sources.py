@@ -42,7 +42,10 @@ class Rows:
     """The rows of one split: ``columns`` (field names), ``rows`` (re-iterable dicts) and ``name`` (for
     messages: :meth:`where`); ``plain``: read by the plain-text reader (one ``text`` column, ``sources`` the file
     of each row); ``path``: the data path (None: the bundled corpus); ``lines``: the JSON Lines file whose
-    non-blank lines the rows are (rows are then named by line)."""
+    non-blank lines the rows are (rows are then named by line); ``table``: the format of rows that are a table,
+    each row with every column (``csv``, ``parquet``, ``arrow``, or ``saved`` for a ``save_to_disk`` folder), in
+    which a None field is a null (an empty CSV cell) -- None for JSON rows, where a None field may be one the row
+    lacks."""
 
     columns: list[str]
     rows: Any
@@ -52,6 +55,7 @@ class Rows:
     path: Path | None = None
     lines: Path | None = None
     sources: list[str] | None = None
+    table: str | None = None
     _line_numbers: list[int] | None = field(default=None, repr=False)
 
     def __iter__(self) -> Iterator[dict]:
@@ -77,21 +81,27 @@ class Rows:
             self._line_numbers = _non_blank_lines(self.lines)
         return self._line_numbers[i] if i < len(self._line_numbers) else i + 1
 
-    def written_null(self, i: int, field: str) -> bool:
-        """Whether row ``i`` (0-based) of a JSON Lines file writes ``field`` as null (datasets reads a field a row
-        lacks as None too); False for other data or a line that cannot be read."""
+    def written_null(self, i: int, row: dict, field: str) -> bool:
+        """Whether ``row``, row ``i`` (0-based), writes ``field`` as null rather than lacking it: a column of a
+        ``table`` (parquet, CSV, arrow, a saved dataset) whose value is None there, or a JSON Lines line that writes
+        it as null (datasets reads a field a row lacks as None too); False for other data or a line that cannot be
+        read."""
         import json
 
+        if row.get(field) is not None:
+            return False
+        if self.table is not None:
+            return field in self.columns
         line = self._line(i)
         if line is None:
             return False
         try:
             with open(self.lines, encoding="utf-8") as f:
                 text = next(itertools.islice(f, line - 1, None), "")
-            row = json.loads(text)
+            record = json.loads(text)
         except (OSError, UnicodeDecodeError, ValueError):
             return False
-        return isinstance(row, dict) and field in row and row[field] is None
+        return isinstance(record, dict) and field in record and record[field] is None
 
     def number(self, i: int) -> str:
         """Row ``i`` (0-based) as a user counts it: ``line N`` of a JSON Lines file, else ``row N`` (1-based)."""
@@ -433,7 +443,9 @@ def open_rows(path: str | None, split: str = "train", streaming: bool = False) -
     data = _load(root, split, streaming, files)
     name = str(root) if split == "train" else f"{root} [{split}]"
     lines = root if root.is_file() and root.suffix == ".jsonl" else None
-    rows = Rows(list(data.column_names or []), data, name, streaming, path=root, lines=lines)
+    suffix = root.suffix if root.is_file() else kind
+    table = "saved" if _saved(root) else {".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}.get(suffix)
+    rows = Rows(list(data.column_names or []), data, name, streaming, path=root, lines=lines, table=table)
     first = next(iter(rows), None)
     if not rows.columns and first is not None:  # a streamed json file names its columns with its first row
         rows.columns = list(first)

@@ -642,11 +642,31 @@ def test_rows_are_named_by_line_in_json_lines_and_from_1_elsewhere(tmp_path, cap
 
     pd.DataFrame({"text": ["fine words"] * 3 + [None]}).to_parquet(tmp_path / "p.parquet")
     refused(["data", "--data", tmp_path / "p.parquet", *FAST], capsys, tmp_path,
-            f"{tmp_path / 'p.parquet'} row 4 has no 'text' field")
+            f"{tmp_path / 'p.parquet'} row 4: 'text' is null")
     null = write_jsonl(tmp_path / "null.jsonl", [{"text": "fine words " * 20}, {"text": None}])
     refused(["data", "--data", null, *FAST], capsys, tmp_path, f"{null}:2: 'text' is null")
     mixed = write_jsonl(tmp_path / "mixed.jsonl", [{"text": "fine words " * 20}, {"body": "no text"}])
     refused(["data", "--data", mixed, *FAST], capsys, tmp_path, f"{mixed}:2 has no 'text' field (its fields: body)")
+
+
+def test_a_null_or_empty_field_of_a_table_is_named_as_such_not_as_missing(tmp_path, capsys):
+    import datasets
+    import pandas as pd
+
+    csv = tmp_path / "rows.csv"
+    csv.write_text("id,body\n1,fine words fine words\n2,\n")
+    line = refused(["data", "--data", csv, "--text-field", "body", *FAST], capsys, tmp_path,
+                   f"{csv} row 2: 'body' is empty")
+    assert "has no" not in line and "write a string 'body' in every row" in line
+    pd.DataFrame({"id": [1, 2, 3], "body": ["fine words", None, "more"]}).to_parquet(tmp_path / "p.parquet")
+    refused(["data", "--data", tmp_path / "p.parquet", "--text-field", "body", *FAST], capsys, tmp_path,
+            f"{tmp_path / 'p.parquet'} row 2: 'body' is null")
+    folder = tmp_path / "tables"
+    folder.mkdir()
+    (folder / "a.csv").write_text("text\nfine words\n\"\"\n")
+    refused(["data", "--data", folder, *FAST], capsys, tmp_path, f"{folder} row 2: 'text' is empty")
+    datasets.Dataset.from_dict({"text": ["fine words", None]}).save_to_disk(str(tmp_path / "saved"))
+    refused(["data", "--data", tmp_path / "saved", *FAST], capsys, tmp_path, f"{tmp_path / 'saved'} row 2: 'text' is null")
 
 
 # ------------------------------------------------------------------ what the data lines say
