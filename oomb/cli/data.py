@@ -87,15 +87,54 @@ def _histogram(path: Path, lengths, seq_len: int, title: str) -> None:
             tmp.unlink()
 
 
+_MAKE_READS = ("data_make", "model.seed", "data.tokenizer", "data.seq_len")
+"""The settings ``oomb data --make`` reads (a section, or ``section.field``); ``needle`` also reads
+:data:`_NEEDLE_READS`."""
+
+_NEEDLE_READS = ("data.path", "data.split", "data.text_field")
+"""The settings of the text ``--make needle`` hides its needles in."""
+
+
+def _refuse_unread_flags(args: argparse.Namespace) -> None:
+    """Refuse the flags on the command line that ``--make`` does not read: ``oomb data`` takes every flag of
+    ``oomb train`` for its report, and they would change nothing in the rows. (A --config file's settings are not
+    refused: one file serves several commands.)
+
+    Raises:
+        UsageError: naming the flags given that --make does not read, and those it does.
+    """
+    argv = getattr(args, "_argv", None)
+    if argv is None:
+        return
+    from ..config.flags import command_fields
+    from .parser import _build_parser
+
+    given = vars(_build_parser(suppress=True).parse_args(argv))
+    reads = _MAKE_READS + (_NEEDLE_READS if args.make == "needle" else ())
+    fields = [(ff, ff.section in reads or ff.key in reads) for ff in command_fields("data")]
+    # as given: a False of an on/off flag is its --no- form
+    unread = [f"--no-{ff.flag[2:]}" if given[ff.dest] is False else ff.flag
+              for ff, read in fields if not read and ff.dest in given]
+    if unread:
+        one = len(unread) == 1
+        names = ", ".join(unread[:-1]) + (" and " if not one else "") + unread[-1]
+        read = [ff.flag for ff, read in sorted(fields, key=lambda f: f[0].section != "data_make") if read]
+        raise UsageError(f"{names} {'is' if one else 'are'} not read by --make {args.make}, which writes the same rows "
+                         f"with or without {'it' if one else 'them'}",
+                         f"leave {'it' if one else 'them'} out; --make {args.make} reads only "
+                         f"{', '.join(read[:-1])} and {read[-1]}")
+
+
 def _make(args: argparse.Namespace) -> int:
     """``oomb data --make passkey|needle|keyvalue``: write synthetic retrieval rows (JSON Lines) for
-    ``oomb train --data``."""
+    ``oomb train --data``; a flag it does not read is refused."""
     if args.output is not None:
         raise UsageError(f"--output names the length histogram of 'oomb data' without --make, which --make {args.make} "
                          "does not draw", "leave --output out; --make-output names the rows file")
     if args.make in ("passkey", "keyvalue") and args.data is not None:
         raise UsageError(f"--data is not read by --make {args.make} (its haystack is fixed filler text)",
                          "leave --data out, or pass --make needle to hide needles in that text")
+    _refuse_unread_flags(args)
     _check_data_exists(args)
     from ..data.stats import counted
     from ..retrieval import is_retrieval_jsonl, retrieval_rows, write_retrieval_jsonl

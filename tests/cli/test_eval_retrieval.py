@@ -149,6 +149,22 @@ def test_oomb_data_make_writes_rows_oomb_train_reads(tmp_path, capsys):
                    capsys, "pass --make-lengths of")
 
 
+@pytest.mark.parametrize("kind, flags, named", [
+    ("passkey", ["--lora-rank", "8", "--lr", "1e-3"], "--lora-rank and --lr are not read by --make passkey"),
+    ("keyvalue", ["--model", "tiny"], "--model is not read by --make keyvalue"),
+    ("needle", ["--no-progress"], "--no-progress is not read by --make needle"),
+    ("passkey", ["--text-field", "body"], "--text-field is not read by --make passkey"),
+])
+def test_oomb_data_make_refuses_the_flags_it_does_not_read(tmp_path, capsys, kind, flags, named):
+    rows_file = tmp_path / "rows.jsonl"
+    status = run_cli(["data", "--make", kind, "--examples", "2", "--make-lengths", "120", *flags,
+                      "--make-output", rows_file])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert status == 2 and len(lines) == 1 and lines[0].startswith("oomb: error: ") and named in lines[0], err
+    assert f"--make {kind} reads only --make, " in lines[0] and not rows_file.exists()
+
+
 def test_oomb_data_make_keyvalue_writes_segments_rows_oomb_train_trains(tmp_path, capsys):
     rows_file = tmp_path / "kv.jsonl"
     assert run_cli(["data", "--make", "keyvalue", "--needles", "3", "--examples", "4", "--make-lengths", "200",
