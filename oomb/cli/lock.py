@@ -10,7 +10,7 @@ from pathlib import Path
 
 from .errors import UsageError
 
-__all__ = ["LOCK_NAME", "OutputLock", "is_writing_process"]
+__all__ = ["LOCK_NAME", "OutputLock", "is_writing_process", "live_holder"]
 
 LOCK_NAME = ".oomb-lock"
 """The lock file's name in the output folder (it holds the holder's pid, host and command as JSON)."""
@@ -170,6 +170,32 @@ class OutputLock:
         self.fd = None
         print(f"oomb: note: {self.out} cannot be locked ({exc.strerror or exc}): a second oomb train into it would "
               "not be refused while this one runs", file=sys.stderr)
+
+
+def live_holder(out: Path) -> dict | None:
+    """What the holder of the lock on ``out``'s lock file wrote into it (pid, host, command; {} where they cannot
+    be read) where a live process holds that lock; None where there is no lock file or no process holds it (a file
+    left by a run that was killed), or where that cannot be told (no ``fcntl``, a file that cannot be opened, a
+    file system that refuses ``flock``)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        return None
+    try:
+        fd = os.open(out / LOCK_NAME, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _lock_holder(fd)
+        except OSError:
+            return None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
 
 
 def _remove_if_empty(fd: int, path: Path) -> None:

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from .errors import UsageError, _named
+from .lock import LOCK_NAME, OutputLock, live_holder
 from .output import _check_writable_dir_path
 
 
@@ -40,10 +41,24 @@ def _output_dir(given: str | None, adapter: Path, args: argparse.Namespace | Non
     out = Path(given).expanduser().resolve()
     if out.exists() and not out.is_dir():
         raise UsageError(f"{shown} {given!r} is a file", "pass a directory path that is new or empty")
-    if out == adapter or (out.is_dir() and any(out.iterdir())):
+    if out == adapter or (out.is_dir() and any(p.name != LOCK_NAME or p.is_dir() for p in out.iterdir())):
         raise UsageError(f"{shown} {given!r} exists and is not empty", "pass a new or empty directory")
+    _refuse_if_written(out, shown, given)
     _check_writable_dir_path(shown, given, out)
     return out
+
+
+def _refuse_if_written(out: Path, shown: str, given: str) -> None:
+    """Refuse the output folder ``out`` (named ``shown`` ``given``) where a live ``oomb train`` holds its lock
+    (:class:`~oomb.cli.lock.OutputLock`). The lock file of a run that ended is no content of the folder: a finished
+    run deletes it, and one left by a killed run is held by no process.
+
+    Raises:
+        UsageError: naming the run that holds it.
+    """
+    holder = live_holder(out)
+    if holder is not None:
+        raise OutputLock(out, shown, given, "")._refusal(holder)
 
 
 def _read_json(path: Path, restore: str) -> dict:
@@ -209,6 +224,10 @@ def _write_model(model, tokenizer, out: Path) -> None:
         if tokenizer is not None:
             save_tokenizer(tokenizer, tmp)
         if out.is_dir():
+            _refuse_if_written(out, "--output-dir", str(out))  # a run may have started into it since the check
+            lock = out / LOCK_NAME
+            if lock.is_file() or lock.is_symlink():  # left by a killed run: held by no process
+                lock.unlink()
             out.rmdir()  # checked empty
         os.replace(tmp, out)
     finally:

@@ -151,6 +151,30 @@ def test_bad_merge_input_is_one_line_exit_2_nothing_written(tmp_path, capsys):
     assert (tmp_path / "empty" / "model.safetensors").is_file()
 
 
+def test_a_lock_file_no_run_holds_is_no_content_of_the_output_dir_but_a_live_run_is_refused(tmp_path, capsys):
+    """An --output-dir holding only the lock file of an oomb train that was killed is empty: the model is written
+    there and the file removed; while a live oomb train holds that lock, merge is refused naming it."""
+    from tests.cli.test_cli_resume import _hold_lock
+
+    adapter = tmp_path / "lora"
+    assert run_cli(["train", "--output-dir", adapter, *FAST, "--steps", "1", "--lora-rank", "2"]) == 0
+    out = tmp_path / "merged"
+    out.mkdir()
+    holder = _hold_lock(out)
+    try:
+        capsys.readouterr()
+        _refused(["merge", adapter, "--output-dir", out], capsys, tmp_path,
+                 f"--output-dir {str(out)!r} is being written by another oomb train (pid {holder.pid}: ")
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    _hold_lock(out, "die")
+    assert [p.name for p in out.iterdir()] == [".oomb-lock"]
+    capsys.readouterr()
+    assert run_cli(["merge", adapter, "--output-dir", out]) == 0
+    assert (out / "model.safetensors").is_file() and not (out / ".oomb-lock").exists()
+
+
 @pytest.mark.parametrize("lora", [True, False])
 def test_a_checkpoint_is_written_as_the_model_its_run_saved(tmp_path, capsys, lora):
     """ADAPTER_DIR may be a checkpoint folder, or a run folder that stopped before saving its model: the
