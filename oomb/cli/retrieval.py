@@ -57,7 +57,10 @@ def _eval_retrieval(args: argparse.Namespace, budgets: list[int]) -> int:
         raise UsageError("--data is not read by --task passkey (its haystack is fixed filler text)",
                          "leave --data out, or pass --task needle to hide needles in that text")
     _check_backend_device(args)
-    _check_json_arg(args, RETRIEVAL_REPORT_KEYS, "eval --task passkey|needle")
+    from .measure import _check_report_task
+
+    _check_report_task(args)
+    _check_json_arg(args, RETRIEVAL_REPORT_KEYS, f"eval --task {args.task}")
     heatmap = _check_png_arg(args.heatmap, "--heatmap", "the heatmap", "heatmap")
     _check_data_exists(args)
     lengths = args.lengths or [args.seq_len]

@@ -433,7 +433,8 @@ class EvalConfig:
 
     json: Optional[str] = field(default=None, metadata=flag("--json", metavar="PATH"))
     """Also write the report (with the per-window losses, or every retrieval trial) as JSON to PATH (new, empty,
-    or an earlier 'oomb eval' report of the same task kind: any other existing file is refused)."""
+    or an earlier 'oomb eval' report of the same task: any other existing file, a report of another task among
+    them, is refused)."""
 
     heatmap: Optional[str] = field(default=None, metadata=flag("--heatmap", metavar="PATH"))
     """Also draw the retrieval results as a PNG heatmap (depth x length, one column per mode: exact-match accuracy

@@ -66,6 +66,22 @@ def test_needle_on_a_trained_output_folder(tmp_path, capsys):
     assert data["needles"] == 3 and len(data["rows"][0]["results"]) == 2
 
 
+@pytest.mark.parametrize("written, task", [("loss", "passkey"), ("passkey", "needle"), ("needle", "passkey"),
+                                           ("needle", "loss")])
+def test_a_json_report_of_another_task_is_refused_naming_both_tasks(tmp_path, capsys, written, task):
+    from oomb.cli.measure import _EVAL_REPORT_KEYS
+    from oomb.cli.retrieval import RETRIEVAL_REPORT_KEYS
+
+    keys = _EVAL_REPORT_KEYS if written == "loss" else RETRIEVAL_REPORT_KEYS
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({**{k: [] for k in keys}, **({} if written == "loss" else {"task": written})}))
+    before = report.read_text()
+    argv = ["eval", "--task", task, "--json", report, *(["--num-windows", "1"] if task == "loss" else [])]
+    _check_refused(run_cli(argv), capsys, f"--json {str(report)!r} is a report of 'oomb eval --task {written}', "
+                                          f"not of --task {task}, so writing would destroy it")
+    assert report.read_text() == before
+
+
 def _digitless_tokenizer(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -113,7 +129,8 @@ def test_bad_retrieval_input_gets_one_line(tmp_path, capsys):
     loss = tmp_path / "loss.json"
     assert run_cli(["eval", "--seq-len", "64", "--num-windows", "1", *SMALL, "--json", loss]) == 0
     capsys.readouterr()
-    _check_refused(run_cli(["eval", "--task", "passkey", "--json", loss]), capsys, "is not an earlier")
+    _check_refused(run_cli(["eval", "--task", "passkey", "--json", loss]), capsys,
+                   "is a report of 'oomb eval --task loss', not of --task passkey")
     # a model whose vocabulary the prompts' token ids exceed: the prompts are named, not a --data passkey reads not
     from transformers import AutoModelForCausalLM, Qwen2Config
 
