@@ -130,8 +130,45 @@ def _train(args: argparse.Namespace) -> int:
     # Locked before its contents are checked: a second run into the folder is refused before it changes anything
     # there, and what this run removes there (leftovers of killed runs, an --overwrite's earlier run) is no other
     # live run's.
-    with _locked_output_dir(args) as out:
-        return _train_into(args, out)
+    started = False
+    try:
+        with _locked_output_dir(args) as out:
+            started = True
+            return _train_into(args, out)
+    except UsageError:
+        if not started:
+            _refused_before_the_group(args)
+        raise
+
+
+def _refused_before_the_group(args: argparse.Namespace) -> None:
+    """Under torchrun, where this rank refused the output folder before it joined the process group (rank 0 alone
+    takes the folder's lock, so it alone is refused while another run writes there): join the group and tell the
+    others at the agreement :func:`_train_into` makes on joining, so that they stop with status 2 and a line saying
+    another rank refused the run, instead of waiting for this rank until torchrun ends them. Outside torchrun, or
+    where the group cannot be joined, nothing (this rank's own error is the one to report)."""
+    import os
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return
+    try:
+        from ..distributed import agree_ok, init_from_env
+
+        device, _ = _resolve_device_dtype(args)
+        ctx = init_from_env(device.type)
+        try:
+            agree_ok(False, _rank_device(device, ctx))
+        finally:
+            ctx.close()
+    except Exception:  # noqa: BLE001 - this rank's refusal is the error to report
+        pass
+
+
+def _rank_device(device, ctx):
+    """``device`` as this rank uses it under torchrun: its own GPU (LOCAL_RANK) for cuda."""
+    import torch
+
+    return torch.device("cuda", ctx.local_rank) if ctx.enabled and device.type == "cuda" else device
 
 
 def _train_into(args: argparse.Namespace, out: Path) -> int:
@@ -144,16 +181,19 @@ def _train_into(args: argparse.Namespace, out: Path) -> int:
 
     _check_data_exists(args)
     # Heavy imports only after the cheap checks.
-    import torch
-
     from ..distributed import RankFailedError, agree_ok, init_from_env
 
     device, dtype = _resolve_device_dtype(args)
     # Under torchrun (WORLD_SIZE > 1) every rank trains its own sequences; gradients are summed once per step.
     ctx = init_from_env(device.type)
-    if ctx.enabled and device.type == "cuda":
-        device = torch.device("cuda", ctx.local_rank)
+    device = _rank_device(device, ctx)
     try:
+        if ctx.enabled:  # a rank that refused its output folder before joining says so here
+            try:
+                agree_ok(True, device)
+            except RankFailedError as exc:
+                raise UsageError("another rank refused the run (its error is printed above)",
+                                 "fix the input and start again") from exc
         try:
             run = _setup(args, out, device, dtype, ctx)
         except UsageError:

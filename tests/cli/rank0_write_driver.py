@@ -4,7 +4,8 @@ Usage: RANK=R WORLD_SIZE=N MASTER_ADDR=... MASTER_PORT=... python tests/cli/rank
 
 COMMANDS_JSON holds a list of ``[WHAT, ARGS]``: on rank 0 the write WHAT fails while ``oomb.cli.main(ARGS)`` runs
 (``prepare``: creating the output folder, PermissionError; ``log``: a step record of log.jsonl, ``checkpoint``:
-a checkpoint, ``model``: the trained model, each OSError ENOSPC); the other ranks run ARGS unchanged. Joins the
+a checkpoint, ``model``: the trained model, each OSError ENOSPC; ``none``: nothing fails but what ARGS meet); the
+other ranks run ARGS unchanged. Joins the
 process group once (gloo, with a collective timeout of 60 s: a rank left waiting fails instead of hanging for
 the default half hour), runs every command (``oomb train`` uses the group it finds and leaves it open) and
 writes this rank's exit statuses to OUT_JSON.
@@ -36,16 +37,17 @@ PATCHES = {"prepare": (oomb.cli.train, "_prepare_output", _denied), "log": (Step
 
 
 def _status(what: str, argv: list[str]) -> int:
-    owner, name, failing = PATCHES[what]
-    real = getattr(owner, name)
-    if dist.get_rank() == 0:
+    owner, name, failing = PATCHES.get(what, (None, None, None))
+    real = getattr(owner, name) if owner is not None else None
+    if dist.get_rank() == 0 and owner is not None:
         setattr(owner, name, failing)
     try:
         return main(argv)
     except SystemExit as exc:
         return exc.code if isinstance(exc.code, int) else 1
     finally:
-        setattr(owner, name, real)
+        if owner is not None:
+            setattr(owner, name, real)
 
 
 if __name__ == "__main__":

@@ -87,3 +87,33 @@ def test_a_write_rank_0_cannot_make_stops_every_rank_with_status_2(tmp_path):
     assert errors1 == ["oomb: error: rank 0 failed to write the run's files (its error is printed above); all ranks "
                        "stopped"] * 4 and "Traceback" not in err1, err1[-3000:]
     assert not (d / "log" / "model.safetensors").exists() and not (d / "checkpoint" / "model.safetensors").exists()
+
+
+def test_a_run_rank_0_is_refused_by_the_output_lock_stops_every_rank_with_status_2(tmp_path):
+    """While another oomb train holds the output folder's lock, rank 0 (which alone takes it) is refused before
+    it joins the process group: it joins to tell the others, which stop with status 2 and one line saying another
+    rank refused the run (they used to wait in the group for it until torchrun ended them: 'oomb: interrupted');
+    the command after it runs in step on both ranks."""
+    from tests.cli.test_cli_resume import _hold_lock
+
+    data = tmp_path / "text.txt"
+    data.write_text(TEXT)
+    d = tmp_path / "runs"
+    (d / "locked").mkdir(parents=True)
+    train = ["train", "--data", data, *FAST, "--steps", "1"]
+    holder = _hold_lock(d / "locked")
+    try:
+        (statuses0, err0), (statuses1, err1) = _ranks([("none", [*train, "--output-dir", d / "locked"]),
+                                                       ("none", [*train, "--output-dir", d / "free"])], tmp_path)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    assert statuses0 == [2, 0], err0[-3000:]
+    assert statuses1 == [2, 0], err1[-3000:]
+    errors0 = [line for line in err0.splitlines() if line.startswith("oomb: error:")]
+    assert len(errors0) == 1 and "Traceback" not in err0, err0[-3000:]
+    assert f"is being written by another oomb train (pid {holder.pid}" in errors0[0], errors0
+    errors1 = [line for line in err1.splitlines() if line.startswith("oomb: error:")]
+    assert errors1 == ["oomb: error: another rank refused the run (its error is printed above); fix the input and "
+                       "start again"] and "Traceback" not in err1 and "interrupted" not in err1, err1[-3000:]
+    assert (d / "free" / "model.safetensors").is_file() and not (d / "locked" / "model.safetensors").exists()

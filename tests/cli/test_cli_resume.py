@@ -1029,7 +1029,9 @@ def test_a_run_holds_its_output_folder_locked_from_before_it_writes_until_it_end
 
 def test_torchrun_into_a_folder_another_run_writes_is_refused_by_rank_0(tmp_path, text_file):
     """Under torchrun rank 0 alone takes the lock (the other ranks write only inside the folder it holds): into a
-    folder another run holds, rank 0 refuses with the one line naming the holder, and nothing there changes."""
+    folder another run holds, rank 0 refuses with the one line naming the holder, the other rank stops with status 2
+    and one line saying another rank refused the run (it was ended by torchrun while it waited for rank 0: 'oomb:
+    interrupted'), and nothing there changes."""
     import random
 
     out = tmp_path / "run"
@@ -1039,9 +1041,12 @@ def test_torchrun_into_a_folder_another_run_writes_is_refused_by_rank_0(tmp_path
         before = _files(out)
         res = _torchrun(["train", "--data", text_file, *FAST, "--steps", "1", "--output-dir", out], tmp_path,
                         random.randint(20000, 40000))
-        errors = [line for line in res.stderr.splitlines() if line.startswith("oomb: error:")]
-        assert res.returncode != 0 and len(errors) == 1, res.stderr[-3000:]
+        errors = sorted(line for line in res.stderr.splitlines() if line.startswith("oomb: error:"))
+        assert res.returncode != 0 and len(errors) == 2 and "oomb: interrupted" not in res.stderr, res.stderr[-3000:]
         assert f"is being written by another oomb train (pid {holder.pid}: " in errors[0], errors
+        assert errors[1] == ("oomb: error: another rank refused the run (its error is printed above); fix the input "
+                             "and start again"), errors
+        assert "exitcode: 130" not in res.stderr, res.stderr[-3000:]
         assert _files(out) == before
     finally:
         holder.stdin.close()
