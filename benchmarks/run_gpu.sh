@@ -113,7 +113,8 @@ retrieval() {  # a 100M model trained from random weights on retrieval rows, per
   # and tokens/s of each run are then those of a shared GPU). Sizes come from the environment so that the same
   # script runs small on a CPU (RDEV=cpu RHIDDEN=64 ...). ROPT: the --optimizer of every stage; RSCHED its
   # --lr-schedule (cosine, the default; constant: no decay, which learnt stage A more slowly, docs/performance.md);
-  # RMIN_LR its --min-lr-factor (where the cosine ends, as a fraction of the stage's lr; default 0.1).
+  # RMIN_LR its --min-lr-factor (where the cosine ends, as a fraction of the stage's lr; default 0.1); RA_LR and
+  # RA_WARMUP stage A's --lr (default 1e-3) and --warmup-steps (default 30).
   # Every stage keeps a checkpoint every RSAVE_EVERY steps (default 250), so that a stage cut short by the device
   # time can still be read: `oomb eval --model` of its output folder reads the latest checkpoint.
   # The rows and each stage's model are kept under RWORK in folders named by a hash of their settings: a second
@@ -137,7 +138,7 @@ retrieval() {  # a 100M model trained from random weights on retrieval rows, per
   local model="RHIDDEN=${RHIDDEN:-768} RINTER=${RINTER:-2048} RLAYERS=${RLAYERS:-12} RHEADS=${RHEADS:-12}"
   local init=$W/init_$(key $model) short=$W/short_$(key $kind $aneed $alens $rows) mid=$W/mid_$(key $kind $aneed $a2lens $rows2)
   local long=$W/long_$(key $kind $bneed $blens ${RB_ROWS:-450})
-  local a=$W/a_$(key $model $kind $aneed $alens $rows $aseq $achunk $asteps ${RA_LR:-1e-3} ${ROPT:-} ${RSCHED:-cosine} ${RMIN_LR:-})
+  local a=$W/a_$(key $model $kind $aneed $alens $rows $aseq $achunk $asteps ${RA_LR:-1e-3} ${ROPT:-} ${RSCHED:-cosine} ${RMIN_LR:-} ${RA_WARMUP:-})
   local a2=${a}_a2_$(key $a2lens $rows2 $a2steps ${RA2_LR:-5e-4} ${RMIN_LR:-})
   mkdir -p $short $mid $long
   i=0; for n in $aneed; do  # the files made side by side: the short rows are a folder of them
@@ -172,7 +173,7 @@ PY
   wait
   local ta0=$(date +%s)
   [ -f $a/model.safetensors ] || python3 -m oomb train --model $init --data $short $common --seq-len $aseq \
-      --chunk-size $achunk --steps $asteps --lr ${RA_LR:-1e-3} --warmup-steps 30 --output-dir $a --overwrite \
+      --chunk-size $achunk --steps $asteps --lr ${RA_LR:-1e-3} --warmup-steps ${RA_WARMUP:-30} --output-dir $a --overwrite \
       2>&1 | tee "$OUT/retrieval_a.txt"
   [ -f $a/model.safetensors ] || { echo "retrieval: stage A failed (see $OUT/retrieval_a.txt)" >&2; return 1; }
   cp $a/log.jsonl "$OUT/retrieval_train_a.jsonl"
