@@ -97,9 +97,8 @@ def _not_a_string(rows: Rows, i: int, row: dict, field: str, flag: bool = True) 
     of another type; ``flag``: the command has --text-field."""
     other = ", or pass --text-field NAME" if flag else ""
     if rows.written_null(i, row, field):
-        if rows.table == "csv":  # pandas reads an empty cell, and NA, null, None, NaN..., as a missing value
-            return DataError(f"{rows.where(i)}: {field!r} is empty (or a word CSV readers take for a missing value: "
-                             "NA, null, None, NaN)", f"write a string {field!r} in every row{other}")
+        if rows.table == "csv":  # an empty cell
+            return DataError(f"{rows.where(i)}: {field!r} is empty", f"write a string {field!r} in every row{other}")
         return DataError(f"{rows.where(i)}: {field!r} is null", f"write a string {field!r} in every row{other}")
     if row.get(field) is None:
         has = ", ".join(k for k, v in row.items() if v is not None) or "none"

@@ -255,7 +255,9 @@ def _load(path: Path, split: str, streaming: bool, files: list[Path]):
     csv_files = [path] if path.suffix == ".csv" and path.is_file() else [f for f in files if f.suffix == ".csv"]
     for file in csv_files:  # pandas would read a longer first row's leading fields as an index
         _first_bad_csv_line(file, first_row_only=True)
-    options = {"index_col": False} if csv_files else {}  # no implicit index: no field leaves its column
+    # No implicit index (no field leaves its column), and only an empty cell is missing: pandas would read the
+    # words NA, null, None, NaN... of a text column as missing values too.
+    options = {"index_col": False, "keep_default_na": False, "na_values": [""]} if csv_files else {}
     try:
         if _saved(path):
             loaded = ds.load_from_disk(str(path))
