@@ -30,6 +30,49 @@ def _is_report(path: Path, keys: frozenset) -> bool:
     return isinstance(data, dict) and keys <= data.keys()
 
 
+# Top-level keys of a retrieval --json report (RetrievalReport.to_dict): an existing file is replaced only if it
+# is an earlier retrieval report.
+RETRIEVAL_REPORT_KEYS = frozenset({"task", "lengths", "depths", "trials", "needles", "seed", "rows"})
+
+# Top-level keys of the --json reports (EvalReport.to_dict, GradErrorReport.to_dict): an existing file is
+# replaced only if it is an earlier report of the same command.
+_EVAL_REPORT_KEYS = frozenset({"seq_len", "num_windows", "window_starts", "page_size", "sink_pages", "local_pages",
+                               "sparse_score", "rows"})
+_GRAD_ERROR_REPORT_KEYS = frozenset({"seq_len", "budgets", "dense_loss", "sparse_loss", "rel_error_all", "rel_error"})
+
+
+def _report_task(path: Path) -> str | None:
+    """The ``--task`` of the earlier ``oomb eval`` report in the file ``path``: ``loss``, ``passkey`` or
+    ``needle``; None where the file is no such report (or cannot be read)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    if RETRIEVAL_REPORT_KEYS <= data.keys():
+        return data["task"] if data["task"] in ("passkey", "needle") else None
+    return "loss" if _EVAL_REPORT_KEYS <= data.keys() else None
+
+
+def _check_report_task(args: argparse.Namespace) -> None:
+    """Refuse an ``oomb eval --json`` file that is an earlier report of another ``--task``: replacing it would
+    destroy the results of that task.
+
+    Raises:
+        UsageError: naming the task the file reports and this one.
+    """
+    if args.json is None or not args.json.strip():
+        return
+    path = Path(args.json).expanduser()
+    task = _report_task(path) if path.is_file() else None
+    if task is not None and task != args.task:
+        raise UsageError(f"--json {args.json!r} is a report of 'oomb eval --task {task}', not of --task {args.task}, "
+                         "so writing would destroy it",
+                         f"pass a new file path for the --task {args.task} report, or delete that file first if it "
+                         "is not needed")
+
+
 def _check_json_arg(args: argparse.Namespace, report_keys: frozenset, command: str) -> None:
     """--json PATH (grad-error, eval, bench) can be written: not a folder, in an existing folder we may write to, and
     new, empty or an earlier ``oomb <command>`` report (recognised by ``report_keys``), never another file."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 from typing import Sequence
 
 from .checks import (
@@ -19,8 +18,11 @@ from .checks import (
     _warn_if_offload_moves_nothing,
 )
 from .inputs import (
+    _EVAL_REPORT_KEYS,
+    _GRAD_ERROR_REPORT_KEYS,
     _check_data_exists,
     _check_json_arg,
+    _check_report_task,
     _load_model,
     _load_tokens,
     _measure_tokenizer_path,
@@ -30,49 +32,6 @@ from .errors import UsageError, _RunError
 
 _EVAL_MAX_WINDOWS = 16
 """``oomb eval`` without --num-windows: every whole window of the data, at most this many."""
-
-
-# Top-level keys of the --json reports (EvalReport.to_dict, GradErrorReport.to_dict): an existing file is
-# replaced only if it is an earlier report of the same command.
-_EVAL_REPORT_KEYS = frozenset({"seq_len", "num_windows", "window_starts", "page_size", "sink_pages", "local_pages",
-                               "sparse_score", "rows"})
-_GRAD_ERROR_REPORT_KEYS = frozenset({"seq_len", "budgets", "dense_loss", "sparse_loss", "rel_error_all", "rel_error"})
-
-
-def _report_task(path: Path) -> str | None:
-    """The ``--task`` of the earlier ``oomb eval`` report in the file ``path``: ``loss``, ``passkey`` or
-    ``needle``; None where the file is no such report (or cannot be read)."""
-    import json
-
-    from .retrieval import RETRIEVAL_REPORT_KEYS
-
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
-        return None
-    if not isinstance(data, dict):
-        return None
-    if RETRIEVAL_REPORT_KEYS <= data.keys():
-        return data["task"] if data["task"] in ("passkey", "needle") else None
-    return "loss" if _EVAL_REPORT_KEYS <= data.keys() else None
-
-
-def _check_report_task(args: argparse.Namespace) -> None:
-    """Refuse an ``oomb eval --json`` file that is an earlier report of another ``--task``: replacing it would
-    destroy the results of that task.
-
-    Raises:
-        UsageError: naming the task the file reports and this one.
-    """
-    if args.json is None or not args.json.strip():
-        return
-    path = Path(args.json).expanduser()
-    task = _report_task(path) if path.is_file() else None
-    if task is not None and task != args.task:
-        raise UsageError(f"--json {args.json!r} is a report of 'oomb eval --task {task}', not of --task {args.task}, "
-                         "so writing would destroy it",
-                         f"pass a new file path for the --task {args.task} report, or delete that file first if it "
-                         "is not needed")
 
 
 def _check_budgets_see_a_past(args: argparse.Namespace) -> None:

@@ -14,8 +14,10 @@ from .checks import (
 )
 from .errors import UsageError, _RunError
 from .inputs import (
+    RETRIEVAL_REPORT_KEYS,
     _check_data_exists,
     _check_json_arg,
+    _check_report_task,
     _check_png_arg,
     _data_usage_error,
     _load_model,
@@ -26,10 +28,6 @@ from .inputs import (
 
 DEFAULT_DEPTHS = [0.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0, 100.0]
 """The depths (percent) without --depths."""
-
-# Top-level keys of a retrieval --json report (RetrievalReport.to_dict): an existing file is replaced only if it
-# is an earlier retrieval report.
-RETRIEVAL_REPORT_KEYS = frozenset({"task", "lengths", "depths", "trials", "needles", "seed", "rows"})
 
 
 def _load_tokenizer(args: argparse.Namespace, path: str | None):
@@ -57,8 +55,6 @@ def _eval_retrieval(args: argparse.Namespace, budgets: list[int]) -> int:
         raise UsageError("--data is not read by --task passkey (its haystack is fixed filler text)",
                          "leave --data out, or pass --task needle to hide needles in that text")
     _check_backend_device(args)
-    from .measure import _check_report_task
-
     _check_report_task(args)
     _check_json_arg(args, RETRIEVAL_REPORT_KEYS, f"eval --task {args.task}")
     heatmap = _check_png_arg(args.heatmap, "--heatmap", "the heatmap", "heatmap")
