@@ -94,7 +94,7 @@ def _number(value) -> bool:
 
 
 def _run_tokenizer(checkpoint: Path) -> str | None:
-    """The --tokenizer of the checkpoint's run (None: the bundled one, as oomb train reads without --tokenizer).
+    """The tokenizer folder of the checkpoint's run, as its fingerprint records it (None: the bundled one).
 
     Raises:
         UsageError: meta.json cannot be read, or names a tokenizer folder that is not there.

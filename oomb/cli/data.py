@@ -185,11 +185,11 @@ def _data(args: argparse.Namespace) -> int:
         model_config = load_config(args.model)
     except (UnknownModelError, UnsupportedModelError) as exc:
         raise _usage_from(exc, "pass a preset name or a local model folder (see 'oomb data --help')") from exc
-    tokenizer, data = _training_data(args)
+    tokenizer_path, tokenizer, data = _training_data(args)
     _check_vocab(data.max_token(), int(model_config.vocab_size), args.model)
     stats = data.stats
     lengths = data.example_lengths
-    print(f"oomb: {stats.summary()}")
+    print(f"oomb: {stats.summary()}; tokenizer {tokenizer_path or 'bundled'}")
     if len(lengths):
         import numpy as np
 

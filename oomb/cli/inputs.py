@@ -140,19 +140,27 @@ def _write_json(given: str, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def _measure_tokenizer_path(args: argparse.Namespace) -> str | None:
-    """--tokenizer, else the --model folder when it holds a tokenizer (an 'oomb train' output), else the run's
-    tokenizer where --model is a checkpoint (:mod:`oomb.cli.checkpoint_model`), else None (bundled)."""
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+"""A model folder holding one of these files holds its own tokenizer (a Hugging Face model, an 'oomb train' output)."""
+
+
+def _tokenizer_path(args: argparse.Namespace, checkpoints: bool = False) -> str | None:
+    """The tokenizer folder a command encodes text with, the one rule of train, data, eval and grad-error: --tokenizer
+    if given; else, with ``checkpoints`` (eval, grad-error: they read a checkpoint of 'oomb train' as --model), the
+    run's tokenizer where --model is a checkpoint (:mod:`oomb.cli.checkpoint_model`); else the --model folder where it
+    holds a tokenizer (:data:`TOKENIZER_FILES`), so that the token ids are the model's; else None: the bundled
+    tokenizer (a preset, whose random weights match any 32K vocabulary, or a folder without a tokenizer)."""
     if args.tokenizer is not None:
         return args.tokenizer
-    from .checkpoint_model import _checkpoint_to_read, _run_tokenizer
+    if checkpoints:
+        from .checkpoint_model import _checkpoint_to_read, _run_tokenizer
 
-    checkpoint = _checkpoint_to_read(args.model)
-    if checkpoint is not None:
-        return _run_tokenizer(checkpoint)
+        checkpoint = _checkpoint_to_read(args.model)
+        if checkpoint is not None:
+            return _run_tokenizer(checkpoint)
     from ..models.presets import _is_local_model_dir
 
-    if _is_local_model_dir(args.model) and any(os.path.isfile(os.path.join(args.model, n)) for n in ("tokenizer.json", "tokenizer_config.json")):
+    if _is_local_model_dir(args.model) and any(os.path.isfile(os.path.join(args.model, n)) for n in TOKENIZER_FILES):
         return args.model
     return None
 
@@ -287,14 +295,16 @@ def _load_model(args: argparse.Namespace, tokens, device, dtype, command: str, s
 
 def _training_data(args: argparse.Namespace):
     """The tokenizer and training data of ``oomb train`` and ``oomb data`` (:func:`oomb.data.build_training_data`
-    of the job's data section, in the order of --seed): ``(tokenizer, data)``."""
+    of the job's data section, in the order of --seed): ``(tokenizer_path, tokenizer, data)``, the tokenizer's folder
+    as :func:`_tokenizer_path` picks it (None: the bundled one)."""
     from .. import data as data_lib  # looked up now: a test may stand in for load_tokenizer
 
+    path = _tokenizer_path(args)
     try:
-        tokenizer = data_lib.load_tokenizer(args.tokenizer)
+        tokenizer = data_lib.load_tokenizer(path)
         if args.document_mask and tokenizer.eos_token_id is None:
             raise UsageError("--document-mask splits documents at the EOS token but the tokenizer has none",
                              "use a tokenizer with an eos_token, or leave --document-mask out")
-        return tokenizer, data_lib.build_training_data(args.job.data, tokenizer, seed=args.seed)
+        return path, tokenizer, data_lib.build_training_data(args.job.data, tokenizer, seed=args.seed)
     except data_lib.DataError as exc:
         raise _data_usage_error(args, exc) from exc

@@ -25,7 +25,7 @@ from .inputs import (
     _check_report_task,
     _load_model,
     _load_tokens,
-    _measure_tokenizer_path,
+    _tokenizer_path,
     _write_json,
 )
 from .errors import UsageError, _RunError
@@ -65,7 +65,7 @@ def _grad_error(args: argparse.Namespace) -> int:
 
     device, dtype = _resolve_device_dtype(args)
     cfg = args.job.engine  # its sparse section: the sink, local and score settings of the budgets' runs
-    tokens = _load_tokens(args, _measure_tokenizer_path(args))
+    tokens = _load_tokens(args, _tokenizer_path(args, checkpoints=True))
     try:
         sequences = TokenSequences(tokens, args.seq_len, seed=args.seed)
     except DataError as exc:
@@ -109,7 +109,7 @@ def _eval(args: argparse.Namespace) -> int:
     device, dtype = _resolve_device_dtype(args)
     cfg = args.job.engine if budgets else args.job.engine.dense()
     # Windows are checked before any weight is read.
-    tokenizer_path = _measure_tokenizer_path(args)
+    tokenizer_path = _tokenizer_path(args, checkpoints=True)
     tokens = _load_tokens(args, tokenizer_path)
     n, S = int(tokens.shape[0]), args.seq_len
     available = n // S

@@ -31,6 +31,16 @@ def _resume_command(argv: Sequence[str]) -> str:
     return "oomb " + shlex.join([*rest, "--resume", "latest"])
 
 
+def _run_tokenizer_fact(args: argparse.Namespace) -> str | None:
+    """The tokenizer of the run as its fingerprint records it: the absolute folder :func:`.inputs._tokenizer_path`
+    picks (--tokenizer, else a --model folder's own), which 'oomb eval' and 'oomb merge' of a checkpoint read back;
+    None for the bundled tokenizer."""
+    from .inputs import _tokenizer_path
+
+    path = _tokenizer_path(args)
+    return None if path is None else str(Path(path).resolve())
+
+
 def _fingerprint(args: argparse.Namespace, sequences, dtype, world_size: int) -> dict:
     """What a checkpoint's run and the resuming run must share (see --resume in --help); ``sequences``: the
     training data (:func:`oomb.data.build_training_data`), whose ``digest()`` covers its tokens, labels and
@@ -39,7 +49,7 @@ def _fingerprint(args: argparse.Namespace, sequences, dtype, world_size: int) ->
         "model": args.model if args.model in _preset_names() or not os.path.isdir(args.model) else str(Path(args.model).resolve()),
         "seq_len": args.seq_len,
         "data_sha256": sequences.digest() if sequences is not None else None,
-        "tokenizer": args.tokenizer and str(Path(args.tokenizer).resolve()),
+        "tokenizer": _run_tokenizer_fact(args),
         "seed": args.seed,
         "lora_rank": args.lora_rank,
         "lora_alpha": args.lora_alpha,

@@ -22,7 +22,7 @@ from .inputs import (
     _data_usage_error,
     _load_model,
     _load_tokens,
-    _measure_tokenizer_path,
+    _tokenizer_path,
     _write_json,
 )
 
@@ -67,7 +67,7 @@ def _eval_retrieval(args: argparse.Namespace, budgets: list[int]) -> int:
     from ..data.stats import counted
     from ..retrieval import build_prompts, evaluate_retrieval
 
-    tokenizer_path = _measure_tokenizer_path(args)
+    tokenizer_path = _tokenizer_path(args, checkpoints=True)
     tokenizer = _load_tokenizer(args, tokenizer_path)
     _check_digits(tokenizer)
     tokens = _load_tokens(args, tokenizer_path) if args.task == "needle" else None

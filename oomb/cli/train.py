@@ -267,7 +267,7 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
             f"log: {log_path}",
             file=sys.stderr,
         )
-        print(f"oomb: {sequences.stats.summary()}", file=sys.stderr)
+        print(f"oomb: {sequences.stats.summary()}; tokenizer {run['tokenizer_path'] or 'bundled'}", file=sys.stderr)
         print(f"oomb: {run['store_summary']}", file=sys.stderr)
         drawn = (args.steps - start_step) * K * W
         if drawn > len(sequences):

@@ -111,7 +111,7 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         # What the flags alone say of the checkpoint's run, before the data, model and store are checked: a
         # --seq-len (or any fingerprint fact) other than the checkpoint's is the problem to name, not what it breaks.
         path, notes = _resume_checkpoint(args, out, dtype, ctx.world_size)
-    tokenizer, sequences = _training_data(args)
+    tokenizer_path, tokenizer, sequences = _training_data(args)
     fingerprint = _fingerprint(args, sequences, dtype, ctx.world_size)
     if args.resume is not None:
         _check_resume_fingerprint(read_settings(path, "fingerprint"), fingerprint, path)  # the data's digest too
@@ -280,7 +280,8 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         _warn_if_bf16_optimizer_has_float_weights(args, dtype)
         _warn_if_offload_segments_are_small(args, getattr(store, "segment_pages", None) is not None)
         _warn_if_warmup_outlasts_the_run(args)
-    return dict(tokenizer=tokenizer, sequences=sequences, model=model, engine=engine, params=params, sharding=sharding,
+    return dict(tokenizer=tokenizer, tokenizer_path=tokenizer_path, sequences=sequences, model=model, engine=engine,
+                params=params, sharding=sharding,
                 optimizer=optimizer, fingerprint=fingerprint, settings=_checkpoint_settings(args, device), start_step=start_step,
                 finished=finished,
                 store_summary=_store_summary(store, args.seq_len, args.page_size, t_reserve_s))

@@ -1,0 +1,154 @@
+"""The tokenizer ``oomb train`` and ``oomb data`` encode with: --tokenizer where given, else the --model folder's own
+(a Hugging Face model, an ``oomb train`` output), else the bundled one (a preset). A model folder's run used to be
+encoded with the bundled 32K tokenizer, silently (its ids < 32000 pass the vocabulary check), and its output shipped
+that tokenizer; each summary line now names the tokenizer, as ``oomb eval``'s does."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from oomb.cli import main
+from oomb.data import load_documents, load_tokenizer, tokenize_documents
+
+FAST = ["--seq-len", "64", "--chunk-size", "32", "--page-size", "16", "--no-progress"]
+TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in "
+        "want of a wife. However little known the feelings or views of such a man may be on his first entering a "
+        "neighbourhood, this truth is so well fixed in the minds of the surrounding families.\n")
+CHAT_TEMPLATE = (Path(__file__).parent.parent / "data" / "chat_templates" / "plain.jinja").read_text()
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("OOMB_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def run_cli(argv):
+    try:
+        return main([str(a) for a in argv])
+    except SystemExit as exc:
+        return exc.code
+
+
+def _bpe(folder: Path, vocab_size: int, chat_template: str | None = None) -> Path:
+    """A byte-level BPE tokenizer of ``vocab_size`` tokens (far from the bundled 32K SentencePiece one), saved."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    core.train_from_iterator([TEXT * 4], trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>")
+    if chat_template is not None:
+        tok.chat_template = chat_template
+    tok.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def model_folder(tmp_path_factory):
+    """The tiny preset's weights (vocabulary 32,000, as a large model's covers the bundled ids) saved with a
+    tokenizer of its own: 400 byte-level BPE tokens, with a chat template."""
+    import torch
+
+    from oomb.models.presets import build_model
+
+    folder = tmp_path_factory.mktemp("model")
+    torch.manual_seed(0)
+    build_model("tiny").save_pretrained(folder)
+    _bpe(folder, 400, CHAT_TEMPLATE)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory):
+    f = tmp_path_factory.mktemp("data") / "text.txt"
+    f.write_text("".join(f"{i}: {TEXT}" for i in range(12)))
+    return f
+
+
+def _tokens(text_file, tokenizer_folder) -> int:
+    return len(tokenize_documents(load_documents(text_file), load_tokenizer(tokenizer_folder)))
+
+
+def _data_line(text: str) -> str:
+    lines = [line for line in text.splitlines() if line.startswith("oomb: data: ")]
+    assert len(lines) == 1, text
+    return lines[0]
+
+
+def test_train_from_a_model_folder_encodes_with_its_tokenizer_and_saves_it(tmp_path, model_folder, text_file, capsys):
+    from transformers import AutoTokenizer
+
+    from oomb.checkpoint import find_latest, read_settings
+
+    own = load_tokenizer(model_folder)
+    assert len(own) == 400
+    out = tmp_path / "run"
+    argv = ["train", "--model", model_folder, "--data", text_file, *FAST, "--save-every", "1", "--output-dir", out]
+    assert run_cli([*argv, "--steps", "1"]) == 0
+    line = _data_line(capsys.readouterr().err)
+    n = _tokens(text_file, model_folder)
+    assert n != _tokens(text_file, None)  # the tokenizers tell apart
+    assert f"{n:,} tokens -> " in line and line.endswith(f"; tokenizer {model_folder}"), line
+    saved = AutoTokenizer.from_pretrained(str(out))
+    assert len(saved) == 400 and saved(TEXT)["input_ids"] == own(TEXT)["input_ids"]
+    # the checkpoint records the folder: eval and merge of it read the run's tokenizer, and the run resumes
+    ckpt = find_latest(out / "checkpoints")
+    assert read_settings(ckpt, "fingerprint")["tokenizer"] == str(model_folder.resolve())
+    assert run_cli([*argv, "--steps", "2", "--resume", "latest"]) == 0
+    err = capsys.readouterr().err
+    assert "resuming from" in err and "tokenizer" in _data_line(err)
+    assert [json.loads(r)["step"] for r in (out / "log.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_oomb_data_of_a_model_folder_reports_its_tokenizer_and_template(tmp_path, model_folder, text_file, capsys):
+    """The same token count as train, named; chat rows render with the folder's own template (the bundled
+    tokenizer has none, so they used to be refused for want of --chat-template)."""
+    assert run_cli(["data", "--model", model_folder, "--data", text_file, *FAST, "--output", tmp_path / "h.png"]) == 0
+    line = _data_line(capsys.readouterr().out)
+    assert f"{_tokens(text_file, model_folder):,} tokens -> " in line and line.endswith(f"; tokenizer {model_folder}")
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"What is {i} plus {i}?"},
+                                                     {"role": "assistant", "content": f"It is {2 * i}."}]}) + "\n"
+                            for i in range(6)))
+    assert run_cli(["data", "--model", model_folder, "--data", chat, *FAST, "--output", tmp_path / "c.png"]) == 0
+    out = capsys.readouterr().out
+    assert "6 examples (messages)" in _data_line(out) and re.search(r"\[\[It is \d+\.<\|endoftext\|>\]\]", out), out
+
+
+def test_tokenizer_overrides_the_model_folders(tmp_path, model_folder, text_file, capsys):
+    other = _bpe(tmp_path / "other", 300)
+    out = tmp_path / "run"
+    assert run_cli(["train", "--model", model_folder, "--tokenizer", other, "--data", text_file, *FAST, "--steps", "1",
+                    "--output-dir", out]) == 0
+    line = _data_line(capsys.readouterr().err)
+    assert f"{_tokens(text_file, other):,} tokens -> " in line and line.endswith(f"; tokenizer {other}"), line
+    from transformers import AutoTokenizer
+
+    assert len(AutoTokenizer.from_pretrained(str(out))) == 300
+    assert run_cli(["data", "--model", model_folder, "--tokenizer", other, "--data", text_file, *FAST,
+                    "--output", tmp_path / "h.png"]) == 0
+    assert _data_line(capsys.readouterr().out).endswith(f"; tokenizer {other}")
+
+
+def test_a_preset_and_a_folder_without_a_tokenizer_use_the_bundled_one(tmp_path, model_folder, text_file, capsys):
+    from transformers import AutoTokenizer
+
+    out = tmp_path / "run"
+    assert run_cli(["train", "--model", "tiny", "--data", text_file, *FAST, "--steps", "1", "--output-dir", out]) == 0
+    line = _data_line(capsys.readouterr().err)
+    assert f"{_tokens(text_file, None):,} tokens -> " in line and line.endswith("; tokenizer bundled"), line
+    assert len(AutoTokenizer.from_pretrained(str(out))) == len(load_tokenizer(None)) == 32000
+    bare = tmp_path / "bare"  # weights and config only
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).write_bytes((model_folder / name).read_bytes())
+    for model in ("tiny", bare):
+        assert run_cli(["data", "--model", model, "--data", text_file, *FAST, "--output", tmp_path / "h.png"]) == 0
+        assert _data_line(capsys.readouterr().out).endswith("; tokenizer bundled")
