@@ -34,11 +34,15 @@ def _resume_command(argv: Sequence[str]) -> str:
 def _run_tokenizer_fact(args: argparse.Namespace) -> str | None:
     """The tokenizer of the run as its fingerprint records it: the absolute folder :func:`.inputs._tokenizer_path`
     picks (--tokenizer, else a --model folder's own), which 'oomb eval' and 'oomb merge' of a checkpoint read back;
-    None for the bundled tokenizer."""
+    None for the bundled tokenizer, also where --tokenizer names its folder (so a run that trained with it, such as
+    one from a model folder before its own tokenizer was read, resumes with --tokenizer that folder)."""
+    from ..data.tokenizer import BUNDLED_TOKENIZER
     from .inputs import _tokenizer_path
 
     path = _tokenizer_path(args)
-    return None if path is None else str(Path(path).resolve())
+    if path is None or Path(path).resolve() == BUNDLED_TOKENIZER:
+        return None
+    return str(Path(path).resolve())
 
 
 def _fingerprint(args: argparse.Namespace, sequences, dtype, world_size: int) -> dict:
@@ -91,18 +95,24 @@ def _check_resume_fingerprint(saved: dict | None, now: dict, path: Path) -> None
     def show(v):
         return "(not given)" if v is None else ("on" if v is True else "off" if v is False else v)
 
+    fix = "resume with that run's settings, or start a new run without --resume in another --output-dir"
     parts = []
     for k in differ:
-        if k == "data_sha256":
+        if k == "tokenizer":  # None: the bundled one, whatever the flags said
+            parts.append(f"tokenizer {saved.get(k) or 'bundled'} there, {now.get(k) or 'bundled'} here")
+            if saved.get(k) is None:
+                from ..data.tokenizer import BUNDLED_TOKENIZER
+
+                fix = (f"resume with that run's settings (its bundled tokenizer: --tokenizer {BUNDLED_TOKENIZER}), or "
+                       "start a new run without --resume in another --output-dir")
+        elif k == "data_sha256":
             parts.append("the --data tokens differ")
         elif k == "world_size":
             parts.append(f"{saved.get(k)} ranks there, {now.get(k)} here")
         else:
             parts.append(f"{_FINGERPRINT_FLAGS.get(k, k)} {show(saved.get(k))} there, {show(now.get(k))} here")
     raise UsageError(
-        f"--resume: {path} is a checkpoint of another run ({'; '.join(parts)})",
-        "resume with that run's settings, or start a new run without --resume in another --output-dir",
-    )
+        f"--resume: {path} is a checkpoint of another run ({'; '.join(parts)})", fix)
 
 
 _RESUME_SETTINGS = ("sparse", "page_budget", "sink_pages", "local_pages", "sparse_score", "chunk_size", "page_size",

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from oomb.cli import main
-from oomb.data import load_documents, load_tokenizer, tokenize_documents
+from oomb.data import BUNDLED_TOKENIZER, load_documents, load_tokenizer, tokenize_documents
 
 FAST = ["--seq-len", "64", "--chunk-size", "32", "--page-size", "16", "--no-progress"]
 TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in "
@@ -105,6 +105,27 @@ def test_train_from_a_model_folder_encodes_with_its_tokenizer_and_saves_it(tmp_p
     err = capsys.readouterr().err
     assert "resuming from" in err and "tokenizer" in _data_line(err)
     assert [json.loads(r)["step"] for r in (out / "log.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def test_a_run_that_trained_a_model_folder_with_the_bundled_tokenizer_is_told_how_to_resume(
+        tmp_path, model_folder, text_file, capsys):
+    """The checkpoint an older oomb wrote for a model folder: encoded with the bundled tokenizer, recorded as none
+    (as --tokenizer naming the bundled folder records it). Resumed with the folder's own it is refused, naming the
+    bundled tokenizer both ways ('bundled' there, and --tokenizer its folder as the fix), which then resumes it."""
+    from oomb.checkpoint import find_latest, read_settings
+
+    out = tmp_path / "run"
+    argv = ["train", "--model", model_folder, "--data", text_file, *FAST, "--save-every", "1", "--output-dir", out]
+    assert run_cli([*argv, "--tokenizer", BUNDLED_TOKENIZER, "--steps", "1"]) == 0
+    assert read_settings(find_latest(out / "checkpoints"), "fingerprint")["tokenizer"] is None
+    capsys.readouterr()
+    assert run_cli([*argv, "--steps", "2", "--resume", "latest"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"(tokenizer bundled there, {model_folder.resolve()} here)" in err, err
+    assert err.endswith(f"--tokenizer {BUNDLED_TOKENIZER}), or start a new run without --resume in another "
+                        "--output-dir"), err
+    assert run_cli([*argv, "--tokenizer", BUNDLED_TOKENIZER, "--steps", "2", "--resume", "latest"]) == 0
+    assert _data_line(capsys.readouterr().err).endswith(f"; tokenizer {BUNDLED_TOKENIZER}")
 
 
 def test_oomb_data_of_a_model_folder_reports_its_tokenizer_and_template(tmp_path, model_folder, text_file, capsys):
