@@ -191,8 +191,9 @@ class DataConfig:
     cached in the oomb cache folder, keyed by the data files, the tokenizer and these options."""
 
     tokenizer: Optional[str] = None
-    """A local Hugging Face tokenizer folder; default: a model folder's own tokenizer where the command uses
-    one (eval, grad-error), else the bundled 32K SentencePiece tokenizer."""
+    """A local Hugging Face tokenizer folder; default: the model folder's own tokenizer where it holds one
+    (tokenizer.json or tokenizer_config.json), so that the ids are the model's; else (a preset, a folder without
+    one) the bundled 32K SentencePiece tokenizer."""
 
     seq_len: int = 2048
     """Tokens per sequence: the documents are joined into one token stream (EOS between documents) and cut into
