@@ -34,8 +34,8 @@ def _resume_command(argv: Sequence[str]) -> str:
 def _run_tokenizer_fact(args: argparse.Namespace) -> str | None:
     """The tokenizer of the run as its fingerprint records it: the absolute folder :func:`.inputs._tokenizer_path`
     picks (--tokenizer, else a --model folder's own), which 'oomb eval' and 'oomb merge' of a checkpoint read back;
-    None for the bundled tokenizer, also where --tokenizer names its folder (so a run that trained with it, such as
-    one from a model folder before its own tokenizer was read, resumes with --tokenizer that folder)."""
+    None for the bundled tokenizer, also where --tokenizer names its folder (so a run that trained with it from a
+    model folder that holds its own tokenizer resumes with --tokenizer that folder)."""
     from ..data.tokenizer import BUNDLED_TOKENIZER
     from .inputs import _tokenizer_path
 
