@@ -61,7 +61,7 @@ def read_chat_template(path: str | None) -> str | None:
     except (OSError, UnicodeDecodeError) as exc:
         raise DataError(f"cannot read {{chat_template}} {path!r} ({getattr(exc, 'strerror', None) or exc})",
                         "set {chat_template} to a Jinja chat template file", setting="chat_template") from exc
-    if p.suffix == ".json":
+    if p.suffix.lower() == ".json":
         try:
             text = json.loads(text).get("chat_template")
         except (ValueError, AttributeError):

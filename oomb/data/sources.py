@@ -6,8 +6,10 @@
 * a ``.json``/``.jsonl``, ``.parquet``, ``.csv`` or ``.arrow`` file: ``datasets.load_dataset`` with that
   builder (its one split is ``train``);
 * a folder written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``: ``datasets.load_from_disk``;
-* any other folder: ``datasets.load_dataset(folder)`` (every file in it and its subfolders; the builder and the
-  splits from the file names).
+* any other folder: ``datasets.load_dataset`` with the builder of its format, of its data files in it and its
+  subfolders, split by their file and folder names as ``datasets.load_dataset(folder)`` splits them.
+
+A suffix is matched in any case: ``PC.JSONL`` is JSON Lines, ``a.TXT`` a text file of a folder.
 
 A folder is read as one format: its data files (``.txt``, ``.json``/``.jsonl``, ``.parquet``, ``.csv``,
 ``.arrow``; hidden ones and files of other suffixes are not data) are all of one, or it is refused naming what
@@ -21,6 +23,7 @@ array of strings or numbers, which datasets would read as a ``text`` field) are 
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -35,6 +38,12 @@ _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "
 _KINDS = {".txt": ".txt", ".json": ".json/.jsonl", ".jsonl": ".json/.jsonl", ".parquet": ".parquet", ".csv": ".csv",
           ".arrow": ".arrow"}
 """The data files of a folder, by suffix, and the format each is read as (one format per folder)."""
+
+
+def _suffix(path: Path) -> str:
+    """The suffix of ``path`` in lower case, by which its format is known (``PC.JSONL`` is JSON Lines as
+    ``pc.jsonl`` is)."""
+    return path.suffix.lower()
 
 
 @dataclass
@@ -191,7 +200,7 @@ def _blank(file: Path) -> bool:
     """Whether ``file`` holds nothing but whitespace (read only where it is under 1 MiB; a larger one is not)."""
     try:
         size = file.stat().st_size
-        small_text = size < 1 << 20 and file.suffix in (".json", ".jsonl", ".csv")
+        small_text = size < 1 << 20 and _suffix(file) in (".json", ".jsonl", ".csv")
         return size == 0 or (small_text and not file.read_bytes().strip())
     except OSError:
         return False
@@ -205,7 +214,7 @@ def _refuse_empty(path: Path, files: list[Path]) -> None:
             what = "is empty" if path.stat().st_size == 0 else "holds only blank lines"
             how = {".csv": " (a header line, e.g. text, then one row per line)",
                    ".jsonl": ' (one JSON object per line, e.g. {"text": "..."})',
-                   ".json": ' (one JSON object per line, e.g. {"text": "..."})'}.get(path.suffix, "")
+                   ".json": ' (one JSON object per line, e.g. {"text": "..."})'}.get(_suffix(path), "")
             raise DataError(f"{str(path)!r} holds no rows (the file {what})",
                             f"write the rows into it{how}, or pass --data a file with rows")
         return
@@ -216,9 +225,9 @@ def _refuse_empty(path: Path, files: list[Path]) -> None:
 
 
 def _data_files(root: Path) -> list[Path]:
-    """The data files of the folder ``root`` and its subfolders, sorted by path: a suffix of ``_KINDS``, no part
-    of the path under ``root`` hidden."""
-    return sorted(p for p in root.rglob("*") if p.suffix in _KINDS and p.is_file()
+    """The data files of the folder ``root`` and its subfolders, sorted by path: a suffix of ``_KINDS`` in any
+    case, no part of the path under ``root`` hidden."""
+    return sorted(p for p in root.rglob("*") if _suffix(p) in _KINDS and p.is_file()
                   and not any(part.startswith(".") for part in p.relative_to(root).parts))
 
 
@@ -230,7 +239,7 @@ def _folder_kind(root: Path, files: list[Path]) -> str:
     """
     by_kind: dict[str, list[Path]] = {}
     for f in files:
-        by_kind.setdefault(_KINDS[f.suffix], []).append(f)
+        by_kind.setdefault(_KINDS[_suffix(f)], []).append(f)
     if not by_kind:
         raise DataError(f"folder {str(root)!r} holds no data file (.txt, .json/.jsonl, .parquet, .csv or .arrow)",
                         "put the training data there, e.g. .txt files or .jsonl with a \"text\" field")
@@ -252,7 +261,7 @@ def _load(path: Path, split: str, streaming: bool, files: list[Path]):
     where = repr(str(path))
     if not _saved(path):
         _refuse_empty(path, files)
-    csv_files = [path] if path.suffix == ".csv" and path.is_file() else [f for f in files if f.suffix == ".csv"]
+    csv_files = [path] if _suffix(path) == ".csv" and path.is_file() else [f for f in files if _suffix(f) == ".csv"]
     for file in csv_files:  # pandas would read a longer first row's leading fields as an index
         _first_bad_csv_line(file, first_row_only=True)
     # No implicit index (no field leaves its column), and only an empty cell is missing: pandas would read the
@@ -264,11 +273,11 @@ def _load(path: Path, split: str, streaming: bool, files: list[Path]):
             data = _split_of(loaded, split, where)
             return data.to_iterable_dataset() if streaming else data
         cache = str(cache_folder("datasets"))
-        if path.is_dir():
-            loaded = ds.load_dataset(str(path), cache_dir=cache, streaming=streaming, **options)
+        if path.is_dir():  # datasets would pick its files by lower-case suffix: a folder's B.CSV is named here
+            builder, data_files = _BUILDERS[_suffix(files[0])], _split_files(path, files)
         else:
-            loaded = ds.load_dataset(_BUILDERS[path.suffix], data_files={"train": [str(path)]}, cache_dir=cache,
-                                     streaming=streaming, **options)
+            builder, data_files = _BUILDERS[_suffix(path)], {"train": [str(path)]}
+        loaded = ds.load_dataset(builder, data_files=data_files, cache_dir=cache, streaming=streaming, **options)
     except DataError:
         raise
     except Exception as exc:  # datasets raises many kinds (ValueError, DatasetGenerationError, ArrowInvalid, ...)
@@ -278,15 +287,33 @@ def _load(path: Path, split: str, streaming: bool, files: list[Path]):
     return _split_of(loaded, split, where)
 
 
+def _split_files(root: Path, files: list[Path]) -> dict[str, list[str]]:
+    """The data ``files`` of the folder ``root`` by split, the splits named from the file and folder names as
+    ``datasets.load_dataset(folder)`` names them (``train``, ``test``, ``validation``...; one ``train`` split where
+    no name says one), each split holding only files of ``files``; all of ``files`` as ``train`` where no split
+    holds one (the names that named splits were other files')."""
+    from datasets.data_files import DataFilesDict, get_data_patterns
+
+    base = root.resolve()
+    ours = {f.relative_to(root).as_posix(): f for f in files}
+    found = DataFilesDict.from_patterns(get_data_patterns(str(base)), base_path=str(base))
+    by_split = {}
+    for split, names in found.items():
+        kept = [str(ours[rel]) for rel in (Path(os.path.relpath(n, base)).as_posix() for n in names) if rel in ours]
+        if kept:
+            by_split[str(split)] = kept
+    return by_split or {"train": [str(f) for f in files]}
+
+
 def _first_bad_line(path: Path) -> None:
     """Raise the DataError of the first bad line of the JSON or CSV data at ``path`` (a file, or a folder's files,
     where a reader refused it, to say where): a line that is not UTF-8, not a JSON object, or a CSV row of more
     fields than its header."""
     files = [path] if path.is_file() else _data_files(path) if path.is_dir() else []
     for file in files:
-        if file.suffix in (".json", ".jsonl", ".csv"):
+        if _suffix(file) in (".json", ".jsonl", ".csv"):
             _first_non_utf8_line(file)
-            if file.suffix == ".csv":
+            if _suffix(file) == ".csv":
                 _first_bad_csv_line(file)
             else:
                 _first_bad_json_line(file)
@@ -343,13 +370,13 @@ def _first_bad_json_line(path: Path) -> None:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as exc:
-            if lineno == 1 and path.suffix == ".json":
+            if lineno == 1 and _suffix(path) == ".json":
                 _first_non_object_row(path, peek=False)  # maybe one JSON document over many lines
                 return
             raise DataError(f"{path}:{lineno} is not valid JSON ({exc.msg})",
                             'write one JSON object per line, e.g. {"text": "..."}') from exc
         if not isinstance(record, dict):
-            if lineno == 1 and path.suffix == ".json":
+            if lineno == 1 and _suffix(path) == ".json":
                 _first_non_object_row(path, peek=False)  # maybe one JSON array of rows
                 return
             raise DataError(f"{path}:{lineno} is {_json_value(record)}, but the rows must be JSON objects",
@@ -387,7 +414,7 @@ def _first_non_object_row(path: Path, peek: bool = True) -> None:
                 start = f.read(1 << 16).decode("utf-8", errors="ignore").lstrip("\ufeff \t\r\n")
             if not start.startswith("[") or start[1:].lstrip()[:1] in ("{", "]", ""):
                 return
-        if path.suffix == ".jsonl":
+        if _suffix(path) == ".jsonl":
             _first_bad_json_line(path)
             return
         text = path.read_text(encoding="utf-8-sig")
@@ -437,15 +464,15 @@ def open_rows(path: str | None, split: str = "train", streaming: bool = False) -
     folder = root.is_dir() and not _saved(root)
     files = _data_files(root) if folder else []
     kind = _folder_kind(root, files) if folder else None  # refuses a folder of no data file, or of several formats
-    if root.is_file() and root.suffix not in _BUILDERS or kind == ".txt":
+    if root.is_file() and _suffix(root) not in _BUILDERS or kind == ".txt":
         if split != "train":
             raise DataError(f"{str(root)!r} is plain text, which has one split, not {split!r}",
                             "leave --data-split out (train)")
         return _documents(root, files)
     data = _load(root, split, streaming, files)
     name = str(root) if split == "train" else f"{root} [{split}]"
-    lines = root if root.is_file() and root.suffix == ".jsonl" else None
-    suffix = root.suffix if root.is_file() else kind
+    lines = root if root.is_file() and _suffix(root) == ".jsonl" else None
+    suffix = _suffix(root) if root.is_file() else kind
     table = "saved" if _saved(root) else {".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}.get(suffix)
     rows = Rows(list(data.column_names or []), data, name, streaming, path=root, lines=lines, table=table)
     first = next(iter(rows), None)
@@ -453,7 +480,7 @@ def open_rows(path: str | None, split: str = "train", streaming: bool = False) -
         rows.columns = list(first)
     if rows.columns == ["text"]:  # the column datasets names for a JSON array of strings or numbers
         for file in [root] if root.is_file() else files:
-            if file.suffix in (".json", ".jsonl"):
+            if _suffix(file) in (".json", ".jsonl"):
                 _first_non_object_row(file)
     if first is None:
         raise _no_rows(root, split)

@@ -589,6 +589,50 @@ def test_a_folder_mixing_formats_is_refused_and_subfolders_are_read(tmp_path, ca
     assert data.stats.examples == 2  # a document per file, the subfolder's too
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_suffix_in_upper_case_is_read_as_its_format(tmp_path, capsys, streaming):
+    """PC.JSONL is prompt/completion rows and B.CSV a table, not one plain-text document of raw JSON or CSV;
+    a folder's a.TXT, b.CSV and train.JSONL are among its data files, and a bad line of one is named."""
+    from oomb.data.sources import open_rows
+
+    pc = write_jsonl(tmp_path / "PC.JSONL", [{"prompt": f"q {i}?", "completion": f"a {i}."} for i in range(20)])
+    rows = open_rows(str(pc), streaming=streaming)
+    assert not rows.plain and rows.columns == ["prompt", "completion"] and len(list(rows)) == 20
+    assert rows.where(1) == f"{pc}:2"  # named by line, as a .jsonl file's rows are
+    table = tmp_path / "B.CSV"
+    table.write_text("text\n" + "".join(f"row {i}\n" for i in range(10)))
+    rows = open_rows(str(table), streaming=streaming)
+    assert not rows.plain and rows.table == "csv" and [r["text"] for r in rows][:2] == ["row 0", "row 1"]
+    both = tmp_path / "both"
+    both.mkdir()
+    shutil.copy(table, both / "b.CSV")
+    shutil.copy(table, both / "a.csv")
+    assert len(list(open_rows(str(both), streaming=streaming))) == 20  # both files, not a.csv alone
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "a.TXT").write_text("upper")
+    (texts / "b.txt").write_text("lower")
+    assert [r["text"] for r in open_rows(str(texts))] == ["upper", "lower"]
+    splits = tmp_path / "splits"
+    splits.mkdir()
+    write_jsonl(splits / "train.JSONL", [{"text": "train row"}] * 3)
+    write_jsonl(splits / "test.Jsonl", [{"text": "test row"}] * 2)
+    assert [r["text"] for r in open_rows(str(splits), "test", streaming)] == ["test row"] * 2
+    assert len(list(open_rows(str(splits), "train", streaming))) == 3
+    bad = tmp_path / "BAD.JSONL"
+    bad.write_text('{"text": "fine"}\n{"text": \n')
+    refused(["data", "--data", bad, *(["--streaming"] if streaming else []), *FAST], capsys, tmp_path,
+            f"{bad}:2 is not valid JSON")
+
+
+def test_a_chat_template_json_file_in_upper_case_is_read_as_json(tmp_path):
+    from oomb.data.chat import read_chat_template
+
+    f = tmp_path / "TOKENIZER_CONFIG.JSON"
+    f.write_text(json.dumps({"chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}))
+    assert read_chat_template(str(f)).startswith("{% for m in messages %}")
+
+
 # ------------------------------------------------------------------ settings blamed rightly
 
 
