@@ -83,17 +83,48 @@ _FINGERPRINT_FLAGS = {
 }
 
 
-def _check_resume_fingerprint(saved: dict | None, now: dict, path: Path) -> None:
+_DATA_FLAGS = {"path": "--data", "split": "--data-split", "format": "--data-format", "text_field": "--text-field",
+               "chat_template": "--chat-template", "loss_on": "--loss-on", "long_examples": "--long-examples"}
+"""The data settings (DataConfig fields) that decide the training tokens besides the fingerprint facts (--seq-len,
+--tokenizer, --document-mask), with their flags."""
+
+
+def _data_settings(args: argparse.Namespace, tokenizer) -> dict:
+    """meta.json's settings "data": the data settings of ``_DATA_FLAGS`` (paths resolved) and ``tokenizer_sha256``,
+    a digest of the tokenizer's encoding; where a resumed run's tokens differ from the checkpoint's, they say
+    whether a setting differs or the same settings read other data (or another tokenizer) than the run did."""
+    import hashlib
+
+    from ..data.tokenizer import tokenizer_digest
+
+    data = args.job.data
+    settings = {k: getattr(data, k) for k in _DATA_FLAGS}
+    for k in ("path", "chat_template"):
+        settings[k] = settings[k] and str(Path(settings[k]).expanduser().resolve())
+    settings["tokenizer_sha256"] = hashlib.sha256(tokenizer_digest(tokenizer)).hexdigest()
+    return settings
+
+
+def _check_resume_fingerprint(saved: dict | None, now: dict, path: Path, saved_data: dict | None = None,
+                              now_data: dict | None = None) -> None:
     """Refuse a --resume whose checkpoint's run differs in a fingerprint fact, naming flags and both values
-    (load_checkpoint checks the same facts with their internal names; this says it the CLI's way)."""
+    (load_checkpoint checks the same facts with their internal names; this says it the CLI's way). Where only the
+    data's tokens differ, ``saved_data`` and ``now_data`` (the checkpoint's and this run's
+    :func:`_data_settings`; None: not known) tell a data setting that differs (named as the other facts are) from
+    the same settings over changed data or a changed tokenizer, which is refused as such."""
     if saved is None:
         return  # unreadable meta.json: load_checkpoint names the file
     differ = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
     if not differ:
         return
-
-    def show(v):
-        return "(not given)" if v is None else ("on" if v is True else "off" if v is False else v)
+    data_part = "the --data tokens differ"
+    if "data_sha256" in differ and isinstance(saved_data, dict) and now_data is not None:
+        keys = [k for k in _DATA_FLAGS if saved_data.get(k) != now_data.get(k)]
+        if keys:
+            data_part += " (" + "; ".join(f"{_DATA_FLAGS[k]} {_show(saved_data.get(k))} there, "
+                                          f"{_show(now_data.get(k))} here" for k in keys) + ")"
+        elif differ == ["data_sha256"]:
+            _refuse_changed_inputs(saved_data, now_data, path)
 
     fix = "resume with that run's settings, or start a new run without --resume in another --output-dir"
     parts = []
@@ -106,13 +137,32 @@ def _check_resume_fingerprint(saved: dict | None, now: dict, path: Path) -> None
                 fix = (f"resume with that run's settings (its bundled tokenizer: --tokenizer {BUNDLED_TOKENIZER}), or "
                        "start a new run without --resume in another --output-dir")
         elif k == "data_sha256":
-            parts.append("the --data tokens differ")
+            parts.append(data_part)
         elif k == "world_size":
             parts.append(f"{saved.get(k)} ranks there, {now.get(k)} here")
         else:
-            parts.append(f"{_FINGERPRINT_FLAGS.get(k, k)} {show(saved.get(k))} there, {show(now.get(k))} here")
+            parts.append(f"{_FINGERPRINT_FLAGS.get(k, k)} {_show(saved.get(k))} there, {_show(now.get(k))} here")
     raise UsageError(
         f"--resume: {path} is a checkpoint of another run ({'; '.join(parts)})", fix)
+
+
+def _show(v):
+    """A setting's value as a flag takes it: (not given), on, off, or the value."""
+    return "(not given)" if v is None else ("on" if v is True else "off" if v is False else v)
+
+
+def _refuse_changed_inputs(saved_data: dict, now_data: dict, path: Path) -> None:
+    """Refuse a --resume whose tokens differ from the checkpoint's run though every setting is the same: the
+    tokenizer's encoding changed, else the contents of the data (or of the --chat-template file) did."""
+    again = "or start a new run without --resume in another --output-dir"
+    if "tokenizer_sha256" in saved_data and saved_data["tokenizer_sha256"] != now_data["tokenizer_sha256"]:
+        raise UsageError(f"--resume: the tokenizer changed since {path} was saved (the tokens differ though "
+                         "--tokenizer and the data settings are the same)",
+                         f"restore the tokenizer the run trained with, {again}")
+    what = "the data's contents" + (" (or the --chat-template file's)" if now_data.get("chat_template") else "")
+    data = now_data.get("path") or "the bundled corpus"
+    raise UsageError(f"--resume: {what} changed since {path} was saved (the --data tokens differ though the data "
+                     f"settings are the same: {data})", f"restore the data the run trained on, {again}")
 
 
 _RESUME_SETTINGS = ("sparse", "page_budget", "sink_pages", "local_pages", "sparse_score", "chunk_size", "page_size",
@@ -129,11 +179,12 @@ def _resume_settings(args: argparse.Namespace) -> dict:
     return {k: getattr(args, k) for k in _RESUME_SETTINGS}
 
 
-def _checkpoint_settings(args: argparse.Namespace, device) -> dict:
-    """meta.json's "settings" of every checkpoint: those --resume compares (``_RESUME_SETTINGS``) and the device
+def _checkpoint_settings(args: argparse.Namespace, device, tokenizer) -> dict:
+    """meta.json's "settings" of every checkpoint: those --resume compares (``_RESUME_SETTINGS``), the device
     the run drew its weights on, which a LoRA checkpoint of a random preset is rebuilt on when it is read as a model
-    (:mod:`oomb.cli.checkpoint_model`) and which --resume compares for such a run only."""
-    return {**_resume_settings(args), "device": device.type}
+    (:mod:`oomb.cli.checkpoint_model`) and which --resume compares for such a run only, and the data settings
+    (:func:`_data_settings`), which say why a resumed run's tokens differ."""
+    return {**_resume_settings(args), "device": device.type, "data": _data_settings(args, tokenizer)}
 
 
 def _setting_text(name: str, value) -> str:

@@ -31,6 +31,7 @@ from .output import _broken_latest_pointer, _replaced_run_resume, _saved_model_o
 from .resume import (
     _check_resume_fingerprint,
     _checkpoint_settings,
+    _data_settings,
     _check_resume_settings,
     _fingerprint,
     _resume_settings,
@@ -114,7 +115,8 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
     tokenizer_path, tokenizer, sequences = _training_data(args)
     fingerprint = _fingerprint(args, sequences, dtype, ctx.world_size)
     if args.resume is not None:
-        _check_resume_fingerprint(read_settings(path, "fingerprint"), fingerprint, path)  # the data's digest too
+        _check_resume_fingerprint(read_settings(path, "fingerprint"), fingerprint, path,  # the data's digest too
+                                  (read_settings(path) or {}).get("data"), _data_settings(args, tokenizer))
 
     # The model's config is checked before any weight is read or initialised.
     try:
@@ -282,6 +284,6 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         _warn_if_warmup_outlasts_the_run(args)
     return dict(tokenizer=tokenizer, tokenizer_path=tokenizer_path, sequences=sequences, model=model, engine=engine,
                 params=params, sharding=sharding,
-                optimizer=optimizer, fingerprint=fingerprint, settings=_checkpoint_settings(args, device), start_step=start_step,
+                optimizer=optimizer, fingerprint=fingerprint, settings=_checkpoint_settings(args, device, tokenizer), start_step=start_step,
                 finished=finished,
                 store_summary=_store_summary(store, args.seq_len, args.page_size, t_reserve_s))

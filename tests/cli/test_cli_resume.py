@@ -144,6 +144,47 @@ def test_resume_names_the_other_seq_len_before_what_it_breaks(tmp_path, text_fil
         assert err.count("\n") == 1 and f"is a checkpoint of another run (--seq-len 64 there, {seq_len} here)" in err, err
 
 
+def test_resume_says_the_data_changed_where_its_settings_are_the_same(tmp_path, capsys):
+    """The same command over a --data file whose contents changed since the checkpoint is refused as changed data
+    (restore it), not as another run's settings; a data setting that differs is named with both values."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"text": TEXT, "body": TEXT.upper()}) + "\n" for _ in range(2)))
+    out = tmp_path / "run"
+    argv = ["train", "--data", data, *FAST, "--save-every", "1", "--output-dir", out, "--steps"]
+    assert run_cli([*argv, "1"]) == 0
+    capsys.readouterr()
+    assert run_cli([*argv, "2", "--resume", "latest", "--text-field", "body"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is a checkpoint of another run (the --data tokens differ (--text-field text " \
+        "there, body here))" in err, err
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    original = data.read_text()
+    data.write_text(original.replace("fortune", "fortunes"))
+    assert run_cli([*argv, "2", "--resume", "latest"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "another run" not in err, err
+    assert "the data's contents changed since" in err and "the data settings are the same" in err
+    assert "restore the data the run trained on, or start a new run without --resume in another --output-dir" in err
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    data.write_text(original)  # restored: the run continues
+    assert run_cli([*argv, "2", "--resume", "latest"]) == 0
+
+
+def test_resume_names_a_changed_tokenizer_and_an_older_checkpoint_s_unknown_data_settings(tmp_path):
+    from oomb.cli.errors import UsageError
+    from oomb.cli.resume import _check_resume_fingerprint
+
+    saved, now = {"seq_len": 64, "data_sha256": "a"}, {"seq_len": 64, "data_sha256": "b"}
+    settings = {"path": "/d.jsonl", "split": "train", "format": "auto", "text_field": "text", "chat_template": None,
+                "loss_on": None, "long_examples": None, "tokenizer_sha256": "t1"}
+    with pytest.raises(UsageError) as info:
+        _check_resume_fingerprint(saved, now, tmp_path, settings, {**settings, "tokenizer_sha256": "t2"})
+    assert "the tokenizer changed since" in info.value.problem and "restore the tokenizer" in info.value.fix
+    with pytest.raises(UsageError) as info:  # a checkpoint that recorded no data settings: the tokens differ
+        _check_resume_fingerprint(saved, now, tmp_path, None, settings)
+    assert info.value.problem.endswith("is a checkpoint of another run (the --data tokens differ)")
+
+
 @pytest.mark.parametrize("meta", ["[1, 2]", "no-step"])
 def test_resume_from_a_damaged_meta_json_exits_2_with_one_line(tmp_path, text_file, capsys, meta):
     out = tmp_path / "run"
