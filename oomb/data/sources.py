@@ -17,20 +17,24 @@ it holds. With ``streaming`` the rows are read as they are used (``IterableDatas
 table. ``datasets`` keeps its own cache under :func:`oomb.data.text.cache_dir` ``/datasets``. A file that
 cannot be read is refused naming its first bad line where one can be found (not UTF-8, not JSON, a CSV line
 with more fields than its header), also where the rows are read one by one; JSON rows that are not objects (an
-array of strings or numbers, which datasets would read as a ``text`` field) are refused naming the first.
+array of strings or numbers, which datasets would read as a ``text`` field) are refused naming the first. A
+compressed file (gzip, zstd, xz or bzip2, known by its first bytes whatever its name), or a folder of compressed
+files only, is refused saying so and naming the command that decompresses it: rows are named by the lines of the
+file as it is on disk, which a compressed file does not have.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
 from .errors import DataError
 from .stats import counted
-from .text import BUNDLED_CORPUS, cache_folder, not_utf8, read_documents
+from .text import BUNDLED_CORPUS, cache_folder, compressed, compression_of, not_utf8, read_documents
 
 __all__ = ["Rows", "check_data_path", "data_fingerprint", "open_rows"]
 
@@ -241,6 +245,15 @@ def _folder_kind(root: Path, files: list[Path]) -> str:
     for f in files:
         by_kind.setdefault(_KINDS[_suffix(f)], []).append(f)
     if not by_kind:
+        packed = sorted(p for p in root.rglob("*") if p.is_file() and compression_of(p) is not None
+                        and not any(part.startswith(".") for part in p.relative_to(root).parts))
+        if packed:
+            name, _, keep = compression_of(packed[0])
+            raise DataError(f"folder {str(root)!r} holds no data file (.txt, .json/.jsonl, .parquet, .csv or .arrow), "
+                            f"but {counted(len(packed), 'compressed file')} (e.g. {packed[0].relative_to(root)}, "
+                            f"{name}), which oomb reads uncompressed only",
+                            f"decompress them beside themselves, e.g. {keep} {shlex.quote(str(packed[0]))}, and pass "
+                            "--data the folder again")
         raise DataError(f"folder {str(root)!r} holds no data file (.txt, .json/.jsonl, .parquet, .csv or .arrow)",
                         "put the training data there, e.g. .txt files or .jsonl with a \"text\" field")
     if len(by_kind) > 1:
@@ -452,8 +465,8 @@ def open_rows(path: str | None, split: str = "train", streaming: bool = False) -
     """The rows of ``split`` of the data at ``path`` (see the module).
 
     Raises:
-        DataError: the path does not exist, is a folder of no data file or of several formats, cannot be read
-            (naming the first bad line where one is found), is an empty file or a folder of empty files, has no
+        DataError: the path does not exist, is a folder of no data file or of several formats, is or holds a
+            compressed file, cannot be read (naming the first bad line where one is found), is an empty file or a folder of empty files, has no
             such split (naming those it has), or the split has no rows.
     """
     if path is None:
@@ -464,6 +477,10 @@ def open_rows(path: str | None, split: str = "train", streaming: bool = False) -
     folder = root.is_dir() and not _saved(root)
     files = _data_files(root) if folder else []
     kind = _folder_kind(root, files) if folder else None  # refuses a folder of no data file, or of several formats
+    for file in [root] if root.is_file() else files:  # datasets would read some as they are, some not at all
+        packed = compressed(file)
+        if packed is not None:
+            raise packed
     if root.is_file() and _suffix(root) not in _BUILDERS or kind == ".txt":
         if split != "train":
             raise DataError(f"{str(root)!r} is plain text, which has one split, not {split!r}",

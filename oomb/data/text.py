@@ -19,7 +19,7 @@ import numpy as np
 
 from .errors import DataError
 
-__all__ = ["BUNDLED_CORPUS", "Document", "cache_dir", "cache_folder", "not_utf8", "read_documents",
+__all__ = ["BUNDLED_CORPUS", "Document", "cache_dir", "cache_folder", "compressed", "not_utf8", "read_documents",
            "tokenize_documents"]
 
 _RESOURCES = Path(__file__).resolve().parent.parent / "resources"
@@ -40,11 +40,54 @@ def not_utf8(where: str, exc: UnicodeDecodeError) -> DataError:
     return DataError(f"{where} is not UTF-8 text ({exc.reason} at byte {exc.start})", "convert it to UTF-8")
 
 
+_COMPRESSIONS = ((b"\x1f\x8b", "gzip", ".gz", "gunzip -k"), (b"\x28\xb5\x2f\xfd", "zstd", ".zst", "zstd -d"),
+                 (b"\xfd7zXZ\x00", "xz", ".xz", "unxz -k"), (b"BZh", "bzip2", ".bz2", "bunzip2 -k"))
+"""The compressed formats known by their first bytes: (magic, name, suffix, the command that decompresses FILE.SUFFIX
+into FILE and keeps FILE.SUFFIX)."""
+
+
+def compression_of(path: Path) -> tuple[str, str, str] | None:
+    """The compressed format of the file ``path``, known by its first bytes: ``_COMPRESSIONS``'s row without the
+    magic (name, suffix, keep); None for any other file, or one that cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(6)
+    except OSError:
+        return None
+    for magic, *found in _COMPRESSIONS:
+        # bzip2: "BZh" and the block size, 1 to 9
+        if head.startswith(magic) and (magic != b"BZh" or head[3:4] in [b"%d" % k for k in range(1, 10)]):
+            return tuple(found)
+    return None
+
+
+def compressed(path: Path) -> DataError | None:
+    """The DataError of a file that is gzip, zstd, xz or bzip2 compressed (known by its first bytes, whatever its
+    name), which oomb reads only decompressed, with the command that decompresses it and keeps the compressed
+    file: into the name without its compression suffix (``chat.jsonl.gz`` -> ``chat.jsonl``), or, for a name
+    without one, into its own name once the compressed file is renamed to have it; None for any other file, or
+    one that cannot be read."""
+    import shlex
+
+    found = compression_of(path)
+    if found is None:
+        return None
+    name, suffix, keep = found
+    problem = f"{path} is {name}-compressed, and oomb reads data files uncompressed only"
+    if path.name.lower().endswith(suffix) and len(path.name) > len(suffix):
+        plain = path.with_name(path.name[:-len(suffix)])
+        return DataError(problem, f"decompress it: {keep} {shlex.quote(str(path))}, and pass --data "
+                                  f"{shlex.quote(str(plain))}, the file it writes")
+    packed = shlex.quote(str(path) + suffix)
+    return DataError(problem, f"decompress it under its own name: mv -n {shlex.quote(str(path))} {packed} && "
+                              f"{keep} {packed} (which keeps {packed}), and run the command again")
+
+
 def _read_text(path: Path) -> str:
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
-        raise not_utf8(str(path), exc) from exc
+        raise compressed(path) or not_utf8(str(path), exc) from exc
     except OSError as exc:
         raise DataError(f"cannot read {path} ({exc.strerror})", "check the path and its permissions") from exc
 

@@ -506,6 +506,65 @@ def test_an_unreadable_file_is_refused_naming_its_bad_line(tmp_path, capsys, nam
                                         or "one JSON object per line" in line)
 
 
+def _compress(kind: str, data: bytes) -> bytes:
+    import bz2
+    import gzip
+    import lzma
+
+    if kind == "zstd":  # the frame magic is what is looked at
+        return b"\x28\xb5\x2f\xfd" + bytes(range(200, 256)) * 4
+    return {"gzip": gzip.compress, "bzip2": bz2.compress, "xz": lzma.compress}[kind](data)
+
+
+@pytest.mark.parametrize("kind, suffix, tool", [("gzip", ".gz", "gunzip -k"), ("bzip2", ".bz2", "bunzip2 -k"),
+                                                ("xz", ".xz", "unxz -k"), ("zstd", ".zst", "zstd -d")])
+@pytest.mark.parametrize("command", ["data", "train", "eval"])
+def test_a_compressed_file_is_refused_as_compressed_naming_how_to_decompress_it(tmp_path, capsys, kind, suffix, tool,
+                                                                                 command):
+    """chat.jsonl.gz was refused as 'not UTF-8 text; convert it to UTF-8': it is compressed, and the fix is to
+    decompress it (oomb names rows by the lines of the file on disk, which a compressed file does not have)."""
+    rows = "".join(json.dumps({"text": f"line {i} " * 9}) + "\n" for i in range(40)).encode()
+    packed = tmp_path / f"rows.jsonl{suffix}"
+    packed.write_bytes(_compress(kind, rows))
+    said = (f"{packed} is {kind}-compressed, and oomb reads data files uncompressed only; decompress it: "
+            f"{tool} {packed}, and pass --data {tmp_path / 'rows.jsonl'}, the file it writes")
+    if command == "eval":  # writes no output of its own
+        capsys.readouterr()
+        assert run_cli(["eval", "--data", packed, "--seq-len", "16"]) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("oomb:")]
+        assert len(err) == 1 and said in err[0], err
+        return
+    line = refused([command, "--data", packed, *FAST], capsys, tmp_path, said)
+    assert "UTF-8" not in line
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_compressed_file_under_a_plain_name_is_refused_however_it_is_read(tmp_path, capsys, streaming):
+    """A gzip file named rows.jsonl (datasets would read it whole, but not streamed), a gzip .txt file of a folder,
+    and a folder of .jsonl.gz files only: each refused as compressed, with a command that keeps the original."""
+    rows = "".join(json.dumps({"text": f"line {i} " * 9}) + "\n" for i in range(40)).encode()
+    plain = tmp_path / "rows.jsonl"
+    plain.write_bytes(_compress("gzip", rows))
+    more = ["--streaming"] if streaming else []
+    refused(["data", "--data", plain, *more, *FAST], capsys, tmp_path,
+            f"{plain} is gzip-compressed, and oomb reads data files uncompressed only; decompress it under its own "
+            f"name: mv -n {plain} {plain}.gz && gunzip -k {plain}.gz (which keeps {plain}.gz), and run the command "
+            "again")
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "a.txt").write_text("plain words " * 40)
+    (texts / "b.txt").write_bytes(_compress("gzip", b"packed words " * 40))
+    refused(["data", "--data", texts, *more, *FAST], capsys, tmp_path, f"{texts / 'b.txt'} is gzip-compressed")
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for i in range(3):
+        (shards / f"part-{i}.jsonl.gz").write_bytes(_compress("gzip", rows))
+    refused(["data", "--data", shards, *more, *FAST], capsys, tmp_path,
+            f"folder {str(shards)!r} holds no data file (.txt, .json/.jsonl, .parquet, .csv or .arrow), but 3 "
+            "compressed files (e.g. part-0.jsonl.gz, gzip), which oomb reads uncompressed only; decompress them "
+            f"beside themselves, e.g. gunzip -k {shards / 'part-0.jsonl.gz'}, and pass --data the folder again")
+
+
 @pytest.mark.parametrize("command", ["eval", "grad-error"])
 def test_eval_refuses_an_unreadable_file_naming_its_bad_line(tmp_path, capsys, command):
     for path, said in _bad_files(tmp_path).values():
