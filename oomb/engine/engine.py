@@ -146,6 +146,25 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def check_config_type(config, name: str = "config") -> None:
+    """Raise the TypeError of an engine ``config`` (the argument ``name``) that is not an :class:`OOMBConfig`
+    (None: the defaults), naming what was passed and what to pass."""
+    if config is None or isinstance(config, OOMBConfig):
+        return
+    if config is OOMBConfig:
+        raise TypeError(f"{name} must be an OOMBConfig, got the class OOMBConfig itself; pass OOMBConfig() (or "
+                        f"OOMBConfig(chunk_size=...)), or leave {name} out for the defaults")
+    if isinstance(config, dict):
+        fields = ", ".join(f"{k}={v!r}" if isinstance(k, str) and k.isidentifier() else "..."
+                           for k, v in config.items())
+        shown = f"OOMBConfig({fields})" if len(fields) <= 60 else "OOMBConfig(**that_dict)"
+        fix = f"pass {shown} (from oomb import OOMBConfig)"
+    else:
+        fix = f"pass OOMBConfig(chunk_size=..., page_size=...) (from oomb import OOMBConfig), or leave {name} out " \
+              "for the defaults"
+    raise TypeError(f"{name} must be an OOMBConfig, got {type(config).__name__}; {fix}")
+
+
 class Engine:
     """Chunk-recurrent trainer of one Hugging Face causal LM.
 
@@ -156,6 +175,8 @@ class Engine:
         config: :class:`OOMBConfig`; defaults to ``OOMBConfig()``.
 
     Raises:
+        TypeError: ``model`` is not a ``torch.nn.Module``, or ``config`` is not an :class:`OOMBConfig` (a dict of
+            its fields too: ``OOMBConfig(**fields)``); raised before the model is changed.
         UnsupportedModelError: for architectures oomb cannot train exactly (see
             :func:`oomb.models.hf.check_model_supported`).
 
@@ -167,7 +188,8 @@ class Engine:
     """
 
     def __init__(self, model: torch.nn.Module, config: OOMBConfig | None = None) -> None:
-        self.config = config or OOMBConfig()
+        check_config_type(config)  # before the model's attention is switched
+        self.config = config if config is not None else OOMBConfig()
         self.model = model
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         check_model_supported(base)

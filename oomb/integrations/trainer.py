@@ -18,7 +18,7 @@ import torch
 from transformers import Trainer
 
 from ..config import OOMBConfig
-from ..engine.engine import Engine
+from ..engine.engine import Engine, check_config_type
 
 __all__ = ["OOMBTrainer", "collate_one_sequence"]
 
@@ -67,11 +67,13 @@ class OOMBTrainer(Trainer):
     ``gradient_accumulation_steps`` sequences (the normaliser ``oomb train`` uses), and so are its gradients.
 
     Raises:
+        TypeError: ``oomb_config`` is not an :class:`oomb.OOMBConfig`.
         ValueError: ``per_device_train_batch_size`` is not 1, several processes (under torchrun use
             ``oomb train``, whose step sums gradients over ranks itself), or a model the engine cannot run.
     """
 
     def __init__(self, model=None, args=None, *, oomb_config: OOMBConfig | None = None, **kwargs) -> None:
+        check_config_type(oomb_config, "oomb_config")  # before Trainer places the model
         kwargs.setdefault("data_collator", collate_one_sequence)
         super().__init__(model=model, args=args, **kwargs)
         if self.args.per_device_train_batch_size != 1:

@@ -101,7 +101,14 @@ def check_model_supported(model: torch.nn.Module) -> None:
     Supported: decoder-only causal LMs of the families Qwen2/Qwen2.5, Llama 2/3 (any HF rope
     scaling), Mistral and Qwen3 with full (not sliding-window) attention and no attention dropout
     (:func:`check_model_config` of its config), with an LM head.
+
+    Raises:
+        TypeError: ``model`` is not a ``torch.nn.Module`` (a name or a path, say).
+        UnsupportedModelError: a model oomb cannot train.
     """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module (a transformers *ForCausalLM), got {type(model).__name__}; "
+                        "pass oomb.build_model(name_or_folder) or AutoModelForCausalLM.from_pretrained(folder)")
     check_model_config(_model_config(model))
     if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
         raise UnsupportedModelError(f"{type(model).__name__} has no LM head; pass a *ForCausalLM model")

@@ -307,7 +307,11 @@ def build_model(
             whose weights lack tensors the model needs (tied ones aside).
         oomb.UnsupportedModelError: a model the engine cannot train (checked
             before any weight is read).
+        TypeError: ``name_or_path`` is neither a string nor a path.
     """
+    if not isinstance(name_or_path, (str, os.PathLike)):
+        raise TypeError(f"name_or_path must be a preset name or a local model folder, got "
+                        f"{type(name_or_path).__name__}; pass e.g. build_model('tiny') or build_model('path/to/model')")
     device = torch.device(device)
     config = load_config(name_or_path)
     check_config_supported(config)

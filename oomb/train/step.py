@@ -76,6 +76,26 @@ class StepStopped:
     sequences: int
 
 
+def _check_types(engine, optimizer, stream, train) -> None:
+    """Raise the TypeError of a :class:`Trainer` argument that is not of its type, naming what was passed and
+    what to pass."""
+    from ..config import TrainConfig
+    from ..engine.engine import Engine
+
+    expected = (
+        ("engine", engine, Engine, "pass oomb.Engine(model, OOMBConfig(...))"),
+        ("optimizer", optimizer, torch.optim.Optimizer, "pass a torch.optim.Optimizer, e.g. "
+                                                        "torch.optim.AdamW(model.parameters(), lr=3e-4)"),
+        ("stream", stream, SequenceStream, "wrap the sequences: SequenceStream(sequences) (from oomb.train)"),
+        ("train", train, TrainConfig, "pass TrainConfig(steps=..., lr=...) (from oomb.config)"
+         + (", e.g. TrainConfig(**that_dict)" if isinstance(train, dict) else "")),
+    )
+    for name, value, cls, fix in expected:
+        if not isinstance(value, cls):
+            got = f"the class {cls.__name__} itself" if value is cls else type(value).__name__
+            raise TypeError(f"{name} must be a {cls.__name__}, got {got}; {fix}")
+
+
 class Trainer:
     """Optimizer steps of the engine over a :class:`SequenceStream`, on one rank or under torchrun.
 
@@ -105,12 +125,17 @@ class Trainer:
         document_mask: attention and positions restart per document.
         progress: show the engine's per-chunk progress bar.
         sharding: the model's :class:`~oomb.engine.sharding.Sharding` (None: not sharded).
+
+    Raises:
+        TypeError: ``engine``, ``optimizer``, ``stream`` or ``train`` is not of its type (a model for the engine,
+            a plain sequence source for the stream, a dict for the TrainConfig), naming what to pass.
     """
 
     def __init__(self, engine, optimizer: torch.optim.Optimizer, stream: SequenceStream, train, *, params=None,
                  dist: DistributedContext | None = None, device: torch.device | None = None,
                  eos_token_id: int | None = None, document_mask: bool = False, progress: bool = False,
                  sharding=None) -> None:
+        _check_types(engine, optimizer, stream, train)
         self.engine, self.optimizer, self.stream, self.train = engine, optimizer, stream, train
         self.params = list(params) if params is not None else [p for g in optimizer.param_groups for p in g["params"]]
         self.dist = dist or DistributedContext()

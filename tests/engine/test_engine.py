@@ -322,6 +322,33 @@ def test_non_integer_labels_and_ids(dtype):
         engine.step(ids, ids[0].tolist())
 
 
+@pytest.mark.parametrize("config, said", [
+    ({"chunk_size": 128}, "got dict; pass OOMBConfig(chunk_size=128)"),
+    ({}, "got dict; pass OOMBConfig()"),  # not read as the defaults for being empty
+    (OOMBConfig, "got the class OOMBConfig itself; pass OOMBConfig()"),
+    (SparseConfig(), "got SparseConfig; pass OOMBConfig("),
+])
+def test_a_config_of_another_type_is_a_type_error_before_the_model_is_changed(config, said):
+    """README: a TypeError for an argument of the wrong type, not an AttributeError from inside the engine after
+    the model's attention was switched to oomb's."""
+    model = tiny("qwen2", layers=1)
+    before = model.config._attn_implementation
+    with pytest.raises(TypeError, match=r"^config must be an OOMBConfig") as info:
+        Engine(model, config)
+    assert said in str(info.value)
+    assert model.config._attn_implementation == before
+
+
+def test_a_model_that_is_not_a_module_is_a_type_error():
+    from oomb import build_model, check_model_supported
+
+    for call in (lambda: Engine("tiny"), lambda: check_model_supported("tiny")):
+        with pytest.raises(TypeError, match=r"model must be a torch.nn.Module .*got str; pass oomb.build_model"):
+            call()
+    with pytest.raises(TypeError, match=r"name_or_path must be a preset name or a local model folder, got NoneType"):
+        build_model(None)
+
+
 def test_frozen_model_step_refused_evaluate_fine():
     # A fully frozen model failed deep in autograd ("element 0 of tensors does not require grad").
     model, engine = _tiny_engine()

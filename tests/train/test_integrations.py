@@ -105,6 +105,37 @@ def test_one_sequence_per_micro_batch(tmp_path):
     assert batch["cu_seqlens"].tolist() == [0, 2, 3]
 
 
+def test_the_training_loops_refuse_arguments_of_another_type(tmp_path):
+    """Trainer and OOMBTrainer raise a TypeError naming the argument and what to pass (the dict of a config
+    included), before anything is built on the model, not an AttributeError from inside."""
+    from transformers import TrainingArguments
+
+    from oomb import Engine, OOMBConfig
+    from oomb.config import TrainConfig
+    from oomb.integrations import OOMBTrainer
+    from oomb.models.presets import build_model
+    from oomb.train import SequenceStream, Trainer
+
+    model = build_model("tiny", dtype=torch.float32, device="cpu")
+    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=1, use_cpu=True, report_to=[])
+    before = model.config._attn_implementation
+    with pytest.raises(TypeError, match=r"^oomb_config must be an OOMBConfig, got dict; pass OOMBConfig\(chunk_size=32\)"):
+        OOMBTrainer(model=model, args=args, train_dataset=[], oomb_config={"chunk_size": 32})
+    assert model.config._attn_implementation == before
+    engine = Engine(model, OOMBConfig(chunk_size=32, page_size=16))
+    opt = torch.optim.AdamW(model.parameters())
+    stream = SequenceStream([])
+    good = dict(engine=engine, optimizer=opt, stream=stream, train=TrainConfig())
+    for name, bad, said in [("train", {"steps": 3}, "got dict; pass TrainConfig(steps=..., lr=...) (from oomb.config), "
+                                                    "e.g. TrainConfig(**that_dict)"),
+                            ("engine", model, "got Qwen2ForCausalLM; pass oomb.Engine(model, OOMBConfig(...))"),
+                            ("optimizer", None, "got NoneType; pass a torch.optim.Optimizer"),
+                            ("stream", [], "got list; wrap the sequences: SequenceStream(sequences)")]:
+        with pytest.raises(TypeError) as info:
+            Trainer(**{**good, name: bad})
+        assert str(info.value).startswith(f"{name} must be a ") and said in str(info.value), info.value
+
+
 def test_oomb_trainer_normalises_by_the_step_targets_as_the_oomb_trainer_loop(tmp_path, text):
     """Sequences with different numbers of trained targets (labels -100 on a prefix of varying length): the loss and
     gradients are the mean over the step's targets, as oomb.train.Trainer computes them; a per-sequence mean would
