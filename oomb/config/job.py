@@ -188,7 +188,11 @@ class DataConfig:
 
     streaming: bool = False
     """Read the rows as they are used instead of into memory (corpora larger than RAM); the packed sequences are
-    cached in the oomb cache folder, keyed by the data files, the tokenizer and these options."""
+    cached in the oomb cache folder, keyed by the data files' paths, sizes and modification times (not their
+    contents, as the datasets library keys its own cache), the tokenizer and these options. A file changed in
+    place with its modification time kept (cp -p, rsync -a, touch -r) reads the old sequences: touch the file, or
+    delete the cache's packed folder (packed in $OOMB_CACHE_DIR, else in $XDG_CACHE_HOME/oomb, else in
+    ~/.cache/oomb)."""
 
     tokenizer: Optional[str] = None
     """A local Hugging Face tokenizer folder; default: the model folder's own tokenizer where it holds one

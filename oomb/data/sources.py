@@ -517,7 +517,9 @@ def _no_rows(root: Path, split: str) -> DataError:
 
 
 def data_fingerprint(path: str | None) -> str:
-    """What identifies the data files for a cache key: each file's path, size and modification time (ns)."""
+    """What identifies the data files for a cache key: each file's path, size and modification time (ns), not
+    its contents (as datasets keys its own cache): a file rewritten with its size and modification time kept
+    keeps its fingerprint."""
     root = BUNDLED_CORPUS if path is None else Path(path).expanduser().resolve()
     files: Iterable[Path] = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file())
     return "\n".join(f"{p}\0{p.stat().st_size}\0{p.stat().st_mtime_ns}" for p in itertools.islice(files, 100_000))

@@ -490,6 +490,21 @@ def test_cli_doc_lists_every_train_option_and_help_lists_them_too(capsys):
     assert options == documented, (options - documented, documented - options)
 
 
+def test_streaming_help_says_its_cache_knows_a_file_by_its_modification_time_and_how_to_refresh_it():
+    """The packed cache is keyed by each file's path, size and modification time, not its contents (as datasets
+    keys its own): --help and docs/cli.md say so, name what keeps a modification time, and the fix."""
+    from oomb.config import DataConfig
+    from oomb.config.flags import plain_help
+    from oomb.config.meta import field_docs
+
+    help_text = plain_help(field_docs(DataConfig)["streaming"])
+    for said in ("paths, sizes and modification times (not their contents", "cp -p, rsync -a, touch -r",
+                 "touch the file, or delete the cache's packed folder", "$OOMB_CACHE_DIR", "~/.cache/oomb"):
+        assert said in help_text, said
+    row = next(line for line in open(CLI_DOC, encoding="utf-8") if line.startswith("| `--streaming` |"))
+    assert row.rstrip().split(" | ")[-1].rstrip(" |") == help_text
+
+
 def test_plan_help_and_doc_say_which_train_flags_plan_takes(capsys):
     """`oomb plan` takes the flags of `oomb train` that change memory, not all of them: its help says so and names
     the refused ones, which are refused; docs/cli.md names every train flag plan takes (the --offload-* family as

@@ -121,6 +121,23 @@ def test_streaming_gives_the_same_sequences_and_caches_them(tmp_path):
     assert t_mem.digest() == t_str.digest() and len(t_mem) == len(t_str)
 
 
+def test_the_streaming_cache_knows_a_file_by_its_modification_time_as_its_help_says(tmp_path):
+    """A file rewritten with its size and modification time kept reads the cached sequences (the contents are not
+    hashed, as datasets does not hash them); once touched, it is read again."""
+    import os
+
+    tok = load_tokenizer()
+    path = write_jsonl(tmp_path / "rows.jsonl", [{"text": f"alpha {i} " * 9} for i in range(30)])
+    cfg = DataConfig(path=str(path), seq_len=16, streaming=True)
+    first = build_training_data(cfg, tok)
+    kept = os.stat(path)
+    path.write_text(path.read_text().replace("alpha", "omega"))  # the same size
+    os.utime(path, ns=(kept.st_atime_ns, kept.st_mtime_ns))  # as cp -p, rsync -a or touch -r keep it
+    assert build_training_data(cfg, tok).digest() == first.digest()
+    os.utime(path)  # touch
+    assert build_training_data(cfg, tok).digest() != first.digest()
+
+
 def test_prompt_completion_rows_and_text_with_drop(tmp_path):
     tok = load_tokenizer()
     path = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "Q: one?", "completion": " A: one."}] * 4)
