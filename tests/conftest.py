@@ -21,7 +21,12 @@ if not torch.cuda.is_available():
 
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     # pytest -n N: the cores are shared among the N workers (torch would give each worker every core).
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    torch.set_num_threads(_threads)
+    # The processes a test starts (the CLI, torchrun ranks, the Triton interpreter scripts, mp.spawn workers) get
+    # the same share: with torch's default of every core, N workers' children oversubscribed the cores and spent
+    # up to half their CPU time in OpenMP threads waiting on each other over tiny tensors.
+    os.environ["OMP_NUM_THREADS"] = str(_threads)
 
 if os.environ.get("OOMB_TEST_AUTOTUNE") == "first":
     # GPU test runs compile dozens of small shapes: autotune each kernel over the first config of its list only,
