@@ -787,7 +787,7 @@ def test_a_null_or_empty_field_of_a_table_is_named_as_such_not_as_missing(tmp_pa
     refused(["data", "--data", folder, *FAST], capsys, tmp_path, f"{folder} row 2: 'text' is empty")
     words = tmp_path / "words.csv"  # words pandas would take for a missing value are text
     words.write_text("text\n" + "NA\nnull\nNone\nNaN\n" * 20)
-    assert run_cli(["data", "--data", words, *FAST, "--output", tmp_path / "lengths.png"]) == 0
+    assert run_cli(["data", "--data", words, *FAST, "--output", tmp_path / "words.png"]) == 0
     datasets.Dataset.from_dict({"text": ["fine words", None]}).save_to_disk(str(tmp_path / "saved"))
     refused(["data", "--data", tmp_path / "saved", *FAST], capsys, tmp_path, f"{tmp_path / 'saved'} row 2: 'text' is null")
 
