@@ -18,7 +18,7 @@ from . import _checks as check
 from .errors import ConfigError, literal
 from .meta import flag
 
-__all__ = ["KernelConfig", "OOMBConfig", "OffloadConfig", "SparseConfig"]
+__all__ = ["KernelConfig", "OOMBConfig", "OffloadConfig", "SparseConfig", "check_config_type"]
 
 AttentionBackend = Literal["auto", "torch", "triton", "sdpa"]
 SaveAttention = Literal["off", "gpu", "host"]
@@ -346,3 +346,22 @@ class OOMBConfig:
     def dense(self) -> "OOMBConfig":
         """This configuration with dense attention (``sparse`` None) and no whole-layer staging setting."""
         return replace(self, sparse=None, offload=replace(self.offload, staging_sets=None))
+
+
+def check_config_type(config, name: str = "config") -> None:
+    """Raise the TypeError of an engine ``config`` (the argument ``name``) that is not an :class:`OOMBConfig`
+    (None: the defaults), naming what was passed and what to pass."""
+    if config is None or isinstance(config, OOMBConfig):
+        return
+    if config is OOMBConfig:
+        raise TypeError(f"{name} must be an OOMBConfig, got the class OOMBConfig itself; pass OOMBConfig() (or "
+                        f"OOMBConfig(chunk_size=...)), or leave {name} out for the defaults")
+    if isinstance(config, dict):
+        fields = ", ".join(f"{k}={v!r}" if isinstance(k, str) and k.isidentifier() else "..."
+                           for k, v in config.items())
+        shown = f"OOMBConfig({fields})" if len(fields) <= 60 else "OOMBConfig(**that_dict)"
+        fix = f"pass {shown} (from oomb import OOMBConfig)"
+    else:
+        fix = f"pass OOMBConfig(chunk_size=..., page_size=...) (from oomb import OOMBConfig), or leave {name} out " \
+              "for the defaults"
+    raise TypeError(f"{name} must be an OOMBConfig, got {type(config).__name__}; {fix}")

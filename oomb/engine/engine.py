@@ -45,7 +45,7 @@ from ..config import OOMBConfig
 from ..models.fused_glue import FusedGlue
 from ..models.hf import check_model_supported, use_oomb_attention
 from ..ops.paged_attention import resolve_backend, step_backend
-from ..config.engine import HOST_FRACTION
+from ..config.engine import HOST_FRACTION, check_config_type
 from ..memory import (DeviceMemory, MemoryPlanError, ModelShape, activation_bytes, allocator_reserve_bytes,
                       choose_engine_tiering, host_memory, saved_attention_bytes, sparse_headroom_bytes)
 from .kv_store import PagedKVStore
@@ -144,25 +144,6 @@ def _rope_state_of_full_sequence(decoder: torch.nn.Module, T: int, device: torch
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def check_config_type(config, name: str = "config") -> None:
-    """Raise the TypeError of an engine ``config`` (the argument ``name``) that is not an :class:`OOMBConfig`
-    (None: the defaults), naming what was passed and what to pass."""
-    if config is None or isinstance(config, OOMBConfig):
-        return
-    if config is OOMBConfig:
-        raise TypeError(f"{name} must be an OOMBConfig, got the class OOMBConfig itself; pass OOMBConfig() (or "
-                        f"OOMBConfig(chunk_size=...)), or leave {name} out for the defaults")
-    if isinstance(config, dict):
-        fields = ", ".join(f"{k}={v!r}" if isinstance(k, str) and k.isidentifier() else "..."
-                           for k, v in config.items())
-        shown = f"OOMBConfig({fields})" if len(fields) <= 60 else "OOMBConfig(**that_dict)"
-        fix = f"pass {shown} (from oomb import OOMBConfig)"
-    else:
-        fix = f"pass OOMBConfig(chunk_size=..., page_size=...) (from oomb import OOMBConfig), or leave {name} out " \
-              "for the defaults"
-    raise TypeError(f"{name} must be an OOMBConfig, got {type(config).__name__}; {fix}")
 
 
 class Engine:

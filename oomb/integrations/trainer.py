@@ -18,7 +18,8 @@ import torch
 from transformers import Trainer
 
 from ..config import OOMBConfig
-from ..engine.engine import Engine, check_config_type
+from ..config.engine import check_config_type
+from ..engine.engine import Engine
 
 __all__ = ["OOMBTrainer", "collate_one_sequence"]
 
