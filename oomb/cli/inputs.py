@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from ..data.tokenizer import TOKENIZER_FILES
 from .checks import _check_vocab, _usage_from
 from .errors import UsageError
 
@@ -140,16 +141,13 @@ def _write_json(given: str, data: dict) -> None:
     os.replace(tmp, path)
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
-"""A model folder holding one of these files holds its own tokenizer (a Hugging Face model, an 'oomb train' output)."""
-
-
 def _tokenizer_path(args: argparse.Namespace, checkpoints: bool = False) -> str | None:
     """The tokenizer folder a command encodes text with, the one rule of train, data, eval and grad-error: --tokenizer
     if given; else, with ``checkpoints`` (eval, grad-error: they read a checkpoint of 'oomb train' as --model), the
     run's tokenizer where --model is a checkpoint (:mod:`oomb.cli.checkpoint_model`); else the --model folder where it
-    holds a tokenizer (:data:`TOKENIZER_FILES`), so that the token ids are the model's; else None: the bundled
-    tokenizer (a preset, whose random weights match any 32K vocabulary, or a folder without a tokenizer)."""
+    holds a tokenizer (:data:`TOKENIZER_FILES`), so that the token ids are the model's (one it cannot load is
+    refused, never replaced); else None: the bundled tokenizer (a preset, whose random weights match any 32K
+    vocabulary, or a folder without a tokenizer)."""
     if args.tokenizer is not None:
         return args.tokenizer
     if checkpoints:

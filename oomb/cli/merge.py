@@ -167,10 +167,11 @@ def _build_base(recipe: dict):
 def _tokenizer(adapter: Path, recipe: dict):
     """The adapter folder's tokenizer, else the base folder's; None where neither has one."""
     from ..data import DataError, load_tokenizer
+    from ..data.tokenizer import TOKENIZER_FILES
     from ..models.presets import PRESETS
 
     for folder in (adapter,) + (() if recipe["model"] in PRESETS else (Path(recipe["model"]),)):
-        if (folder / "tokenizer_config.json").is_file() or (folder / "tokenizer.json").is_file():
+        if any((folder / name).is_file() for name in TOKENIZER_FILES):
             try:
                 return load_tokenizer(folder)
             except DataError as exc:  # no setting of the user's: the tokenizer files of the folder

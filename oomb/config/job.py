@@ -196,8 +196,9 @@ class DataConfig:
 
     tokenizer: Optional[str] = None
     """A local Hugging Face tokenizer folder; default: the model folder's own tokenizer where it holds one
-    (tokenizer.json or tokenizer_config.json), so that the ids are the model's; else (a preset, a folder without
-    one) the bundled 32K SentencePiece tokenizer."""
+    (tokenizer.json, tokenizer_config.json or a SentencePiece tokenizer.model, which needs the sentencepiece
+    package), so that the ids are the model's; else (a preset, a folder without one) the bundled 32K SentencePiece
+    tokenizer."""
 
     seq_len: int = 2048
     """Tokens per sequence: the documents are joined into one token stream (EOS between documents) and cut into

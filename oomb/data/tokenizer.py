@@ -12,6 +12,10 @@ __all__ = ["BUNDLED_TOKENIZER", "MIN_TOKENS", "load_tokenizer", "tokenizer_diges
 BUNDLED_TOKENIZER = Path(__file__).resolve().parent.parent / "resources" / "tokenizer-sp32k"
 """Folder of the bundled tokenizer: 32,000-token SentencePiece BPE (Apache-2.0, LICENSE inside)."""
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+"""A model folder holding one of these files holds its own tokenizer (a Hugging Face model, an 'oomb train' output,
+a Llama or Mistral folder whose tokenizer is its SentencePiece tokenizer.model alone)."""
+
 MIN_TOKENS = 256
 """The fewest tokens a usable tokenizer has: one per byte value (byte-level BPE); a folder that loads with
 fewer (only its special tokens) has lost its vocabulary."""
@@ -29,12 +33,15 @@ def load_tokenizer(path: str | os.PathLike | None = None):
     """Load a local Hugging Face tokenizer (``AutoTokenizer``, no network). ``None``: the bundled one.
 
     The class is the one the folder's ``tokenizer_config.json`` names, also when the folder is a model
-    folder (an ``oomb train`` output) whose ``config.json`` would make ``AutoTokenizer`` pick another.
+    folder (an ``oomb train`` output) whose ``config.json`` would make ``AutoTokenizer`` pick another. A
+    SentencePiece ``tokenizer.model`` without tokenizer.json (an older Llama or Mistral folder) is converted as
+    transformers converts it, which needs the sentencepiece package.
 
     Raises:
         DataError: the folder does not exist, holds no vocabulary file (tokenizer.json, vocab.json, vocab.txt,
-            merges.txt, a SentencePiece ``*.model`` or ``*.tiktoken``), holds no loadable tokenizer, or the
-            tokenizer has fewer than :data:`MIN_TOKENS` tokens.
+            merges.txt, a SentencePiece ``*.model`` or ``*.tiktoken``), holds no loadable tokenizer (a
+            tokenizer.model alone without sentencepiece installed, or one it cannot read), or the tokenizer has
+            fewer than :data:`MIN_TOKENS` tokens.
     """
     from transformers import AutoTokenizer, PretrainedConfig
 
@@ -51,11 +58,14 @@ def load_tokenizer(path: str | os.PathLike | None = None):
             "vocab.json, vocab.txt or SentencePiece .model file)",
             "set {tokenizer} to the folder a Hugging Face tokenizer's save_pretrained wrote, with its vocabulary files",
             setting=setting)
+    if not (root / "tokenizer.json").is_file() and (root / "tokenizer.model").is_file():
+        _check_sentencepiece(root / "tokenizer.model", setting)
     try:
         # An empty config: the class comes from the folder's tokenizer_config.json (or tokenizer.json), never
         # from a config.json beside it. A trained oomb output holds both, and transformers >= 5.2x swaps in the
         # model type's tokenizer class (Qwen2Tokenizer for a qwen2 config), which splits the bundled
-        # SentencePiece vocabulary's text differently ('truth' -> 'tr', 'uth', spaces lost).
+        # SentencePiece vocabulary's text differently ('truth' -> 'tr', 'uth', spaces lost). A tokenizer.model
+        # alone is converted by the generic class, as AutoTokenizer converts a Llama or Mistral folder's.
         tokenizer = AutoTokenizer.from_pretrained(str(root), local_files_only=True, config=PretrainedConfig())
     except (OSError, ValueError, TypeError, KeyError) as exc:
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -69,6 +79,32 @@ def load_tokenizer(path: str | os.PathLike | None = None):
             "its vocabulary did not load)",
             "set {tokenizer} to the model's own tokenizer folder, with its tokenizer.json", setting=setting)
     return tokenizer
+
+
+def _check_sentencepiece(model: Path, setting: str | None) -> None:
+    """Refuse the SentencePiece file ``model`` (the tokenizer.model of a folder without tokenizer.json) where
+    transformers cannot convert it: without the sentencepiece package (transformers then tries it as a tiktoken
+    file and fails naming tiktoken), or where sentencepiece cannot read it.
+
+    Raises:
+        DataError: naming the file, and the package to install or the folder to pass instead.
+    """
+    try:
+        import sentencepiece
+    except ImportError:
+        raise DataError(
+            f"the tokenizer {str(model)!r} is a SentencePiece model, which transformers reads only with the "
+            "sentencepiece package, and that is not installed",
+            "pip install sentencepiece, or set {tokenizer} to a folder with the model's tokenizer.json",
+            setting=setting) from None
+    try:
+        sentencepiece.SentencePieceProcessor(model_file=str(model))
+    except (RuntimeError, OSError, ValueError, TypeError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DataError(
+            f"cannot load the tokenizer {str(model)!r}: sentencepiece cannot read it ({first_line})",
+            "replace it with the model's own tokenizer.model, or set {tokenizer} to a folder with the model's "
+            "tokenizer.json", setting=setting) from exc
 
 
 def tokenizer_digest(tokenizer) -> bytes:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -173,3 +175,91 @@ def test_a_preset_and_a_folder_without_a_tokenizer_use_the_bundled_one(tmp_path,
     for model in ("tiny", bare):
         assert run_cli(["data", "--model", model, "--data", text_file, *FAST, "--output", tmp_path / "h.png"]) == 0
         assert _data_line(capsys.readouterr().out).endswith("; tokenizer bundled")
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_folder(tmp_path_factory):
+    """A Llama-style model folder whose tokenizer is a SentencePiece tokenizer.model alone, without tokenizer.json or
+    tokenizer_config.json (as older Llama and Mistral folders ship it): the tiny Llama preset's weights beside the
+    bundled tokenizer's .model file. Its ids are the bundled tokenizer's, but they are read from the folder."""
+    import torch
+
+    from oomb.models.presets import build_model
+
+    folder = tmp_path_factory.mktemp("sp_model")
+    torch.manual_seed(0)
+    build_model("tiny-llama").save_pretrained(folder)
+    shutil.copy(BUNDLED_TOKENIZER / "tokenizer.model", folder / "tokenizer.model")
+    assert not (folder / "tokenizer.json").exists() and not (folder / "tokenizer_config.json").exists()
+    return folder
+
+
+def _one_error_line(err: str) -> str:
+    lines = [line for line in err.strip().splitlines() if line.startswith("oomb:")]
+    assert len(lines) == 1 and lines[0].startswith("oomb: error:") and "Traceback" not in err, err
+    return lines[0]
+
+
+@pytest.mark.parametrize("command", ["train", "data"])
+def test_a_model_folder_whose_tokenizer_model_cannot_load_is_refused_not_given_the_bundled_one(
+        tmp_path, sentencepiece_folder, text_file, capsys, monkeypatch, command):
+    """A tokenizer.model alone used to count as no tokenizer: the run was encoded with the bundled 32K one, ids of
+    another vocabulary for a real Llama or Mistral model. Without sentencepiece (what transformers converts it with)
+    the run is refused in one line naming the file, the package and --tokenizer."""
+    monkeypatch.setitem(sys.modules, "sentencepiece", None)  # import sentencepiece fails, as where not installed
+    out = tmp_path / "run"
+    extra = ["--steps", "1", "--output-dir", out] if command == "train" else ["--output", tmp_path / "h.png"]
+    assert run_cli([command, "--model", sentencepiece_folder, "--data", text_file, *FAST, *extra]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"the tokenizer '{sentencepiece_folder / 'tokenizer.model'}' is a SentencePiece model" in line, line
+    assert line.endswith("pip install sentencepiece, or set --tokenizer to a folder with the model's tokenizer.json")
+    assert not out.exists() and not (tmp_path / "h.png").exists()
+
+
+def test_a_tokenizer_model_sentencepiece_cannot_read_is_refused_naming_it(tmp_path, sentencepiece_folder, text_file,
+                                                                          capsys):
+    pytest.importorskip("sentencepiece")
+    broken = tmp_path / "broken"
+    shutil.copytree(sentencepiece_folder, broken)
+    (broken / "tokenizer.model").write_bytes((broken / "tokenizer.model").read_bytes()[:5000])  # truncated
+    assert run_cli(["data", "--model", broken, "--data", text_file, *FAST, "--output", tmp_path / "h.png"]) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert f"cannot load the tokenizer '{broken / 'tokenizer.model'}': sentencepiece cannot read it" in line, line
+    assert "tiktoken" not in line and line.endswith("or set --tokenizer to a folder with the model's tokenizer.json")
+
+
+def test_a_model_folder_with_a_tokenizer_model_alone_encodes_with_it(tmp_path, sentencepiece_folder, text_file,
+                                                                      capsys):
+    """Loaded as transformers loads the folder (AutoTokenizer, the ids SentencePiece itself gives) and named on the
+    data line."""
+    sentencepiece = pytest.importorskip("sentencepiece")
+    from transformers import AutoTokenizer
+
+    text = "It is a truth  universally acknowledged,\n  that a single man 123."
+    ids = load_tokenizer(sentencepiece_folder)(text, add_special_tokens=False)["input_ids"]
+    spm = sentencepiece.SentencePieceProcessor(model_file=str(sentencepiece_folder / "tokenizer.model"))
+    assert ids == spm.encode(text)
+    assert ids == AutoTokenizer.from_pretrained(str(sentencepiece_folder))(text, add_special_tokens=False)["input_ids"]
+    assert run_cli(["data", "--model", sentencepiece_folder, "--data", text_file, *FAST,
+                    "--output", tmp_path / "h.png"]) == 0
+    line = _data_line(capsys.readouterr().out)
+    assert f"{_tokens(text_file, sentencepiece_folder):,} tokens -> " in line, line
+    assert line.endswith(f"; tokenizer {sentencepiece_folder}"), line
+
+
+def test_a_run_of_a_model_folder_with_a_tokenizer_model_alone_records_and_saves_it(tmp_path, sentencepiece_folder,
+                                                                                     text_file, capsys):
+    pytest.importorskip("sentencepiece")
+    from transformers import AutoTokenizer
+
+    from oomb.checkpoint import find_latest, read_settings
+
+    out = tmp_path / "run"
+    assert run_cli(["train", "--model", sentencepiece_folder, "--data", text_file, *FAST, "--steps", "1",
+                    "--save-every", "1", "--output-dir", out]) == 0
+    assert _data_line(capsys.readouterr().err).endswith(f"; tokenizer {sentencepiece_folder}")
+    assert read_settings(find_latest(out / "checkpoints"), "fingerprint")["tokenizer"] == \
+        str(sentencepiece_folder.resolve())
+    text = "It is a truth  universally acknowledged,\n  that a single man 123."
+    own = load_tokenizer(sentencepiece_folder)(text, add_special_tokens=False)["input_ids"]
+    assert AutoTokenizer.from_pretrained(str(out))(text, add_special_tokens=False)["input_ids"] == own
