@@ -18,9 +18,10 @@ table. ``datasets`` keeps its own cache under :func:`oomb.data.text.cache_dir` `
 cannot be read is refused naming its first bad line where one can be found (not UTF-8, not JSON, a CSV line
 with more fields than its header), also where the rows are read one by one; JSON rows that are not objects (an
 array of strings or numbers, which datasets would read as a ``text`` field) are refused naming the first. A
-compressed file (gzip, zstd, xz or bzip2, known by its first bytes whatever its name), or a folder of compressed
-files only, is refused saying so and naming the command that decompresses it: rows are named by the lines of the
-file as it is on disk, which a compressed file does not have.
+compressed file (gzip, zstd, xz or bzip2, known by its first bytes whatever its name), a folder of compressed
+files only, or a folder's compressed data file (``b.jsonl.gz``, its data file ``b.jsonl`` not beside it) is
+refused saying so and naming the command that decompresses it: rows are named by the lines of the file as it is
+on disk, which a compressed file does not have.
 """
 
 from __future__ import annotations
@@ -239,7 +240,8 @@ def _folder_kind(root: Path, files: list[Path]) -> str:
     """The one format of the data ``files`` of folder ``root`` (a ``_KINDS`` value).
 
     Raises:
-        DataError: the folder holds no data file, or files of several formats (naming how many of each and one).
+        DataError: the folder holds no data file, a compressed data file (:func:`_refuse_compressed_beside`), or
+            files of several formats (naming how many of each and one).
     """
     by_kind: dict[str, list[Path]] = {}
     for f in files:
@@ -256,12 +258,53 @@ def _folder_kind(root: Path, files: list[Path]) -> str:
                             "--data the folder again")
         raise DataError(f"folder {str(root)!r} holds no data file (.txt, .json/.jsonl, .parquet, .csv or .arrow)",
                         "put the training data there, e.g. .txt files or .jsonl with a \"text\" field")
+    _refuse_compressed_beside(root)
     if len(by_kind) > 1:
         found = ", ".join(f"{counted(len(v), k + ' file')} (e.g. {v[0].relative_to(root)})" for k, v in by_kind.items())
         raise DataError(f"folder {str(root)!r} mixes data formats: {found}",
                         "a folder is read in one format: move the files of the other formats to a folder of their "
                         "own (or convert them), and pass --data that folder or one file")
     return next(iter(by_kind))
+
+
+_PACKED_SUFFIXES = (".gz", ".zst", ".xz", ".bz2")
+"""The compression suffixes of :data:`oomb.data.text._COMPRESSIONS`, by which a folder's compressed data files
+(``b.jsonl.gz``) are found before their first bytes are read."""
+
+
+def _refuse_compressed_beside(root: Path) -> None:
+    """Refuse the compressed data files of the folder ``root`` and its subfolders: a file named as a data file with
+    a compression suffix (``b.jsonl.gz``, in any case), compressed (known by its first bytes), where that data file
+    (``b.jsonl``) is not beside it. Not being data files, they would be left out of the rows, so the folder is
+    refused as a compressed file is, with the command that decompresses them and keeps them (the folder then reads
+    the decompressed copies).
+
+    Raises:
+        DataError: naming the compressed files (up to three) and the command that decompresses them.
+    """
+    left_out = []
+    for p in sorted(root.rglob("*")):
+        plain = p.with_suffix("")
+        if _suffix(p) not in _PACKED_SUFFIXES or _suffix(plain) not in _KINDS or plain.is_file() or not p.is_file() \
+                or any(part.startswith(".") for part in p.relative_to(root).parts):
+            continue
+        found = compression_of(p)
+        if found is not None:
+            left_out.append((p, found[2]))
+    if not left_out:
+        return
+    shown = left_out[:3]
+    names = ", ".join(str(p.relative_to(root)) for p, _ in shown) + (", ..." if len(left_out) > 3 else "")
+    tools: dict[str, list[str]] = {}
+    for p, keep in shown:
+        tools.setdefault(keep, []).append(shlex.quote(str(p)))
+    command = " && ".join(f"{keep} {' '.join(paths)}" for keep, paths in tools.items())
+    one = len(left_out) == 1
+    raise DataError(f"folder {str(root)!r} holds {counted(len(left_out), 'compressed data file')} beside its data "
+                    f"files ({names}), which oomb reads uncompressed only, so {'it' if one else 'they'} would be "
+                    "left out",
+                    f"decompress {'it beside itself' if one else 'them beside themselves'}"
+                    f"{': ' if len(left_out) <= 3 else ', e.g. '}{command}, and pass --data the folder again")
 
 
 def _saved(path: Path) -> bool:

@@ -582,6 +582,41 @@ def test_a_compressed_file_under_a_plain_name_is_refused_however_it_is_read(tmp_
             f"beside themselves, e.g. gunzip -k {shards / 'part-0.jsonl.gz'}, and pass --data the folder again")
 
 
+@pytest.mark.parametrize("command", ["data", "train", "eval"])
+def test_a_folder_of_data_files_and_compressed_ones_is_refused_naming_them(tmp_path, capsys, command):
+    """a.jsonl beside b.jsonl.gz (and c.csv.xz in a subfolder): the compressed ones are no data files, so they were
+    left out of the rows, silently; now refused as a compressed file is, naming them and the commands that
+    decompress them keeping them. Decompressed beside themselves, the folder reads all three (the compressed copies
+    are then not refused)."""
+    import gzip
+    import lzma
+
+    rows = [{"text": f"line {i} " * 9} for i in range(20)]
+    folder = tmp_path / "mixed"
+    (folder / "sub").mkdir(parents=True)
+    write_jsonl(folder / "a.jsonl", rows)
+    packed = {folder / "b.jsonl.gz": gzip, folder / "sub" / "c.jsonl.xz": lzma}
+    for path, codec in packed.items():
+        path.write_bytes(codec.compress("".join(json.dumps(r) + "\n" for r in rows).encode()))
+    said = (f"folder {str(folder)!r} holds 2 compressed data files beside its data files (b.jsonl.gz, "
+            f"{Path('sub') / 'c.jsonl.xz'}), which oomb reads uncompressed only, so they would be left out; decompress "
+            f"them beside themselves: gunzip -k {folder / 'b.jsonl.gz'} && unxz -k {folder / 'sub' / 'c.jsonl.xz'}, "
+            "and pass --data the folder again")
+    if command == "eval":  # writes no output of its own
+        capsys.readouterr()
+        assert run_cli(["eval", "--data", folder, "--seq-len", "16"]) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("oomb:")]
+        assert len(err) == 1 and err[0].endswith(said), err
+        return
+    assert refused([command, "--data", folder, *FAST], capsys, tmp_path, said).endswith(said)
+    if command == "data":
+        for path, codec in packed.items():  # what gunzip -k and unxz -k write
+            path.with_suffix("").write_bytes(codec.decompress(path.read_bytes()))
+        from oomb.data.sources import open_rows
+
+        assert len(list(open_rows(str(folder)))) == 60
+
+
 @pytest.mark.parametrize("command", ["eval", "grad-error"])
 def test_eval_refuses_an_unreadable_file_naming_its_bad_line(tmp_path, capsys, command):
     for path, said in _bad_files(tmp_path).values():
