@@ -7,9 +7,11 @@
   builder (its one split is ``train``);
 * a folder written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``: ``datasets.load_from_disk``;
 * any other folder: ``datasets.load_dataset`` with the builder of its format, of its data files in it and its
-  subfolders, split by their file and folder names as ``datasets.load_dataset(folder)`` splits them.
+  subfolders, split by their file and folder names as ``datasets.load_dataset(folder)`` splits them; a data
+  file those names put in no split is refused, not left out.
 
-A suffix is matched in any case: ``PC.JSONL`` is JSON Lines, ``a.TXT`` a text file of a folder.
+A suffix, and a split name, is matched in any case: ``PC.JSONL`` is JSON Lines, ``a.TXT`` a text file of a
+folder, ``TRAIN.JSONL`` the train split.
 
 A folder is read as one format: its data files (``.txt``, ``.json``/``.jsonl``, ``.parquet``, ``.csv``,
 ``.arrow``; hidden ones and files of other suffixes are not data) are all of one, or it is refused naming what
@@ -344,21 +346,67 @@ def _load(path: Path, split: str, streaming: bool, files: list[Path]):
 
 
 def _split_files(root: Path, files: list[Path]) -> dict[str, list[str]]:
-    """The data ``files`` of the folder ``root`` by split, the splits named from the file and folder names as
-    ``datasets.load_dataset(folder)`` names them (``train``, ``test``, ``validation``...; one ``train`` split where
-    no name says one), each split holding only files of ``files``; all of ``files`` as ``train`` where no split
-    holds one (the names that named splits were other files')."""
-    from datasets.data_files import DataFilesDict, get_data_patterns
+    """The data ``files`` of the folder ``root`` by split, the splits named from the file and folder names under
+    ``root`` as ``datasets.load_dataset(folder)`` names them (``train``, ``test``, ``validation``...; one ``train``
+    split where no name says one), but in any case (``TRAIN.JSONL`` is train, as ``train.jsonl`` is), from the data
+    files alone (another file's name says no split), and each file once in a split.
 
-    base = root.resolve()
-    ours = {f.relative_to(root).as_posix(): f for f in files}
-    found = DataFilesDict.from_patterns(get_data_patterns(str(base)), base_path=str(base))
-    by_split = {}
-    for split, names in found.items():
-        kept = [str(ours[rel]) for rel in (Path(os.path.relpath(n, base)).as_posix() for n in names) if rel in ours]
-        if kept:
-            by_split[str(split)] = kept
-    return by_split or {"train": [str(f) for f in files]}
+    Raises:
+        DataError: the names say splits, but some data files are in none (datasets would leave them out).
+    """
+    import re
+
+    from datasets.data_files import (
+        ALL_DEFAULT_PATTERNS,
+        ALL_SPLIT_PATTERNS,
+        DEFAULT_PATTERNS_SPLIT_IN_DIR_NAME,
+        DEFAULT_SPLITS,
+    )
+    from datasets.utils.py_utils import string_to_dict
+    from fsspec.utils import glob_translate
+
+    names = [(f.relative_to(root).as_posix().lower(), f) for f in files]
+
+    def matching(patterns: list[str]) -> list[Path]:
+        """The files whose lower-case path under ``root`` one of ``patterns`` matches (datasets' globs), in the
+        order of the patterns, then of the paths."""
+        found: dict[Path, None] = {}
+        for pattern in patterns:
+            regex = re.compile(glob_translate(pattern))
+            found.update((f, None) for name, f in names if regex.match(name))
+        return list(found)
+
+    by_split: dict[str, list[Path]] = {}
+    named_by = "file"  # what names the splits: a "shard" name, a "folder" or a "file" name
+    for sharded in ALL_SPLIT_PATTERNS:  # data/train-00000-of-00002.parquet
+        shards = matching([sharded.replace("{split}", "*")])
+        splits = {(string_to_dict(f.name.lower(), sharded.rsplit("/", 1)[-1]) or {}).get("split", "") for f in shards}
+        if shards and all(re.fullmatch(r"\w+(\.\w+)*", split) for split in splits):
+            order = [str(s) for s in DEFAULT_SPLITS if s in splits] + sorted(splits - {str(s) for s in DEFAULT_SPLITS})
+            by_split = {split: matching([sharded.format(split=split)]) for split in order}
+            named_by = "shard"
+            break
+    else:
+        for patterns in ALL_DEFAULT_PATTERNS:
+            by_split = {str(split): found for split, p in patterns.items() if (found := matching(p))}
+            if by_split:
+                named_by = "folder" if patterns is DEFAULT_PATTERNS_SPLIT_IN_DIR_NAME else "file"
+                break
+    by_split = {split: found for split, found in by_split.items() if found}
+    if not by_split:
+        return {"train": [str(f) for f in files]}
+    placed = {f for found in by_split.values() for f in found}
+    left_out = [f for f in files if f not in placed]
+    if left_out:
+        said = ", ".join(f"{split} ({found[0].relative_to(root)})" for split, found in by_split.items())
+        rel, shard = left_out[0].relative_to(root), next(iter(by_split.values()))[0].relative_to(root)
+        fix = {"shard": f"name each data file as a shard of its split, as {shard} is",
+               "folder": f"move each data file into a folder named for its split, e.g. {Path('train') / rel}",
+               "file": f"name each data file for its split, e.g. {rel.parent / ('train-' + rel.name)}"}[named_by]
+        raise DataError(f"folder {str(root)!r} names its splits by {named_by} name: {said}, but "
+                        f"{counted(len(left_out), 'data file')} {'is' if len(left_out) == 1 else 'are'} in none "
+                        f"(e.g. {rel}), which would be left out", f"{fix}, or move the others out of the folder")
+    return {split: [str(f) for f in found] for split, found in by_split.items()}
 
 
 def _first_bad_line(path: Path) -> None:
@@ -510,7 +558,7 @@ def open_rows(path: str | None, split: str = "train", streaming: bool = False) -
     Raises:
         DataError: the path does not exist, is a folder of no data file or of several formats, is or holds a
             compressed file, cannot be read (naming the first bad line where one is found), is an empty file or a folder of empty files, has no
-            such split (naming those it has), or the split has no rows.
+            such split (naming those it has), or a data file in no split, or the split has no rows.
     """
     if path is None:
         if split != "train":

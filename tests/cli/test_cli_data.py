@@ -736,6 +736,44 @@ def test_a_suffix_in_upper_case_is_read_as_its_format(tmp_path, capsys, streamin
             f"{bad}:2 is not valid JSON")
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_split_name_in_upper_case_names_its_split(tmp_path, capsys, streaming):
+    """TRAIN.JSONL beside test.jsonl was in no split (datasets matches split names in lower case only): the train
+    split was refused as missing; Train/ beside VALID/ read both folders as train, the validation rows trained on.
+    Split names are matched in any case, as suffixes are."""
+    from oomb.data.sources import open_rows
+
+    files = tmp_path / "files"
+    files.mkdir()
+    write_jsonl(files / "TRAIN.JSONL", [{"text": "train row " * 20}] * 3)
+    write_jsonl(files / "test.jsonl", [{"text": "test row"}] * 2)
+    assert [r["text"] for r in open_rows(str(files), "train", streaming)] == ["train row " * 20] * 3
+    assert [r["text"] for r in open_rows(str(files), "test", streaming)] == ["test row"] * 2
+    folders = tmp_path / "folders"
+    for name, rows in (("Train", 4), ("VALID", 5)):
+        (folders / name).mkdir(parents=True)
+        write_jsonl(folders / name / "part.jsonl", [{"text": f"{name} row"}] * rows)
+    assert [r["text"] for r in open_rows(str(folders), "train", streaming)] == ["Train row"] * 4
+    assert [r["text"] for r in open_rows(str(folders), "validation", streaming)] == ["VALID row"] * 5
+    capsys.readouterr()
+    assert run_cli(["data", "--data", files, *FAST, *(["--streaming"] if streaming else []),
+                    "--output", tmp_path / "h.png"]) == 0
+    assert "3 documents (text)" in next(s for s in capsys.readouterr().out.splitlines() if s.startswith("oomb: data:"))
+
+
+def test_a_data_file_the_split_names_leave_out_is_refused_naming_it(tmp_path, capsys):
+    """Where file names say the splits, a data file named for none (notes.jsonl beside train.jsonl and test.jsonl)
+    was left out of every split, silently, as datasets leaves it out."""
+    folder = tmp_path / "splits"
+    folder.mkdir()
+    for name in ("train.jsonl", "test.jsonl", "notes.jsonl"):
+        write_jsonl(folder / name, [{"text": f"{name} row " * 5}] * 3)
+    refused(["data", "--data", folder, *FAST], capsys, tmp_path,
+            f"folder {str(folder)!r} names its splits by file name: train (train.jsonl), test (test.jsonl), but 1 "
+            "data file is in none (e.g. notes.jsonl), which would be left out; name each data file for its split, "
+            "e.g. train-notes.jsonl, or move the others out of the folder")
+
+
 def test_a_chat_template_json_file_in_upper_case_is_read_as_json(tmp_path):
     from oomb.data.chat import read_chat_template
 
