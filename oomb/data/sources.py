@@ -2,7 +2,8 @@
 
 * nothing: the bundled corpus; a ``.txt`` (or any other non-table) file: one document; a folder of ``.txt``
   files (in subfolders too): one document per file, sorted by path (:func:`oomb.data.text.read_documents`),
-  as one ``text`` column;
+  as one ``text`` column, split by the file and folder names as any other folder is (``test.txt`` beside
+  ``train.txt`` is the test split; one ``train`` split where no name says one);
 * a ``.json``/``.jsonl``, ``.parquet``, ``.csv`` or ``.arrow`` file: ``datasets.load_dataset`` with that
   builder (its one split is ``train``);
 * a folder written by ``Dataset.save_to_disk`` / ``DatasetDict.save_to_disk``: ``datasets.load_from_disk``;
@@ -572,7 +573,13 @@ def open_rows(path: str | None, split: str = "train", streaming: bool = False) -
         packed = compressed(file)
         if packed is not None:
             raise packed
-    if root.is_file() and _suffix(root) not in _BUILDERS or kind == ".txt":
+    if kind == ".txt":  # split by the file and folder names as any other folder: test.txt is not trained on
+        by_split = _split_files(root, files)
+        if split not in by_split:
+            raise DataError(f"folder {str(root)!r} has no split {split!r} (it has: {', '.join(by_split)})",
+                            f"pass --data-split {next(iter(by_split))}")
+        return _documents(root, [Path(f) for f in by_split[split]])
+    if root.is_file() and _suffix(root) not in _BUILDERS:
         if split != "train":
             raise DataError(f"{str(root)!r} is plain text, which has one split, not {split!r}",
                             "leave --data-split out (train)")

@@ -774,6 +774,31 @@ def test_a_data_file_the_split_names_leave_out_is_refused_naming_it(tmp_path, ca
             "e.g. train-notes.jsonl, or move the others out of the folder")
 
 
+def test_a_folder_of_text_files_is_split_by_their_names(tmp_path, capsys):
+    """test.txt beside train.txt was read with it as one train split: the test document trained on. A folder of
+    .txt files is split by its file and folder names as a folder of JSON Lines is."""
+    from oomb.data.sources import open_rows
+
+    folder = tmp_path / "texts"
+    (folder / "validation").mkdir(parents=True)
+    (folder / "train").mkdir()
+    (folder / "train" / "a.txt").write_text("the train document " * 20)
+    (folder / "train" / "b.txt").write_text("another train document " * 20)
+    (folder / "validation" / "c.txt").write_text("the held-out document " * 20)
+    assert [r["text"] for r in open_rows(str(folder), "train")] == ["the train document " * 20,
+                                                                    "another train document " * 20]
+    assert [r["text"] for r in open_rows(str(folder), "validation")] == ["the held-out document " * 20]
+    refused(["data", "--data", folder, "--data-split", "test", *FAST], capsys, tmp_path,
+            f"folder {str(folder)!r} has no split 'test' (it has: train, validation); pass --data-split train")
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for name in ("emma.txt", "persuasion.txt"):  # no name says a split: one train split of both
+        (plain / name).write_text(f"{name} " * 20)
+    assert len(list(open_rows(str(plain), "train"))) == 2
+    assert run_cli(["data", "--data", folder, *FAST, "--output", tmp_path / "h.png"]) == 0
+    assert "2 documents (text)" in next(s for s in capsys.readouterr().out.splitlines() if s.startswith("oomb: data:"))
+
+
 def test_a_chat_template_json_file_in_upper_case_is_read_as_json(tmp_path):
     from oomb.data.chat import read_chat_template
 
