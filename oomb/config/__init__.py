@@ -2,7 +2,7 @@
 
 - :mod:`oomb.config.engine`: :class:`OOMBConfig` (chunking and attention) with its :class:`SparseConfig`,
   :class:`OffloadConfig` and :class:`KernelConfig` sections -- what :class:`oomb.Engine` takes;
-- :mod:`oomb.config.job`: the model, data, training, output and per-command sections of an ``oomb`` run,
+- :mod:`oomb.config.job`: the model, data, training, output, validation and per-command sections of an ``oomb`` run,
   gathered in :class:`JobConfig`;
 - :mod:`oomb.config.flags`: the ``oomb`` flags, generated from those fields;
 - :mod:`oomb.config.io`: YAML files of the same fields (``oomb train --config``, ``--print-config``).
@@ -13,10 +13,10 @@ A bad value raises :class:`ConfigError` (a ``ValueError``) naming the field and 
 from .engine import KernelConfig, OffloadConfig, OOMBConfig, SparseConfig
 from .errors import ConfigError
 from .job import (BenchConfig, DataConfig, DataMakeConfig, DataReportConfig, EvalConfig, GradErrorConfig, JobConfig, ModelConfig,
-                  OutputConfig, PlanConfig, TrainConfig, resolve_dtype)
+                  OutputConfig, PlanConfig, TrainConfig, ValidationConfig, resolve_dtype)
 
 __all__ = [
     "BenchConfig", "ConfigError", "DataConfig", "DataMakeConfig", "DataReportConfig", "EvalConfig", "GradErrorConfig", "JobConfig",
     "KernelConfig", "ModelConfig", "OOMBConfig", "OffloadConfig", "OutputConfig", "PlanConfig", "SparseConfig", "TrainConfig",
-    "resolve_dtype",
+    "ValidationConfig", "resolve_dtype",
 ]

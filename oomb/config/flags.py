@@ -25,7 +25,7 @@ from . import _checks as check
 from .engine import KernelConfig, OffloadConfig, OOMBConfig, SparseConfig
 from .errors import ConfigError
 from .job import (BenchConfig, DataConfig, DataMakeConfig, DataReportConfig, EvalConfig, GradErrorConfig, JobConfig, MergeConfig,
-                  ModelConfig, OutputConfig, PlanConfig, TrainConfig)
+                  ModelConfig, OutputConfig, PlanConfig, TrainConfig, ValidationConfig)
 from .meta import field_docs, has_no_flag
 
 __all__ = ["COMMANDS", "COMMAND_DEFAULTS", "FlagField", "add_flags", "command_fields", "job_from_values",
@@ -40,6 +40,7 @@ SECTIONS: dict[str, type] = {
     "engine.kernels": KernelConfig,
     "train": TrainConfig,
     "output": OutputConfig,
+    "validation": ValidationConfig,
     "plan": PlanConfig,
     "eval": EvalConfig,
     "grad_error": GradErrorConfig,
@@ -59,6 +60,7 @@ COMMANDS: dict[str, list[tuple[str, tuple[str, ...] | None]]] = {
     "train": [
         ("model", _ALL), ("data", _ALL), ("engine", _ENGINE_TRAIN), ("engine.sparse", _ALL),
         ("engine.offload", _ALL), ("engine.kernels", _ALL), ("train", _ALL), ("output", _ALL),
+        ("validation", _ALL),
     ],
     "plan": [
         ("model", ("name", "device", "dtype", "lora_rank", "lora_targets", "train_embeddings_norms")), ("data", ("seq_len",)),
@@ -93,6 +95,7 @@ any default: ``oomb plan`` plans a GPU run unless the file or ``--device`` says 
 
 _GROUPS = {"model": "model", "data": "data", "engine": "engine", "engine.sparse": "sparse attention",
            "engine.offload": "offload", "engine.kernels": "kernels", "train": "optimisation", "output": "output",
+           "validation": "held-out loss",
            "plan": "plan", "eval": "evaluation", "grad_error": "measurement", "bench": "benchmark",
            "data_report": "report", "data_make": "synthetic retrieval data", "merge": "merge"}
 

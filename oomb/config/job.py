@@ -2,7 +2,7 @@
 
 One dataclass per concern, each field declared once with its default, its docstring and its check; the
 ``oomb`` flags are generated from them (:mod:`oomb.config.flags`) and a YAML file holds the same fields in
-sections (``model:``, ``data:``, ``engine:``, ``train:``, ``output:``, ...; :mod:`oomb.config.io`).
+sections (``model:``, ``data:``, ``engine:``, ``train:``, ``output:``, ``validation:``, ...; :mod:`oomb.config.io`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from .meta import flag
 
 __all__ = [
     "BenchConfig", "DataConfig", "DataMakeConfig", "DataReportConfig", "EvalConfig", "GradErrorConfig", "JobConfig", "MergeConfig",
-    "ModelConfig", "OPTIMIZERS", "OutputConfig", "PlanConfig", "SHARDS", "TrainConfig", "SEED_LIMIT", "resolve_dtype",
+    "ModelConfig", "OPTIMIZERS", "OutputConfig", "PlanConfig", "SHARDS", "TrainConfig", "SEED_LIMIT", "ValidationConfig",
+    "resolve_dtype",
 ]
 
 SEED_LIMIT = 2**32
@@ -354,6 +355,46 @@ class OutputConfig:
 
 
 @dataclass
+class ValidationConfig:
+    """Held-out loss during ``oomb train``: which sequences, and how often."""
+
+    every: int = field(default=0, metadata=flag("--val-every", metavar="N"))
+    """Evaluate the held-out loss every N optimizer steps and after the last step (a log.jsonl record with
+    val_loss, a printed line, a TensorBoard scalar, points on loss.png); 0: never."""
+
+    data: Optional[str] = field(default=None, metadata=flag("--val-data", metavar="PATH"))
+    """Held-out data read with the run's data settings (format, fields, chat template, loss_on, long_examples,
+    tokenizer, seq_len, document_mask); default: a held-out split of the training data."""
+
+    split: Optional[str] = field(default=None, metadata=flag("--val-split", metavar="NAME"))
+    """The split of the held-out data to evaluate; default: validation, else test, whichever the data has; val_data
+    with neither: its train split (a single file's one split). Training data with neither (and no val_data) is
+    refused before training, as is a split the data lacks."""
+
+    sequences: int = field(default=16, metadata=flag("--val-sequences", metavar="K"))
+    """Evaluate at most this many held-out sequences: the first ones in file order, the same at every evaluation.
+    Each is built as a training sequence (seq_len tokens, its labels and document bounds); the loss is the mean
+    over all their valid targets."""
+
+    @_in("validation")
+    def __post_init__(self) -> None:
+        check.nonnegative_int("every", self.every, "steps", zero="0 (no held-out loss)")
+        check.positive_int("sequences", self.sequences, "sequences")
+        for key in ("data", "split"):
+            value = getattr(self, key)
+            if value is not None and (not isinstance(value, str) or not value.strip()):
+                example = "validation.jsonl" if key == "data" else "validation"
+                raise ConfigError(key, f"{{{key}}} is {literal(value)}", f"pass a {'path' if key == 'data' else 'name'}, "
+                                  f"e.g. {{{key}}} {example}, or leave it out")
+        if self.every == 0:
+            defaults = {f.name: f.default for f in fields(self)}
+            for key in ("data", "split", "sequences"):
+                if getattr(self, key) != defaults[key]:
+                    raise ConfigError(key, f"{{{key}}} sets up the held-out loss but {{every}} is 0 (none is evaluated)",
+                                      f"add {{every}} N, or leave {{{key}}} out")
+
+
+@dataclass
 class PlanConfig:
     """``oomb plan``: the machine to plan for and what the step keeps besides the engine."""
 
@@ -637,6 +678,7 @@ class JobConfig:
     engine: OOMBConfig = field(default_factory=OOMBConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     grad_error: GradErrorConfig = field(default_factory=GradErrorConfig)
