@@ -24,6 +24,7 @@ _EXPORTS = {
     "Sample": "sequences", "TextSequences": "sequences", "TokenSequences": "sequences", "TrainingData": "sequences",
     "document_bounds": "sequences",
     "DataStats": "stats",
+    "data_splits": "sources",
     "BUNDLED_CORPUS": "text", "Document": "text", "cache_dir": "text", "tokenize_documents": "text",
     "BUNDLED_TOKENIZER": "tokenizer", "load_tokenizer": "tokenizer",
 }
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from .errors import DataError
     from .packing import PackedSequences, pack
     from .sequences import Sample, TextSequences, TokenSequences, TrainingData, document_bounds
+    from .sources import data_splits
     from .stats import DataStats
     from .text import BUNDLED_CORPUS, Document, cache_dir, tokenize_documents
     from .tokenizer import BUNDLED_TOKENIZER, load_tokenizer

@@ -40,7 +40,7 @@ from .errors import DataError
 from .stats import counted
 from .text import BUNDLED_CORPUS, cache_folder, compressed, compression_of, not_utf8, read_documents
 
-__all__ = ["Rows", "check_data_path", "data_fingerprint", "open_rows"]
+__all__ = ["Rows", "check_data_path", "data_fingerprint", "data_splits", "open_rows"]
 
 _BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 _KINDS = {".txt": ".txt", ".json": ".json/.jsonl", ".jsonl": ".json/.jsonl", ".parquet": ".parquet", ".csv": ".csv",
@@ -551,6 +551,38 @@ def check_data_path(path: str) -> Path:
         raise DataError(f"data path {str(root)!r} does not exist",
                         "pass --data a text, json/jsonl, parquet or csv file, a folder of them, or a save_to_disk folder")
     return root
+
+
+def data_splits(path: str | None) -> list[str]:
+    """The names of the splits :func:`open_rows` reads from the data at ``path`` (None: the bundled corpus), without
+    reading any row: ``['train']`` for the bundled corpus, a single file and plain text; a folder's splits as its
+    file and folder names give them (``train``, ``validation``, ``test``, ...); a ``save_to_disk`` folder's as its
+    ``dataset_dict.json`` lists them (a saved single ``Dataset``: ``['train']``).
+
+    Raises:
+        DataError: what :func:`open_rows` refuses of the path itself (missing, a folder of no data file or of
+            several formats, an unreadable ``dataset_dict.json``).
+    """
+    if path is None:
+        return ["train"]
+    root = check_data_path(path)
+    if _saved(root):
+        index = root / "dataset_dict.json"
+        if not index.is_file():
+            return ["train"]
+        import json
+
+        try:
+            return [str(s) for s in json.loads(index.read_text(encoding="utf-8"))["splits"]]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise DataError(f"cannot read the splits of {str(root)!r} ({index.name}: {_one_line(exc)})",
+                            "write the folder again with DatasetDict.save_to_disk") from exc
+    if not root.is_dir():
+        return ["train"]
+    files = _data_files(root)
+    if _folder_kind(root, files) == ".txt":
+        return ["train"]
+    return list(_split_files(root, files))
 
 
 def open_rows(path: str | None, split: str = "train", streaming: bool = False) -> Rows:
