@@ -4,7 +4,15 @@ from __future__ import annotations
 
 from ..data.sequences import Sample, document_bounds
 
-__all__ = ["Sample", "SequenceStream", "document_bounds"]
+__all__ = ["Sample", "SequenceStream", "document_bounds", "sample_bounds"]
+
+
+def sample_bounds(sample: Sample, document_mask: bool, eos_token_id: int | None):
+    """The ``cu_seqlens`` a sample trains (and is evaluated) with: its own, else (``document_mask``) a document ends
+    after each ``eos_token_id`` token, else ``None`` (one stream)."""
+    if sample.cu_seqlens is not None or not document_mask:
+        return sample.cu_seqlens
+    return document_bounds(sample.input_ids, eos_token_id)
 
 
 class SequenceStream:

@@ -14,7 +14,7 @@ from ..distributed import DistributedContext, RankFailedError, agree_ok, all_red
 from ..engine.engine import NO_TARGETS
 from ..memory import is_out_of_memory
 from .schedule import lr_at, warmup_steps
-from .sequences import Sample, SequenceStream, document_bounds
+from .sequences import Sample, SequenceStream, sample_bounds
 
 __all__ = ["StepError", "StepRecord", "StepStopped", "Trainer"]
 
@@ -152,9 +152,7 @@ class Trainer:
     def document_bounds(self, sample: Sample) -> torch.Tensor | None:
         """The ``cu_seqlens`` a sample trains with: its own, else (``document_mask``) a document ends after each
         EOS token, else ``None``."""
-        if sample.cu_seqlens is not None or not self.document_mask:
-            return sample.cu_seqlens
-        return document_bounds(sample.input_ids, self.eos_token_id)
+        return sample_bounds(sample, self.document_mask, self.eos_token_id)
 
     def _agree(self, ok: bool, step: int) -> None:
         """Every rank learns whether every rank got here without an error (no rank waits on a failed one)."""
