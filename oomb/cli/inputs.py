@@ -306,3 +306,64 @@ def _training_data(args: argparse.Namespace):
         return path, tokenizer, data_lib.build_training_data(args.job.data, tokenizer, seed=args.seed)
     except data_lib.DataError as exc:
         raise _data_usage_error(args, exc) from exc
+
+
+def _held_out_data(args: argparse.Namespace, tokenizer):
+    """The held-out data of ``oomb train --val-every N``: the split :attr:`ValidationConfig.split` names (default:
+    validation, else test) of --val-data (read with every other data setting of the run) or of --data, built by
+    :func:`oomb.data.build_training_data` as the training data is; ``(data, where, note)``, ``where`` naming it for
+    messages (``"--data DIR [validation]"``), ``note`` a line to print once every check has passed (the held-out
+    split is the one training reads) or None; None without --val-every.
+
+    Raises:
+        UsageError: the data has no such split, or (the default) neither validation nor test where --val-data is
+            not given (naming the splits it has and how to add one), or its held-out split cannot be built.
+    """
+    from dataclasses import replace
+
+    from .. import data as data_lib
+    from .errors import _named
+
+    val = args.job.validation
+    if not val.every:
+        return None
+    path = val.data if val.data is not None else args.job.data.path
+    shown = f"--val-data {val.data}" if val.data is not None else \
+        f"--data {args.job.data.path}" if args.job.data.path is not None else "the bundled corpus"
+    every = _named(args, "validation.every", "--val-every")
+    try:
+        splits = data_lib.data_splits(path)
+    except data_lib.DataError as exc:
+        if val.data is None:
+            raise _data_usage_error(args, exc) from exc
+        raise UsageError(f"{_named(args, 'validation.data', '--val-data')}: {exc.problem}", exc.fix) from exc
+    has = ", ".join(splits)
+    if val.split is not None:
+        if val.split not in splits:
+            others = [s for s in ("validation", "test", "train") if s in splits] or splits
+            raise UsageError(f"{_named(args, 'validation.split', '--val-split')} {val.split!r}: {shown} has no split "
+                             f"{val.split!r} (its splits: {has})",
+                             f"pass --val-split {others[0]}, or --val-data PATH with such a split")
+        split = val.split
+    else:
+        split = next((s for s in ("validation", "test") if s in splits), None)
+        if split is None and val.data is not None:
+            split = "train" if "train" in splits else splits[0]
+        if split is None:
+            folder = path is not None and Path(path).expanduser().is_dir()
+            add = ("add validation.jsonl (held-out rows, named like the training files) beside its train file"
+                   if folder else "put the rows in a folder as train.jsonl with held-out rows in validation.jsonl")
+            raise UsageError(f"{every} {val.every} evaluates the held-out split of {shown}, which has no validation "
+                             f"or test split (its splits: {has})",
+                             f"{add}, or pass --val-data PATH (held-out data) or --val-split NAME")
+    note = None
+    if val.data is None and split == args.job.data.split:
+        note = (f"oomb: note: --val-split {split} is the split training reads: the held-out loss is of training "
+                "sequences")
+    where = f"{shown} [{split}]"
+    cfg = replace(args.job.data, path=path, split=split)
+    try:
+        return data_lib.build_training_data(cfg, tokenizer, seed=args.seed), where, note
+    except data_lib.DataError as exc:
+        problem, fix = exc.parts(lambda setting: _data_setting(args, setting))
+        raise UsageError(f"the held-out data {where}: {problem}", fix.replace("--data-split", "--val-split")) from exc

@@ -56,6 +56,22 @@ def _step_error(exc) -> _RunError:
     return _RunError(f"step {step} failed: {_one_line(exc.detail)}", "check the data")
 
 
+def _val_error(exc) -> _RunError:
+    """The one-line message of a failed held-out evaluation (:class:`oomb.train.ValError`), with its fix in flags."""
+    step, kind = exc.step, exc.kind
+    if kind == "out_of_memory":
+        return _RunError(f"out of memory evaluating the held-out loss after step {step}",
+                         "pass a smaller --val-sequences or --chunk-size, or leave --val-every out")
+    if kind == "other_rank":
+        return _RunError(f"the held-out loss after step {step}: another rank failed (its error is printed above)",
+                         "all ranks stopped")
+    if kind == "non_finite":
+        return _RunError(f"the held-out loss became {exc.detail} after step {step}",
+                         "lower --lr and run again with --overwrite, or --resume from a checkpoint with a lower --lr")
+    return _RunError(f"the held-out loss after step {step} failed: {_one_line(exc.detail)}",
+                     "check the held-out data (--val-data, --val-split)")
+
+
 def _write_failure(exc: BaseException) -> str | None:
     """Why writing a file of the run failed, for the one-line error (e.g. "the disk is full (No space left on
     device)"), where ``exc`` is what a write raises: an OSError, safetensors' SafetensorError, the RuntimeError of
@@ -220,11 +236,12 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
     from ..checkpoint import GracefulStop, find_latest, rng_state, save_checkpoint
     from ..data.stats import counted
     from ..distributed import global_any
-    from ..train import SequenceStream, StepError, StepLog, StepStopped, TensorBoardLog, Trainer, warmup_steps
+    from ..train import SequenceStream, StepError, StepLog, StepStopped, TensorBoardLog, Trainer, ValError, warmup_steps
 
     tokenizer, sequences, model, engine = run["tokenizer"], run["sequences"], run["model"], run["engine"]
     params, optimizer, start_step = run["params"], run["optimizer"], run["start_step"]
     sharding = run["sharding"]  # FSDP2 shards (--shard under torchrun): checkpoints and the saved model gather them
+    held_out = run["held_out"]  # the held-out loss of --val-every (HeldOutLoss), or None
     main_rank = ctx.is_main
     log_path = out / "log.jsonl"
     log = board = None
@@ -269,6 +286,10 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
         )
         print(f"oomb: {sequences.stats.summary()}; tokenizer {run['tokenizer_path'] or 'bundled'}", file=sys.stderr)
         print(f"oomb: {run['store_summary']}", file=sys.stderr)
+        if held_out is not None:
+            print(f"oomb: held-out loss every {counted(args.val_every, 'step')} and after the last: "
+                  f"{counted(len(held_out.sequences), 'sequence')} of {run['held_out_where']} "
+                  f"({held_out.tokens:,} target tokens)", file=sys.stderr)
         drawn = (args.steps - start_step) * K * W
         if drawn > len(sequences):
             print(f"oomb: note: {counted(args.steps - start_step, 'step')} x {counted(K * W, 'sequence')} = "
@@ -356,15 +377,25 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
                         return 0
                     first_loss = record.loss if first_loss is None else first_loss
                     last_loss = record.loss
-                    unlogged = None  # rank 0: the OSError of writing this step's record to log.jsonl
+                    val = None  # the held-out loss after this step (--val-every), on every rank alike
+                    if held_out is not None and (step % args.val_every == 0 or step == args.steps):
+                        try:
+                            val = held_out.evaluate(step)
+                        except ValError as exc:
+                            raise _val_error(exc) from exc
+                    unlogged = None  # rank 0: the OSError of writing this step's record (and val's) to log.jsonl
                     if main_rank:
                         try:
                             log.write(record.to_json())
+                            if val is not None:
+                                log.write(val.to_json())
                         except OSError as exc:
                             unlogged = exc
                     if main_rank and unlogged is None:
                         if board is not None:
                             board.write(record.to_json())
+                            if val is not None:
+                                board.write(val.to_json())
                         bar.set_postfix(loss=f"{record.loss:.3f}", tok_s=f"{record.tokens_per_s:.0f}")
                         bar.update(1)
                         if step % args.log_every == 0 or step == args.steps:
@@ -373,6 +404,10 @@ def _run(args: argparse.Namespace, out: Path, device, dtype, ctx, run: dict) -> 
                             kept = f"  kept graphs {record.kept_graphs}" if record.kept_graphs else ""
                             tqdm.write(f"step {step:>5,}/{args.steps:,}  loss {record.loss:.4f}  {record.tokens_per_s:,.0f} tok/s  "
                                        f"{record.seconds:.2f} s  lr {record.lr:.2e}{mem}{kept}", file=sys.stdout)
+                        if val is not None:
+                            tqdm.write(f"val  {step:>5,}/{args.steps:,}  val_loss {val.val_loss:.4f}  "
+                                       f"{val.val_tokens:,} tokens of {counted(val.val_sequences, 'sequence')}  "
+                                       f"{val.val_seconds:.2f} s", file=sys.stdout)
                     requested, log_failed = stop.requested is not None, unlogged is not None
                     if ctx.enabled:  # the step's one all-reduce of the CLI: a signal on any rank, rank 0's log write
                         requested, log_failed = global_any([requested, log_failed], device)

@@ -25,7 +25,7 @@ from .checks import (
     _warn_if_sparse_is_dense,
     _warn_if_warmup_outlasts_the_run,
 )
-from .inputs import _training_data, _vocab_size
+from .inputs import _held_out_data, _training_data, _vocab_size
 from .errors import UsageError, _allocation_refusal, _one_line
 from .output import _broken_latest_pointer, _replaced_run_resume, _saved_model_of
 from .resume import (
@@ -117,6 +117,7 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
     if args.resume is not None:
         _check_resume_fingerprint(read_settings(path, "fingerprint"), fingerprint, path,  # the data's digest too
                                   (read_settings(path) or {}).get("data"), _data_settings(args, tokenizer))
+    held = _held_out_data(args, tokenizer)  # (--val-every) its splits and sequences refused before any weight is built
 
     # The model's config is checked before any weight is read or initialised.
     try:
@@ -125,6 +126,8 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
     except (UnknownModelError, UnsupportedModelError) as exc:
         raise _usage_from(exc, "use a Qwen2/2.5, Llama 2/3, Mistral or Qwen3 causal LM (see 'oomb train --help')") from exc
     _check_vocab(sequences.max_token(), int(model_config.vocab_size), args.model)
+    if held is not None:
+        _check_vocab(held[0].max_token(), int(model_config.vocab_size), args.model, f"the held-out data {held[1]} has")
     from ..models.limits import lora_rank_problem
 
     lora_problem = lora_rank_problem(model_config, args.lora_rank, args.model)
@@ -234,6 +237,17 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         raise refusal from exc
 
     t_reserve_s = time.perf_counter() - t_reserve
+    held_out_loss = None
+    if held is not None:
+        from ..train import HeldOutLoss, held_out
+
+        try:
+            held_out_loss = HeldOutLoss(engine, held_out(held[0], args.val_sequences), dist=ctx, device=device,
+                                        eos_token_id=tokenizer.eos_token_id, document_mask=args.document_mask,
+                                        sharding=sharding)
+        except ValueError as exc:
+            raise UsageError(f"the held-out data {held[1]}: {_one_line(exc)}",
+                             "pass other held-out data (--val-data PATH or --val-split NAME)") from exc
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = build_optimizer(args.optimizer, params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95),
@@ -270,6 +284,8 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
     if ctx.is_main:  # after every refusal: a warning never comes with an error line
         if shard_note:
             print(shard_note, file=sys.stderr)
+        if held is not None and held[2]:
+            print(held[2], file=sys.stderr)
         if warning:
             print(warning, file=sys.stderr)
         _warn_if_segment_pages_unused(args)
@@ -285,5 +301,5 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
     return dict(tokenizer=tokenizer, tokenizer_path=tokenizer_path, sequences=sequences, model=model, engine=engine,
                 params=params, sharding=sharding,
                 optimizer=optimizer, fingerprint=fingerprint, settings=_checkpoint_settings(args, device, tokenizer), start_step=start_step,
-                finished=finished,
+                finished=finished, held_out=held_out_loss, held_out_where=held[1] if held is not None else None,
                 store_summary=_store_summary(store, args.seq_len, args.page_size, t_reserve_s))

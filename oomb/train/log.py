@@ -1,5 +1,7 @@
 """The step logs of a training run: one JSON object per optimizer step in ``log.jsonl`` (:class:`StepLog`), and the
-same records as TensorBoard scalars (:class:`TensorBoardLog`). Both take :meth:`StepRecord.to_json` dicts."""
+same records as TensorBoard scalars (:class:`TensorBoardLog`). Both take :meth:`StepRecord.to_json` dicts, and the
+held-out evaluations' :meth:`ValRecord.to_json` dicts (``step``, ``val_loss``, ``val_tokens``, ...; no ``loss``): a
+line of their own after their step's line."""
 
 from __future__ import annotations
 
@@ -20,13 +22,13 @@ def _line_step(line: str) -> float:
 
 
 class StepLog:
-    """Append-only JSON Lines log of step records, flushed after each record.
+    """Append-only JSON Lines log of step records (and held-out records), flushed after each record.
 
     Args:
         path: the ``log.jsonl`` file.
         start_step: the step the run continues from (0: a new run). A new run starts the file empty; a resumed
-            one keeps the records of steps ``<= start_step`` and drops the later ones (they are trained again),
-            rewriting the file atomically.
+            one keeps the records of steps ``<= start_step`` (the held-out records of those steps too) and drops the
+            later ones (they are trained and evaluated again), rewriting the file atomically.
     """
 
     def __init__(self, path: str | os.PathLike, start_step: int = 0) -> None:
@@ -62,7 +64,8 @@ class StepLog:
 
 
 TENSORBOARD_SCALARS = {"loss": "train/loss", "lr": "train/lr", "grad_norm": "train/grad_norm",
-                       "tokens_per_s": "perf/tokens_per_s", "peak_memory_gib": "perf/peak_memory_gib"}
+                       "tokens_per_s": "perf/tokens_per_s", "peak_memory_gib": "perf/peak_memory_gib",
+                       "val_loss": "val/loss"}
 """Record key -> TensorBoard tag of each scalar :class:`TensorBoardLog` writes (``peak_memory_gib``: the record's
 ``peak_memory_bytes`` / 2**30, where the record has one)."""
 
