@@ -151,8 +151,8 @@ _DESCRIPTIONS = {
     "train": (
         "train a model on long token sequences",
         "Train a causal LM with oomb's chunk-recurrent step. Defaults: the 'tiny' preset on the bundled Austen corpus "
-        "and tokenizer, on CPU. Writes <output-dir>/log.jsonl (one JSON line per step) and the final model (or LoRA "
-        "adapter) and tokenizer as safetensors.",
+        "and tokenizer, on CPU. Writes <output-dir>/log.jsonl (one JSON line per step, and one per held-out "
+        "evaluation with --val-every), loss.png and the final model (or LoRA adapter) and tokenizer as safetensors.",
     ),
     "plan": (
         "predict GPU and host memory of a run and the largest context that fits",

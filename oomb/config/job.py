@@ -337,8 +337,8 @@ class OutputConfig:
     """Progress bars: shown (true), hidden (false), or None: shown when stderr is a terminal."""
 
     report_to: Literal["none", "tensorboard"] = "none"
-    """Also log every step's loss, lr, grad_norm, tokens_per_s and peak memory as TensorBoard event files in
-    <output-dir>/tensorboard (offline; point TensorBoard's logdir there). log.jsonl and,
+    """Also log every step's loss, lr, grad_norm, tokens_per_s and peak memory (and the held-out loss of --val-every)
+    as TensorBoard event files in <output-dir>/tensorboard (offline; point TensorBoard's logdir there). log.jsonl and,
     at the end of the run, loss.png (loss and tokens/s against step) are always written."""
 
     @_in("output")
