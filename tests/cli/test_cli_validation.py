@@ -272,3 +272,29 @@ def test_print_config_round_trips_the_validation_section(tmp_path, capsys):
     assert capsys.readouterr().out == text
     assert run_cli(["train", "--config", config, "--val-every", "0", "--print-config"]) == 2
     assert "validation.split (in " in _one_error_line(capsys)
+
+
+@pytest.mark.slow  # torchrun with two gloo ranks
+def test_torchrun_ranks_share_the_held_out_sequences(tmp_path, folder):
+    """Under torchrun (2 gloo ranks, one launch) 3 held-out sequences are shared 2 + 1, with --shard none, params
+    (rank 1 repeats a forward it does not count, as FSDP2's all-gathers need) and grads-optim: the held-out loss of
+    rank 0's log is that of one process evaluating all 3 (a tiny --lr: the same weights whatever the ranks)."""
+    from tests.cli.test_cli_shard import DRIVER, _torchrun
+
+    common = ["train", "--data", folder, *FAST, "--steps", "2", "--val-every", "1", "--val-sequences", "3",
+              "--lr", "1e-6"]
+    modes = ("none", "params", "grads-optim")
+    target = [DRIVER, tmp_path / "statuses.json"]
+    for mode in modes:
+        target += ["--", *map(str, [*common, "--shard", mode, "--output-dir", tmp_path / mode])]
+    res = _torchrun(target)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads((tmp_path / "statuses.json").read_text()) == [0, 0, 0], res.stderr[-3000:]
+    assert run_cli([*common, "--grad-accum", "2", "--output-dir", tmp_path / "one"]) == 0
+    _, want = _log(tmp_path / "one")
+    assert [(r["step"], r["val_tokens"], r["val_sequences"]) for r in want] == [(1, 93, 3), (2, 93, 3)]
+    for mode in modes:
+        _, got = _log(tmp_path / mode)
+        assert [(r["step"], r["val_tokens"], r["val_sequences"]) for r in got] == [(1, 93, 3), (2, 93, 3)], mode
+        for g, w in zip(got, want):
+            assert g["val_loss"] == pytest.approx(w["val_loss"], abs=1e-5), (mode, got, want)
