@@ -336,7 +336,8 @@ def _held_out_data(args: argparse.Namespace, tokenizer):
     except data_lib.DataError as exc:
         if val.data is None:
             raise _data_usage_error(args, exc) from exc
-        raise UsageError(f"{_named(args, 'validation.data', '--val-data')}: {exc.problem}", exc.fix) from exc
+        raise UsageError(f"{_named(args, 'validation.data', '--val-data')}: {exc.problem}",
+                         exc.fix.replace("pass --data", "pass --val-data")) from exc
     has = ", ".join(splits)
     if val.split is not None:
         if val.split not in splits:

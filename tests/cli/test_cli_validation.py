@@ -162,22 +162,29 @@ def test_evaluations_every_n_steps_and_after_the_last(tmp_path, folder, capsys):
     assert png_kind(out / "loss.png") == "loss"
 
 
-def test_training_is_unchanged_by_evaluations_and_resumes_bitwise(tmp_path, folder):
-    """The training losses with --val-every are those without it, bit for bit; a run resumed from a checkpoint of
-    a --val-every run trains and evaluates as the uninterrupted one did."""
-    base = ["train", "--data", folder, *FAST, "--steps", "3", "--save-every", "2", "--lr", "1e-2"]
+def test_training_is_unchanged_by_evaluations(tmp_path, folder):
+    """The training losses and gradient norms with --val-every are those without it, bit for bit."""
+    base = ["train", "--data", folder, *FAST, "--steps", "3", "--lr", "1e-2"]
     assert run_cli([*base, "--output-dir", tmp_path / "plain"]) == 0
     assert run_cli([*base, "--val-every", "1", "--val-sequences", "2", "--output-dir", tmp_path / "val"]) == 0
     plain, _ = _log(tmp_path / "plain")
     steps, vals = _log(tmp_path / "val")
-    assert [r["loss"] for r in steps] == [r["loss"] for r in plain]
-    assert [r["grad_norm"] for r in steps] == [r["grad_norm"] for r in plain]
+    assert [(r["loss"], r["grad_norm"]) for r in steps] == [(r["loss"], r["grad_norm"]) for r in plain]
     assert [r["step"] for r in vals] == [1, 2, 3]
-    assert run_cli([*base, "--val-every", "1", "--val-sequences", "2", "--resume",
-                    tmp_path / "val" / "checkpoints" / "step-00000002", "--output-dir", tmp_path / "resumed"]) == 0
-    r_steps, r_vals = _log(tmp_path / "resumed")
-    assert [(r["step"], r["loss"]) for r in r_steps] == [(r["step"], r["loss"]) for r in steps[2:]]
-    assert [(r["step"], r["val_loss"]) for r in r_vals] == [(r["step"], r["val_loss"]) for r in vals[2:]]
+
+
+def test_a_resumed_run_trains_and_evaluates_as_the_uninterrupted_one(tmp_path, folder):
+    """A run resumed from a checkpoint of a --val-every run has the training and held-out losses of the
+    uninterrupted run, bit for bit; in its own folder the log keeps the evaluation of the checkpoint's step once."""
+    base = ["train", "--data", folder, *FAST, "--steps", "3", "--save-every", "2", "--lr", "1e-2", "--val-every", "1",
+            "--val-sequences", "2"]
+    assert run_cli([*base, "--output-dir", tmp_path / "val"]) == 0
+    steps, vals = _log(tmp_path / "val")
+    shutil.rmtree(tmp_path / "val" / "checkpoints" / "step-00000003")
+    assert run_cli([*base, "--resume", "latest", "--output-dir", tmp_path / "val"]) == 0
+    r_steps, r_vals = _log(tmp_path / "val")
+    assert [(r["step"], r["loss"]) for r in r_steps] == [(r["step"], r["loss"]) for r in steps]
+    assert [(r["step"], r["val_loss"]) for r in r_vals] == [(r["step"], r["val_loss"]) for r in vals]
 
 
 def test_an_evaluation_restores_random_generators_and_modes():
@@ -234,6 +241,15 @@ def test_a_split_the_data_lacks_is_refused(tmp_path, folder, capsys):
     assert run_cli(["train", "--data", folder, *FAST, "--val-every", "1", "--val-split", "dev", "--output-dir", out]) == 2
     line = _one_error_line(capsys)
     assert "--val-split 'dev'" in line and "its splits: train, validation" in line and "--val-split validation" in line
+    assert not (out / "log.jsonl").exists()
+
+
+def test_a_missing_val_data_path_is_refused(tmp_path, folder, capsys):
+    out = tmp_path / "run"
+    assert run_cli(["train", "--data", folder, *FAST, "--val-every", "1", "--val-data", tmp_path / "nope.jsonl",
+                    "--output-dir", out]) == 2
+    line = _one_error_line(capsys)
+    assert line.startswith("oomb: error: --val-data: data path") and "does not exist" in line and "pass --val-data" in line
     assert not (out / "log.jsonl").exists()
 
 
