@@ -314,3 +314,23 @@ def test_torchrun_ranks_share_the_held_out_sequences(tmp_path, folder):
         assert [(r["step"], r["val_tokens"], r["val_sequences"]) for r in got] == [(1, 93, 3), (2, 93, 3)], mode
         for g, w in zip(got, want):
             assert g["val_loss"] == pytest.approx(w["val_loss"], abs=1e-5), (mode, got, want)
+
+
+def test_data_splits_names_the_splits_without_reading_rows(tmp_path, folder):
+    """The splits the held-out default is chosen from: a folder's by its file names, a save_to_disk DatasetDict's by
+    its index, one train split for a single file, a folder of .txt files and the bundled corpus."""
+    from datasets import Dataset, DatasetDict
+
+    from oomb.data import data_splits
+
+    assert data_splits(str(folder)) == ["train", "validation"]
+    assert data_splits(str(folder / "train.jsonl")) == ["train"]
+    assert data_splits(None) == ["train"]
+    (tmp_path / "txt").mkdir()
+    (tmp_path / "txt" / "test.txt").write_text(SENTENCE)  # a .txt folder is one split of documents
+    assert data_splits(str(tmp_path / "txt")) == ["train"]
+    rows = Dataset.from_list(_rows(3, "x"))
+    DatasetDict({"train": rows, "test": rows}).save_to_disk(str(tmp_path / "saved"))
+    assert data_splits(str(tmp_path / "saved")) == ["train", "test"]
+    rows.save_to_disk(str(tmp_path / "single"))
+    assert data_splits(str(tmp_path / "single")) == ["train"]
