@@ -555,8 +555,8 @@ def check_data_path(path: str) -> Path:
 
 def data_splits(path: str | None) -> list[str]:
     """The names of the splits :func:`open_rows` reads from the data at ``path`` (None: the bundled corpus), without
-    reading any row: ``['train']`` for the bundled corpus, a single file and plain text; a folder's splits as its
-    file and folder names give them (``train``, ``validation``, ``test``, ...); a ``save_to_disk`` folder's as its
+    reading any row: ``['train']`` for the bundled corpus and a single file; a folder's splits (also a folder of
+    ``.txt`` files) as its file and folder names give them (``train``, ``validation``, ``test``, ...); a ``save_to_disk`` folder's as its
     ``dataset_dict.json`` lists them (a saved single ``Dataset``: ``['train']``).
 
     Raises:
@@ -580,8 +580,7 @@ def data_splits(path: str | None) -> list[str]:
     if not root.is_dir():
         return ["train"]
     files = _data_files(root)
-    if _folder_kind(root, files) == ".txt":
-        return ["train"]
+    _folder_kind(root, files)  # refuses a folder of no data file, or of several formats
     return list(_split_files(root, files))
 
 

@@ -318,7 +318,8 @@ def test_torchrun_ranks_share_the_held_out_sequences(tmp_path, folder):
 
 def test_data_splits_names_the_splits_without_reading_rows(tmp_path, folder):
     """The splits the held-out default is chosen from: a folder's by its file names, a save_to_disk DatasetDict's by
-    its index, one train split for a single file, a folder of .txt files and the bundled corpus."""
+    its index, a folder of .txt files by its file names, one train split for a single file, a folder of .txt files
+    whose names say no split and the bundled corpus."""
     from datasets import Dataset, DatasetDict
 
     from oomb.data import data_splits
@@ -327,8 +328,11 @@ def test_data_splits_names_the_splits_without_reading_rows(tmp_path, folder):
     assert data_splits(str(folder / "train.jsonl")) == ["train"]
     assert data_splits(None) == ["train"]
     (tmp_path / "txt").mkdir()
-    (tmp_path / "txt" / "test.txt").write_text(SENTENCE)  # a .txt folder is one split of documents
+    (tmp_path / "txt" / "emma.txt").write_text(SENTENCE)  # no name says a split: one train split of documents
     assert data_splits(str(tmp_path / "txt")) == ["train"]
+    (tmp_path / "txt" / "emma.txt").rename(tmp_path / "txt" / "train.txt")
+    (tmp_path / "txt" / "test.txt").write_text(SENTENCE)
+    assert data_splits(str(tmp_path / "txt")) == ["train", "test"]
     rows = Dataset.from_list(_rows(3, "x"))
     DatasetDict({"train": rows, "test": rows}).save_to_disk(str(tmp_path / "saved"))
     assert data_splits(str(tmp_path / "saved")) == ["train", "test"]
