@@ -187,7 +187,79 @@ def _unreadable(path: Path | None, name: str, exc: BaseException) -> DataError:
     found (raised), else ``cannot read NAME (the reader's cause)``."""
     if path is not None:
         _first_bad_line(path)
+        if path.is_dir():
+            _refuse_differing_fields(path)
     return DataError(f"cannot read {name!r} ({_one_line(exc)})", _READABLE)
+
+
+def _kind(value: Any) -> str:
+    """The kind of a JSON value, as a message names it (an integer and a fraction are both a number, which the
+    reader casts to one type)."""
+    return ("a boolean" if isinstance(value, bool) else "a number" if isinstance(value, (int, float))
+            else "a string" if isinstance(value, str) else "a list" if isinstance(value, list) else "an object")
+
+
+def _fields_of(file: Path) -> dict[str, set[str]] | None:
+    """The fields of the rows of the data ``file``, each with the kinds of value it holds in them (named for JSON
+    rows only; empty for a table's columns), or None where the file cannot be read so."""
+    import json
+
+    suffix = _suffix(file)
+    try:
+        if suffix in (".json", ".jsonl"):
+            text = file.read_text(encoding="utf-8-sig")
+            try:
+                value = json.loads(text)
+                records = value if isinstance(value, list) else [value]
+            except ValueError:
+                records = [json.loads(line) for line in text.splitlines() if line.strip()]
+            fields: dict[str, set[str]] = {}
+            for record in records:
+                for key, item in (record.items() if isinstance(record, dict) else ()):
+                    fields.setdefault(key, set()).update([] if item is None else [_kind(item)])
+            return fields
+        if suffix == ".csv":
+            import csv
+
+            with open(file, newline="", encoding="utf-8-sig") as f:
+                return {name: set() for name in next((row for row in csv.reader(f) if row), [])}
+        if suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            return {name: set() for name in pq.read_schema(file).names}
+    except Exception:  # noqa: BLE001 -- any file this cannot read leaves the reader's own words to say it
+        return None
+    return None
+
+
+def _refuse_differing_fields(root: Path) -> None:
+    """Raise the DataError of a folder whose data files the reader failed on because they differ: two files of
+    different fields (``datasets`` reads a folder's files as one table, of the first file's columns), or of one
+    field that holds values of different kinds (a number in one, a string in the other)."""
+    def names(fields: dict[str, set[str]]) -> str:
+        shown = sorted(fields)
+        return ", ".join(shown[:8]) + (f", ... ({len(shown)} fields)" if len(shown) > 8 else "")
+
+    first: tuple[Path, dict[str, set[str]]] | None = None
+    fix = ("give every file the same fields (drop the ones training does not read, or add them to every file), or "
+           "move the files that differ to a folder of their own and pass --data one folder or file")
+    for file in _data_files(root):
+        fields = _fields_of(file)
+        if fields is None:
+            continue
+        if first is None:
+            first = (file, fields)
+            continue
+        a, b = first[0].relative_to(root), file.relative_to(root)
+        if set(fields) != set(first[1]):
+            raise DataError(f"folder {str(root)!r} holds files with different fields ({a}: {names(first[1])}; {b}: "
+                            f"{names(fields)}), which are read as one table", fix)
+        for key in sorted(fields):
+            if first[1][key] and fields[key] and not first[1][key] & fields[key]:
+                raise DataError(f"folder {str(root)!r} holds the field {key!r} as {' or '.join(sorted(first[1][key]))}"
+                                f" in {a} but as {' or '.join(sorted(fields[key]))} in {b}, and its files are read "
+                                "as one table", f"write {key!r} as one kind of value in every file (or drop it), or "
+                                "pass --data one file")
 
 
 def _split_of(obj, split: str, where: str):

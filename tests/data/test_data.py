@@ -250,3 +250,31 @@ def test_a_tokenizer_path_that_is_a_file_is_named_as_such(tmp_path):
     f.write_text("not a folder")
     with pytest.raises(DataError, match="is a file, not a folder"):
         load_tokenizer(str(f))
+
+
+@pytest.mark.parametrize("second, said", [
+    ({"text": "two", "id": 7}, "b.jsonl: id, text"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, "b.jsonl: messages"),
+])
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_folder_whose_files_have_different_fields_is_refused_naming_two_of_them(tmp_path, second, said, streaming):
+    from oomb.data.sources import open_rows
+
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "one"}) + "\n")
+    (tmp_path / "b.jsonl").write_text(json.dumps(second) + "\n")
+    with pytest.raises(DataError) as info:
+        list(open_rows(str(tmp_path), streaming=streaming))
+    assert info.value.problem == (f"folder {str(tmp_path)!r} holds files with different fields (a.jsonl: text; "
+                                  f"{said}), which are read as one table")
+    assert "same fields" in info.value.fix
+
+
+def test_a_folder_whose_files_hold_a_field_as_different_kinds_is_refused_naming_it(tmp_path):
+    from oomb.data.sources import open_rows
+
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "one", "id": 1}) + "\n")
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "two", "id": "x"}) + "\n")
+    with pytest.raises(DataError) as info:
+        list(open_rows(str(tmp_path)))
+    assert info.value.problem == (f"folder {str(tmp_path)!r} holds the field 'id' as a number in a.jsonl but as a "
+                                  "string in b.jsonl, and its files are read as one table")
