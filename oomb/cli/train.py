@@ -95,6 +95,8 @@ def _write_failure(exc: BaseException) -> str | None:
         return "the disk quota is exceeded (Disk quota exceeded)"
     if isinstance(exc, OSError) and exc.strerror:
         return f"{exc.strerror}{f' ({exc.filename})' if exc.filename else ''}"
+    if isinstance(exc, RuntimeError) and "unexpected pos" in text:  # torch.save's writer hides the errno of a short write
+        return f"a write was cut short, as on a full disk (torch.save: {text.split('. ', 1)[-1].strip()})"
     return text if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {text}"
 
 

@@ -1092,3 +1092,12 @@ def test_torchrun_into_a_folder_another_run_writes_is_refused_by_rank_0(tmp_path
     finally:
         holder.stdin.close()
         holder.wait(timeout=60)
+
+
+def test_a_short_write_of_torch_save_is_named_as_such_not_as_its_writer_assertion():
+    """torch.save's zip writer reports a write the full disk cut short as "[enforce fail at inline_container.cc:672]
+    . unexpected pos 15616 vs 15508", without the errno: the line says a write was cut short, as on a full disk."""
+    from oomb.cli.train import _write_failure
+
+    why = _write_failure(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 15616 vs 15508"))
+    assert why == "a write was cut short, as on a full disk (torch.save: unexpected pos 15616 vs 15508)"
