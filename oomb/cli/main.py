@@ -8,7 +8,7 @@ import warnings
 from typing import Sequence
 
 from .data import _data
-from .errors import UsageError, _allocation_refusal, _fail, _RunError
+from .errors import UsageError, _allocation_refusal, _fail, _out_of_space, _RunError
 from .measure import _bench, _eval, _grad_error
 from .parser import _build_parser, _job_config, _namespace
 from .plan import _plan
@@ -116,9 +116,13 @@ def _main(argv: Sequence[str] | None, signals: _StartupSignals) -> int:
         where = f" {exc.filename}" if exc.filename else ""
         _fail(f"permission denied:{where} ({exc.strerror or exc}); give this user access to it (chmod, chown) or pass "
               "another path", 2)
-    except RuntimeError as exc:  # an allocation the command did not expect to fail (the CPU allocator's error)
-        refusal = _allocation_refusal(exc)
-        if refusal is None:
+    except Exception as exc:  # an allocation the command did not expect to fail (the CPU allocator's error), or a
+        # write of its output (a merged model, --json, --heatmap, --make-output rows) that a full disk stopped
+        refusal = _allocation_refusal(exc) if isinstance(exc, RuntimeError) else None
+        if refusal is not None:
+            _fail(f"{refusal.problem}; {refusal.fix}", 2)
+        full = _out_of_space(exc)
+        if full is None:
             raise
-        _fail(f"{refusal.problem}; {refusal.fix}", 2)
+        _fail(f"{full}; free space on that disk, or pass an output path on another disk, and run the command again", 2)
     parser.error(f"unknown command {command!r}")  # pragma: no cover - argparse rejects it first

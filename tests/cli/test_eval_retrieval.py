@@ -256,3 +256,39 @@ def test_eval_help_names_every_file_eval_writes(capsys):
     description = " ".join(capsys.readouterr().out.split("\n\n")[1].split())
     written = next(s for s in description.split(". ") if "written" in s)
     assert "--json" in written and "--heatmap" in written, description
+
+
+def test_a_full_disk_under_oomb_data_make_is_one_line_and_keeps_the_earlier_rows(tmp_path, capsys, monkeypatch):
+    """A --make-output the disk has no room for: one line naming the full disk and the fix, exit 2 (it was a
+    traceback, exit 1), and the earlier rows at that path are left as they were."""
+    import errno
+    import pathlib
+
+    rows_file = tmp_path / "passkey.jsonl"
+    argv = ["data", "--make", "passkey", "--examples", "2", "--make-lengths", "120", "--make-output", rows_file]
+    assert run_cli(argv) == 0
+    before = rows_file.read_bytes()
+    real = pathlib.Path.write_text
+
+    def write_text(self, *a, **k):
+        if ".tmp-" in self.name:
+            real(self, "{", encoding="utf-8")  # a part written, then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(pathlib.Path, "write_text", write_text)
+    capsys.readouterr()
+    _check_refused(run_cli([*argv[:4], "3", *argv[5:]]), capsys,
+                   "a file cannot be written: the disk is full (No space left on device); free space on that disk")
+    assert rows_file.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["passkey.jsonl"]
+
+
+def test_a_full_disk_is_named_in_the_words_of_each_writer():
+    from safetensors import SafetensorError
+
+    from oomb.cli.errors import _out_of_space
+
+    said = "a file cannot be written: the disk is full (No space left on device)"
+    assert _out_of_space(SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")) == said
+    assert _out_of_space(OSError(28, "No space left on device", "/x/m.png")) == said.replace("written:", "written (/x/m.png):")
+    assert _out_of_space(ValueError("other")) is None
