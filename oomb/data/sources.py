@@ -613,7 +613,8 @@ def check_data_path(path: str) -> Path:
     """``path`` as a path (``~`` expanded), once it exists; reads nothing, and needs no torch.
 
     Raises:
-        DataError: the path is empty (which would read the current folder) or does not exist.
+        DataError: the path is empty (which would read the current folder), does not exist, or is neither a file
+            nor a folder (a pipe, a device).
     """
     if not str(path).strip():
         raise DataError(f"data path {str(path)!r} is empty",
@@ -622,6 +623,10 @@ def check_data_path(path: str) -> Path:
     if not root.exists():
         raise DataError(f"data path {str(root)!r} does not exist",
                         "pass --data a text, json/jsonl, parquet or csv file, a folder of them, or a save_to_disk folder")
+    if not root.is_file() and not root.is_dir():  # a pipe (<(zcat rows.jsonl.gz)), a device or a socket
+        raise DataError(f"data path {str(root)!r} is not a file or folder but a pipe, device or socket, which the data "
+                        "is read from more than once and named by its lines in",
+                        "write the data to a file (e.g. zcat rows.jsonl.gz > rows.jsonl) and pass --data that file")
     return root
 
 

@@ -278,3 +278,18 @@ def test_a_folder_whose_files_hold_a_field_as_different_kinds_is_refused_naming_
         list(open_rows(str(tmp_path)))
     assert info.value.problem == (f"folder {str(tmp_path)!r} holds the field 'id' as a number in a.jsonl but as a "
                                   "string in b.jsonl, and its files are read as one table")
+
+
+def test_a_pipe_as_data_is_refused_saying_what_to_pass(tmp_path):
+    """A named pipe or process substitution (``--data <(zcat rows.jsonl.gz)``), which is read once and has no file
+    name to read rows by, is refused naming it; it was "cannot read '/dev/fd/63' ('')"."""
+    import os
+
+    from oomb.data.sources import open_rows
+
+    pipe = tmp_path / "rows.jsonl"
+    os.mkfifo(pipe)
+    with pytest.raises(DataError) as info:
+        open_rows(str(pipe))
+    assert info.value.problem.startswith(f"data path {str(pipe)!r} is not a file or folder but a pipe, device or socket")
+    assert "write the data to a file" in info.value.fix
