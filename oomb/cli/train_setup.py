@@ -112,19 +112,19 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         # What the flags alone say of the checkpoint's run, before the data, model and store are checked: a
         # --seq-len (or any fingerprint fact) other than the checkpoint's is the problem to name, not what it breaks.
         path, notes = _resume_checkpoint(args, out, dtype, ctx.world_size)
+    # The model's config is checked before any weight is read or initialised, and before the data is tokenised
+    # (minutes for a large corpus), so that a misspelt --model is named at once.
+    try:
+        model_config = load_config(args.model)
+        check_config_supported(model_config)
+    except (UnknownModelError, UnsupportedModelError) as exc:
+        raise _usage_from(exc, "use a Qwen2/2.5, Llama 2/3, Mistral or Qwen3 causal LM (see 'oomb train --help')") from exc
     tokenizer_path, tokenizer, sequences = _training_data(args)
     fingerprint = _fingerprint(args, sequences, dtype, ctx.world_size)
     if args.resume is not None:
         _check_resume_fingerprint(read_settings(path, "fingerprint"), fingerprint, path,  # the data's digest too
                                   (read_settings(path) or {}).get("data"), _data_settings(args, tokenizer))
     held = _held_out_data(args, tokenizer)  # (--val-every) its splits and sequences refused before any weight is built
-
-    # The model's config is checked before any weight is read or initialised.
-    try:
-        model_config = load_config(args.model)
-        check_config_supported(model_config)
-    except (UnknownModelError, UnsupportedModelError) as exc:
-        raise _usage_from(exc, "use a Qwen2/2.5, Llama 2/3, Mistral or Qwen3 causal LM (see 'oomb train --help')") from exc
     _check_vocab(sequences.max_token(), int(model_config.vocab_size), args.model)
     if held is not None:
         _check_vocab(held[0].max_token(), int(model_config.vocab_size), args.model, f"the held-out data {held[1]} has")

@@ -263,3 +263,27 @@ def test_a_run_of_a_model_folder_with_a_tokenizer_model_alone_records_and_saves_
     text = "It is a truth  universally acknowledged,\n  that a single man 123."
     own = load_tokenizer(sentencepiece_folder)(text, add_special_tokens=False)["input_ids"]
     assert AutoTokenizer.from_pretrained(str(out))(text, add_special_tokens=False)["input_ids"] == own
+
+
+@pytest.mark.parametrize("model, said", [
+    ("qwen2.5-7bb", "unknown model 'qwen2.5-7bb': not a preset"),
+    ("bert", "model type 'bert' is not supported"),
+])
+def test_a_model_oomb_cannot_train_is_refused_before_the_data_is_tokenised(tmp_path, capsys, monkeypatch, model, said):
+    """A misspelt preset, or a folder of another architecture, is named at once: tokenising a large corpus first
+    took minutes before the refusal."""
+    import oomb.data
+
+    if model == "bert":
+        (tmp_path / "bert").mkdir()
+        (tmp_path / "bert" / "config.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 100}))
+        model = str(tmp_path / "bert")
+
+    def build_training_data(*a, **k):
+        raise AssertionError("the data was read before the model was checked")
+
+    monkeypatch.setattr(oomb.data, "build_training_data", build_training_data)
+    (tmp_path / "doc.txt").write_text("some words " * 50)
+    assert run_cli(["train", "--model", model, "--data", tmp_path / "doc.txt", *FAST, "--output-dir", tmp_path / "run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("oomb: error: ") and said in err and "Traceback" not in err, err
