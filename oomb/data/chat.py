@@ -94,12 +94,28 @@ def _check_compiles(template: str, path: str) -> None:
                         setting="chat_template") from exc
 
 
+def _refuse_json_text(value, name: str, where: str) -> None:
+    """Refuse a ``messages`` or ``segments`` field that is a string holding a JSON list (as a CSV cell holds it,
+    being text only), saying how to give the list itself."""
+    import json
+
+    if isinstance(value, str) and value.lstrip().startswith("["):
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            return
+        if isinstance(parsed, list):
+            raise DataError(f"{where}: {name} is a string of JSON text, not a list",
+                            f"write {name} as a list itself, in JSON Lines or parquet rows (a CSV cell holds only text)")
+
+
 def check_messages(messages, where: str) -> None:
     """Refuse a ``messages`` value that is not a list of ``{"role": one of ROLES, "content": str}``.
 
     Raises:
         DataError: naming ``where`` (the row) and the bad message.
     """
+    _refuse_json_text(messages, "messages", where)
     if not isinstance(messages, (list, tuple)) or not messages:
         raise DataError(f"{where}: messages is {type(messages).__name__ if messages else 'empty'}, not a list of messages",
                         'write messages as a list of {"role": ..., "content": ...}')
@@ -275,6 +291,7 @@ def check_segments(segments, where: str) -> None:
         DataError: naming ``where`` (the row) and the bad segment.
     """
     fix = 'write segments as a list of {"text": "...", "label": true|false}'
+    _refuse_json_text(segments, "segments", where)
     if not isinstance(segments, (list, tuple)) or not segments:
         what = "null" if segments is None else "empty" if isinstance(segments, (list, tuple)) else type(segments).__name__
         raise DataError(f"{where}: segments is {what}, not a list of segments", fix)

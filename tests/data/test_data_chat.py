@@ -224,3 +224,25 @@ def test_no_warning_where_the_end_of_turn_is_a_special_token_or_every_token_is_t
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         encode_messages(tok, CONVERSATION, template, loss_on, "row 0")
+
+
+@pytest.mark.parametrize("field", ["messages", "segments"])
+def test_a_list_field_written_as_json_text_in_a_csv_cell_is_refused_saying_to_write_json_lines(tmp_path, field):
+    """A CSV cell holds text only, so a ``messages`` column of JSON text reads as a string: the refusal says so and
+    names a format that holds lists, not "write messages as a list", which a CSV cannot."""
+    import csv
+    import json
+
+    from oomb.config import DataConfig
+    from oomb.data import build_training_data
+
+    value = ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}] if field == "messages"
+             else [{"text": "hi", "label": True}])
+    path = tmp_path / "rows.csv"
+    with open(path, "w", newline="") as f:
+        csv.writer(f).writerows([[field], [json.dumps(value)]])
+    with pytest.raises(DataError) as info:
+        build_training_data(DataConfig(path=str(path), seq_len=64, chat_template=str(TEMPLATES / "chatml.jinja") if field == "messages" else None),
+                            load_tokenizer())
+    assert info.value.problem == f"{path} row 1: {field} is a string of JSON text, not a list"
+    assert info.value.fix == f"write {field} as a list itself, in JSON Lines or parquet rows (a CSV cell holds only text)"
