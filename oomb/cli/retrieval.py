@@ -54,6 +54,10 @@ def _eval_retrieval(args: argparse.Namespace, budgets: list[int]) -> int:
     if args.task == "passkey" and args.data is not None:
         raise UsageError("--data is not read by --task passkey (its haystack is fixed filler text)",
                          "leave --data out, or pass --task needle to hide needles in that text")
+    if args.task == "passkey" and (args.data_split != "train" or args.text_field != "text"):
+        flag = "--data-split" if args.data_split != "train" else "--text-field"
+        raise UsageError(f"{flag} is not read by --task passkey (it reads no --data: its haystack is fixed filler text)",
+                         f"leave {flag} out, or pass --task needle with --data to hide needles in that text")
     _check_backend_device(args)
     _check_report_task(args)
     _check_json_arg(args, RETRIEVAL_REPORT_KEYS, f"eval --task {args.task}")

@@ -68,13 +68,13 @@ COMMANDS: dict[str, list[tuple[str, tuple[str, ...] | None]]] = {
         ("plan", _ALL),
     ],
     "eval": [
-        ("model", ("name", "device", "dtype", "seed")), ("data", ("path", "tokenizer", "seq_len")),
+        ("model", ("name", "device", "dtype", "seed")), ("data", ("path", "split", "text_field", "tokenizer", "seq_len")),
         ("engine", ("chunk_size", "page_size", "attention_backend")),
         ("engine.sparse", ("sink_pages", "local_pages", "score")), ("engine.offload", _ALL),
         ("engine.kernels", _ALL), ("eval", _ALL),
     ],
     "grad-error": [
-        ("model", ("name", "device", "dtype", "seed")), ("data", ("path", "tokenizer", "seq_len")),
+        ("model", ("name", "device", "dtype", "seed")), ("data", ("path", "split", "text_field", "tokenizer", "seq_len")),
         ("engine", ("chunk_size", "page_size", "attention_backend")),
         ("engine.sparse", ("sink_pages", "local_pages", "score")), ("engine.kernels", _ALL), ("grad_error", _ALL),
     ],

@@ -160,7 +160,7 @@ class DataConfig:
     Dataset.save_to_disk folder (read with the datasets library); default: the bundled Austen corpus."""
 
     split: str = field(default="train", metadata=flag("--data-split"))
-    """The split of the data to train on (a single file's one split is train)."""
+    """The split of the data to read (a single file's one split is train; for oomb eval, e.g. validation or test)."""
 
     format: Literal["auto", "text", "messages", "prompt-completion", "segments"] = field(
         default="auto", metadata=flag("--data-format"))

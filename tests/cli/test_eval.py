@@ -274,3 +274,22 @@ def test_a_damaged_or_edited_checkpoint_meta_is_one_line_naming_the_earlier_chec
         assert run_cli(["eval", "--model", meta_file.parent, "--data", text_file, *SMALL, "--num-windows", "1"]) == 2
         assert f"pass the earlier checkpoint beside it, {out / 'checkpoints' / 'step-00000001'}, or restore" in \
             capsys.readouterr().err
+
+
+def test_data_split_and_text_field_pick_the_held_out_rows(tmp_path, text_file, capsys):
+    """A folder of train.jsonl and test.jsonl was read at its train split, with no flag to pick the held-out one:
+    --data-split (and --text-field) read as in oomb train; --task passkey, which reads no --data, refuses them."""
+    folder = tmp_path / "rows"
+    folder.mkdir()
+    text = text_file.read_text()
+    (folder / "train.jsonl").write_text(json.dumps({"body": "short words " * 3}) + "\n")
+    (folder / "test.jsonl").write_text(json.dumps({"body": text}) + "\n")
+    argv = ["--data", folder, "--text-field", "body", *SMALL, "--num-windows", "1"]
+    held_out = run_eval(tmp_path, [*argv, "--data-split", "test"])
+    assert held_out["rows"][0]["window_losses"] == run_eval(tmp_path, ["--data", text_file, *SMALL, "--num-windows",
+                                                                       "1"])["rows"][0]["window_losses"]
+    capsys.readouterr()
+    _check_refused(run_cli(["eval", *argv, "--data-split", "validation"]), capsys,
+                   f"{str(folder)!r} has no split 'validation' (it has: train, test)")
+    _check_refused(run_cli(["eval", "--task", "passkey", "--lengths", "128", "--data-split", "test"]), capsys,
+                   "--data-split is not read by --task passkey")
