@@ -609,12 +609,44 @@ def _first_non_object_row(path: Path, peek: bool = True) -> None:
         raise DataError(f"{path} is {_json_value(value)}, but it must hold rows that are JSON objects", _OBJECT_ROWS)
 
 
+def _refuse_run_folder(root: Path) -> None:
+    """Refuse an ``oomb train`` output folder (its ``train_args.json`` written by oomb), its ``checkpoints/`` folder
+    or one checkpoint of it as data: read as JSON files they would make a table of the run's own records.
+
+    Raises:
+        DataError: naming what the folder is, the data the run trained on, and --model.
+    """
+    import json
+
+    run, args = None, root / "train_args.json"
+    if args.is_file():
+        try:
+            recorded = json.loads(args.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            recorded = None
+        if isinstance(recorded, dict) and "oomb_version" in recorded:
+            run = (root, recorded)
+    elif (root / "latest").is_file() and any(root.glob("step-*/meta.json")):
+        run = ("holds checkpoints", None)
+    elif (root / "meta.json").is_file() and (root / "trainer_state.pt").is_file():
+        run = ("is a checkpoint", None)
+    if run is None:
+        return
+    if run[1] is None:
+        raise DataError(f"data path {str(root)!r} {run[0]} of an oomb train run, not data",
+                        "pass --data the data the run trained on; to go on training from a checkpoint, pass --resume")
+    trained = run[1].get("data")
+    raise DataError(f"data path {str(root)!r} is the output folder of an oomb train run (its train_args.json), not data",
+                    f"pass --data the data it trained on ({'the bundled corpus: leave --data out' if trained is None else trained}), "
+                    "or pass the folder as --model to train from its model")
+
+
 def check_data_path(path: str) -> Path:
     """``path`` as a path (``~`` expanded), once it exists; reads nothing, and needs no torch.
 
     Raises:
-        DataError: the path is empty (which would read the current folder), does not exist, or is neither a file
-            nor a folder (a pipe, a device).
+        DataError: the path is empty (which would read the current folder), does not exist, is neither a file
+            nor a folder (a pipe, a device), or is an oomb train output or checkpoints folder.
     """
     if not str(path).strip():
         raise DataError(f"data path {str(path)!r} is empty",
@@ -623,6 +655,8 @@ def check_data_path(path: str) -> Path:
     if not root.exists():
         raise DataError(f"data path {str(root)!r} does not exist",
                         "pass --data a text, json/jsonl, parquet or csv file, a folder of them, or a save_to_disk folder")
+    if root.is_dir():
+        _refuse_run_folder(root)
     if not root.is_file() and not root.is_dir():  # a pipe (<(zcat rows.jsonl.gz)), a device or a socket
         raise DataError(f"data path {str(root)!r} is not a file or folder but a pipe, device or socket, which the data "
                         "is read from more than once and named by its lines in",

@@ -799,6 +799,22 @@ def test_a_folder_of_text_files_is_split_by_their_names(tmp_path, capsys):
     assert "2 documents (text)" in next(s for s in capsys.readouterr().out.splitlines() if s.startswith("oomb: data:"))
 
 
+def test_a_run_folder_or_its_checkpoints_as_data_is_refused_naming_what_it_is(tmp_path, capsys):
+    """An oomb train output folder as --data was read as a folder of JSON files (train_args.json, meta.json...), and
+    refused with a fix that renamed a checkpoint's files for a split."""
+    run = tmp_path / "trained"
+    assert run_cli(["train", *FAST, "--steps", "1", "--save-every", "1", "--output-dir", run, "--no-progress"]) == 0
+    step = next((run / "checkpoints").glob("step-*"))
+    for data, said in ((run, f"data path {str(run)!r} is the output folder of an oomb train run (its train_args.json), "
+                             "not data; pass --data the data it trained on (the bundled corpus: leave --data out), or "
+                             "pass the folder as --model to train from its model"),
+                       (run / "checkpoints", f"data path {str(run / 'checkpoints')!r} holds checkpoints of an oomb "
+                                             "train run, not data; pass --data the data the run trained on"),
+                       (step, f"data path {str(step)!r} is a checkpoint of an oomb train run, not data")):
+        capsys.readouterr()
+        refused(["data", "--data", data, *FAST], capsys, tmp_path, said)
+
+
 def test_a_chat_template_json_file_in_upper_case_is_read_as_json(tmp_path):
     from oomb.data.chat import read_chat_template
 
