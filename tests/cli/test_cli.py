@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from oomb.cli import main
+from cli_helpers import run_cli
 
 # Small and fast: 2 chunks of 64 tokens per sequence, pages of 32.
 FAST = ["--seq-len", "128", "--chunk-size", "64", "--page-size", "32", "--steps", "2", "--no-progress"]
@@ -48,14 +49,6 @@ def text_file(tmp_path):
     f = tmp_path / "text.txt"
     f.write_text(TEXT)
     return f
-
-
-def run_cli(argv):
-    """Run main(argv) in-process; return the exit status."""
-    try:
-        return main([str(a) for a in argv])
-    except SystemExit as exc:
-        return exc.code
 
 
 def snapshot(path):

@@ -11,25 +11,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from oomb.cli import main
 from oomb.config import DataConfig
 from oomb.data import BUNDLED_TOKENIZER, DataError, TokenSequences, build_training_data, load_documents, load_tokenizer, tokenize_documents
+from cli_helpers import run_cli
 
 TEMPLATES = Path(__file__).parent.parent / "data" / "chat_templates"
 PLAIN = str(TEMPLATES / "plain.jinja")
 FAST = ["--seq-len", "64", "--chunk-size", "32", "--page-size", "16", "--no-progress"]
 
-
-@pytest.fixture(autouse=True)
-def _cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("OOMB_CACHE_DIR", str(tmp_path / "cache"))
-
-
-def run_cli(argv):
-    try:
-        return main([str(a) for a in argv])
-    except SystemExit as exc:
-        return exc.code
+pytestmark = pytest.mark.usefixtures("_cache")  # every test: a cache folder of its own
 
 
 def write_jsonl(path: Path, rows) -> Path:

@@ -13,26 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from oomb.cli import main
 from oomb.data import BUNDLED_TOKENIZER, load_documents, load_tokenizer, tokenize_documents
+from cli_helpers import run_cli
+
+pytestmark = pytest.mark.usefixtures("_cache")  # every test: a cache folder of its own
 
 FAST = ["--seq-len", "64", "--chunk-size", "32", "--page-size", "16", "--no-progress"]
 TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in "
         "want of a wife. However little known the feelings or views of such a man may be on his first entering a "
         "neighbourhood, this truth is so well fixed in the minds of the surrounding families.\n")
 CHAT_TEMPLATE = (Path(__file__).parent.parent / "data" / "chat_templates" / "plain.jinja").read_text()
-
-
-@pytest.fixture(autouse=True)
-def _cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("OOMB_CACHE_DIR", str(tmp_path / "cache"))
-
-
-def run_cli(argv):
-    try:
-        return main([str(a) for a in argv])
-    except SystemExit as exc:
-        return exc.code
 
 
 def _bpe(folder: Path, vocab_size: int, chat_template: str | None = None) -> Path:

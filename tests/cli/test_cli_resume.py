@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from oomb.cli import main
 from oomb.cli.resume import _resume_command
 from oomb.train import lr_at
+from cli_helpers import run_cli
 
 FAST = ["--seq-len", "64", "--chunk-size", "32", "--page-size", "16", "--no-progress"]
 TEXT = (
@@ -44,13 +45,6 @@ def text_file(tmp_path):
     f = tmp_path / "text.txt"
     f.write_text(TEXT)
     return f
-
-
-def run_cli(argv):
-    try:
-        return main([str(a) for a in argv])
-    except SystemExit as exc:
-        return exc.code
 
 
 def losses(out):

@@ -15,7 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from oomb.cli import main
+from cli_helpers import run_cli
 
 FAST = ["--seq-len", "64", "--chunk-size", "32", "--page-size", "16", "--no-progress"]
 # pages of 8 tokens: the second chunk of 32 keeps 3 (sink, local, 1 chosen) of its 4 past pages; every page
@@ -41,13 +41,6 @@ def text_file(tmp_path):
     f = tmp_path / "text.txt"
     f.write_text(TEXT)
     return f
-
-
-def run_cli(argv):
-    try:
-        return main([str(a) for a in argv])
-    except SystemExit as exc:
-        return exc.code
 
 
 def losses(out):

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from oomb.cli import main
 from oomb.data import load_documents, load_tokenizer, tokenize_documents
 from oomb.evaluation import token_windows
+from cli_helpers import run_cli
 
 TEXT = (
     "It is a truth universally acknowledged, that a single man in possession of a good fortune, "
@@ -36,13 +36,6 @@ def text_file(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tokens(text_file):
     return tokenize_documents(load_documents(text_file), load_tokenizer(None))
-
-
-def run_cli(argv):
-    try:
-        return main([str(a) for a in argv])
-    except SystemExit as exc:
-        return exc.code
 
 
 def run_eval(tmp_path, argv, name="report.json"):

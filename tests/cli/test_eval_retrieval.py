@@ -8,7 +8,8 @@ import json
 import pytest
 import torch
 
-from tests.cli.test_eval import _check_refused, run_cli
+from cli_helpers import run_cli
+from tests.cli.test_eval import _check_refused
 
 PNG = b"\x89PNG\r\n\x1a\n"
 SMALL = ["--chunk-size", "64", "--page-size", "16"]

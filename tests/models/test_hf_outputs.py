@@ -14,7 +14,8 @@ from oomb.data import BUNDLED_CORPUS, load_documents, load_tokenizer, tokenize_d
 from oomb.models.presets import build_model
 from oomb.models.saving import TOKENIZER_MODULE, save_tokenizer
 
-from tests.cli.test_cli import FAST, run_cli
+from cli_helpers import run_cli
+from tests.cli.test_cli import FAST
 
 
 def _corpus_sample(chars: int = 3000) -> str:

@@ -11,7 +11,8 @@ from oomb.memory import ModelShape, base_gpu_bytes
 from oomb.models.lora import LoraTargetError, apply_lora, embedding_norm_modules, resolve_targets
 from oomb.models.presets import build_model
 
-from tests.cli.test_cli import FAST, run_cli, snapshot
+from cli_helpers import run_cli
+from tests.cli.test_cli import FAST, snapshot
 
 
 def _trainable(model) -> int:

@@ -13,7 +13,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from oomb.data import load_tokenizer
 from oomb.models.presets import build_model
 
-from tests.cli.test_cli import FAST, TEXT, run_cli, snapshot
+from cli_helpers import run_cli
+from tests.cli.test_cli import FAST, TEXT, snapshot
 
 
 def _logits(model, ids):

@@ -11,7 +11,8 @@ import pytest
 from oomb.train import TensorBoardLog, plot_log
 from oomb.train.plot import read_log
 
-from tests.cli.test_cli import FAST, OOMB_LOG_LINE, run_cli, snapshot
+from cli_helpers import run_cli
+from tests.cli.test_cli import FAST, OOMB_LOG_LINE, snapshot
 
 
 def _scalars(logdir) -> dict[str, list[tuple[int, float]]]:
