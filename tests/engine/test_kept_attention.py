@@ -34,12 +34,14 @@ class _ForwardCounter:
 
     def __init__(self, monkeypatch, chunk_size: int) -> None:
         self.counts: collections.Counter = collections.Counter()
+        self.sparse_calls = 0  # of them, the sparse kernel's (a selection that drops pages)
         self._now = None
         fwd, sfwd, attend = pa._fwd, sp._sparse_fwd, ChunkContext.attend
 
-        def counted(f):
+        def counted(f, sparse=False):
             def run(*a, **k):
                 self.counts[self._now] += 1
+                self.sparse_calls += sparse
                 return f(*a, **k)
             return run
 
@@ -48,7 +50,7 @@ class _ForwardCounter:
             return attend(ctx, *a, **k)
 
         monkeypatch.setattr(pa, "_fwd", counted(fwd))
-        monkeypatch.setattr(sp, "_sparse_fwd", counted(sfwd))
+        monkeypatch.setattr(sp, "_sparse_fwd", counted(sfwd, sparse=True))
         monkeypatch.setattr(ChunkContext, "attend", attend_noted)
 
 
@@ -75,7 +77,9 @@ _SETTINGS = [(ckpt, save) for ckpt in ("off", "keep", "recompute") for save in (
     *[("triton", sp, c, s) for sp in (False, True) for c, s in (("recompute", "off"), ("keep", "gpu"))]])
 def test_attention_forwards_per_chunk(monkeypatch, backend, sparse, ckpt, save):
     torch.manual_seed(0)
-    L, T, C = 3, 40, 8
+    # 5 chunks; 3 under the Triton interpreter (still a chunk of each kind: the first, one between, the last, whose
+    # past of 4 pages is more than the sparse selection's 2)
+    L, T, C = 3, 24 if backend == "triton" else 40, 8
     model = tiny("qwen2", 4, 2, layers=L).to(torch.float32 if backend == "triton" else torch.float64)
     cfg = dict(chunk_size=C, page_size=4, attention_backend=backend, checkpoint_layers=ckpt != "off",
                save_attention=save, **(SPARSE if sparse else {}))
@@ -85,6 +89,7 @@ def test_attention_forwards_per_chunk(monkeypatch, backend, sparse, ckpt, save):
     count = _ForwardCounter(monkeypatch, C)
     engine.step(torch.randint(0, VOCAB, (1, T)))
     assert dict(count.counts) == _expected(T // C, L, ckpt, save)
+    assert (count.sparse_calls > 0) == sparse  # the sparse kernels' route really ran: pages were dropped
     if ckpt == "keep":  # 2 per chunk and layer (the last chunk: 1), 1 with save_attention: as without checkpoints
         assert dict(count.counts) == _expected(T // C, L, "off", save)
         assert engine._kept.nbytes == 0  # every layer's pair taken by its rerun, or cleared
