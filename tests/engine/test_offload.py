@@ -543,10 +543,9 @@ def test_segmented_offload_through_sdpa_waits_for_its_copies(family, heads, kv_h
     _assert_close_training(m_ref, m_off, out_ref, out_off, tol=1e-11)
 
 
-@pytest.mark.parametrize("save", ["off", "host"])
 @pytest.mark.parametrize("family,heads,kv_heads,layers,T,chunk,page,sp,budget,ckpt", SEGMENT_CASES)
 def test_segmented_offload_trains_like_all_on_device(family, heads, kv_heads, layers, T, chunk, page, sp, budget, ckpt,
-                                                     save, monkeypatch):
+                                                     monkeypatch):
     """Offload with the past staged in segments (lazy side stream: copies run as late as the events allow)
     gives the losses and every gradient of the all-on-device run: bitwise with one segment, else fp64 to 1e-12.
     The planner predicts the copied bytes exactly; every staging is issued ahead of its use. With save_attention
@@ -556,50 +555,51 @@ def test_segmented_offload_trains_like_all_on_device(family, heads, kv_heads, la
     streams = _lazy(monkeypatch)
     torch.manual_seed(0)
     m_ref = tiny(family, heads, kv_heads, layers=layers).double()
-    m_off = clone_model(m_ref)
     ids = torch.randint(0, VOCAB, (1, T))
     common = dict(chunk_size=chunk, page_size=page, checkpoint_layers=bool(ckpt))
     if ckpt == "recompute":
         common["checkpoint_attention"] = "recompute"
     out_ref, _ = _step(m_ref, ids, offload=False, **common)
-    if save != "off":
-        m_nosave = clone_model(m_ref)
-        out_nosave, e_nosave = _step(m_nosave, ids, offload=True, gpu_page_budget=budget, offload_segment_pages=sp, **common)
-    out_off, e_off = _step(m_off, ids, offload=True, gpu_page_budget=budget, offload_segment_pages=sp,
-                           save_attention=save, **common)
-    if save != "off":
-        assert e_off._saved_keep is not None
-        _assert_same_training(m_nosave, m_off, out_nosave, out_off)
-        st = e_off.kv_store
-        if (T - 1) // chunk * chunk // page - st.resident_pages_per_layer > sp:
-            # Several segments per call: the Stage-2 forwards' staging is gone. (With one segment a recomputing
-            # forward reuses the previous chunk's buffers, which the saved order, backwards only, cannot.)
-            assert st.stats["h2d_bytes"] < e_nosave.kv_store.stats["h2d_bytes"]
-    store = e_off.kv_store
-    R, n = store.resident_pages_per_layer, store.max_pages_per_layer
-    assert store.segmented and store.staging_pages == min(sp, n - R) and streams[0].max_queued >= 2
     max_past = (T - 1) // chunk * chunk // page
-    if max_past - R <= sp:  # one segment per call: the very same kernel calls
-        _assert_same_training(m_ref, m_off, out_ref, out_off)
-    else:
-        _assert_close_training(m_ref, m_off, out_ref, out_off)
-    pred = offload_traffic(ModelShape.from_config(m_off.config), T, chunk, page, R, torch.float64,
-                           segment_pages=sp, checkpoint_layers=e_off.config.reruns_attention,
-                           saved_attention=save != "off")
-    assert (store.stats["h2d_bytes"], store.stats["d2h_bytes"]) == (pred["h2d_bytes"], pred["d2h_bytes"])
-    if ckpt is True and save == "off":  # the same step with the attention rerun stages more
-        m_rerun = clone_model(m_ref)
-        out_rerun, e_rerun = _step(m_rerun, ids, offload=True, gpu_page_budget=budget, offload_segment_pages=sp,
-                                   checkpoint_attention="recompute", **common)
-        _assert_same_training(m_rerun, m_off, out_rerun, out_off)
-        rerun_bytes = e_rerun.kv_store.stats["h2d_bytes"]
-        # With up to two segments per call the rerun finds them still staged (two buffers); with more it stages again.
-        if max_past - R > 2 * sp:
-            assert store.stats["h2d_bytes"] < rerun_bytes
+    runs = {}
+    for save in ("off", "host"):  # the offloaded step without save_attention is the reference of the one with it
+        m_off = clone_model(m_ref)
+        out_off, e_off = _step(m_off, ids, offload=True, gpu_page_budget=budget, offload_segment_pages=sp,
+                               save_attention=save, **common)
+        runs[save] = (m_off, out_off, e_off)
+        store = e_off.kv_store
+        R, n = store.resident_pages_per_layer, store.max_pages_per_layer
+        if save != "off":
+            m_nosave, out_nosave, e_nosave = runs["off"]
+            assert e_off._saved_keep is not None
+            _assert_same_training(m_nosave, m_off, out_nosave, out_off)
+            if max_past - R > sp:
+                # Several segments per call: the Stage-2 forwards' staging is gone. (With one segment a recomputing
+                # forward reuses the previous chunk's buffers, which the saved order, backwards only, cannot.)
+                assert store.stats["h2d_bytes"] < e_nosave.kv_store.stats["h2d_bytes"]
+        assert store.segmented and store.staging_pages == min(sp, n - R) and streams[-1].max_queued >= 2
+        if max_past - R <= sp:  # one segment per call: the very same kernel calls
+            _assert_same_training(m_ref, m_off, out_ref, out_off)
         else:
-            assert store.stats["h2d_bytes"] == rerun_bytes
-    assert store.stats["on_demand"] == 0, store.stats
-    assert store.num_free_pages == store.num_pages
+            _assert_close_training(m_ref, m_off, out_ref, out_off)
+        pred = offload_traffic(ModelShape.from_config(m_off.config), T, chunk, page, R, torch.float64,
+                               segment_pages=sp, checkpoint_layers=e_off.config.reruns_attention,
+                               saved_attention=save != "off")
+        assert (store.stats["h2d_bytes"], store.stats["d2h_bytes"]) == (pred["h2d_bytes"], pred["d2h_bytes"])
+        if ckpt is True and save == "off":  # the same step with the attention rerun stages more
+            m_rerun = clone_model(m_ref)
+            out_rerun, e_rerun = _step(m_rerun, ids, offload=True, gpu_page_budget=budget, offload_segment_pages=sp,
+                                       checkpoint_attention="recompute", **common)
+            _assert_same_training(m_rerun, m_off, out_rerun, out_off)
+            rerun_bytes = e_rerun.kv_store.stats["h2d_bytes"]
+            # With up to two segments per call the rerun finds them still staged (two buffers); with more it stages
+            # again.
+            if max_past - R > 2 * sp:
+                assert store.stats["h2d_bytes"] < rerun_bytes
+            else:
+                assert store.stats["h2d_bytes"] == rerun_bytes
+        assert store.stats["on_demand"] == 0, store.stats
+        assert store.num_free_pages == store.num_pages
 
 
 @pytest.mark.parametrize("sp", [1, 3])
@@ -720,11 +720,12 @@ from oomb import Engine, OOMBConfig
 from configs import engine_config
 from test_engine import VOCAB, clone_model, tiny
 rows = []
-for family, heads, kv_heads, sp, ckpt, cu in [("qwen2", 4, 2, 1, True, None), ("llama", 7, 1, 3, False, [0, 13, 14, 33])]:
+# 25 tokens, chunks of 8, pages of 4: the last chunk (1 token) has a past of 6 pages, in 6 segments or in 2
+for family, heads, kv_heads, sp, ckpt, cu in [("qwen2", 4, 2, 1, True, None), ("llama", 7, 1, 3, False, [0, 13, 14, 25])]:
     torch.manual_seed(0)
     m_ref = tiny(family, heads, kv_heads, layers=2, head_dim=16).float()
     m_off = clone_model(m_ref)
-    ids = torch.randint(0, VOCAB, (1, 33))
+    ids = torch.randint(0, VOCAB, (1, 25))
     cfg = dict(chunk_size=8, page_size=4, attention_backend="triton", checkpoint_layers=ckpt)
     cu_t = None if cu is None else torch.tensor(cu)
     out_ref = Engine(m_ref, engine_config(offload=False, **cfg)).step(ids, cu_seqlens=cu_t)
@@ -733,7 +734,8 @@ for family, heads, kv_heads, sp, ckpt, cu in [("qwen2", 4, 2, 1, True, None), ("
     err = max(((a.grad - b.grad).abs().max() / a.grad.abs().max()).item()
               for a, b in zip(m_ref.parameters(), m_off.parameters()))
     rows.append(dict(family=family, loss=out_off.loss, ref_loss=out_ref.loss, err=err,
-                     segments=e_off.kv_store.staging_pages, on_demand=e_off.kv_store.stats["on_demand"]))
+                     segments=e_off.kv_store.staging_pages, on_demand=e_off.kv_store.stats["on_demand"],
+                     past_pages=e_off.kv_store.max_pages_per_layer - e_off.kv_store.resident_pages_per_layer))
 print("RESULT " + json.dumps(rows))
 """
 
@@ -758,6 +760,7 @@ def test_segmented_offload_triton_backend():
     rows = json.loads(proc.stdout.split("RESULT ", 1)[1])
     for r in rows:
         assert r["segments"] in (1, 3) and r["on_demand"] == 0, r
+        assert r["past_pages"] > r["segments"], r  # the past really is staged in more than one segment
         assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * r["ref_loss"], r
         assert r["err"] <= 1e-5, r
 
@@ -894,19 +897,26 @@ def _traffic(monkeypatch, page_budget, whole_layer, grain="page"):
     return e_off.kv_store.stats
 
 
-@pytest.mark.parametrize("grain", ["head", "page"])
 @pytest.mark.parametrize("page_budget", [1, 14])
-def test_sparse_offload_traffic_below_whole_layer(monkeypatch, page_budget, grain):
-    """The store's counters: Stage-2 traffic strictly below whole-layer staging for a small budget, equal when the
-    budget covers the past (Stage 1 is the same either way)."""
-    with monkeypatch.context() as mp:
-        sel = _traffic(mp, page_budget, False, grain)
-    with monkeypatch.context() as mp:
-        whole = _traffic(mp, page_budget, True, grain)
+def test_sparse_offload_traffic_below_whole_layer(monkeypatch, page_budget):
+    """The store's counters, for (page, KV head) tiles and for page unions: Stage-2 traffic strictly below
+    whole-layer staging for a small budget, equal when the budget covers the past (Stage 1 is the same either way).
+    With the small budget the selections' tiles are a strict subset of their page unions: fewer bytes each way than
+    page-grained staging, for bitwise the same training (checked in _traffic)."""
+    sel = {}
+    for grain in ("head", "page"):
+        with monkeypatch.context() as mp:
+            sel[grain] = _traffic(mp, page_budget, False, grain)
+        with monkeypatch.context() as mp:
+            whole = _traffic(mp, page_budget, True, grain)
+        got = sel[grain]
+        if page_budget == 1:
+            assert got["h2d_bytes"] < whole["h2d_bytes"] and got["d2h_bytes"] < whole["d2h_bytes"], (grain, got, whole)
+        else:
+            assert (got["h2d_bytes"], got["d2h_bytes"]) == (whole["h2d_bytes"], whole["d2h_bytes"]), (grain, got, whole)
     if page_budget == 1:
-        assert sel["h2d_bytes"] < whole["h2d_bytes"] and sel["d2h_bytes"] < whole["d2h_bytes"], (sel, whole)
-    else:
-        assert (sel["h2d_bytes"], sel["d2h_bytes"]) == (whole["h2d_bytes"], whole["d2h_bytes"]), (sel, whole)
+        head, page = sel["head"], sel["page"]
+        assert head["h2d_bytes"] < page["h2d_bytes"] and head["d2h_bytes"] < page["d2h_bytes"], (head, page)
 
 
 def _selections(monkeypatch, ids, cu, **cfg):
@@ -1042,16 +1052,6 @@ def test_writeback_pieces_split_and_order(monkeypatch):
 
 
 # ------------------------------------------------------------ head-grained stagings (issue 5)
-def test_sparse_offload_head_grain_moves_fewer_bytes_than_page_grain(monkeypatch):
-    """With a small budget the selections' (page, KV head) tiles are a strict subset of their page unions: fewer
-    bytes each way than page-grained staging, for bitwise the same training (both checked in _traffic)."""
-    with monkeypatch.context() as mp:
-        head = _traffic(mp, 1, False, "head")
-    with monkeypatch.context() as mp:
-        page = _traffic(mp, 1, False, "page")
-    assert head["h2d_bytes"] < page["h2d_bytes"] and head["d2h_bytes"] < page["d2h_bytes"], (head, page)
-
-
 def _head_selections(monkeypatch, ids, cu, **cfg):
     """page_idx of every selection of a sparse on-device step (the last chunk's too; None where dense)."""
     return {key: None if sel.dense else sel.page_idx for key, sel in _selections(monkeypatch, ids, cu, **cfg).items()}
@@ -1309,29 +1309,31 @@ def _stash_step(monkeypatch, mib, ckpt, skip=None):
 
 
 @pytest.mark.parametrize("ckpt", [False, True])
-@pytest.mark.parametrize("tiles", [1, 3, 10**6])  # part of each layer's tiles, or all of them (capped)
-def test_kv_stash_bitwise_and_fewer_bytes(monkeypatch, ckpt, tiles):
+def test_kv_stash_bitwise_and_fewer_bytes(monkeypatch, ckpt):
     """The K/V stash: Stage-2 backwards of layers below L - 2 take their first C K/V tiles from the forward's stash
     instead of the host. Training is bitwise the all-on-device one (NaN-poisoned pools and host tier, lazy copy
-    streams) and the host->device bytes drop by exactly the bytes restored from the stash."""
+    streams) and the host->device bytes drop by exactly the bytes restored from the stash, for part of each
+    layer's tiles (1, 3) or all of them (capped)."""
     D, S = 8, 4  # tiny('qwen2', 4, 2): head dim 8 (float64); 13 pages per layer, all in the host tier
     tile = 2 * S * D * 8
     with monkeypatch.context() as mp:
         *_, e_plain = _stash_step(mp, 0, ckpt)
         plain = dict(e_plain.kv_store.stats)
-    mib = -(-tiles * tile * 3 // (1 << 20))  # 3 = L - 2 stashed layers
-    with monkeypatch.context() as mp:
-        if tiles < 10**6:  # C tiles per layer exactly: the MiB knob rounds, so set the class default in bytes
-            mp.setattr(store_mod, "kv_stash_tiles", lambda *a: tiles)
-        m_ref, m_off, out_ref, out_off, e = _stash_step(mp, mib, ckpt)
-        store = e.kv_store
-        st = dict(store.stats)
-    assert store.kv_stash_tiles == (tiles if tiles < 10**6 else 13 * 2)
-    assert store._stash_k.shape == (3, store.kv_stash_tiles, S, D)
-    _assert_same_training(m_ref, m_off, out_ref, out_off)
-    assert st["kv_stash_bytes"] > 0 and plain["kv_stash_bytes"] == 0
-    assert st["h2d_bytes"] == plain["h2d_bytes"] - st["kv_stash_bytes"]
-    assert st["d2h_bytes"] == plain["d2h_bytes"]
+    assert plain["kv_stash_bytes"] == 0
+    for tiles in (1, 3, 10**6):  # one stash-less step is the reference of all three
+        mib = -(-tiles * tile * 3 // (1 << 20))  # 3 = L - 2 stashed layers
+        with monkeypatch.context() as mp:
+            if tiles < 10**6:  # C tiles per layer exactly: the MiB knob rounds, so set the class default in bytes
+                mp.setattr(store_mod, "kv_stash_tiles", lambda *a, t=tiles: t)
+            m_ref, m_off, out_ref, out_off, e = _stash_step(mp, mib, ckpt)
+            store = e.kv_store
+            st = dict(store.stats)
+        assert store.kv_stash_tiles == (tiles if tiles < 10**6 else 13 * 2), tiles
+        assert store._stash_k.shape == (3, store.kv_stash_tiles, S, D)
+        _assert_same_training(m_ref, m_off, out_ref, out_off)
+        assert st["kv_stash_bytes"] > 0
+        assert st["h2d_bytes"] == plain["h2d_bytes"] - st["kv_stash_bytes"]
+        assert st["d2h_bytes"] == plain["d2h_bytes"]
 
 
 @pytest.mark.parametrize("skip", ["restore", "keep"])
@@ -1440,28 +1442,27 @@ def test_last_chunk_tile_list_waits_for_the_compute_stream(monkeypatch):
 
 
 
-def _whole_layer_reference(monkeypatch, layers, ckpt):
-    """A float64 tiny model, 44 tokens, chunk 8, page 4, its all-on-device step, and engines set to stage whole
+def _whole_layer_reference(monkeypatch, layers, ckpt, T=44):
+    """A float64 tiny model, T tokens, chunk 8, page 4, its all-on-device step, and engines set to stage whole
     layers -> (m_ref, ids, step kwargs, out_ref)."""
     torch.manual_seed(1)
     m_ref = tiny("qwen2", 4, 2, layers=layers).double()
-    ids = torch.randint(0, VOCAB, (1, 44))
+    ids = torch.randint(0, VOCAB, (1, T))
     common = dict(chunk_size=8, page_size=4, checkpoint_layers=ckpt)
     out_ref, _ = _step(m_ref, ids, offload=False, **common)
     monkeypatch.setattr(Engine, "_segment_pages", lambda self: "layer")
     return m_ref, ids, common, out_ref
 
 
-@pytest.mark.parametrize("sets", [3, 4])
 @pytest.mark.parametrize("ckpt", [False, True])
-def test_more_staging_sets_bitwise_and_traffic(monkeypatch, sets, ckpt):
+def test_more_staging_sets_bitwise_and_traffic(monkeypatch, ckpt):
     """staging_sets=K (whole-layer staging): layer l stages into set l % K. Dense attention: training is
     bitwise the all-on-device one under the lazy two-stream simulator with poisoned pools, every staging is issued
     ahead, and the bytes equal the planner's (the top K layers keep their K/V from the Stage-2 forward to the
     backward, so fewer host->device bytes than with two sets)."""
     m_ref, ids, common, out_ref = _whole_layer_reference(monkeypatch, 6, ckpt)
     stats = {}
-    for k in (2, sets):
+    for k in (2, 3, 4):
         with monkeypatch.context() as mp:
             _store_options(mp, staging_sets=k)  # dense attention: no config field sets it
             _lazy(mp)
@@ -1475,7 +1476,8 @@ def test_more_staging_sets_bitwise_and_traffic(monkeypatch, sets, ckpt):
             stats[k] = dict(st.stats)
             assert (stats[k]["h2d_bytes"], stats[k]["d2h_bytes"]) == (pred["h2d_bytes"], pred["d2h_bytes"])
             assert stats[k]["on_demand"] == 0
-    assert stats[sets]["h2d_bytes"] < stats[2]["h2d_bytes"] and stats[sets]["d2h_bytes"] == stats[2]["d2h_bytes"]
+    for sets in (3, 4):
+        assert stats[sets]["h2d_bytes"] < stats[2]["h2d_bytes"] and stats[sets]["d2h_bytes"] == stats[2]["d2h_bytes"]
 
 
 @pytest.mark.parametrize("stash", [0, 1])
@@ -1496,19 +1498,21 @@ def test_three_staging_sets_sparse_head_grain_bitwise(monkeypatch, stash):
 
 def test_auto_staging_sets_bitwise_and_traffic(monkeypatch):
     """Without staging_sets a whole-layer store picks its sets from its pool (choose_staging_sets):
-    a pool of 4 whole layers at 28 layers of 11 pages keeps 0 of 11 pages resident with 4 sets and with 2 (the
+    a pool of 4 whole layers at 13 layers of 5 pages keeps 0 of 5 pages resident with 4 sets and with 2 (the
     host tier does not grow: taken), and training stays bitwise the all-on-device one with the planner's bytes."""
-    m_ref, ids, common, out_ref = _whole_layer_reference(monkeypatch, 28, True)
+    L, T, n = 13, 20, 5  # 3 chunks of 8 tokens (the last of 4); more than 2 * n + 2 layers: 2 sets keep none resident
+    assert memory.resident_pages_for_budget(L, n, 4 * n, None, 2) == 0
+    m_ref, ids, common, out_ref = _whole_layer_reference(monkeypatch, L, True, T)
     _lazy(monkeypatch)
     m = clone_model(m_ref)
-    out, e = _step(m, ids, offload=True, gpu_page_budget=4 * 11, **common)
+    out, e = _step(m, ids, offload=True, gpu_page_budget=4 * n, **common)
     st = e.kv_store
-    assert st.staging_sets == 4 and st.resident_pages_per_layer == 0
+    assert st.staging_sets == 4 and st.resident_pages_per_layer == 0 and st.max_pages_per_layer == n
     _assert_same_training(m_ref, m, out_ref, out)
-    pred = offload_traffic(ModelShape.from_config(m.config), 44, 8, 4, 0, torch.float64, segment_pages=None,
+    pred = offload_traffic(ModelShape.from_config(m.config), T, 8, 4, 0, torch.float64, segment_pages=None,
                            checkpoint_layers=True, stage1_shadow_pages=st.stage1_shadow_pages, staging_sets=4)
     assert (st.stats["h2d_bytes"], st.stats["d2h_bytes"]) == (pred["h2d_bytes"], pred["d2h_bytes"])
-    two = offload_traffic(ModelShape.from_config(m.config), 44, 8, 4, 0, torch.float64, segment_pages=None,
+    two = offload_traffic(ModelShape.from_config(m.config), T, 8, 4, 0, torch.float64, segment_pages=None,
                           checkpoint_layers=True, stage1_shadow_pages=st.stage1_shadow_pages, staging_sets=2)
     assert pred["h2d_bytes"] < two["h2d_bytes"]  # the top four layers keep their K/V to their backward
 
