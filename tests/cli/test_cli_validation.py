@@ -12,18 +12,13 @@ import numpy as np
 import pytest
 import torch
 
-from oomb.cli import main
+from cli_helpers import run_cli
+
+pytestmark = pytest.mark.usefixtures("_cache")  # no test reads what another cached
 
 # 2 chunks of 16 tokens per sequence, pages of 8: a step takes a fraction of a second on one core.
 FAST = ["--seq-len", "32", "--chunk-size", "16", "--page-size", "8", "--no-progress"]
 SENTENCE = "It is a truth universally acknowledged, that a single man in possession of a good fortune, must be in want of a wife."
-
-
-def run_cli(argv):
-    try:
-        return main([str(a) for a in argv])
-    except SystemExit as exc:
-        return exc.code
 
 
 def _rows(n: int, tag: str) -> list[dict]:
