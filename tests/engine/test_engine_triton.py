@@ -21,17 +21,18 @@ pytest.importorskip("triton", reason="triton is not installed (pip install 'oomb
 SCRIPT = r"""
 import json, os, sys
 import torch
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)) if '__file__' in dir() else sys.argv[1])
+sys.path.insert(0, sys.argv[1])
 from test_engine import tiny, run_parity, packed_parity
-rows = []
-for fam, h, kv, T, C, P in [("qwen2", 4, 2, 45, 16, 8), ("llama", 7, 1, 40, 16, 16), ("qwen3", 4, 4, 37, 8, 8)]:
-    out, ref_loss, (err, where), _ = run_parity(tiny(fam, h, kv, head_dim=16), T, C, P, dtype=torch.float32,
+case = sys.argv[2]
+cases = {"qwen2": (4, 2, 45, 16, 8), "llama": (7, 1, 40, 16, 16), "qwen3": (4, 4, 37, 8, 8)}
+if case in cases:
+    h, kv, T, C, P = cases[case]
+    out, ref_loss, (err, where), _ = run_parity(tiny(case, h, kv, head_dim=16), T, C, P, dtype=torch.float32,
                                                 attention_backend="triton")
-    rows.append(dict(family=fam, loss=out.loss, ref_loss=ref_loss, err=err, where=where))
-out, ref_loss, n_valid, (err, where), _ = packed_parity("qwen2", [13, 1, 22, 9, 1, 17], 16, 8, backend="triton",
-                                                       dtype=torch.float32)
-rows.append(dict(family="qwen2-packed", loss=out.loss, ref_loss=ref_loss, err=err, where=where))
-print("RESULT " + json.dumps(rows))
+else:  # packed documents against separate training of each
+    out, ref_loss, n_valid, (err, where), _ = packed_parity("qwen2", [13, 1, 22, 9, 1, 17], 16, 8, backend="triton",
+                                                           dtype=torch.float32)
+print("RESULT " + json.dumps(dict(family=case, loss=out.loss, ref_loss=ref_loss, err=err, where=where)))
 """
 
 
@@ -45,15 +46,18 @@ def _numpy_too_new_for_interpreter() -> bool:
 
 
 @pytest.mark.skipif(_numpy_too_new_for_interpreter(), reason="the Triton interpreter needs numpy < 2.4 (pip install 'numpy<2.4')")
-def test_dense_parity_triton_backend_fp32():
+@pytest.mark.parametrize("case", ["qwen2", "llama", "qwen3", "qwen2-packed"])
+def test_dense_parity_triton_backend_fp32(case):
+    """One process per case, so that the cases (each a Triton interpreter run of tens of seconds) spread over the
+    test workers."""
     env = dict(os.environ)
     env["TRITON_INTERPRET"] = "1"
     env["CUDA_VISIBLE_DEVICES"] = ""  # CPU tensors only, so the engine resolves every device to the CPU
     here = os.path.dirname(os.path.abspath(__file__))
     env["PYTHONPATH"] = os.pathsep.join([here, os.path.dirname(here), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, here], env=env, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, here, case], env=env, capture_output=True, text=True,
+                          timeout=1200)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = json.loads(proc.stdout.split("RESULT ", 1)[1])
-    for r in rows:
-        assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * r["ref_loss"], r
-        assert r["err"] <= 1e-5, f"{r['family']}: worst gradient {r['where']}: rel err {r['err']:.3e}"
+    r = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    assert abs(r["loss"] - r["ref_loss"]) <= 1e-5 * r["ref_loss"], r
+    assert r["err"] <= 1e-5, f"{r['family']}: worst gradient {r['where']}: rel err {r['err']:.3e}"
