@@ -71,5 +71,8 @@ def _out_of_space(exc: BaseException) -> str | None:
 
 
 def _fail(message: str, status: int = 2) -> NoReturn:
-    print(f"oomb: error: {_one_line(message)}", file=sys.stderr)
+    # One write of the whole line: under torchrun the ranks share stderr, and print's separate write of the newline
+    # (stderr unbuffered) let another rank's line run into this one.
+    sys.stderr.write(f"oomb: error: {_one_line(message)}\n")
+    sys.stderr.flush()
     raise SystemExit(status)
