@@ -52,22 +52,36 @@ def _allocation_refusal(exc: BaseException, what: str = "for --seq-len, --chunk-
                       "whole, even past the sequence's end), or a machine with more memory")
 
 
-def _out_of_space(exc: BaseException) -> str | None:
-    """Why a write of a command's output failed where the disk is full or the quota spent (an OSError, safetensors'
-    SafetensorError, or torch.save's writer RuntimeError with a short write, whose errno it does not keep), as the
-    problem of the one-line error; None for any other exception."""
+CUT_SHORT = "a write was cut short, as on a full disk"
+""":func:`_disk_full`'s reason for torch.save's short write (its writer keeps no errno)."""
+
+
+def _disk_full(exc: BaseException) -> str | None:
+    """Why a write failed where the disk is full or the quota spent: "the disk is full (No space left on device)",
+    "the disk quota is exceeded (Disk quota exceeded)", or :data:`CUT_SHORT` for torch.save's writer RuntimeError of
+    a short write; ``exc`` an OSError, safetensors' SafetensorError or that RuntimeError. None for anything else."""
     import errno
 
     text = _one_line(exc)
     code = exc.errno if isinstance(exc, OSError) else None
-    where = f" ({exc.filename})" if isinstance(exc, OSError) and exc.filename else ""
     if code == errno.ENOSPC or "No space left on device" in text or "os error 28" in text:
-        return f"a file cannot be written{where}: the disk is full (No space left on device)"
+        return "the disk is full (No space left on device)"
     if code == errno.EDQUOT or "Disk quota exceeded" in text or "os error 122" in text:
-        return f"a file cannot be written{where}: the disk quota is exceeded (Disk quota exceeded)"
-    if isinstance(exc, RuntimeError) and "unexpected pos" in text and "inline_container" in text:
-        return "a file cannot be written: a write was cut short, as on a full disk"
+        return "the disk quota is exceeded (Disk quota exceeded)"
+    if isinstance(exc, RuntimeError) and "unexpected pos" in text and \
+            ("inline_container" in text or "PytorchStreamWriter" in text):
+        return CUT_SHORT
     return None
+
+
+def _out_of_space(exc: BaseException) -> str | None:
+    """The problem of the one-line error of a command's output write that a full disk or spent quota stopped
+    (:func:`_disk_full`), naming the file where the error does; None for any other exception."""
+    reason = _disk_full(exc)
+    if reason is None:
+        return None
+    where = f" ({exc.filename})" if isinstance(exc, OSError) and exc.filename else ""
+    return f"a file cannot be written{where}: {reason}"
 
 
 def _fail(message: str, status: int = 2) -> NoReturn:

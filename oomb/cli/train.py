@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from .checks import _check_sizes, _resolve_device_dtype
-from .errors import UsageError, _one_line, _RunError
+from .errors import CUT_SHORT, UsageError, _disk_full, _one_line, _RunError
 from .inputs import _check_data_exists
 from .output import _LOSS_PNG, _REPLACED, _TENSORBOARD, _locked_output_dir, _prepare_output, _save
 from .parser import _version
@@ -77,8 +77,6 @@ def _write_failure(exc: BaseException) -> str | None:
     device)"), where ``exc`` is what a write raises: an OSError, safetensors' SafetensorError, the RuntimeError of
     torch.save's writer, or the CheckpointError that carries a rank 0's write error to every rank of a sharded save.
     None where ``exc`` is anything else (raised as it is)."""
-    import errno
-
     from safetensors import SafetensorError
 
     from ..checkpoint import CheckpointError
@@ -88,15 +86,13 @@ def _write_failure(exc: BaseException) -> str | None:
         return None
     if not isinstance(exc, (OSError, SafetensorError, RuntimeError, CheckpointError)):
         return None
-    code = exc.errno if isinstance(exc, OSError) else None
-    if code == errno.ENOSPC or "No space left on device" in text or "os error 28" in text:
-        return "the disk is full (No space left on device)"
-    if code == errno.EDQUOT or "Disk quota exceeded" in text or "os error 122" in text:
-        return "the disk quota is exceeded (Disk quota exceeded)"
+    full = _disk_full(exc)
+    if full == CUT_SHORT:
+        return f"{full} (torch.save: {text.split('. ', 1)[-1].strip()})"
+    if full is not None:
+        return full
     if isinstance(exc, OSError) and exc.strerror:
         return f"{exc.strerror}{f' ({exc.filename})' if exc.filename else ''}"
-    if isinstance(exc, RuntimeError) and "unexpected pos" in text:  # torch.save's writer hides the errno of a short write
-        return f"a write was cut short, as on a full disk (torch.save: {text.split('. ', 1)[-1].strip()})"
     return text if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {text}"
 
 

@@ -30,7 +30,6 @@ on disk, which a compressed file does not have.
 from __future__ import annotations
 
 import itertools
-import os
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,7 +37,8 @@ from typing import Any, Iterable, Iterator
 
 from .errors import DataError
 from .stats import counted
-from .text import BUNDLED_CORPUS, cache_folder, compressed, compression_of, not_utf8, read_documents
+from .text import (BUNDLED_CORPUS, COMPRESSED_SUFFIXES, cache_folder, compressed, compression_of, not_utf8,
+                   read_documents)
 
 __all__ = ["Rows", "check_data_path", "data_fingerprint", "data_splits", "open_rows"]
 
@@ -342,11 +342,6 @@ def _folder_kind(root: Path, files: list[Path]) -> str:
     return next(iter(by_kind))
 
 
-_PACKED_SUFFIXES = (".gz", ".zst", ".xz", ".bz2")
-"""The compression suffixes of :data:`oomb.data.text._COMPRESSIONS`, by which a folder's compressed data files
-(``b.jsonl.gz``) are found before their first bytes are read."""
-
-
 def _refuse_compressed_beside(root: Path) -> None:
     """Refuse the compressed data files of the folder ``root`` and its subfolders: a file named as a data file with
     a compression suffix (``b.jsonl.gz``, in any case), compressed (known by its first bytes), where that data file
@@ -360,7 +355,7 @@ def _refuse_compressed_beside(root: Path) -> None:
     left_out = []
     for p in sorted(root.rglob("*")):
         plain = p.with_suffix("")
-        if _suffix(p) not in _PACKED_SUFFIXES or _suffix(plain) not in _KINDS or plain.is_file() or not p.is_file() \
+        if _suffix(p) not in COMPRESSED_SUFFIXES or _suffix(plain) not in _KINDS or plain.is_file() or not p.is_file() \
                 or any(part.startswith(".") for part in p.relative_to(root).parts):
             continue
         found = compression_of(p)
@@ -618,27 +613,28 @@ def _refuse_run_folder(root: Path) -> None:
     """
     import json
 
-    run, args = None, root / "train_args.json"
+    args = root / "train_args.json"
     if args.is_file():
         try:
             recorded = json.loads(args.read_text(encoding="utf-8"))
         except (OSError, ValueError):
-            recorded = None
+            return
         if isinstance(recorded, dict) and "oomb_version" in recorded:
-            run = (root, recorded)
-    elif (root / "latest").is_file() and any(root.glob("step-*/meta.json")):
-        run = ("holds checkpoints", None)
-    elif (root / "meta.json").is_file() and (root / "trainer_state.pt").is_file():
-        run = ("is a checkpoint", None)
-    if run is None:
+            trained = recorded.get("data")
+            raise DataError(f"data path {str(root)!r} is the output folder of an oomb train run (its train_args.json), "
+                            "not data",
+                            f"pass --data the data it trained on "
+                            f"({'the bundled corpus: leave --data out' if trained is None else trained}), "
+                            "or pass the folder as --model to train from its model")
         return
-    if run[1] is None:
-        raise DataError(f"data path {str(root)!r} {run[0]} of an oomb train run, not data",
-                        "pass --data the data the run trained on; to go on training from a checkpoint, pass --resume")
-    trained = run[1].get("data")
-    raise DataError(f"data path {str(root)!r} is the output folder of an oomb train run (its train_args.json), not data",
-                    f"pass --data the data it trained on ({'the bundled corpus: leave --data out' if trained is None else trained}), "
-                    "or pass the folder as --model to train from its model")
+    if (root / "latest").is_file() and any(root.glob("step-*/meta.json")):
+        what = "holds checkpoints"
+    elif (root / "meta.json").is_file() and (root / "trainer_state.pt").is_file():
+        what = "is a checkpoint"
+    else:
+        return
+    raise DataError(f"data path {str(root)!r} {what} of an oomb train run, not data",
+                    "pass --data the data the run trained on; to go on training from a checkpoint, pass --resume")
 
 
 def check_data_path(path: str) -> Path:

@@ -45,6 +45,10 @@ _COMPRESSIONS = ((b"\x1f\x8b", "gzip", ".gz", "gunzip -k"), (b"\x28\xb5\x2f\xfd"
 """The compressed formats known by their first bytes: (magic, name, suffix, the command that decompresses FILE.SUFFIX
 into FILE and keeps FILE.SUFFIX)."""
 
+COMPRESSED_SUFFIXES = tuple(suffix for _, _, suffix, _ in _COMPRESSIONS)
+"""The suffixes of the compressed formats (``.gz``, ``.zst``, ...), by which a folder's compressed data files
+(``b.jsonl.gz``) are found before their first bytes are read."""
+
 
 def compression_of(path: Path) -> tuple[str, str, str] | None:
     """The compressed format of the file ``path``, known by its first bytes: ``_COMPRESSIONS``'s row without the
