@@ -248,6 +248,46 @@ def _merged_adapter(adapter: Path, device, dtype):
     return merged.to(device=device, dtype=dtype)
 
 
+def _check_model_named(args: argparse.Namespace, command: str) -> None:
+    """Refuse a --model preset or model folder whose config is unknown or unsupported before the data is tokenised
+    (minutes for a large corpus), as ``oomb train`` does; a checkpoint or a LoRA adapter folder is checked as it
+    is read (:func:`_load_model`).
+
+    Raises:
+        UsageError: --model is neither a preset, a local model folder, an adapter folder nor a checkpoint, or its
+            architecture is not one oomb trains.
+    """
+    from .checkpoint_model import _checkpoint_to_read
+
+    folder = Path(args.model)
+    if _checkpoint_to_read(args.model) is not None or (
+            folder.is_dir() and (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file()):
+        return
+    _model_config(args.model, command)
+
+
+def _supported_models_fix(command: str) -> str:
+    """The fix of an unknown or unsupported --model refusal of ``oomb <command>``."""
+    return f"use a Qwen2/2.5, Llama 2/3, Mistral or Qwen3 causal LM (see 'oomb {command} --help')"
+
+
+def _model_config(model: str, command: str):
+    """The transformers config of a preset or model folder ``model``, checked to be one oomb runs.
+
+    Raises:
+        UsageError: unknown model, or an unsupported architecture (the fix names the supported families).
+    """
+    from .. import UnsupportedModelError
+    from ..models.presets import UnknownModelError, check_config_supported, load_config
+
+    try:
+        config = load_config(model)
+        check_config_supported(config)
+    except (UnknownModelError, UnsupportedModelError) as exc:
+        raise _usage_from(exc, _supported_models_fix(command)) from exc
+    return config
+
+
 def _load_model(args: argparse.Namespace, tokens, device, dtype, command: str, source: str = "the data has"):
     """The --model of grad-error and eval (a preset seeded by --seed, a local folder, a LoRA adapter folder of
     'oomb train', merged into its base in memory, or a checkpoint of 'oomb train', see :mod:`.checkpoint_model`), its
@@ -256,12 +296,7 @@ def _load_model(args: argparse.Namespace, tokens, device, dtype, command: str, s
     import torch
 
     from .. import UnsupportedModelError
-    from ..models.presets import (
-        UnknownModelError,
-        build_model,
-        check_config_supported,
-        load_config,
-    )
+    from ..models.presets import UnknownModelError, build_model
 
     if not sys.stderr.isatty():  # transformers' weight-loading bar is for a terminal, not a log file
         from transformers.utils import logging as hf_logging
@@ -279,14 +314,13 @@ def _load_model(args: argparse.Namespace, tokens, device, dtype, command: str, s
         model = _merged_adapter(folder, device, dtype)
         _check_vocab(int(tokens.max()), _vocab_size(model), args.model, source)
         return model
+    model_config = _model_config(args.model, command)
+    _check_vocab(int(tokens.max()), int(model_config.vocab_size), args.model, source)
     try:
-        model_config = load_config(args.model)
-        check_config_supported(model_config)
-        _check_vocab(int(tokens.max()), int(model_config.vocab_size), args.model, source)
         torch.manual_seed(args.seed)
         model = build_model(args.model, dtype=dtype, device=device)
     except (UnknownModelError, UnsupportedModelError) as exc:
-        raise _usage_from(exc, f"use a Qwen2/2.5, Llama 2/3, Mistral or Qwen3 causal LM (see 'oomb {command} --help')") from exc
+        raise _usage_from(exc, _supported_models_fix(command)) from exc
     _check_vocab(int(tokens.max()), _vocab_size(model), args.model, source)
     return model
 

@@ -22,6 +22,7 @@ from .inputs import (
     _GRAD_ERROR_REPORT_KEYS,
     _check_data_exists,
     _check_json_arg,
+    _check_model_named,
     _check_report_task,
     _load_model,
     _load_tokens,
@@ -63,6 +64,7 @@ def _grad_error(args: argparse.Namespace) -> int:
     from ..data import DataError, TokenSequences
     from ..sparse_quality import sparse_grad_error
 
+    _check_model_named(args, "grad-error")  # before the data is tokenised
     device, dtype = _resolve_device_dtype(args)
     cfg = args.job.engine  # its sparse section: the sink, local and score settings of the budgets' runs
     tokens = _load_tokens(args, _tokenizer_path(args, checkpoints=True))
@@ -108,6 +110,7 @@ def _eval(args: argparse.Namespace) -> int:
 
     device, dtype = _resolve_device_dtype(args)
     cfg = args.job.engine if budgets else args.job.engine.dense()
+    _check_model_named(args, "eval")  # before the data is tokenised
     # Windows are checked before any weight is read.
     tokenizer_path = _tokenizer_path(args, checkpoints=True)
     tokens = _load_tokens(args, tokenizer_path)

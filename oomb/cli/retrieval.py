@@ -17,6 +17,7 @@ from .inputs import (
     RETRIEVAL_REPORT_KEYS,
     _check_data_exists,
     _check_json_arg,
+    _check_model_named,
     _check_report_task,
     _check_png_arg,
     _data_usage_error,
@@ -63,6 +64,7 @@ def _eval_retrieval(args: argparse.Namespace, budgets: list[int]) -> int:
     _check_json_arg(args, RETRIEVAL_REPORT_KEYS, f"eval --task {args.task}")
     heatmap = _check_png_arg(args.heatmap, "--heatmap", "the heatmap", "heatmap")
     _check_data_exists(args)
+    _check_model_named(args, "eval")  # before the data is tokenised
     lengths = args.lengths or [args.seq_len]
     depths = [float(d) for d in (args.depths if args.depths is not None else DEFAULT_DEPTHS)]
     import numpy as np

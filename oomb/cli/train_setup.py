@@ -25,7 +25,13 @@ from .checks import (
     _warn_if_sparse_is_dense,
     _warn_if_warmup_outlasts_the_run,
 )
-from .inputs import _held_out_data, _training_data, _vocab_size
+from .inputs import (
+    _held_out_data,
+    _model_config,
+    _supported_models_fix,
+    _training_data,
+    _vocab_size,
+)
 from .errors import UsageError, _allocation_refusal, _one_line
 from .output import _broken_latest_pointer, _replaced_run_resume, _saved_model_of
 from .resume import (
@@ -93,13 +99,7 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
 
     from .. import Engine, UnsupportedModelError
     from ..checkpoint import CheckpointError, load_checkpoint, read_settings, set_rng_state
-    from ..models.presets import (
-        PRESETS,
-        UnknownModelError,
-        build_model,
-        check_config_supported,
-        load_config,
-    )
+    from ..models.presets import PRESETS, UnknownModelError, build_model
 
     shard_note = None
     if args.shard != "none" and not ctx.enabled:
@@ -114,11 +114,7 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         path, notes = _resume_checkpoint(args, out, dtype, ctx.world_size)
     # The model's config is checked before any weight is read or initialised, and before the data is tokenised
     # (minutes for a large corpus), so that a misspelt --model is named at once.
-    try:
-        model_config = load_config(args.model)
-        check_config_supported(model_config)
-    except (UnknownModelError, UnsupportedModelError) as exc:
-        raise _usage_from(exc, "use a Qwen2/2.5, Llama 2/3, Mistral or Qwen3 causal LM (see 'oomb train --help')") from exc
+    model_config = _model_config(args.model, "train")
     tokenizer_path, tokenizer, sequences = _training_data(args)
     fingerprint = _fingerprint(args, sequences, dtype, ctx.world_size)
     if args.resume is not None:
@@ -182,7 +178,7 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         # by the CPU's generator).
         model = build_model(args.model, dtype=dtype, device="cpu" if args.shard != "none" else device)
     except (UnknownModelError, UnsupportedModelError) as exc:
-        raise _usage_from(exc, "use a Qwen2/2.5, Llama 2/3, Mistral or Qwen3 causal LM (see 'oomb train --help')") from exc
+        raise _usage_from(exc, _supported_models_fix("train")) from exc
     _check_vocab(sequences.max_token(), _vocab_size(model), args.model)
     if args.rope_theta is not None or args.rope_scaling_dict:
         from ..models.rope import set_rope

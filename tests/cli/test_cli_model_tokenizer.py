@@ -255,13 +255,15 @@ def test_a_run_of_a_model_folder_with_a_tokenizer_model_alone_records_and_saves_
     assert AutoTokenizer.from_pretrained(str(out))(text, add_special_tokens=False)["input_ids"] == own
 
 
+@pytest.mark.parametrize("command", [["train"], ["eval"], ["eval", "--task", "needle"], ["grad-error"]])
 @pytest.mark.parametrize("model, said", [
     ("qwen2.5-7bb", "unknown model 'qwen2.5-7bb': not a preset"),
     ("bert", "model type 'bert' is not supported"),
 ])
-def test_a_model_oomb_cannot_train_is_refused_before_the_data_is_tokenised(tmp_path, capsys, monkeypatch, model, said):
-    """A misspelt preset, or a folder of another architecture, is named at once: tokenising a large corpus first
-    took minutes before the refusal."""
+def test_a_model_oomb_cannot_train_is_refused_before_the_data_is_tokenised(tmp_path, capsys, monkeypatch, model, said,
+                                                                          command):
+    """A misspelt preset, or a folder of another architecture, is named at once, by every command that reads
+    --data: tokenising a large corpus first took minutes before the refusal."""
     import oomb.data
 
     if model == "bert":
@@ -269,11 +271,15 @@ def test_a_model_oomb_cannot_train_is_refused_before_the_data_is_tokenised(tmp_p
         (tmp_path / "bert" / "config.json").write_text(json.dumps({"model_type": "bert", "vocab_size": 100}))
         model = str(tmp_path / "bert")
 
-    def build_training_data(*a, **k):
+    def read(*a, **k):
         raise AssertionError("the data was read before the model was checked")
 
-    monkeypatch.setattr(oomb.data, "build_training_data", build_training_data)
+    monkeypatch.setattr(oomb.data, "build_training_data", read)
+    monkeypatch.setattr(oomb.data, "load_documents", read)
     (tmp_path / "doc.txt").write_text("some words " * 50)
-    assert run_cli(["train", "--model", model, "--data", tmp_path / "doc.txt", *FAST, "--output-dir", tmp_path / "run"]) == 2
+    more = ["--output-dir", tmp_path / "run"] if command == ["train"] else ["--seq-len", "64", "--chunk-size", "32",
+                                                                           "--page-size", "16"]
+    assert run_cli([*command, "--model", model, "--data", tmp_path / "doc.txt", *(FAST if command == ["train"] else []),
+                    *more]) == 2
     err = capsys.readouterr().err
     assert err.startswith("oomb: error: ") and said in err and "Traceback" not in err, err
