@@ -54,11 +54,34 @@ def _auto_pipeline(folder: Path) -> str | None:
         hf_logging.set_verbosity(verbosity)
 
 
+_RESOLVED: dict[str, bool] = {}
+"""Folders this process has checked, by :func:`_resolution_key`: whether ``AutoTokenizer`` needed the ``auto_map``
+entry to rebuild the saved pipeline. ``AutoTokenizer`` picks the class from these files alone, so a folder with the
+same files resolves the same way; probing it again (two tokenizer loads, ~0.7 s for the bundled one) is skipped."""
+
+
+def _resolution_key(folder: Path) -> str:
+    """A digest of what ``AutoTokenizer`` reads to pick a folder's tokenizer class and pipeline: the model's
+    ``config.json`` and every tokenizer file ``save_pretrained`` wrote, with the transformers version."""
+    import hashlib
+
+    import transformers
+
+    digest = hashlib.sha256(transformers.__version__.encode())
+    for path in sorted(folder.iterdir()):
+        if path.is_file() and (path.name == "config.json" or path.name.startswith(("tokenizer", "special_tokens",
+                                                                                   "added_tokens", "vocab", "merges"))):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
 def save_tokenizer(tokenizer, folder: str | os.PathLike) -> None:
     """Save ``tokenizer`` (a transformers tokenizer with a ``tokenizers`` backend) into ``folder`` so that
     ``AutoTokenizer.from_pretrained(folder)`` rebuilds the same pipeline, with or without ``trust_remote_code``.
 
     Save the model (its ``config.json``) into ``folder`` first: which class ``AutoTokenizer`` picks depends on it.
+    The check that it does loads the folder with ``AutoTokenizer``; a folder whose files equal those of one checked
+    before in this process (each checkpoint of a run) is written as that one was, without loading it again.
 
     Raises:
         RuntimeError: ``AutoTokenizer`` still builds another pipeline from the folder (a transformers version
@@ -67,14 +90,20 @@ def save_tokenizer(tokenizer, folder: str | os.PathLike) -> None:
     folder = Path(folder)
     tokenizer.save_pretrained(str(folder))
     want = _pipeline(tokenizer)
+    if want is None:
+        return
     cfg_path = folder / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
-    if want is not None:
-        cfg["tokenizer_class"] = _GENERIC
+    cfg["tokenizer_class"] = _GENERIC
+    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+    key = _resolution_key(folder)
+    needs_auto_map = _RESOLVED.get(key)
+    if needs_auto_map is None:
+        needs_auto_map = _auto_pipeline(folder) != want
+    if needs_auto_map:
+        cfg["auto_map"] = {"AutoTokenizer": [None, f"{Path(TOKENIZER_MODULE).stem}.OOMBTokenizer"]}
         cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
-        if _auto_pipeline(folder) != want:
-            cfg["auto_map"] = {"AutoTokenizer": [None, f"{Path(TOKENIZER_MODULE).stem}.OOMBTokenizer"]}
-            cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
-            (folder / TOKENIZER_MODULE).write_text(_MODULE_TEXT)
-            if _auto_pipeline(folder) != want:
-                raise RuntimeError(f"AutoTokenizer.from_pretrained({str(folder)!r}) does not rebuild the saved tokenizer")
+        (folder / TOKENIZER_MODULE).write_text(_MODULE_TEXT)
+        if key not in _RESOLVED and _auto_pipeline(folder) != want:
+            raise RuntimeError(f"AutoTokenizer.from_pretrained({str(folder)!r}) does not rebuild the saved tokenizer")
+    _RESOLVED[key] = needs_auto_map

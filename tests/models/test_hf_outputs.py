@@ -67,6 +67,33 @@ def test_a_tokenizer_autotokenizer_already_rebuilds_gets_no_module(tmp_path):
     assert _ids(AutoTokenizer.from_pretrained(tmp_path), "ab ab") == _ids(tok, "ab ab")
 
 
+def test_a_folder_like_one_checked_before_is_written_the_same_without_loading_it(tmp_path, monkeypatch):
+    """Each checkpoint of a run saves the same tokenizer beside the same config: the AutoTokenizer check (two loads
+    of the folder) runs once per process, and the later folders get the same files; another model type is checked."""
+    import oomb.models.saving as saving
+
+    trained_with = load_tokenizer(None)
+    monkeypatch.setattr(saving, "_RESOLVED", {})
+    probes = []
+    real = saving._auto_pipeline
+    monkeypatch.setattr(saving, "_auto_pipeline", lambda folder: probes.append(folder) or real(folder))
+    folders = {}
+    for name, preset in (("first", "tiny"), ("second", "tiny"), ("llama", "tiny-llama")):
+        folders[name] = tmp_path / name
+        torch.manual_seed(0)
+        build_model(preset).save_pretrained(folders[name])
+        save_tokenizer(trained_with, folders[name])
+    # tiny needs the auto_map (a load without it, and the check with it), tiny-llama loads as saved (one load)
+    assert probes == [folders["first"], folders["first"], folders["llama"]]
+    files = sorted(p.name for p in folders["first"].iterdir())
+    assert TOKENIZER_MODULE in files and sorted(p.name for p in folders["second"].iterdir()) == files
+    for name in files:
+        assert (folders["second"] / name).read_bytes() == (folders["first"] / name).read_bytes(), name
+    loaded = AutoTokenizer.from_pretrained(folders["second"])
+    assert _ids(loaded, _corpus_sample()) == _ids(trained_with, _corpus_sample())
+    assert not (folders["llama"] / TOKENIZER_MODULE).exists()
+
+
 def _logits(model, ids: torch.Tensor) -> torch.Tensor:
     model.eval()
     with torch.no_grad():
