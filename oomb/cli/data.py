@@ -11,7 +11,7 @@ from pathlib import Path
 from ..png import png_metadata
 from .checks import _check_vocab, _usage_from
 from .errors import UsageError
-from .inputs import _check_data_exists, _check_png_path, _training_data
+from .inputs import _check_data_exists, _check_png_path, _held_out_data, _training_data
 
 DEFAULT_OUTPUT = "oomb-data-lengths.png"
 
@@ -187,9 +187,18 @@ def _data(args: argparse.Namespace) -> int:
         raise _usage_from(exc, "pass a preset name or a local model folder (see 'oomb data --help')") from exc
     tokenizer_path, tokenizer, data = _training_data(args)
     _check_vocab(data.max_token(), int(model_config.vocab_size), args.model)
+    held = _held_out_data(args, tokenizer)  # --val-every: what the run's held-out loss would read
+    if held is not None:
+        _check_vocab(held[0].max_token(), int(model_config.vocab_size), args.model, f"the held-out data {held[1]} has")
     stats = data.stats
     lengths = data.example_lengths
     print(f"oomb: {stats.summary()}; tokenizer {tokenizer_path or 'bundled'}")
+    if held is not None:
+        val, (held_data, where, note) = args.job.validation, held
+        print(f"oomb: held-out {held_data.stats.summary()} ({where}); --val-every {val.every} evaluates the first "
+              f"{counted(min(val.sequences, len(held_data)), 'sequence')}")
+        if note:
+            print(note)
     if len(lengths):
         import numpy as np
 

@@ -217,6 +217,22 @@ def test_an_evaluation_restores_random_generators_and_modes():
     assert record.step == 3 and record.val_tokens == 62 and record.val_loss == pytest.approx(want, rel=1e-6)
 
 
+def test_oomb_data_reports_the_held_out_data_a_run_would_evaluate(tmp_path, folder, capsys):
+    """``oomb data`` with the run's --val-* flags says what the held-out loss would read (the split, its sequences,
+    how many are evaluated) and refuses what ``oomb train`` refuses, in the same words."""
+    png = tmp_path / "lengths.png"
+    assert run_cli(["data", "--data", folder, *FAST, "--val-every", "2", "--val-sequences", "4", "--output", png]) == 0
+    held = [line for line in capsys.readouterr().out.splitlines() if line.startswith("oomb: held-out ")]
+    assert len(held) == 1, held
+    assert f"(--data {folder} [validation])" in held[0] and "6 documents (text)" in held[0], held[0]
+    assert held[0].endswith("--val-every 2 evaluates the first 4 sequences"), held[0]
+    assert run_cli(["data", "--data", folder, *FAST, "--val-every", "1", "--val-split", "dev", "--output", png]) == 2
+    line = _one_error_line(capsys)
+    assert "--val-split 'dev'" in line and "its splits: train, validation" in line
+    assert run_cli(["data", "--data", folder, *FAST, "--output", png]) == 0
+    assert "held-out" not in capsys.readouterr().out  # no --val-every: no held-out loss, nothing to report
+
+
 def test_data_without_a_held_out_split_is_refused_before_training(tmp_path, capsys):
     """A single file (one split, train) or the bundled corpus with --val-every and neither --val-data nor
     --val-split: one line naming the problem and the fix, exit status 2, nothing written."""
