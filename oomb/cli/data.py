@@ -11,7 +11,7 @@ from pathlib import Path
 from ..png import png_metadata
 from .checks import _check_vocab, _usage_from
 from .errors import UsageError
-from .inputs import _check_data_exists, _check_png_path, _held_out_data, _training_data
+from .inputs import _check_data_exists, _check_png_path, _held_out_data, _model_config, _training_data
 
 DEFAULT_OUTPUT = "oomb-data-lengths.png"
 
@@ -177,14 +177,9 @@ def _data(args: argparse.Namespace) -> int:
         return _make(args)
     out = _check_output(args.output)
     _check_data_exists(args)
-    from .. import UnsupportedModelError
     from ..data.stats import counted
-    from ..models.presets import UnknownModelError, load_config
 
-    try:
-        model_config = load_config(args.model)
-    except (UnknownModelError, UnsupportedModelError) as exc:
-        raise _usage_from(exc, "pass a preset name or a local model folder (see 'oomb data --help')") from exc
+    model_config = _model_config(args, "data")  # its vocabulary is checked against the data's token ids
     tokenizer_path, tokenizer, data = _training_data(args)
     _check_vocab(data.max_token(), int(model_config.vocab_size), args.model)
     held = _held_out_data(args, tokenizer)  # --val-every: what the run's held-out loss would read

@@ -263,7 +263,7 @@ def _check_model_named(args: argparse.Namespace, command: str) -> None:
     if _checkpoint_to_read(args.model) is not None or (
             folder.is_dir() and (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file()):
         return
-    _model_config(args.model, command)
+    _model_config(args, command)
 
 
 def _supported_models_fix(command: str) -> str:
@@ -271,20 +271,24 @@ def _supported_models_fix(command: str) -> str:
     return f"use a Qwen2/2.5, Llama 2/3, Mistral or Qwen3 causal LM (see 'oomb {command} --help')"
 
 
-def _model_config(model: str, command: str):
-    """The transformers config of a preset or model folder ``model``, checked to be one oomb runs.
+def _model_config(args: argparse.Namespace, command: str):
+    """The transformers config of the --model preset or model folder, checked to be one oomb runs.
 
     Raises:
-        UsageError: unknown model, or an unsupported architecture (the fix names the supported families).
+        UsageError: unknown model, or an unsupported architecture (the fix names the supported families); a
+            model named in the --config file is refused as its key, ``model.name (in FILE)``.
     """
     from .. import UnsupportedModelError
     from ..models.presets import UnknownModelError, check_config_supported, load_config
+    from .errors import _named
 
     try:
-        config = load_config(model)
+        config = load_config(args.model)
         check_config_supported(config)
     except (UnknownModelError, UnsupportedModelError) as exc:
-        raise _usage_from(exc, _supported_models_fix(command)) from exc
+        err = _usage_from(exc, _supported_models_fix(command))
+        where = _named(args, "model.name", "--model")
+        raise (UsageError(f"{where}: {err.problem}", err.fix) if where != "--model" else err) from exc
     return config
 
 
@@ -314,7 +318,7 @@ def _load_model(args: argparse.Namespace, tokens, device, dtype, command: str, s
         model = _merged_adapter(folder, device, dtype)
         _check_vocab(int(tokens.max()), _vocab_size(model), args.model, source)
         return model
-    model_config = _model_config(args.model, command)
+    model_config = _model_config(args, command)
     _check_vocab(int(tokens.max()), int(model_config.vocab_size), args.model, source)
     try:
         torch.manual_seed(args.seed)

@@ -26,6 +26,8 @@ from .inputs import (
     _check_report_task,
     _load_model,
     _load_tokens,
+    _model_config,
+    _supported_models_fix,
     _tokenizer_path,
     _write_json,
 )
@@ -182,19 +184,13 @@ def _bench(args: argparse.Namespace) -> int:
 
     from .. import UnsupportedModelError
     from ..bench import bench_rows, bench_table
-    from ..models.presets import (
-        UnknownModelError,
-        build_model,
-        check_config_supported,
-        load_config,
-    )
+    from ..models.presets import UnknownModelError, build_model
 
     device, dtype = _resolve_device_dtype(args)
     cfg = args.job.engine
     _check_fused_glue(cfg.fused_glue, device)
     try:
-        model_config = load_config(args.model)
-        check_config_supported(model_config)
+        model_config = _model_config(args, "bench")
         if device.type == "cpu":
             from ..memory import ModelShape, host_memory
 
@@ -207,7 +203,7 @@ def _bench(args: argparse.Namespace) -> int:
         torch.manual_seed(args.seed)
         model = build_model(args.model, dtype=dtype, device=device)
     except (UnknownModelError, UnsupportedModelError) as exc:
-        raise _usage_from(exc, "use a Qwen2/2.5, Llama 2/3, Mistral or Qwen3 causal LM (see 'oomb bench --help')") from exc
+        raise _usage_from(exc, _supported_models_fix("bench")) from exc
     from ..ops.paged_attention import resolve_backend
 
     backend = resolve_backend(args.attention_backend, device)

@@ -81,18 +81,12 @@ def _plan(args: argparse.Namespace) -> int:
     bad input (a model ``oomb train`` refuses and a setting that fits no machine included: one line, no table, no
     note or warning). A --seq-len beyond the model's max_position_embeddings is warned about on stderr (as
     ``oomb train`` does)."""
-    from .. import UnsupportedModelError
-
     try:
         from ..config import resolve_dtype
         from ..models.limits import context_length_warning, lora_rank_problem
-        from ..models.presets import check_config_supported, load_config
+        from .inputs import _model_config
 
-        config = load_config(args.model)  # an unknown model is the first thing to say
-        try:
-            check_config_supported(config)  # then a model oomb train refuses, in its words
-        except UnsupportedModelError as exc:
-            raise _usage_from(exc, "use a Qwen2/2.5, Llama 2/3, Mistral or Qwen3 causal LM (see 'oomb plan --help')") from exc
+        config = _model_config(args, "plan")  # an unknown model, or one oomb train refuses, is the first thing to say
         lora_problem = lora_rank_problem(config, args.lora_rank, args.model)
         if lora_problem:
             raise ValueError("; ".join(lora_problem))

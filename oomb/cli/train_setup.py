@@ -114,7 +114,7 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         path, notes = _resume_checkpoint(args, out, dtype, ctx.world_size)
     # The model's config is checked before any weight is read or initialised, and before the data is tokenised
     # (minutes for a large corpus), so that a misspelt --model is named at once.
-    model_config = _model_config(args.model, "train")
+    model_config = _model_config(args, "train")
     tokenizer_path, tokenizer, sequences = _training_data(args)
     fingerprint = _fingerprint(args, sequences, dtype, ctx.world_size)
     if args.resume is not None:

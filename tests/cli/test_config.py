@@ -414,3 +414,17 @@ def test_an_output_dir_from_the_file_is_named_as_its_key(tmp_path, capsys):
     _refused(["train", "--config", f], capsys, f"output.dir (in {f}) '{taken}' exists, is not empty")
     _refused(["train", "--output-dir", taken], capsys, f"--output-dir '{taken}' exists, is not empty")
     assert (taken / "notes.txt").read_text() == "the user's file\n"
+
+
+@pytest.mark.parametrize("command", [["train", "--output-dir", "{tmp}/run"], ["eval"], ["grad-error"], ["plan"],
+                                     ["data", "--output", "{tmp}/h.png"], ["bench"]])
+def test_an_unknown_model_from_the_file_is_named_as_its_key(tmp_path, capsys, command):
+    """A misspelt model.name in --config was refused as 'unknown model ...', naming neither the key nor the file;
+    the flag's refusal stays as it was."""
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in command]
+    f = tmp_path / "c.yaml"
+    f.write_text("model:\n  name: qwen2.5-7bb\n")
+    err = _refused([*argv, "--config", f], capsys, f"model.name (in {f}): unknown model 'qwen2.5-7bb': not a preset")
+    assert "--model" not in err, err
+    _refused([*argv, "--model", "qwen2.5-7bb"], capsys, "oomb: error: unknown model 'qwen2.5-7bb': not a preset")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "h.png").exists()
