@@ -329,10 +329,14 @@ def build_training_data(cfg, tokenizer, seed: int = 0):
         data = packer.finish(seed)
         if not len(data):
             s = packer.stats()
-            raise DataError(
-                f"no example of {rows.name!r} fits a sequence ({s.dropped_examples:,} of {s.examples:,} dropped: "
-                f"longer than --seq-len {cfg.seq_len:,} or without a trained token)",
-                "pass a longer --seq-len, or --long-examples split")
+            too_long, untrained = packer.dropped_reasons()
+            why = ", ".join(([f"{too_long:,} longer than --seq-len {cfg.seq_len:,}"] if too_long else [])
+                            + ([f"{untrained:,} without a trained token"] if untrained else []))
+            fix = ("pass a longer --seq-len, or --long-examples split" if too_long else
+                   "give the examples text to train on (a non-empty completion or assistant turn; an example's first "
+                   "token is never a target), or pass other data")
+            raise DataError(f"no example of {rows.name!r} is left to train on ({s.dropped_examples:,} of "
+                            f"{s.examples:,} dropped: {why})", fix)
         return data
 
     if not rows.streaming:

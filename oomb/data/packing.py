@@ -69,7 +69,7 @@ class Packer:
         self._seqs: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self.lengths: list[int] = []
         self.n = dict(examples=0, tokens=0, trained=0, padding=0, split=0, dropped=0, dropped_tokens=0, sequences=0,
-                      split_unused=0)
+                      split_unused=0, untrained=0)
 
     # ---- input
 
@@ -81,6 +81,7 @@ class Packer:
         self.n["tokens"] += n
         mask = labels != IGNORE_INDEX
         if n < 2 or not mask[1:].any():
+            self.n["untrained"] += 1
             self._drop(n)
             return
         if n > self.S:
@@ -147,6 +148,11 @@ class Packer:
         self.shards.append(shard)
 
     # ---- output
+
+    def dropped_reasons(self) -> tuple[int, int]:
+        """``(too_long, untrained)``: examples dropped for being longer than ``seq_len`` (``long_examples="drop"``)
+        and for holding no trained token after their first (an empty completion, a row of one token)."""
+        return self.n["dropped"] - self.n["untrained"], self.n["untrained"]
 
     def stats(self) -> DataStats:
         n = self.n

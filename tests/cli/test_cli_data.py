@@ -927,3 +927,19 @@ def test_the_sequence_line_has_thousands_separators(tmp_path, capsys):
     first = int(line.split()[2].replace(",", ""))
     assert first >= 1000, line  # a number that needs a separator
     assert line.startswith(f"oomb: sequence {first:,} of 1,"), line
+
+
+@pytest.mark.parametrize("rows, said, fix", [
+    ([{"prompt": "", "completion": ""}], "(1 of 1 dropped: 1 without a trained token)", "a non-empty completion"),
+    ([{"prompt": "word " * 200, "completion": "x"}], "(1 of 1 dropped: 1 longer than --seq-len", "--long-examples split"),
+    ([{"prompt": "", "completion": ""}, {"prompt": "word " * 200, "completion": "x"}],
+     "(2 of 2 dropped: 1 longer than --seq-len 64, 1 without a trained token)", "--long-examples split"),
+])
+def test_data_with_nothing_to_train_names_why_each_example_was_dropped(tmp_path, capsys, rows, said, fix):
+    """A row of an empty prompt and completion (only the EOS, which no earlier token predicts) was reported as
+    'longer than --seq-len or without a trained token', with the fix of a too-long row."""
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
+    line = refused(["data", "--data", path, *FAST], capsys, tmp_path, "is left to train on")
+    assert said in line and fix in line, line
+    if "longer" not in said:
+        assert "--seq-len" not in line, line
