@@ -196,7 +196,8 @@ _DESCRIPTIONS = {
         "--seed do not change the data), "
         "and print the number of examples, tokens, trained tokens, padding and dropped examples, the example "
         "lengths, and the first sequence training reads with its trained tokens in [[...]] (highlighted on a "
-        "terminal); with --val-every, also the held-out data the run's held-out loss would read. Writes the histogram of example lengths as a PNG (--output); nothing else is written. With "
+        "terminal); with --val-every, also the held-out data the run's held-out loss would read. Writes the "
+        "histogram of example lengths as a PNG (--output); nothing else is written. With "
         "--make it writes synthetic retrieval rows instead, and reads only the flags of that group, --seed, "
         "--tokenizer, --seq-len and (for needle) --data, --data-split and --text-field: any other is refused.",
     ),
