@@ -53,6 +53,12 @@ def _step_error(exc) -> _RunError:
             f"the loss became {exc.loss} at step {step}; the model was not saved (log.jsonl keeps the steps "
             "before it, and checkpoints/ any checkpoint written before it)",
             "lower --lr and run again with --overwrite, or --resume from a checkpoint with a lower --lr")
+    if kind == "non_finite_update":
+        return _RunError(
+            f"the update of step {step} left weights that are not finite numbers"
+            + (f" ({_one_line(exc.detail)})" if exc.detail else "") + "; the model was not saved (log.jsonl keeps "
+            "the steps before it, and checkpoints/ any checkpoint written before it)",
+            "lower --lr and run again with --overwrite, or --resume from a checkpoint with a lower --lr")
     return _RunError(f"step {step} failed: {_one_line(exc.detail)}", "check the data")
 
 

@@ -26,7 +26,10 @@ class StepError(RuntimeError):
         step: the step (from 1).
         kind: ``"data"`` (the engine refused a sequence, e.g. a document too short to hold a target),
             ``"out_of_memory"`` (an allocation failed: the GPU or host ran out of memory), ``"other_rank"`` (another rank failed: its error
-            is reported there) or ``"non_finite"`` (the loss is NaN or infinite; ``loss`` holds it).
+            is reported there), ``"non_finite"`` (the loss is NaN or infinite; ``loss`` holds it) or
+            ``"non_finite_update"`` (the optimizer's update overflowed or left a weight NaN or infinite, e.g. at a
+            learning rate far too large). Only for ``"non_finite_update"`` was the step applied: the weights are
+            then unusable, and neither the model nor a checkpoint should be saved from them.
         detail: the underlying error's message ('' where there is none).
     """
 
@@ -74,6 +77,17 @@ class StepStopped:
     step: int
     sequences_done: int
     sequences: int
+
+
+def _weights_finite(params) -> bool:
+    """Whether every element of ``params`` (this rank's shards where they are ``DTensor``) is finite: one max-abs
+    reduction per tensor, which carries a NaN or an infinity through (no temporary of a weight's size), and one
+    host sync."""
+    from torch.distributed.tensor import DTensor
+
+    local = [p.detach().to_local() if isinstance(p, DTensor) else p.detach() for p in params]
+    norms = [torch.linalg.vector_norm(t, float("inf")) for t in local if t.numel()]
+    return not norms or bool(torch.isfinite(torch.stack([n.float() for n in norms])).all())
 
 
 def _check_types(engine, optimizer, stream, train) -> None:
@@ -236,8 +250,18 @@ class Trainer:
             all_reduce_gradients(self.params)
         max_norm = self.train.max_grad_norm if self.train.max_grad_norm > 0 else float("inf")
         grad_norm = clip_grad_norm(self.params, max_norm)
-        self.optimizer.step()
+        try:
+            self.optimizer.step()
+        except RuntimeError as exc:  # an update too large for the weights' dtype (torch: "... without overflow")
+            if "overflow" not in str(exc):
+                raise
+            error = StepError(step, "non_finite_update", str(exc).splitlines()[0])
+        else:
+            error = None if _weights_finite(self.params) else StepError(step, "non_finite_update")
         self.optimizer.zero_grad(set_to_none=True)
+        self._agree(error is None, step)
+        if error is not None:
+            raise error
         seconds = time.perf_counter() - t0
         num_tokens = sum(r.num_tokens for r in results) * W
         peaks = [r.peak_memory_bytes for r in results if r.peak_memory_bytes is not None]

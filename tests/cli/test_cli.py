@@ -613,6 +613,36 @@ def test_a_diverging_run_stops_with_status_1_and_one_line(tmp_path, text_file, c
     assert not (out / "model.safetensors").exists()
 
 
+@pytest.mark.parametrize("flags, detail", [
+    (["--lr", "1e38"], "(value cannot be converted to type float without overflow)"),  # lr / (1 - beta1) > fp32 max
+    (["--lr", "1e308", "--lr-schedule", "constant"], ""),  # an update that makes weights infinite, then NaN
+])
+def test_an_update_that_breaks_the_weights_stops_before_anything_is_saved(tmp_path, text_file, capsys, flags, detail):
+    """The loss guard saw a broken update only at the next step's loss: the last step's update was saved as a model
+    of NaN weights (exit 0), or torch's overflow error came as a traceback."""
+    out = tmp_path / "run"
+    status = run_cli(["train", "--data", text_file, "--output-dir", out, *FAST, "--steps", "1", "--save-every", "1",
+                      "--warmup-steps", "0", *flags])
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("oomb: error")]
+    assert status == 1 and len(err) == 1, err
+    assert f"the update of step 1 left weights that are not finite numbers{' ' + detail if detail else ''}; the " \
+           "model was not saved" in err[0] and "lower --lr" in err[0], err[0]
+    assert not (out / "model.safetensors").exists() and not list((out / "checkpoints").glob("step-*"))
+
+
+def test_weights_finite_sees_one_nan_or_infinity_in_any_tensor():
+    from oomb.train.step import _weights_finite
+
+    for dtype in (torch.float32, torch.bfloat16):
+        params = [torch.zeros(3, 5, dtype=dtype), torch.ones(0, dtype=dtype), torch.full((7,), 3e38, dtype=dtype)]
+        assert _weights_finite(params)
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            broken = [p.clone() for p in params]
+            broken[0][2, 4] = bad
+            assert not _weights_finite(broken), (dtype, bad)
+    assert _weights_finite([])
+
+
 def test_document_bounds_split_after_each_eos():
     from oomb.train import document_bounds as _document_bounds
 
