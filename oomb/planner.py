@@ -576,9 +576,13 @@ def plan(
                     f"KV store needs {L * n * pb / GiB:,.2f} GiB on top (GPU and host); {fix}"]
     elif fixed > gpu_budget:
         need, free = _need_and_free(fixed, gpu_budget)
+        # A shorter context helps only where one fits (a shorter one-chunk run has smaller activations; the
+        # weights and states stay).
+        longest = max(longest_gpu, longest_off)
+        shorter = f", or shorten the context to {longest:,} tokens or fewer" if 0 < longest < seq_len else ""
         problems.insert(0, f"weights, gradients, optimizer states and one chunk's activations need {need} "
                            f"but {free} of GPU memory is free (after a {reserve / GiB:.1f} GiB reserve); "
-                           "use LoRA, checkpoint_layers or a smaller chunk_size, or shorten the context")
+                           f"use LoRA, checkpoint_layers or a smaller chunk_size{shorter}")
     longest = max(longest_gpu, longest_off)
     if 0 < longest < seq_len:  # a message that says to shorten the context says to how much
         where = " with offload" if longest_off > longest_gpu else ""

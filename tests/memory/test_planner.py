@@ -761,3 +761,17 @@ def test_engine_tiering_gives_the_stash_reserve_back_when_every_page_fits(fake_h
     (offload, pages, _), info = tier(T)
     assert L * (T // 128) * pb > info["pool_budget_bytes"]  # without the reserve given back it would offload
     assert not offload and pages is None
+
+
+def test_a_plan_no_context_fits_does_not_say_to_shorten_it():
+    """Weights, gradients and optimizer states over the GPU at a one-chunk context: no shorter context fits either,
+    so the fix names what shrinks them, not the context."""
+    from oomb.planner import plan
+
+    gpu = Machine(gpu_free_bytes=80 * GiB, gpu_total_bytes=80 * GiB, host_available_bytes=200 * GiB,
+                  host_total_bytes=200 * GiB)
+    p = plan("qwen2.5-7b", 4096, chunk_size=4096, machine=gpu)
+    assert not p.fits and max(p.max_seq_len_gpu_only, p.max_seq_len_offload) == 0
+    told = " ".join(p.problems)
+    assert "weights, gradients, optimizer states and one chunk's activations need" in told, told
+    assert "shorten the context" not in told, told
