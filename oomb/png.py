@@ -8,9 +8,11 @@ them back with Pillow (a dependency of matplotlib).
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from pathlib import Path
 
-__all__ = ["KINDS", "SOFTWARE", "png_kind", "png_metadata"]
+__all__ = ["KINDS", "SOFTWARE", "missing_glyphs_drawn_as_boxes", "png_kind", "png_metadata"]
 
 SOFTWARE = "oomb"
 """The ``Software`` text chunk of every PNG oomb writes."""
@@ -30,6 +32,15 @@ def png_metadata(kind: str) -> dict[str, str]:
         KeyError: ``kind`` is not one of :data:`KINDS`.
     """
     return {"Software": SOFTWARE, "Title": KINDS[kind]}
+
+
+@contextlib.contextmanager
+def missing_glyphs_drawn_as_boxes():
+    """Within it, matplotlib draws a character its font lacks (a title naming a folder in CJK script) as a box
+    without its warning, one per character and draw, which the commands would print as warnings of theirs."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Glyph \d+ .*missing from font", category=UserWarning)
+        yield
 
 
 def png_kind(path: str | Path) -> str | None:

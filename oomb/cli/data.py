@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from ..png import png_metadata
+from ..png import missing_glyphs_drawn_as_boxes, png_metadata
 from .checks import _check_vocab, _usage_from
 from .errors import UsageError
 from .inputs import _check_data_exists, _check_png_path, _held_out_data, _model_config, _training_data
@@ -76,10 +76,11 @@ def _histogram(path: Path, lengths, seq_len: int, title: str) -> None:
     ax.set_ylabel("examples")
     ax.set_title(title, fontsize=9)
     ax.legend()
-    fig.tight_layout()
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.png")
     try:
-        fig.savefig(tmp, format="png", metadata=png_metadata("histogram"))
+        with missing_glyphs_drawn_as_boxes():  # the title names the data, in whatever script
+            fig.tight_layout()
+            fig.savefig(tmp, format="png", metadata=png_metadata("histogram"))
         os.replace(tmp, path)
     finally:
         plt.close(fig)

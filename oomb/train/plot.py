@@ -7,7 +7,7 @@ import json
 import os
 from pathlib import Path
 
-from ..png import png_metadata
+from ..png import missing_glyphs_drawn_as_boxes, png_metadata
 
 __all__ = ["plot_log", "read_log", "read_val_log"]
 
@@ -73,9 +73,10 @@ def plot_log(log_path: str | os.PathLike, png_path: str | os.PathLike) -> bool:
     speed_ax.grid(alpha=0.3)
     speed_ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     fig.suptitle(f"{Path(log_path).parent.name}: steps {steps[0]}-{steps[-1]}")
-    fig.tight_layout()
     png_path = Path(png_path)
     tmp = png_path.with_name(f".{png_path.name}.tmp")
-    fig.savefig(tmp, format="png", metadata=png_metadata("loss"))
+    with missing_glyphs_drawn_as_boxes():  # the title names the run folder, in whatever script
+        fig.tight_layout()
+        fig.savefig(tmp, format="png", metadata=png_metadata("loss"))
     os.replace(tmp, png_path)
     return True

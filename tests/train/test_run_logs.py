@@ -106,3 +106,20 @@ def test_overwrite_refuses_a_folder_with_someone_elses_tensorboard_folder(tmp_pa
     (out / "log.jsonl").write_text("")
     assert run_cli(["train", "--output-dir", out, *FAST, "--steps", "1", "--overwrite"]) == 0
     assert not (out / "tensorboard").exists()
+
+
+def test_a_run_folder_named_in_another_script_draws_without_a_warning(tmp_path):
+    """The loss curve's title names the run folder; a character the font lacks is drawn as a box, and matplotlib's
+    warning for it (one per character, printed by oomb train as its own warning) is not passed on."""
+    import warnings
+
+    from oomb.train.plot import plot_log
+
+    run = tmp_path / "ünï 日本語"
+    run.mkdir()
+    (run / "log.jsonl").write_text(json.dumps({"step": 1, "loss": 3.0, "tokens_per_s": 10.0}) + "\n")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert plot_log(run / "log.jsonl", run / "loss.png")
+    assert not [w for w in caught if "Glyph" in str(w.message)], [str(w.message) for w in caught]
+    assert (run / "loss.png").stat().st_size > 0
