@@ -346,12 +346,23 @@ def _training_data(args: argparse.Namespace):
         raise _data_usage_error(args, exc) from exc
 
 
+def _same_data(a: str | os.PathLike | None, b: str | os.PathLike | None) -> bool:
+    """Whether the data paths ``a`` and ``b`` (None: the bundled corpus) are one file or folder once resolved:
+    ``split`` and ``./split/`` are the same data."""
+    from ..data import BUNDLED_CORPUS
+
+    def resolved(path) -> Path:
+        return BUNDLED_CORPUS if path is None else Path(path).expanduser().resolve()
+
+    return resolved(a) == resolved(b)
+
+
 def _held_out_data(args: argparse.Namespace, tokenizer):
     """The held-out data of ``oomb train --val-every N``: the split :attr:`ValidationConfig.split` names (default:
     validation, else test) of --val-data (read with every other data setting of the run) or of --data, built by
     :func:`oomb.data.build_training_data` as the training data is; ``(data, where, note)``, ``where`` naming it for
     messages (``"--data DIR [validation]"``), ``note`` a line to print once every check has passed (the held-out
-    split is the one training reads) or None; None without --val-every.
+    split is the one training reads, of --data or of a --val-data that is the same path) or None; None without --val-every.
 
     Raises:
         UsageError: the data has no such split, or (the default) neither validation nor test where --val-data is
@@ -396,7 +407,7 @@ def _held_out_data(args: argparse.Namespace, tokenizer):
                              f"or test split (its splits: {has})",
                              f"{add}, or pass --val-data PATH (held-out data) or --val-split NAME")
     note = None
-    if val.data is None and split == args.job.data.split:
+    if split == args.job.data.split and (val.data is None or _same_data(val.data, args.job.data.path)):
         note = (f"oomb: note: --val-split {split} is the split training reads: the held-out loss is of training "
                 "sequences")
     where = f"{shown} [{split}]"

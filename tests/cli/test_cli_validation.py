@@ -349,3 +349,27 @@ def test_data_splits_names_the_splits_without_reading_rows(tmp_path, folder):
     assert data_splits(str(tmp_path / "saved")) == ["train", "test"]
     rows.save_to_disk(str(tmp_path / "single"))
     assert data_splits(str(tmp_path / "single")) == ["train"]
+
+
+def _notes(capsys) -> list[str]:
+    out = capsys.readouterr()
+    return [line for line in (out.out + out.err).splitlines() if "is the split training reads" in line]
+
+
+def test_val_data_that_is_the_training_data_and_split_is_noted(tmp_path, folder, capsys, monkeypatch):
+    """--val-data naming the --data path (spelled otherwise: the same resolved path) with --val-split train
+    evaluates training sequences: noted as when --val-data is not given; another path is not noted."""
+    monkeypatch.chdir(tmp_path)
+    png = tmp_path / "lengths.png"
+    argv = ["data", "--data", "data", *FAST, "--val-every", "1", "--val-split", "train", "--output", png]
+    assert run_cli([*argv, "--val-data", f"./data/../{folder.name}/"]) == 0
+    notes = _notes(capsys)
+    assert len(notes) == 1 and "the held-out loss is of training sequences" in notes[0], notes
+    other = tmp_path / "other"
+    shutil.copytree(folder, other)
+    assert run_cli([*argv, "--val-data", other]) == 0
+    assert _notes(capsys) == []
+    out = tmp_path / "run"
+    assert run_cli(["train", "--data", folder, *FAST, "--steps", "1", "--val-every", "1", "--val-data", folder,
+                    "--val-split", "train", "--output-dir", out]) == 0
+    assert len(_notes(capsys)) == 1
