@@ -357,6 +357,26 @@ def _same_data(a: str | os.PathLike | None, b: str | os.PathLike | None) -> bool
     return resolved(a) == resolved(b)
 
 
+def _training_split_note(args: argparse.Namespace, split: str) -> str:
+    """The note of held-out data that is the split ``split`` training reads, naming each setting as the user gave it
+    (a flag, or the --config file's key): the held-out split (``--val-split``, or the default it fell to), the
+    --val-data that is the training data, and what chose the training split where it is not the default."""
+    from ..config import DataConfig
+    from .errors import _named
+
+    val, data = args.job.validation, args.job.data
+    held = (f"{_named(args, 'validation.split', '--val-split')} {split}" if val.split is not None
+            else f"the held-out split {split!r}")
+    training = []
+    if val.data is not None:
+        held += f" of {_named(args, 'validation.data', '--val-data')} {val.data}"
+        training.append(f"{_data_setting(args, 'path')} {data.path}" if data.path is not None else "the bundled corpus")
+    if data.split != DataConfig().split:  # set by the user: name how
+        training.append(f"{_data_setting(args, 'split')} {data.split}")
+    of = f" ({', '.join(training)})" if training else ""
+    return f"oomb: note: {held} is the split training reads{of}: the held-out loss is of training sequences"
+
+
 def _held_out_data(args: argparse.Namespace, tokenizer):
     """The held-out data of ``oomb train --val-every N``: the split :attr:`ValidationConfig.split` names (default:
     validation, else test) of --val-data (read with every other data setting of the run) or of --data, built by
@@ -408,8 +428,7 @@ def _held_out_data(args: argparse.Namespace, tokenizer):
                              f"{add}, or pass --val-data PATH (held-out data) or --val-split NAME")
     note = None
     if split == args.job.data.split and (val.data is None or _same_data(val.data, args.job.data.path)):
-        note = (f"oomb: note: --val-split {split} is the split training reads: the held-out loss is of training "
-                "sequences")
+        note = _training_split_note(args, split)
     where = f"{shown} [{split}]"
     cfg = replace(args.job.data, path=path, split=split)
     try:

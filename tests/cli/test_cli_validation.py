@@ -373,3 +373,25 @@ def test_val_data_that_is_the_training_data_and_split_is_noted(tmp_path, folder,
     assert run_cli(["train", "--data", folder, *FAST, "--steps", "1", "--val-every", "1", "--val-data", folder,
                     "--val-split", "train", "--output-dir", out]) == 0
     assert len(_notes(capsys)) == 1
+
+
+def test_the_training_split_note_names_what_was_given(tmp_path, folder, capsys):
+    """The note names the settings as the user gave them: no --val-split where the held-out split defaulted to the
+    one --data-split chose, and the --config file's keys where the values came from the file."""
+    png = tmp_path / "lengths.png"
+    argv = ["data", *FAST, "--val-every", "1", "--output", png]
+    assert run_cli([*argv, "--data", folder, "--data-split", "validation"]) == 0
+    assert _notes(capsys) == ["oomb: note: the held-out split 'validation' is the split training reads "
+                              "(--data-split validation): the held-out loss is of training sequences"]
+    config = tmp_path / "run.yaml"
+    config.write_text(f"data:\n  path: {folder}\n  split: validation\n")
+    assert run_cli([*argv, "--config", config]) == 0
+    assert _notes(capsys) == [f"oomb: note: the held-out split 'validation' is the split training reads "
+                              f"(data.split (in {config}) validation): the held-out loss is of training sequences"]
+    config.write_text(f"validation:\n  every: 1\n  split: train\n")
+    assert run_cli(["data", *FAST, "--output", png, "--data", folder, "--config", config]) == 0
+    assert _notes(capsys) == [f"oomb: note: validation.split (in {config}) train is the split training reads: the "
+                              "held-out loss is of training sequences"]
+    assert run_cli([*argv, "--data", folder, "--val-split", "train", "--val-data", folder]) == 0
+    assert _notes(capsys) == [f"oomb: note: --val-split train of --val-data {folder} is the split training reads "
+                              f"(--data {folder}): the held-out loss is of training sequences"]
