@@ -170,8 +170,9 @@ class DataConfig:
     messages, prompt-completion, segments, text."""
 
     text_field: str = "text"
-    """The field holding the text of a text row; with format auto, a field other than text that the rows lack is
-    refused (rows of another format are not read in its place). Plain text (a .txt file, a folder of them, the
+    """The field holding the text of a text row; with format auto, a field other than text is refused where the
+    rows lack it or are of another format (messages, prompt-completion, segments): they are not read in its place,
+    nor is it ignored (format text reads it from any rows). Plain text (a .txt file, a folder of them, the
     bundled corpus) has no fields: it reads as the one field text, and naming another is refused."""
 
     chat_template: Optional[str] = field(default=None, metadata=flag("--chat-template", metavar="PATH"))

@@ -40,11 +40,11 @@ _FORMATS = ("messages", "prompt-completion", "segments", "text")
 def detect_format(fmt: str, columns: list[str], text_field: str, name: str) -> str:
     """The row format: ``fmt`` unless "auto", else the first of messages, prompt-completion, segments, text
     whose fields the rows have. A ``text_field`` other than ``text`` is one the user named: with "auto" the rows
-    must have it (else they would be read in another format, the field named for nothing).
+    must have it and be text rows (else they would be read in another format, the field named for nothing).
 
     Raises:
         DataError: the rows lack the fields of the format, or the named ``text_field`` (naming the fields they
-            have).
+            have), or they have it and are rows of another format (its setting: ``text_field``).
     """
     need = {"messages": ["messages"], "prompt-completion": ["prompt", "completion"], "segments": ["segments"],
             "text": [text_field]}
@@ -54,6 +54,15 @@ def detect_format(fmt: str, columns: list[str], text_field: str, name: str) -> s
         read = f", or leave --text-field out to read these {other} rows" if other else ""
         raise DataError(f"{name} has no {text_field!r} field, which --text-field names (its fields: {found})",
                         f"pass --text-field the field that holds the text{read}")
+    if fmt == "auto" and text_field != "text":
+        # The rows have the named field, but also those of a format preferred to text: read in that format, the
+        # field would be ignored.
+        other = next((f for f in _FORMATS[:-1] if all(c in columns for c in need[f])), None)
+        if other is not None:
+            raise DataError(f"{{text_field}} {text_field!r} names the field of text rows, but {name} holds {other} "
+                            f"rows, which are not read from it (its fields: {found})",
+                            f"pass --data-format text to read the {text_field!r} field as plain text, or leave "
+                            f"{{text_field}} out to read the {other} rows", setting="text_field")
     if fmt != "auto":
         missing = [c for c in need[fmt] if c not in columns]
         if missing:

@@ -250,8 +250,33 @@ def test_a_text_field_the_rows_lack_is_refused_rather_than_reading_another_forma
     assert "leave --text-field out to read these prompt-completion rows" in line
     write_jsonl(path, [{**r, "body": r["prompt"] + r["completion"]} for r in rows])
     capsys.readouterr()
-    assert run_cli([command, "--data", path, "--text-field", "body", "--chat-template", PLAIN, *FAST,
+    assert run_cli([command, "--data", path, "--text-field", "body", "--data-format", "text", *FAST,
                     *(["--output-dir", tmp_path / "ok"] if command == "train" else ["--output", tmp_path / "ok.png"])]) == 0
+
+
+@pytest.mark.parametrize("command", ["train", "data"])
+def test_a_text_field_of_rows_of_another_format_is_refused_not_ignored(tmp_path, capsys, command):
+    """prompt/completion (or messages, segments) rows that have the field --text-field names are read in their
+    format, the field unread: refused in one line naming the format and the fixes (named as the --config file's
+    key where it came from the file); --data-format text reads the field."""
+    path = tmp_path / "pc.csv"
+    path.write_text("prompt,completion\n" + "".join(f"question {i},answer {i}\n" for i in range(20)))
+    line = refused([command, "--data", path, "--text-field", "prompt", *FAST], capsys, tmp_path,
+                   f"--text-field 'prompt' names the field of text rows, but '{path}' holds prompt-completion rows")
+    assert line.endswith("pass --data-format text to read the 'prompt' field as plain text, or leave --text-field out "
+                         "to read the prompt-completion rows"), line
+    config = tmp_path / "c.yaml"
+    config.write_text("data:\n  text_field: prompt\n")
+    line = refused([command, "--config", config, "--data", path, *FAST], capsys, tmp_path,
+                   f"data.text_field (in {config}) 'prompt' names the field of text rows")
+    assert "leave data.text_field out" in line
+    segments = write_jsonl(tmp_path / "seg.jsonl", [{"segments": [{"text": "Q: hi ", "label": False},
+                                                                  {"text": "A: yo", "label": True}], "note": "x"}])
+    refused([command, "--data", segments, "--text-field", "note", *FAST], capsys, tmp_path,
+            f"'{segments}' holds segments rows")
+    capsys.readouterr()
+    assert run_cli(["data", "--data", path, "--text-field", "prompt", "--data-format", "text", *FAST,
+                    "--output", tmp_path / "ok.png"]) == 0
 
 
 def test_a_named_text_field_that_no_format_matches_says_which_fields_the_rows_have(tmp_path):
