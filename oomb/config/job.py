@@ -177,7 +177,7 @@ class DataConfig:
 
     chat_template: Optional[str] = field(default=None, metadata=flag("--chat-template", metavar="PATH"))
     """A Jinja chat template file (or a JSON file with a "chat_template" key) to render messages with, instead
-    of the tokenizer's own; needed when the tokenizer has none. Refused with text rows, which are not rendered."""
+    of the tokenizer's own; needed when the tokenizer has none. Refused with text and segments rows, which are not rendered."""
 
     loss_on: Optional[Literal["all", "assistant"]] = None
     """Which tokens of a chat, prompt-completion or segments example carry the loss: assistant (assistant

@@ -299,7 +299,7 @@ def build_training_data(cfg, tokenizer, seed: int = 0):
         DataError: unreadable or empty data or split, a ``text_field`` other than ``text`` for plain text (which
             has no fields), rows without the expected fields, rows of several formats
             (naming the first row of each), a bad message, no chat template for messages, no example with an
-            assistant turn, ``loss_on`` assistant or a ``chat_template`` for text, or less data than one sequence.
+            assistant turn, ``loss_on`` assistant for text, a ``chat_template`` for text or segments rows, or less data than one sequence.
     """
     rows = open_rows(cfg.path, cfg.split, cfg.streaming)
     _refuse_field_of_plain_text(rows, cfg.text_field, cfg.path)
@@ -311,6 +311,12 @@ def build_training_data(cfg, tokenizer, seed: int = 0):
         read_chat_template(cfg.chat_template)  # a file that cannot be read is named as such
         raise DataError(f"{{chat_template}} renders messages and prompt/completion rows, but {rows.name!r} is text",
                         "leave {chat_template} out for text (it is read as it is)", setting="chat_template")
+    if fmt == "segments" and cfg.chat_template is not None:
+        read_chat_template(cfg.chat_template)
+        raise DataError(f"{{chat_template}} renders messages and prompt/completion rows, but {rows.name!r} holds "
+                        "segments rows, whose text is not rendered by a template",
+                        "leave {chat_template} out for segments rows (their text is read as it is)",
+                        setting="chat_template")
     long = cfg.long_examples or ("split" if fmt == "text" else "drop")
     if fmt == "text" and long == "split":
         return _text_stream(cfg, rows, tokenizer, seed)

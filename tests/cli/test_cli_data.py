@@ -879,6 +879,25 @@ def test_a_chat_template_with_text_rows_is_refused_and_a_missing_one_always(tmp_
             f"cannot read --chat-template {str(missing)!r}")
 
 
+@pytest.mark.parametrize("command", ["data", "train"])
+def test_a_chat_template_with_segments_rows_is_refused(tmp_path, capsys, command):
+    """Segments rows are read as they are, not rendered by a template: a --chat-template with them is refused as
+    with text rows (named as the --config file's key where it came from the file), not ignored."""
+    seg = write_jsonl(tmp_path / "seg.jsonl", [{"segments": [{"text": "Q: hi ", "label": False},
+                                                             {"text": "A: yo", "label": True}]}] * 4)
+    template = tmp_path / "t.jinja"
+    template.write_text("{{ messages }}\n")
+    line = refused([command, "--data", seg, "--chat-template", template, "--seq-len", "128", "--chunk-size", "32",
+                    "--page-size", "16", "--no-progress"], capsys, tmp_path,
+                   f"--chat-template renders messages and prompt/completion rows, but {str(seg)!r} holds segments "
+                   "rows")
+    assert line.endswith("leave --chat-template out for segments rows (their text is read as it is)"), line
+    config = tmp_path / "c.yaml"
+    config.write_text(f"data:\n  chat_template: {template}\n")
+    refused([command, "--config", config, "--data", seg, *FAST], capsys, tmp_path,
+            f"data.chat_template (in {config}) renders messages")
+
+
 # ------------------------------------------------------------------ rows named as the user counts them
 
 
