@@ -9,7 +9,7 @@ from typing import Sequence
 
 from ..config import SparseConfig
 from ..config.engine import SMALL_SEGMENT_TOKENS
-from .errors import UsageError, _one_line
+from .errors import UsageError, _named, _one_line
 
 _SPARSE_DEFAULTS = {"page_budget": SparseConfig.page_budget, "sink_pages": SparseConfig.sink_pages,
                     "local_pages": SparseConfig.local_pages, "sparse_score": SparseConfig.score}
@@ -176,8 +176,9 @@ def _warn_if_gpu_saved_attention_on_cpu(args: argparse.Namespace, device) -> Non
     SavedAttention does): the run works, but the flag asked for GPU memory (train and bench)."""
     if args.save_attention != "gpu" or device.type == "cuda":
         return
+    save = _named(args, "engine.save_attention", "--save-attention")
     warnings.warn(
-        f"--save-attention gpu with --device {device.type} keeps Stage 1's attention outputs in ordinary CPU memory, as "
+        f"{save} gpu with {_named(args, 'model.device', '--device')} {device.type} keeps Stage 1's attention outputs in ordinary CPU memory, as "
         "--save-attention host does on the CPU (the same run); 'gpu' means GPU memory only with --device cuda",
         stacklevel=2)
 
@@ -278,7 +279,10 @@ def _check_fused_glue(kind: str, device) -> None:
 
 def _check_backend_device(args: argparse.Namespace) -> None:
     if args.attention_backend == "triton" and args.device != "cuda":
-        raise UsageError("--attention-backend triton runs on the GPU only", "pass --device cuda, or --attention-backend torch, sdpa or auto on the CPU")
+        device = _named(args, "model.device", "the run's device")
+        raise UsageError(f"{_named(args, 'engine.attention_backend', '--attention-backend')} triton runs on the GPU "
+                         f"only, but {device} is {args.device}",
+                         "pass --device cuda, or --attention-backend torch, sdpa or auto on the CPU")
 
 
 def _resolve_device_dtype(args: argparse.Namespace):
@@ -289,7 +293,10 @@ def _resolve_device_dtype(args: argparse.Namespace):
     from ..config import resolve_dtype
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        raise UsageError("--device cuda was given but no CUDA GPU is available to PyTorch", "pass --device cpu, or install a CUDA build of torch")
+        device = _named(args, "model.device", "--device")
+        given = "--device cuda was given" if device == "--device" else f"{device} is cuda"
+        raise UsageError(f"{given} but no CUDA GPU is available to PyTorch",
+                         "pass --device cpu, or install a CUDA build of torch")
     return torch.device(args.device), getattr(torch, resolve_dtype(args.dtype, args.device))
 
 

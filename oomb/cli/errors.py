@@ -20,12 +20,12 @@ class _RunError(UsageError):
     """Training failed after it started (out of memory, diverged): one line, exit status 1."""
 
 
-def _named(args: argparse.Namespace | None, key: str, flag: str) -> str:
+def _named(args: argparse.Namespace | None, key: str, flag: str, file: bool = True) -> str:
     """How the user gave the setting ``key`` (``"output.dir"``): ``key (in FILE)`` where its value came from the
-    --config file, else ``flag``."""
+    --config file (``key`` alone where ``file`` is false: the file already named), else ``flag``."""
     config = getattr(args, "_config_file", None)
     if config is not None and key in getattr(args, "_config_keys", ()):
-        return f"{key} (in {config})"
+        return f"{key} (in {config})" if file else key
     return flag
 
 

@@ -271,19 +271,21 @@ def _check_output_contents(args: argparse.Namespace, out: Path, name: str) -> Pa
     run or would delete an input, a --resume that has nothing to continue or would mix two runs. Returns ``out``.
     Nothing is written."""
     if args.resume is not None:
+        resume = _named(args, "output.resume", "--resume")  # the subject of the refusals below
         _check_checkpoints_writable(out, name, args.output_dir)
         if args.resume == "latest" and not (out / "checkpoints").is_dir():
             replaced = _replaced_run_resume(out)
             if replaced is not None:
-                raise UsageError(f"--resume latest: {name} {args.output_dir!r} has no checkpoints folder: "
+                raise UsageError(f"{resume} latest: {name} {args.output_dir!r} has no checkpoints folder: "
                                  f"{replaced[0]}", replaced[1])
             raise UsageError(
-                f"--resume: {name} {args.output_dir!r} has no checkpoints folder",
-                "pass the --output-dir of the run to continue, or start without --resume",
+                f"{resume}: {name} {args.output_dir!r} has no checkpoints folder",
+                "pass the --output-dir of the run to continue, or start without "
+                f"{_named(args, 'output.resume', '--resume', file=False)}",
             )
         ckpt = Path(args.resume).expanduser().resolve() if args.resume != "latest" else None
         if ckpt is not None and (ckpt / "checkpoints").is_dir():
-            raise UsageError(f"--resume {args.resume!r} is the output folder of a run, not one of its checkpoints",
+            raise UsageError(f"{resume} {args.resume!r} is the output folder of a run, not one of its checkpoints",
                              f"pass --output-dir {shlex.quote(args.resume)} --resume latest to continue that run, or "
                              f"--resume with a checkpoint folder under {str(ckpt / 'checkpoints')!r}")
         if ckpt is not None and ckpt.is_dir() and not (ckpt / "meta.json").exists():
@@ -293,7 +295,7 @@ def _check_output_contents(args: argparse.Namespace, out: Path, name: str) -> Pa
             newest = newest if newest is not None and is_checkpoint_meta(newest / "meta.json") else None
             if newest is not None or (ckpt.name == _CHECKPOINTS and _looks_like_oomb_output(ckpt.parent)):
                 run = ckpt.parent
-                problem = (f"--resume {args.resume!r} is the checkpoints folder of a run, not one of its checkpoints "
+                problem = (f"{resume} {args.resume!r} is the checkpoints folder of a run, not one of its checkpoints "
                            "(a step-NNNNNNNN folder in it)")
                 if newest is None:
                     raise UsageError(f"{problem}, and it holds none",
@@ -311,7 +313,7 @@ def _check_output_contents(args: argparse.Namespace, out: Path, name: str) -> Pa
                 and out.is_dir() and _has_entries(out):
             # Continuing there would mix two runs: its log.jsonl rewritten, its checkpoints pruned, its model replaced.
             raise UsageError(
-                f"--resume {args.resume!r} is not a checkpoint of {name} {args.output_dir!r} (it is in "
+                f"{resume} {args.resume!r} is not a checkpoint of {name} {args.output_dir!r} (it is in "
                 f"{str(ckpt.parent)!r}) and that --output-dir is not empty: continuing there would mix two runs' "
                 "logs, checkpoints and models",
                 "pass the --output-dir the checkpoint belongs to, or a new or empty --output-dir to continue it there "
@@ -324,7 +326,7 @@ def _check_output_contents(args: argparse.Namespace, out: Path, name: str) -> Pa
                 # Continuing here would train the later steps again: their checkpoints, log lines and saved model
                 # replaced (or pruned: two checkpoints are kept) without the user asking for it.
                 raise UsageError(
-                    f"--resume {args.resume!r} is not the newest checkpoint of {name} {args.output_dir!r} "
+                    f"{resume} {args.resume!r} is not the newest checkpoint of {name} {args.output_dir!r} "
                     f"({', '.join(later)} {'come' if len(later) > 1 else 'comes'} after it): continuing there would "
                     "replace the later checkpoints, log lines and saved model",
                     f"continue it in a new folder (--output-dir NEW_DIR; {args.output_dir!r} is left as it is), "
@@ -559,9 +561,10 @@ def _save(model, tokenizer, out: Path, lora: bool, train_args: dict, state_dict:
     return names
 
 
-def _broken_latest_pointer(ckpt_root: Path, used: Path) -> list[str]:
+def _broken_latest_pointer(ckpt_root: Path, used: Path, resume: str = "--resume") -> list[str]:
     """A note when checkpoints/latest names no complete checkpoint (find_latest then takes the newest one there):
-    the run does not resume silently from another step than the pointer says."""
+    the run does not resume silently from another step than the pointer says. ``resume``: how the user gave the
+    resume setting (:func:`~oomb.cli.errors._named`)."""
     pointer = ckpt_root / "latest"
     try:
         named = pointer.read_text().strip()
@@ -569,7 +572,7 @@ def _broken_latest_pointer(ckpt_root: Path, used: Path) -> list[str]:
         return []
     if used.name == named:
         return []
-    return [f"--resume latest: {pointer} names {named!r}, which is not a complete checkpoint; resuming from the "
+    return [f"{resume} latest: {pointer} names {named!r}, which is not a complete checkpoint; resuming from the "
             f"newest one there, {used.name}"]
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Sequence
 
 from .checks import _preset_names
-from .errors import UsageError
+from .errors import UsageError, _named
 
 
 def _resume_command(argv: Sequence[str]) -> str:
@@ -106,12 +106,13 @@ def _data_settings(args: argparse.Namespace, tokenizer) -> dict:
 
 
 def _check_resume_fingerprint(saved: dict | None, now: dict, path: Path, saved_data: dict | None = None,
-                              now_data: dict | None = None) -> None:
+                              now_data: dict | None = None, resume: str = "--resume") -> None:
     """Refuse a --resume whose checkpoint's run differs in a fingerprint fact, naming flags and both values
     (load_checkpoint checks the same facts with their internal names; this says it the CLI's way). Where only the
     data's tokens differ, ``saved_data`` and ``now_data`` (the checkpoint's and this run's
     :func:`_data_settings`; None: not known) tell a data setting that differs (named as the other facts are) from
-    the same settings over changed data or a changed tokenizer, which is refused as such."""
+    the same settings over changed data or a changed tokenizer, which is refused as such. ``resume``: how the user gave
+    the resume setting (:func:`~oomb.cli.errors._named`), the subject of the refusals."""
     if saved is None:
         return  # unreadable meta.json: load_checkpoint names the file
     differ = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
@@ -124,7 +125,7 @@ def _check_resume_fingerprint(saved: dict | None, now: dict, path: Path, saved_d
             data_part += " (" + "; ".join(f"{_DATA_FLAGS[k]} {_show(saved_data.get(k))} there, "
                                           f"{_show(now_data.get(k))} here" for k in keys) + ")"
         elif differ == ["data_sha256"]:
-            _refuse_changed_inputs(saved_data, now_data, path)
+            _refuse_changed_inputs(saved_data, now_data, path, resume)
 
     fix = "resume with that run's settings, or start a new run without --resume in another --output-dir"
     parts = []
@@ -143,7 +144,7 @@ def _check_resume_fingerprint(saved: dict | None, now: dict, path: Path, saved_d
         else:
             parts.append(f"{_FINGERPRINT_FLAGS.get(k, k)} {_show(saved.get(k))} there, {_show(now.get(k))} here")
     raise UsageError(
-        f"--resume: {path} is a checkpoint of another run ({'; '.join(parts)})", fix)
+        f"{resume}: {path} is a checkpoint of another run ({'; '.join(parts)})", fix)
 
 
 def _show(v):
@@ -151,17 +152,17 @@ def _show(v):
     return "(not given)" if v is None else ("on" if v is True else "off" if v is False else v)
 
 
-def _refuse_changed_inputs(saved_data: dict, now_data: dict, path: Path) -> None:
+def _refuse_changed_inputs(saved_data: dict, now_data: dict, path: Path, resume: str = "--resume") -> None:
     """Refuse a --resume whose tokens differ from the checkpoint's run though every setting is the same: the
     tokenizer's encoding changed, else the contents of the data (or of the --chat-template file) did."""
     again = "or start a new run without --resume in another --output-dir"
     if "tokenizer_sha256" in saved_data and saved_data["tokenizer_sha256"] != now_data["tokenizer_sha256"]:
-        raise UsageError(f"--resume: the tokenizer changed since {path} was saved (the tokens differ though "
+        raise UsageError(f"{resume}: the tokenizer changed since {path} was saved (the tokens differ though "
                          "--tokenizer and the data settings are the same)",
                          f"restore the tokenizer the run trained with, {again}")
     what = "the data's contents" + (" (or the --chat-template file's)" if now_data.get("chat_template") else "")
     data = now_data.get("path") or "the bundled corpus"
-    raise UsageError(f"--resume: {what} changed since {path} was saved (the --data tokens differ though the data "
+    raise UsageError(f"{resume}: {what} changed since {path} was saved (the --data tokens differ though the data "
                      f"settings are the same: {data})", f"restore the data the run trained on, {again}")
 
 
@@ -197,13 +198,14 @@ def _check_resume_settings(args: argparse.Namespace, saved: dict | None, path: P
     """Refuse a --resume whose checkpoint was trained with other engine settings that change the training
     (``_RESUME_SETTINGS``), or is a LoRA adapter on a random preset drawn on another device; return notes on the
     harmless differences (and on a checkpoint that recorded none)."""
+    resume = _named(args, "output.resume", "--resume")
     if saved is None:
-        return [f"--resume: {path} records no engine settings (an older oomb wrote it): check that --sparse, "
+        return [f"{resume}: {path} records no engine settings (an older oomb wrote it): check that --sparse, "
                 "its options, --chunk-size and --page-size are the run's, as they are not checked"]
     drawn_on = saved.get("device")
     if drawn_on not in (None, args.device) and args.lora_rank > 0 and args.model in _preset_names():
         raise UsageError(
-            f"--resume: {path} is a LoRA run on the random preset {args.model!r}, whose weights were drawn on "
+            f"{resume}: {path} is a LoRA run on the random preset {args.model!r}, whose weights were drawn on "
             f"{drawn_on}; drawn again on {args.device} they are other weights under the same adapter",
             f"continue it with --device {drawn_on}")
     now = _resume_settings(args)
@@ -214,11 +216,11 @@ def _check_resume_settings(args: argparse.Namespace, saved: dict | None, path: P
     if refused:
         was = ", ".join(_setting_text(k, saved[k]) for k in refused)
         raise UsageError(
-            f"--resume: {path} was trained with {was} but this command has "
+            f"{resume}: {path} was trained with {was} but this command has "
             f"{', '.join(_setting_text(k, now[k]) for k in refused)}, which would silently change the training",
             f"continue it with the checkpoint's settings ({was}), or start a new run without --resume in another "
             "--output-dir",
         )
-    return [f"--resume: {path} was trained with {', '.join(_setting_text(k, saved[k]) for k in differ)}; this run "
+    return [f"{resume}: {path} was trained with {', '.join(_setting_text(k, saved[k]) for k in differ)}; this run "
             f"has {', '.join(_setting_text(k, now[k]) for k in differ)}: dense attention gives the same gradients at "
             "any chunk and page size (up to rounding), so it continues"] if differ else []

@@ -32,7 +32,7 @@ from .inputs import (
     _training_data,
     _vocab_size,
 )
-from .errors import UsageError, _allocation_refusal, _one_line
+from .errors import UsageError, _allocation_refusal, _named, _one_line
 from .output import _broken_latest_pointer, _replaced_run_resume, _saved_model_of
 from .resume import (
     _check_resume_fingerprint,
@@ -70,26 +70,28 @@ def _resume_checkpoint(args: argparse.Namespace, out: Path, dtype, world_size: i
     from ..checkpoint import find_latest, read_settings
 
     ckpt_root = out / "checkpoints"
+    resume = _named(args, "output.resume", "--resume")  # the subject of the refusals below
     path = find_latest(ckpt_root) if args.resume == "latest" else Path(args.resume).expanduser()
     if path is None:
         replaced = _replaced_run_resume(out)
         if replaced is not None:
-            raise UsageError(f"--resume latest: {ckpt_root} holds no complete checkpoint: {replaced[0]}", replaced[1])
-        raise UsageError(f"--resume latest: {ckpt_root} holds no complete checkpoint", "start without --resume (with --overwrite)")
+            raise UsageError(f"{resume} latest: {ckpt_root} holds no complete checkpoint: {replaced[0]}", replaced[1])
+        raise UsageError(f"{resume} latest: {ckpt_root} holds no complete checkpoint",
+                         f"start without {_named(args, 'output.resume', '--resume', file=False)} (with --overwrite)")
     if not path.is_dir():
         latest = find_latest(ckpt_root) if ckpt_root.is_dir() else None
         what = ("does not exist" if not path.exists() else "is a file, not a checkpoint folder" if path.is_file()
                 else "is not a checkpoint folder")
-        raise UsageError(f"--resume {args.resume}: {path} {what}",
+        raise UsageError(f"{resume} {args.resume}: {path} {what}",
                          "pass 'latest' or a checkpoint folder" + (f" such as {latest}" if latest is not None else
                                                                    f" (step-NNNNNNNN under {ckpt_root})"))
     saved = read_settings(path, "fingerprint")
     if saved is not None:
         saved = {k: v for k, v in saved.items() if k != "data_sha256"}
-    _check_resume_fingerprint(saved, _fingerprint(args, None, dtype, world_size), path)
+    _check_resume_fingerprint(saved, _fingerprint(args, None, dtype, world_size), path, resume=resume)
     notes = _check_resume_settings(args, read_settings(path), path)
     if args.resume == "latest":
-        notes += _broken_latest_pointer(ckpt_root, path)
+        notes += _broken_latest_pointer(ckpt_root, path, resume)
     return path, notes
 
 
@@ -119,7 +121,8 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
     fingerprint = _fingerprint(args, sequences, dtype, ctx.world_size)
     if args.resume is not None:
         _check_resume_fingerprint(read_settings(path, "fingerprint"), fingerprint, path,  # the data's digest too
-                                  (read_settings(path) or {}).get("data"), _data_settings(args, tokenizer))
+                                  (read_settings(path) or {}).get("data"), _data_settings(args, tokenizer),
+                                  resume=_named(args, "output.resume", "--resume"))
     held = _held_out_data(args, tokenizer)  # (--val-every) its splits and sequences refused before any weight is built
     _check_vocab(sequences.max_token(), int(model_config.vocab_size), args.model)
     if held is not None:
@@ -260,18 +263,18 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         saved_wd = optimizer.param_groups[0].get("weight_decay")
         if saved_wd is not None and saved_wd != args.weight_decay:
             raise UsageError(
-                f"--resume: {path} was trained with --weight-decay {saved_wd:g} but this command has --weight-decay "
+                f"{_named(args, 'output.resume', '--resume')}: {path} was trained with --weight-decay {saved_wd:g} but this command has --weight-decay "
                 f"{args.weight_decay:g}, which would silently change the training",
                 f"continue it with --weight-decay {saved_wd:g}, or start a new run without --resume in another --output-dir",
             )
         if path.resolve().parent != (out / "checkpoints").resolve():
-            notes.append(f"--resume: {path} is a checkpoint of another folder ({path.resolve().parent}); the run "
+            notes.append(f"{_named(args, 'output.resume', '--resume')}: {path} is a checkpoint of another folder ({path.resolve().parent}); the run "
                          f"continues in {out}, whose log.jsonl starts at step {start_step + 1}, and that folder is "
                          "left as it is")
         if "rng" in extra:
             set_rng_state(extra["rng"])
         if start_step > args.steps:
-            raise UsageError(f"--resume: {path} is at step {start_step}, past --steps {args.steps}", f"pass --steps {start_step} or more")
+            raise UsageError(f"{_named(args, 'output.resume', '--resume')}: {path} is at step {start_step}, past --steps {args.steps}", f"pass --steps {start_step} or more")
         if ctx.is_main:
             for note in notes:
                 print(f"oomb: note: {note}", file=sys.stderr)

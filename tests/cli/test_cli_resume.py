@@ -1095,3 +1095,37 @@ def test_a_short_write_of_torch_save_is_named_as_such_not_as_its_writer_assertio
 
     why = _write_failure(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 15616 vs 15508"))
     assert why == "a write was cut short, as on a full disk (torch.save: unexpected pos 15616 vs 15508)"
+
+
+@pytest.mark.usefixtures("_cache")
+def test_resume_and_device_from_the_config_file_are_named_as_its_keys(tmp_path, capsys, monkeypatch):
+    """A resume, a device or an attention backend that came from the --config file is named as the file's key
+    (``output.resume (in FILE)``), not as a flag the user did not type; given as flags they are named as flags."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same refusal on a machine with a GPU
+
+    def refusal(argv) -> str:
+        capsys.readouterr()
+        assert run_cli(["train", *argv, "--steps", "1", *FAST]) == 2
+        err = capsys.readouterr().err.splitlines()
+        assert len(err) == 1 and err[0].startswith("oomb: error: "), err
+        assert not (tmp_path / "runs").exists()
+        return err[0]
+
+    config = tmp_path / "k.yaml"
+    config.write_text("output:\n  resume: latest\n")
+    line = refusal(["--config", config, "--output-dir", "runs/none"])
+    assert line.startswith(f"oomb: error: output.resume (in {config}): --output-dir 'runs/none' has no checkpoints "
+                           "folder;"), line
+    assert "--resume" not in line.split(";")[0] and line.endswith("start without output.resume"), line
+    assert refusal(["--resume", "latest", "--output-dir", "runs/none"]).startswith(
+        "oomb: error: --resume: --output-dir 'runs/none' has no checkpoints folder;")
+    config.write_text("model:\n  device: cuda\n")
+    line = refusal(["--config", config, "--output-dir", "runs/gpu"])
+    assert line.startswith(f"oomb: error: model.device (in {config}) is cuda but no CUDA GPU is available"), line
+    assert refusal(["--device", "cuda", "--output-dir", "runs/gpu"]).startswith(
+        "oomb: error: --device cuda was given but no CUDA GPU is available")
+    config.write_text("engine:\n  attention_backend: triton\n")
+    line = refusal(["--config", config, "--output-dir", "runs/triton"])
+    assert line.startswith(f"oomb: error: engine.attention_backend (in {config}) triton runs on the GPU only, but the "
+                           "run's device is cpu;"), line
