@@ -297,7 +297,8 @@ class OOMBConfig:
                     "chunk_size",
                     f"{{chunk_size}} {self.chunk_size} is not a multiple of {{page_size}} {self.page_size} "
                     "(a chunk is whole KV pages)",
-                    f"pass e.g. {{chunk_size}} {near}, or a {{page_size}} that divides {self.chunk_size}")
+                    # no article before the setting, which a --config file names engine.page_size ("a engine...")
+                    f"pass e.g. {{chunk_size}} {near}, or a divisor of {self.chunk_size} as {{page_size}}")
             check.choice("attention_backend", self.attention_backend, ("auto", "torch", "triton", "sdpa"))
             check.boolean("checkpoint_layers", self.checkpoint_layers)
             check.choice("checkpoint_attention", self.checkpoint_attention, ("keep", "recompute"))

@@ -161,7 +161,7 @@ def test_chunk_and_page_size_errors_read_the_same_in_every_subcommand(tmp_path, 
     error = errors.pop()
     if sizes[1] == "100":
         assert error.startswith("oomb: error: --chunk-size 100 is not a multiple of --page-size 32")
-        assert "pass e.g. --chunk-size 96, or a --page-size that divides 100" in error
+        assert "pass e.g. --chunk-size 96, or a divisor of 100 as --page-size" in error
     else:
         assert f"{sizes[0]} is {sizes[1]}; pass a positive number of tokens for {sizes[0]}" in error
 

@@ -428,3 +428,14 @@ def test_an_unknown_model_from_the_file_is_named_as_its_key(tmp_path, capsys, co
     assert "--model" not in err, err
     _refused([*argv, "--model", "qwen2.5-7bb"], capsys, "oomb: error: unknown model 'qwen2.5-7bb': not a preset")
     assert not (tmp_path / "run").exists() and not (tmp_path / "h.png").exists()
+
+
+def test_a_chunk_size_fix_reads_right_with_the_file_s_key(tmp_path, capsys):
+    """The fix of a chunk size that is no multiple of the page size names the page size without an article, which
+    read "a engine.page_size" where the value came from the --config file."""
+    f = tmp_path / "c.yaml"
+    f.write_text("engine: {chunk_size: 100}\n")
+    err = _refused(["train", "--config", f, "--print-config"], capsys,
+                   f"engine.chunk_size (in {f}) 100 is not a multiple of engine.page_size 128",
+                   "pass e.g. engine.chunk_size 128, or a divisor of 100 as engine.page_size")
+    assert " a engine." not in err
