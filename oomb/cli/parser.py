@@ -276,7 +276,7 @@ def _job_config(command: str, argv: Sequence[str], config_file: str | None):
     try:
         file_values = read_yaml(config_file) if config_file is not None else {}
     except ConfigError as exc:
-        raise UsageError(*exc.parts(str)) from exc
+        raise UsageError(*exc.parts(str, yaml=True)) from exc
     for section, values in file_values.items():
         file_keys |= {f"{section}.{k}" for k in (values or {})}
     try:
@@ -294,7 +294,7 @@ def _job_config(command: str, argv: Sequence[str], config_file: str | None):
                 return f"{exc.section}.{field}{where}"
             return flag_name(command, exc.section, field) or field
 
-        raise UsageError(*exc.parts(name)) from exc
+        raise UsageError(*exc.parts(name, yaml=True)) from exc
     return job, file_keys
 
 

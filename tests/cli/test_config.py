@@ -439,3 +439,17 @@ def test_a_chunk_size_fix_reads_right_with_the_file_s_key(tmp_path, capsys):
                    f"engine.chunk_size (in {f}) 100 is not a multiple of engine.page_size 128",
                    "pass e.g. engine.chunk_size 128, or a divisor of 100 as engine.page_size")
     assert " a engine." not in err
+
+
+@pytest.mark.parametrize("value, shown", [("true", "true"), ("false", "false"), ("null", "null")])
+def test_a_file_s_bool_or_null_is_told_as_yaml_writes_it(tmp_path, capsys, value, shown):
+    """A true, false or null in the --config file is echoed as YAML writes it (as engine.sparse: true is), not as
+    Python's True, False or None; the Python API keeps Python's spelling."""
+    f = tmp_path / "c.yaml"
+    f.write_text(f"train:\n  steps: {value}\n")
+    err = _refused(["train", "--config", f, "--print-config"], capsys, f"train.steps (in {f}) is {shown};")
+    assert "True" not in err and "False" not in err and "None" not in err
+    from oomb.config import TrainConfig
+
+    with pytest.raises(ConfigError, match=r"^steps is True; "):
+        TrainConfig(steps=True)
