@@ -178,7 +178,8 @@ def _warn_if_gpu_saved_attention_on_cpu(args: argparse.Namespace, device) -> Non
         return
     save = _named(args, "engine.save_attention", "--save-attention")
     warnings.warn(
-        f"{save} gpu with {_named(args, 'model.device', '--device')} {device.type} keeps Stage 1's attention outputs in ordinary CPU memory, as "
+        f"{save} gpu with {_named(args, 'model.device', '--device')} {device.type} keeps Stage 1's attention outputs "
+        "in ordinary CPU memory, as "
         "--save-attention host does on the CPU (the same run); 'gpu' means GPU memory only with --device cuda",
         stacklevel=2)
 

@@ -382,7 +382,8 @@ def _held_out_data(args: argparse.Namespace, tokenizer):
     validation, else test) of --val-data (read with every other data setting of the run) or of --data, built by
     :func:`oomb.data.build_training_data` as the training data is; ``(data, where, note)``, ``where`` naming it for
     messages (``"--data DIR [validation]"``), ``note`` a line to print once every check has passed (the held-out
-    split is the one training reads, of --data or of a --val-data that is the same path) or None; None without --val-every.
+    split is the one training reads, of --data or of a --val-data that is the same path) or None; None without
+    --val-every.
 
     Raises:
         UsageError: the data has no such split, or (the default) neither validation nor test where --val-data is

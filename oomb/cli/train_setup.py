@@ -263,18 +263,21 @@ def _setup(args: argparse.Namespace, out: Path, device, dtype, ctx) -> dict:
         saved_wd = optimizer.param_groups[0].get("weight_decay")
         if saved_wd is not None and saved_wd != args.weight_decay:
             raise UsageError(
-                f"{_named(args, 'output.resume', '--resume')}: {path} was trained with --weight-decay {saved_wd:g} but this command has --weight-decay "
+                f"{_named(args, 'output.resume', '--resume')}: {path} was trained with --weight-decay {saved_wd:g} "
+                f"but this command has --weight-decay "
                 f"{args.weight_decay:g}, which would silently change the training",
                 f"continue it with --weight-decay {saved_wd:g}, or start a new run without --resume in another --output-dir",
             )
         if path.resolve().parent != (out / "checkpoints").resolve():
-            notes.append(f"{_named(args, 'output.resume', '--resume')}: {path} is a checkpoint of another folder ({path.resolve().parent}); the run "
+            notes.append(f"{_named(args, 'output.resume', '--resume')}: {path} is a checkpoint of another folder "
+                         f"({path.resolve().parent}); the run "
                          f"continues in {out}, whose log.jsonl starts at step {start_step + 1}, and that folder is "
                          "left as it is")
         if "rng" in extra:
             set_rng_state(extra["rng"])
         if start_step > args.steps:
-            raise UsageError(f"{_named(args, 'output.resume', '--resume')}: {path} is at step {start_step}, past --steps {args.steps}", f"pass --steps {start_step} or more")
+            raise UsageError(f"{_named(args, 'output.resume', '--resume')}: {path} is at step {start_step}, past "
+                             f"--steps {args.steps}", f"pass --steps {start_step} or more")
         if ctx.is_main:
             for note in notes:
                 print(f"oomb: note: {note}", file=sys.stderr)
