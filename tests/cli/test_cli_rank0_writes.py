@@ -58,24 +58,44 @@ def _ranks(commands: list, tmp_path, timeout: float = 240) -> list[tuple[list[in
     return results
 
 
-def test_a_write_rank_0_cannot_make_stops_every_rank_with_status_2(tmp_path):
-    """Rank 0 cannot create the output folder, write a step of log.jsonl, a checkpoint (--save-every), or the
+def test_rank_0_failing_a_write_or_refused_by_the_lock_stops_every_rank_with_status_2(tmp_path):
+    """One launch of two ranks runs every case in turn, each command after a failure in step on both ranks.
+
+    Rank 0 cannot create the output folder, write a step of log.jsonl, a checkpoint (--save-every), or the
     trained model: every rank exits 2 at once (the others used to wait in their next collective until its
-    timeout, or exit 0), rank 0 with its one-line error, the others with one line saying rank 0 failed; the
-    commands after each failure run in step on both ranks."""
+    timeout, or exit 0), rank 0 with its one-line error, the others with one line saying rank 0 failed.
+
+    While another oomb train holds the output folder's lock, rank 0 (which alone takes it) is refused before
+    it joins the process group: it joins to tell the others, which stop with status 2 and one line saying another
+    rank refused the run (they used to wait in the group for it until torchrun ended them: 'oomb: interrupted');
+    the command after it runs on both ranks."""
+    from tests.cli.test_cli_resume import _hold_lock
+
     data = tmp_path / "text.txt"
     data.write_text(TEXT)
     d = tmp_path / "runs"
+    (d / "locked").mkdir(parents=True)
     train = ["train", "--data", data, *FAST, "--steps", "2"]
     commands = [("prepare", [*train, "--output-dir", d / "prepare"]),
                 ("log", [*train, "--output-dir", d / "log"]),
                 ("checkpoint", [*train, "--save-every", "1", "--output-dir", d / "checkpoint"]),
-                ("model", [*train, "--output-dir", d / "model"])]
-    (statuses0, err0), (statuses1, err1) = _ranks(commands, tmp_path)
-    assert statuses0 == [2, 2, 2, 2], err0[-3000:]
-    assert statuses1 == [2, 2, 2, 2], err1[-3000:]
+                ("model", [*train, "--output-dir", d / "model"]),
+                ("none", [*train[:-1], "1", "--output-dir", d / "locked"]),
+                ("none", [*train[:-1], "1", "--output-dir", d / "free"])]
+    holder = _hold_lock(d / "locked")
+    try:
+        (statuses0, err0), (statuses1, err1) = _ranks(commands, tmp_path)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    assert statuses0 == [2, 2, 2, 2, 2, 0], err0[-3000:]
+    assert statuses1 == [2, 2, 2, 2, 2, 0], err1[-3000:]
+    assert "Traceback" not in err0 and "Traceback" not in err1 and "interrupted" not in err1, (err0[-3000:], err1[-3000:])
     errors0 = [line for line in err0.splitlines() if line.startswith("oomb: error:")]
-    assert len(errors0) == 4 and "Traceback" not in err0, err0[-3000:]
+    errors1 = [line for line in err1.splitlines() if line.startswith("oomb: error:")]
+    assert len(errors0) == 5, err0[-3000:]
+
+    # the writes rank 0 cannot make
     assert errors0[0].startswith(f"oomb: error: permission denied: {d / 'prepare'} (Permission denied)")
     assert errors0[1].startswith(f"oomb: error: step 1 cannot be written to {d / 'log' / 'log.jsonl'}: the disk is "
                                  "full (No space left on device); no checkpoint was saved")
@@ -83,37 +103,12 @@ def test_a_write_rank_0_cannot_make_stops_every_rank_with_status_2(tmp_path):
                                  f"{d / 'checkpoint' / 'checkpoints'}: the disk is full")
     assert errors0[3].startswith(f"oomb: error: the trained model cannot be written to {d / 'model'}: the disk is "
                                  "full (No space left on device); the checkpoint step-00000002 is complete")
-    errors1 = [line for line in err1.splitlines() if line.startswith("oomb: error:")]
-    assert errors1 == ["oomb: error: rank 0 failed to write the run's files (its error is printed above); all ranks "
-                       "stopped"] * 4 and "Traceback" not in err1, err1[-3000:]
+    assert errors1[:4] == ["oomb: error: rank 0 failed to write the run's files (its error is printed above); all "
+                           "ranks stopped"] * 4, err1[-3000:]
     assert not (d / "log" / "model.safetensors").exists() and not (d / "checkpoint" / "model.safetensors").exists()
 
-
-def test_a_run_rank_0_is_refused_by_the_output_lock_stops_every_rank_with_status_2(tmp_path):
-    """While another oomb train holds the output folder's lock, rank 0 (which alone takes it) is refused before
-    it joins the process group: it joins to tell the others, which stop with status 2 and one line saying another
-    rank refused the run (they used to wait in the group for it until torchrun ended them: 'oomb: interrupted');
-    the command after it runs in step on both ranks."""
-    from tests.cli.test_cli_resume import _hold_lock
-
-    data = tmp_path / "text.txt"
-    data.write_text(TEXT)
-    d = tmp_path / "runs"
-    (d / "locked").mkdir(parents=True)
-    train = ["train", "--data", data, *FAST, "--steps", "1"]
-    holder = _hold_lock(d / "locked")
-    try:
-        (statuses0, err0), (statuses1, err1) = _ranks([("none", [*train, "--output-dir", d / "locked"]),
-                                                       ("none", [*train, "--output-dir", d / "free"])], tmp_path)
-    finally:
-        holder.stdin.close()
-        holder.wait(timeout=60)
-    assert statuses0 == [2, 0], err0[-3000:]
-    assert statuses1 == [2, 0], err1[-3000:]
-    errors0 = [line for line in err0.splitlines() if line.startswith("oomb: error:")]
-    assert len(errors0) == 1 and "Traceback" not in err0, err0[-3000:]
-    assert f"is being written by another oomb train (pid {holder.pid}" in errors0[0], errors0
-    errors1 = [line for line in err1.splitlines() if line.startswith("oomb: error:")]
-    assert errors1 == ["oomb: error: another rank refused the run (its error is printed above); fix the input and "
-                       "start again"] and "Traceback" not in err1 and "interrupted" not in err1, err1[-3000:]
+    # the run the output lock refuses on rank 0
+    assert f"is being written by another oomb train (pid {holder.pid}" in errors0[4], errors0
+    assert errors1[4:] == ["oomb: error: another rank refused the run (its error is printed above); fix the input "
+                           "and start again"], err1[-3000:]
     assert (d / "free" / "model.safetensors").is_file() and not (d / "locked" / "model.safetensors").exists()
