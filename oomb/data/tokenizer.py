@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 
 from .errors import DataError
@@ -29,8 +30,32 @@ def _has_vocabulary_file(root: Path) -> bool:
                for p in root.iterdir())
 
 
+_LOADED: dict[tuple, bytes] = {}
+"""Pickled tokenizers of the folders loaded in this process (at most :data:`_LOADED_MAX`), by :func:`_folder_key`."""
+_LOADED_MAX = 4
+
+
+def _folder_key(root: Path) -> tuple:
+    """What a loaded tokenizer depends on: the folder (as given, since the tokenizer records its ``name_or_path``,
+    and resolved) and every file in it by name, size, modification time and inode (a file rewritten or replaced
+    is another key)."""
+    files = []
+    for p in root.iterdir():
+        try:
+            st = p.stat()
+        except OSError:  # a broken link: what transformers would read there is absent
+            files.append((p.name, -1, -1, -1))
+            continue
+        files.append((p.name, st.st_size, st.st_mtime_ns, st.st_ino))
+    return str(root), str(root.resolve()), tuple(sorted(files))
+
+
 def load_tokenizer(path: str | os.PathLike | None = None):
     """Load a local Hugging Face tokenizer (``AutoTokenizer``, no network). ``None``: the bundled one.
+
+    A folder is read once per process while its files are unchanged (each file's name, size, modification time
+    and inode): a later call unpickles what the first loaded. Every call returns a new object of its own, which the
+    caller may change (a chat template, added tokens) without another call's tokenizer changing with it.
 
     The class is the one the folder's ``tokenizer_config.json`` names, also when the folder is a model
     folder (an ``oomb train`` output) whose ``config.json`` would make ``AutoTokenizer`` pick another. A
@@ -60,6 +85,10 @@ def load_tokenizer(path: str | os.PathLike | None = None):
             setting=setting)
     if not (root / "tokenizer.json").is_file() and (root / "tokenizer.model").is_file():
         _check_sentencepiece(root / "tokenizer.model", setting)
+    key = _folder_key(root)
+    cached = _LOADED.get(key)
+    if cached is not None:
+        return pickle.loads(cached)
     try:
         # An empty config: the class comes from the folder's tokenizer_config.json (or tokenizer.json), never
         # from a config.json beside it. A trained oomb output holds both, and transformers >= 5.2x swaps in the
@@ -78,6 +107,15 @@ def load_tokenizer(path: str | os.PathLike | None = None):
             f"the tokenizer in {str(root)!r} has only {len(tokenizer)} tokens (a model's tokenizer has thousands; "
             "its vocabulary did not load)",
             "set {tokenizer} to the model's own tokenizer folder, with its tokenizer.json", setting=setting)
+    # Kept pickled, not as the object: the caller may change the one returned. Unpickling takes about a third of
+    # the load (which parses tokenizer.json several times); a tokenizer that cannot be pickled is loaded anew.
+    try:
+        state = pickle.dumps(tokenizer, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - any failure to pickle only means not kept
+        return tokenizer
+    while len(_LOADED) >= _LOADED_MAX:
+        del _LOADED[next(iter(_LOADED))]  # the first kept
+    _LOADED[key] = state
     return tokenizer
 
 

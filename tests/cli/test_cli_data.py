@@ -222,6 +222,13 @@ def test_oomb_train_on_chat_rows_prints_the_data_line(tmp_path, capsys):
 
     saved = AutoTokenizer.from_pretrained(str(tmp_path / "run"))  # the template it was trained with goes with it
     assert saved.chat_template == Path(PLAIN).read_text()
+    # The tokenizer is read once per process: the template was set on this run's tokenizer only, not on the
+    # next run's (nor on what load_tokenizer gives).
+    text = tmp_path / "t.txt"
+    text.write_text("It is a truth universally acknowledged. " * 40)
+    assert run_cli(["train", "--data", text, *FAST, "--steps", "1", "--output-dir", tmp_path / "plain"]) == 0
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "plain")).chat_template is None
+    assert load_tokenizer().chat_template is None
 
 
 # ------------------------------------------------------------------ bad input

@@ -245,6 +245,24 @@ def test_tokenizer_saved_beside_a_qwen2_config_loads_as_it_was_saved(tmp_path, t
     assert again(text)["input_ids"] == tokenizer(text)["input_ids"]
 
 
+def test_each_load_of_a_folder_is_a_tokenizer_of_its_own(tmp_path):
+    """A folder is read once per process, but every load returns a new tokenizer: what one caller changes (a chat
+    template, added tokens) is not in another's; a folder whose files change is read again."""
+    first = load_tokenizer()
+    first.chat_template = "{{ messages }}"
+    first.add_special_tokens({"additional_special_tokens": ["<|im_start|>"]})
+    second = load_tokenizer()
+    assert second is not first and second.backend_tokenizer is not first.backend_tokenizer
+    assert second.chat_template is None and len(second) == 32000 and len(first) == 32001
+    assert second("<|im_start|>hi")["input_ids"] != first("<|im_start|>hi")["input_ids"]
+
+    load_tokenizer().save_pretrained(str(tmp_path))
+    assert len(load_tokenizer(tmp_path)) == 32000
+    first.save_pretrained(str(tmp_path))  # the folder now holds the changed tokenizer
+    again = load_tokenizer(tmp_path)
+    assert len(again) == 32001 and again.chat_template == "{{ messages }}"
+
+
 def test_a_tokenizer_path_that_is_a_file_is_named_as_such(tmp_path):
     f = tmp_path / "tokenizer.txt"
     f.write_text("not a folder")
