@@ -108,9 +108,9 @@ def _refuse_unread_flags(args: argparse.Namespace) -> None:
     if argv is None:
         return
     from ..config.flags import command_fields
-    from .parser import _build_parser
+    from .parser import _given_parser
 
-    given = vars(_build_parser(suppress=True).parse_args(argv))
+    given = vars(_given_parser().parse_args(argv))
     reads = _MAKE_READS + (_NEEDLE_READS if args.make == "needle" else ())
     fields = [(ff, ff.section in reads or ff.key in reads) for ff in command_fields("data")]
     # as given: a False of an on/off flag is its --no- form

@@ -10,7 +10,7 @@ from typing import Sequence
 from .data import _data
 from .errors import UsageError, _allocation_refusal, _fail, _out_of_space, _RunError
 from .measure import _bench, _eval, _grad_error
-from .parser import _build_parser, _job_config, _namespace
+from .parser import _build_parser, _given_parser, _job_config, _namespace
 from .plan import _plan
 from .signals import _StartupSignals
 from .train import _train
@@ -68,7 +68,7 @@ def _keys_from_file(command: str, argv: Sequence[str], file_keys: set[str]) -> s
     overrides."""
     from ..config.flags import command_fields
 
-    given = vars(_build_parser(suppress=True).parse_args(argv))
+    given = vars(_given_parser().parse_args(argv))
     overridden = {f"{ff.section}.{ff.name}" for ff in command_fields(command) if ff.dest in given}
     if given.get("sparse") is False:  # --no-sparse: the file's engine.sparse section is not read
         overridden |= {k for k in file_keys if k.startswith("engine.sparse.")}

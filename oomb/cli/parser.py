@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import lru_cache
 from typing import NoReturn, Sequence
 
 from ..config import ConfigError
@@ -262,6 +263,14 @@ def _build_parser(suppress: bool = False) -> argparse.ArgumentParser:
     return parser
 
 
+@lru_cache(maxsize=None)
+def _given_parser() -> argparse.ArgumentParser:
+    """:func:`_build_parser` with ``suppress``, built once per process: parsing leaves every parser as it was,
+    and with no defaults a parsed namespace holds only objects made from its own command line, so every parse may
+    share it (each command line is parsed with it twice, and building it is most of the parse)."""
+    return _build_parser(suppress=True)
+
+
 def _job_config(command: str, argv: Sequence[str], config_file: str | None):
     """The :class:`oomb.config.JobConfig` of ``command``: defaults, then the ``--config`` file, then the flags
     given; and the set of the file's keys. A bad value is a :class:`UsageError` naming the flag (or the file's key,
@@ -269,7 +278,7 @@ def _job_config(command: str, argv: Sequence[str], config_file: str | None):
     from ..config.flags import command_fields, flag_name, job_from_values
     from ..config.io import read_yaml
 
-    given = vars(_build_parser(suppress=True).parse_args(argv))
+    given = vars(_given_parser().parse_args(argv))
     dests = {ff.dest for ff in command_fields(command)}
     given = {k: v for k, v in given.items() if k in dests}
     file_keys: set[str] = set()

@@ -19,6 +19,7 @@ import dataclasses
 import re
 import typing
 from dataclasses import dataclass, fields
+from functools import lru_cache
 from typing import Any, Literal, get_args, get_origin
 
 from . import _checks as check
@@ -136,6 +137,13 @@ def _flag_of(section: str, f: dataclasses.Field) -> str:
 
 def command_fields(command: str) -> list[FlagField]:
     """The flag fields of ``command`` in their order (sections as :data:`COMMANDS` lists them)."""
+    return list(_command_fields(command))
+
+
+@lru_cache(maxsize=None)
+def _command_fields(command: str) -> tuple[FlagField, ...]:
+    # Every parse of a command line asks for these a dozen times, and each reading of the type hints evaluates
+    # every annotation of the section's class anew.
     out = []
     for section, names in COMMANDS[command]:
         cls = SECTIONS[section]
@@ -146,7 +154,7 @@ def command_fields(command: str) -> list[FlagField]:
             if section == "engine" and f.name in ("offload", "kernels"):
                 continue  # sections of their own
             out.append(FlagField(section, f.name, _flag_of(section, f), f, hints[f.name]))
-    return out
+    return tuple(out)
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -168,6 +176,7 @@ def _unwrap_optional(tp: Any) -> Any:
 _ROLE = re.compile(r":(?:[a-z]+:)?[a-z]+:`(~?)([^`]*)`")
 
 
+@lru_cache(maxsize=None)  # a parser is built from the same few hundred docstrings each time
 def plain_help(doc: str) -> str:
     """``doc`` (a field's docstring) as flag help: reST roles as their target (``:class:`~a.B``` -> ``B``),
     ``literal`` markup as its text, and a ``None:`` (what the unset field does) as ``default:``, since a flag user

@@ -989,6 +989,18 @@ def test_unknown_flags_point_to_the_subcommand_s_help(capsys):
     _check_refused(run_cli(["bogus"]), capsys, "run 'oomb --help'")
 
 
+def test_the_flags_given_are_parsed_by_one_parser_that_keeps_nothing_of_a_command_line():
+    """The parser that tells the flags given from the defaults is built once per process: a command line parsed
+    with it leaves nothing in it for the next (its namespace holds the flags given, only those)."""
+    from oomb.cli.parser import _given_parser
+
+    first = vars(_given_parser().parse_args(["grad-error", "--budgets", "1", "2", "--seq-len", "64"]))
+    assert first == {"command": "grad-error", "budgets": [1, 2], "seq_len": 64}
+    first["budgets"].append(3)
+    assert vars(_given_parser().parse_args(["grad-error"])) == {"command": "grad-error"}
+    assert vars(_given_parser().parse_args(["grad-error", "--budgets", "4"]))["budgets"] == [4]
+
+
 def test_no_help_text_shows_docstring_markup_or_python_values():
     """The flags' help is generated from the fields' docstrings, written for Python readers: no reST role
     (:class:`SparseConfig`), no ``literal`` markup and no None (a flag user never writes it) reaches any
