@@ -207,16 +207,14 @@ def test_plan_counts_saved_outputs_and_drops_them_with_offload():
     assert p.save_attention == "off" and "stages whole layers" in p.table()
 
 
-def test_cli_save_attention_flag(tmp_path):
-    import subprocess
-    import sys
+def test_cli_save_attention_flag(tmp_path, capsys):
+    from cli_helpers import run_cli
 
-    out = subprocess.run([sys.executable, "-m", "oomb", "plan", "--seq-len", "65536", "--gpu-gib", "139", "--host-gib", "120",
-                          "--no-optimizer", "--save-attention", "host"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert "attention outputs (save_attention=host)" in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "oomb", "train", "--save-attention", "cpu"], capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "--save-attention" in bad.stderr
+    assert run_cli(["plan", "--seq-len", "65536", "--gpu-gib", "139", "--host-gib", "120", "--no-optimizer",
+                    "--save-attention", "host"]) == 0, capsys.readouterr().err
+    assert "attention outputs (save_attention=host)" in capsys.readouterr().out
+    assert run_cli(["train", "--save-attention", "cpu", "--output-dir", tmp_path / "run"]) == 2
+    assert "--save-attention" in capsys.readouterr().err and not (tmp_path / "run").exists()
 
 
 @pytest.mark.cuda(reason="the Triton kernels in bf16 and the host copy streams need CUDA")
