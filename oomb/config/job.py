@@ -172,7 +172,7 @@ class DataConfig:
     text_field: str = "text"
     """The field holding the text of a text row; with format auto, a field other than text is refused where the
     rows lack it or are of another format (messages, prompt-completion, segments): they are not read in its place,
-    nor is it ignored (format text reads it from any rows). Plain text (a .txt file, a folder of them, the
+    nor is it ignored (format text reads it from any rows); with one of those formats named, it is refused. Plain text (a .txt file, a folder of them, the
     bundled corpus) has no fields: it reads as the one field text, and naming another is refused."""
 
     chat_template: Optional[str] = field(default=None, metadata=flag("--chat-template", metavar="PATH"))
@@ -221,6 +221,10 @@ class DataConfig:
             if not isinstance(value, str) or not value:
                 raise ConfigError(key, f"{{{key}}} is {literal(value)}", f"pass a name, e.g. {{{key}}} {'train' if key == 'split' else 'text'}")
         check.choice("format", self.format, ("auto", "text", "messages", "prompt-completion", "segments"))
+        if self.format not in ("auto", "text") and self.text_field != "text":  # the field would be read by nothing
+            raise ConfigError("text_field", f"{{text_field}} {literal(self.text_field)} names the field of text rows, "
+                              f"but {{format}} is {literal(self.format)}, whose rows do not read it",
+                              "leave {text_field} out, or pass {format} text to read that field as plain text")
         if self.chat_template is not None and (not isinstance(self.chat_template, str) or not self.chat_template):
             raise ConfigError("chat_template", f"{{chat_template}} is {literal(self.chat_template)}", "pass a template file path")
         if self.loss_on is not None:

@@ -453,3 +453,20 @@ def test_a_file_s_bool_or_null_is_told_as_yaml_writes_it(tmp_path, capsys, value
 
     with pytest.raises(ConfigError, match=r"^steps is True; "):
         TrainConfig(steps=True)
+
+
+def test_a_text_field_with_a_format_that_reads_no_text_field_is_refused(tmp_path, capsys):
+    """--text-field with --data-format prompt-completion (or messages, segments) named a field nothing reads: the
+    rows were read in that format without a word. Both settings are named as the user gave them."""
+    rows = tmp_path / "pc.csv"
+    rows.write_text("prompt,completion\na b,c d\n")
+    png = tmp_path / "h.png"
+    _refused(["data", "--data", rows, "--data-format", "prompt-completion", "--text-field", "prompt", "--output", png],
+             capsys, "--text-field 'prompt' names the field of text rows, but --data-format is 'prompt-completion'",
+             "leave --text-field out, or pass --data-format text")
+    f = tmp_path / "c.yaml"
+    f.write_text("data:\n  format: messages\n  text_field: body\n")
+    _refused(["train", "--config", f, "--output-dir", tmp_path / "run"], capsys,
+             f"data.text_field (in {f}) 'body' names the field of text rows, but data.format is 'messages'",
+             "leave data.text_field out, or pass data.format text")
+    assert not png.exists() and not (tmp_path / "run").exists()
