@@ -259,11 +259,13 @@ def _check_model_named(args: argparse.Namespace, command: str) -> None:
     """
     from .checkpoint_model import _checkpoint_to_read
 
-    folder = Path(args.model)
-    if _checkpoint_to_read(args.model) is not None or (
-            folder.is_dir() and (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file()):
-        return
-    _model_config(args, command)
+    if _checkpoint_to_read(args.model) is None and not _is_adapter_folder(Path(args.model)):
+        _model_config(args, command)
+
+
+def _is_adapter_folder(folder: Path) -> bool:
+    """Whether ``folder`` holds a LoRA adapter alone (adapter_config.json, no config.json of a whole model)."""
+    return folder.is_dir() and (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file()
 
 
 def _supported_models_fix(command: str) -> str:
@@ -314,7 +316,7 @@ def _load_model(args: argparse.Namespace, tokens, device, dtype, command: str, s
         _check_vocab(int(tokens.max()), _vocab_size(model), args.model, source)
         return model
     folder = Path(args.model)
-    if folder.is_dir() and (folder / "adapter_config.json").is_file() and not (folder / "config.json").is_file():
+    if _is_adapter_folder(folder):
         model = _merged_adapter(folder, device, dtype)
         _check_vocab(int(tokens.max()), _vocab_size(model), args.model, source)
         return model

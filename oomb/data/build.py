@@ -36,6 +36,12 @@ __all__ = ["build_training_data", "detect_format", "load_documents"]
 
 _FORMATS = ("messages", "prompt-completion", "segments", "text")
 
+_UNRENDERED = {"text": ("is text", "text (it is read as it is)"),
+               "segments": ("holds segments rows, whose text is not rendered by a template",
+                            "segments rows (their text is read as it is)")}
+"""The formats a chat template does not render: what the rows are, and what they are read as (its refusal's
+words)."""
+
 
 def detect_format(fmt: str, columns: list[str], text_field: str, name: str) -> str:
     """The row format: ``fmt`` unless "auto", else the first of messages, prompt-completion, segments, text
@@ -49,16 +55,13 @@ def detect_format(fmt: str, columns: list[str], text_field: str, name: str) -> s
     need = {"messages": ["messages"], "prompt-completion": ["prompt", "completion"], "segments": ["segments"],
             "text": [text_field]}
     found = ", ".join(columns) or "none"
-    if fmt == "auto" and text_field != "text" and text_field not in columns:
-        other = next((f for f in _FORMATS[:-1] if all(c in columns for c in need[f])), None)
-        read = f", or leave --text-field out to read these {other} rows" if other else ""
-        raise DataError(f"{name} has no {text_field!r} field, which --text-field names (its fields: {found})",
-                        f"pass --text-field the field that holds the text{read}")
     if fmt == "auto" and text_field != "text":
-        # The rows have the named field, but also those of a format preferred to text: read in that format, the
-        # field would be ignored.
         other = next((f for f in _FORMATS[:-1] if all(c in columns for c in need[f])), None)
-        if other is not None:
+        if text_field not in columns:
+            read = f", or leave --text-field out to read these {other} rows" if other else ""
+            raise DataError(f"{name} has no {text_field!r} field, which --text-field names (its fields: {found})",
+                            f"pass --text-field the field that holds the text{read}")
+        if other is not None:  # read in the format preferred to text, the named field would be ignored
             raise DataError(f"{{text_field}} {text_field!r} names the field of text rows, but {name} holds {other} "
                             f"rows, which are not read from it (its fields: {found})",
                             f"pass --data-format text to read the {text_field!r} field as plain text, or leave "
@@ -307,16 +310,11 @@ def build_training_data(cfg, tokenizer, seed: int = 0):
     if fmt == "text" and cfg.loss_on == "assistant":
         raise DataError(f"--loss-on assistant needs messages, prompt/completion or segments rows, but {rows.name!r} is text",
                         "leave --loss-on out for text (every token is trained)")
-    if fmt == "text" and cfg.chat_template is not None:
+    if fmt in _UNRENDERED and cfg.chat_template is not None:
         read_chat_template(cfg.chat_template)  # a file that cannot be read is named as such
-        raise DataError(f"{{chat_template}} renders messages and prompt/completion rows, but {rows.name!r} is text",
-                        "leave {chat_template} out for text (it is read as it is)", setting="chat_template")
-    if fmt == "segments" and cfg.chat_template is not None:
-        read_chat_template(cfg.chat_template)
-        raise DataError(f"{{chat_template}} renders messages and prompt/completion rows, but {rows.name!r} holds "
-                        "segments rows, whose text is not rendered by a template",
-                        "leave {chat_template} out for segments rows (their text is read as it is)",
-                        setting="chat_template")
+        holds, leave = _UNRENDERED[fmt]
+        raise DataError(f"{{chat_template}} renders messages and prompt/completion rows, but {rows.name!r} {holds}",
+                        f"leave {{chat_template}} out for {leave}", setting="chat_template")
     long = cfg.long_examples or ("split" if fmt == "text" else "drop")
     if fmt == "text" and long == "split":
         return _text_stream(cfg, rows, tokenizer, seed)
